@@ -1,0 +1,428 @@
+"""The typed config schema, its ConfigStore registration and the checks that
+Hydra cannot make on its own.
+
+Every key a user can set lives in one of the dataclasses below, with a
+docstring-style comment. Hydra merges the YAML files of ``configs/`` into this
+schema, so a misspelt key or a value of the wrong type fails before any work
+starts. Choices that form a closed set are Enums: OmegaConf then names the
+valid values in its error message.
+
+Cross-field rules (batch sizes that must divide, heads that must divide the
+width, ...) are checked by :func:`validate`, called first thing in
+``trainer.run`` and again once the world size is known.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. The message names the key and the fix."""
+
+
+class DType(Enum):
+    """The floating-point formats a user can name in the config."""
+
+    fp32 = "float32"
+    bf16 = "bfloat16"
+    fp16 = "float16"
+
+    @property
+    def torch(self):
+        import torch
+
+        return getattr(torch, self.value)
+
+
+class ScaleMode(Enum):
+    dynamic = "dynamic"
+    static = "static"
+
+
+class ParallelMode(Enum):
+    none = "none"
+    ddp = "ddp"
+    fsdp = "fsdp"
+    fsdp1 = "fsdp1"
+
+
+class LRSchedule(Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class WandbMode(Enum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+# --------------------------------------------------------------------------- model
+@dataclass
+class ModelConfig:
+    """Shape of the GPT-2 style decoder (``mptrain/model.py``)."""
+
+    name: str = "gpt-mini"
+    """Preset name, for run names and tags. Set by the ``model=`` group option."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide ``d_model``."""
+    d_model: int = 128
+    """Residual stream width."""
+    block_size: int = 128
+    """Context length in tokens: the length of every training window and the
+    size of the learned position embedding."""
+    vocab_size: Optional[int] = None
+    """Embedding rows. ``null`` takes the tokenizer's vocabulary, rounded up to a
+    multiple of 64 (faster matmuls); a number smaller than the tokenizer's
+    vocabulary is an error."""
+    dropout: float = 0.0
+    """Dropout on attention weights, residual branches and embeddings."""
+    bias: bool = True
+    """Biases in linears and LayerNorms, as GPT-2 has them."""
+
+
+# ----------------------------------------------------------------------- precision
+@dataclass
+class LossScaleConfig:
+    """Loss scaling for fp16 (``torch.amp.GradScaler`` semantics)."""
+
+    enabled: bool = False
+    """Multiply the loss before backward so small fp16 gradients do not flush
+    to zero. On for ``precision=fp16``, off elsewhere."""
+    mode: ScaleMode = ScaleMode.dynamic
+    """``dynamic``: halve on overflow, grow after ``growth_interval`` clean
+    steps. ``static``: keep ``init_scale`` forever (steps with inf/nan
+    gradients are still skipped)."""
+    init_scale: float = 65536.0
+    """Starting scale (2^16), or the fixed scale in static mode."""
+    growth_factor: float = 2.0
+    """Scale multiplier after ``growth_interval`` consecutive clean steps."""
+    backoff_factor: float = 0.5
+    """Scale multiplier on a step whose gradients hold inf/nan (that step is skipped)."""
+    growth_interval: int = 2000
+    """Clean steps between two growths."""
+
+
+@dataclass
+class PrecisionConfig:
+    """What each format is used for. See DESIGN §2 and the README precision guide."""
+
+    name: str = "fp32"
+    """Preset name (``precision=`` group option), for run names and tags."""
+    compute_dtype: DType = DType.fp32
+    """Dtype of matmuls under autocast. ``fp32`` turns autocast off."""
+    master_weights: bool = True
+    """Store parameters (and so gradients and optimizer state) in fp32 while
+    computing in ``compute_dtype``. The only supported value today."""
+    param_dtype: Optional[DType] = None
+    """Dtype parameters are cast to for compute by FSDP (the all-gathered
+    copy). ``null`` means ``compute_dtype``."""
+    reduce_dtype: DType = DType.fp32
+    """Dtype gradients are reduced in across ranks (DDP all-reduce, FSDP
+    reduce-scatter)."""
+    buffer_dtype: DType = DType.fp32
+    """Dtype of module buffers under FSDP/DDP."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Loss scaling; see :class:`LossScaleConfig`."""
+    fp8: bool = False
+    """Float8 linears (``precision=fp8``). Not implemented yet: a run that asks
+    for it stops with an error instead of silently training in bf16."""
+
+
+# ------------------------------------------------------------------------ parallel
+@dataclass
+class ParallelConfig:
+    """How the model is replicated or sharded over ranks (``mptrain/parallel.py``)."""
+
+    name: ParallelMode = ParallelMode.none
+    """``none`` | ``ddp`` | ``fsdp`` (FSDP2 ``fully_shard``) | ``fsdp1``."""
+    backend: str = "auto"
+    """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``gloo`` or ``nccl``."""
+
+
+# ---------------------------------------------------------------------------- data
+@dataclass
+class DataConfig:
+    """Where tokens come from (``mptrain/data.py``)."""
+
+    name: str = "embedded"
+    """``embedded``: the Python standard library's own source, present on every
+    install, no network. ``text``: the local files in ``paths``."""
+    paths: list[str] = field(default_factory=list)
+    """For ``data=text``: files, directories (all files below, sorted) or glob
+    patterns, read as UTF-8."""
+    tokenizer: str = "bpe"
+    """``bpe``: a byte-level BPE trained on the corpus with ``tokenizers`` and
+    saved as a ``transformers`` fast tokenizer (trained once, cached).
+    ``byte``: raw UTF-8 bytes (256 symbols + end of text). Anything else: a
+    local directory holding a saved ``transformers`` tokenizer."""
+    bpe_vocab_size: int = 4096
+    """Vocabulary size of the trained BPE tokenizer."""
+    max_chars: int = 4_000_000
+    """Read at most this many characters of the corpus (whole files, in sorted
+    order). Keeps the embedded default quick; 0 means no limit."""
+    val_fraction: float = 0.05
+    """Share of the token stream, taken from its end, held out for validation."""
+    cache_dir: str = "~/.cache/mptrain"
+    """Where trained tokenizers and token caches are kept. The environment
+    variable ``MPTRAIN_CACHE`` overrides it."""
+
+
+# --------------------------------------------------------------------------- train
+@dataclass
+class TrainConfig:
+    """The step schedule (``mptrain/trainer.py``)."""
+
+    max_steps: int = 500
+    """Optimizer steps to run."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, summed over all ranks and micro-batches."""
+    micro_batch_size: Optional[int] = None
+    """Sequences per forward/backward on one rank. ``null``: the whole per-rank
+    batch at once (no accumulation). Gradient accumulation steps are
+    ``global_batch_size / (world_size * micro_batch_size)``."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (after unscaling). 0 turns clipping off."""
+    eval_every: int = 100
+    """Validation loss every this many steps (and at the last step). 0 turns it off."""
+    eval_batches: int = 8
+    """Validation batches (of ``global_batch_size`` sequences) per evaluation."""
+    log_every: int = 10
+    """Metrics are written every this many steps (and at the first and last).
+    Values are read back to the host only then."""
+    device: str = "auto"
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``."""
+    seed: int = 1337
+    """Seed for initialisation and for the order of training windows."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and a decay schedule."""
+
+    lr: float = 2e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr``."""
+    warmup_steps: int = 50
+    """Linear warmup from 0 to ``lr``."""
+    schedule: LRSchedule = LRSchedule.cosine
+    """Decay after warmup: ``cosine``, ``linear`` or ``constant``."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not biases, norms)."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.95
+    """Adam second-moment decay."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+
+# ----------------------------------------------------------------------------- log
+@dataclass
+class WandbConfig:
+    """Weights & Biases sink. Runs offline unless ``mode=online``."""
+
+    enabled: bool = False
+    """Write a W&B run into ``<run>/wandb``."""
+    mode: WandbMode = WandbMode.offline
+    """``offline`` (sync later with ``wandb sync``), ``online`` or ``disabled``."""
+    project: str = "mptrain"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B entity (user or team); ``null`` uses your default."""
+    group: Optional[str] = None
+    """Run group; ``null`` leaves runs ungrouped."""
+    name: Optional[str] = None
+    """Run name; ``null`` builds one from model, precision and parallel."""
+    tags: list[str] = field(default_factory=list)
+    """Extra tags; precision, parallel and model are always added."""
+
+
+@dataclass
+class LogConfig:
+    """Metric sinks (``mptrain/metrics.py``). Only rank 0 writes."""
+
+    progress: bool = True
+    """Progress bar with loss, lr, tokens/s and loss scale on the console."""
+    jsonl: bool = True
+    """``<run>/metrics.jsonl``: one JSON object per logged step."""
+    tensorboard: bool = True
+    """``<run>/tensorboard/`` event files."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """See :class:`WandbConfig`."""
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection, for tests and for rehearsing what a bad step looks like."""
+
+    inject_inf_grad_steps: list[int] = field(default_factory=list)
+    """0-based steps at which an inf is written into one gradient element
+    after backward (before unscaling), as an fp16 overflow would."""
+    inject_inf_grad_rank: int = -1
+    """Rank that gets the inf; -1 means every rank."""
+
+
+# --------------------------------------------------------------------------- root
+@dataclass
+class Config:
+    """The whole run. ``configs/config.yaml`` picks one option of each group."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+
+GROUPS = ("model", "precision", "parallel", "data")
+
+
+def register() -> None:
+    """Put the schema in Hydra's ConfigStore as ``base_config``.
+
+    ``configs/config.yaml`` lists ``base_config`` first in its defaults, so
+    every YAML merged after it is checked against these dataclasses.
+    """
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+register()
+
+
+# ------------------------------------------------------------------ CLI pre-check
+def _schema_child(node: Any, key: str) -> Any:
+    """The dataclass type (or a leaf marker) of ``node.key``, or raise KeyError."""
+    fields = {f.name: f for f in dataclasses.fields(node)}
+    if key not in fields:
+        raise KeyError(key)
+    default = fields[key].default_factory() if fields[key].default_factory is not dataclasses.MISSING else None
+    return type(default) if dataclasses.is_dataclass(default) else None
+
+
+def check_override_keys(overrides: list[str], config_dir: str) -> None:
+    """Reject a misspelt key in command-line overrides with the valid choices.
+
+    Hydra's own message for ``precison=bf16`` ("Key 'precison' is not in
+    struct") names neither the group nor what would have been valid. This
+    runs before Hydra and says both. Values are left to Hydra/OmegaConf, whose
+    type errors already name the key and the expected type.
+    """
+    import os
+
+    for ov in overrides:
+        if ov.startswith("-") or "=" not in ov:
+            continue
+        key = ov.split("=", 1)[0]
+        if key.startswith(("+", "~", "hydra.", "hydra/")) or key in ("hydra",):
+            continue  # explicit additions/deletions and Hydra's own keys are Hydra's business
+        if "@" in key:
+            continue
+        parts = key.split(".")
+        top = parts[0]
+        if "/" in top:  # e.g. hydra/launcher=...
+            continue
+        valid_top = [f.name for f in dataclasses.fields(Config)]
+        if top not in valid_top:
+            extra = [d for d in os.listdir(config_dir) if os.path.isdir(os.path.join(config_dir, d))]
+            choices = sorted(set(valid_top) | set(extra))
+            raise ConfigError(_unknown(key, top, choices, "top-level keys and groups"))
+        node: Any = Config
+        path = []
+        for p in parts:
+            if node is None:
+                raise ConfigError(
+                    f"'{'.'.join(path)}' is a value, not a section: '{key}' cannot be set."
+                )
+            try:
+                nxt = _schema_child(node, p)
+            except KeyError:
+                choices = [f.name for f in dataclasses.fields(node)]
+                where = ".".join(path)
+                raise ConfigError(_unknown(key, p, choices, f"keys of '{where}'")) from None
+            path.append(p)
+            node = nxt
+
+
+def _unknown(full: str, bad: str, choices: list[str], what: str) -> str:
+    close = difflib.get_close_matches(bad, choices, n=1)
+    hint = f" Did you mean '{full.replace(bad, close[0], 1)}'?" if close else ""
+    return (
+        f"Unknown config key '{full}'.{hint}\n"
+        f"Valid {what}: {', '.join(choices)}.\n"
+        f"(Use '+{full}=...' only if you really mean to add a new key.)"
+    )
+
+
+# ---------------------------------------------------------------- cross-field rules
+def validate(cfg: Any, world_size: int = 1) -> None:
+    """Rules that span fields. Raises :class:`ConfigError` naming key and fix."""
+    m, t, p = cfg.model, cfg.train, cfg.precision
+    if m.d_model % m.n_head:
+        raise ConfigError(
+            f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}; "
+            "pick a head count that divides the width."
+        )
+    for key in ("n_layer", "n_head", "d_model", "block_size"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key} must be positive, got {getattr(m, key)}.")
+    if t.max_steps <= 0:
+        raise ConfigError(f"train.max_steps must be positive, got {t.max_steps}.")
+    if t.global_batch_size <= 0:
+        raise ConfigError(f"train.global_batch_size must be positive, got {t.global_batch_size}.")
+    if t.log_every <= 0:
+        raise ConfigError(f"train.log_every must be positive, got {t.log_every}.")
+    micro_steps(cfg, world_size)  # raises on batch sizes that do not divide
+    if not p.master_weights:
+        raise ConfigError(
+            "precision.master_weights=false is not supported yet; parameters are kept in fp32."
+        )
+    ls = p.loss_scale
+    if ls.enabled:
+        if ls.init_scale <= 0:
+            raise ConfigError(f"precision.loss_scale.init_scale must be > 0, got {ls.init_scale}.")
+        if not ls.growth_factor > 1.0:
+            raise ConfigError(f"precision.loss_scale.growth_factor must be > 1, got {ls.growth_factor}.")
+        if not 0.0 < ls.backoff_factor < 1.0:
+            raise ConfigError(
+                f"precision.loss_scale.backoff_factor must be in (0, 1), got {ls.backoff_factor}."
+            )
+        if ls.growth_interval <= 0:
+            raise ConfigError(
+                f"precision.loss_scale.growth_interval must be positive, got {ls.growth_interval}."
+            )
+    if not 0.0 < cfg.data.val_fraction < 0.5:
+        raise ConfigError(f"data.val_fraction must be in (0, 0.5), got {cfg.data.val_fraction}.")
+
+
+def micro_steps(cfg: Any, world_size: int) -> tuple[int, int]:
+    """(micro_batch_size, accumulation steps) for this world size, or ConfigError."""
+    t = cfg.train
+    gbs = t.global_batch_size
+    if gbs % world_size:
+        raise ConfigError(
+            f"train.global_batch_size={gbs} does not divide by the world size {world_size}. "
+            f"Use a multiple of {world_size} (e.g. train.global_batch_size={world_size * max(1, gbs // world_size)})."
+        )
+    per_rank = gbs // world_size
+    mbs = t.micro_batch_size or per_rank
+    if mbs <= 0 or per_rank % mbs:
+        raise ConfigError(
+            f"train.global_batch_size={gbs} over {world_size} rank(s) is {per_rank} sequences per rank, "
+            f"which train.micro_batch_size={mbs} does not divide. "
+            f"Pick a micro_batch_size that divides {per_rank}."
+        )
+    return mbs, per_rank // mbs

@@ -1,0 +1,351 @@
+"""Corpus -> tokenizer -> token cache -> rank-sharded, resumable batches.
+
+The embedded corpus is the Python standard library's own source code: every
+Python install has it, so ``python train.py`` needs no network and no download.
+
+Pipeline:
+1. ``read_corpus``: a list of documents (one per file) and a content hash.
+2. ``build_tokenizer``: ``byte`` (UTF-8 bytes), ``bpe`` (trained here with
+   ``tokenizers`` and saved as a ``transformers`` fast tokenizer, cached by
+   corpus hash), or a saved ``transformers`` tokenizer directory.
+3. ``prepare``: documents are split into train/val by document, encoded,
+   joined with the end-of-text token and cached on disk as ``.npy``.
+4. ``Batches``: the train stream is cut into non-overlapping windows of
+   ``block_size + 1`` tokens. Step ``s`` of the run reads global windows
+   ``[s*G, (s+1)*G)`` of an epoch-wise permutation seeded by ``seed``; rank
+   ``r`` takes its contiguous ``G / world`` slice. A batch depends only on
+   (seed, step, rank, world), so resuming needs nothing but the step.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import math
+import os
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from .config import ConfigError
+
+EOT = "<|endoftext|>"
+
+
+# ------------------------------------------------------------------------- corpus
+def _embedded_files() -> list[Path]:
+    """Standard-library ``.py`` files, sorted, without tests and third-party code."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if not (skip & set(p.relative_to(root).parts[:-1]))
+    ]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _text_files(paths: list[str]) -> list[Path]:
+    if not paths:
+        raise ConfigError("data=text needs files: set data.paths=[file.txt,dir/,'*.md'].")
+    out: list[Path] = []
+    for spec in paths:
+        p = Path(os.path.expanduser(spec))
+        if p.is_dir():
+            out.extend(sorted(q for q in p.rglob("*") if q.is_file()))
+        elif p.is_file():
+            out.append(p)
+        else:
+            matches = sorted(Path(m) for m in glob.glob(os.path.expanduser(spec), recursive=True))
+            matches = [m for m in matches if m.is_file()]
+            if not matches:
+                raise ConfigError(
+                    f"data.paths: '{spec}' is not a file, a directory or a glob that matches files. "
+                    "Check the path (relative paths are taken from the directory you launched in)."
+                )
+            out.extend(matches)
+    return out
+
+
+@dataclass
+class Corpus:
+    docs: list[str]
+    digest: str  # sha256 of the documents, names the caches built from them
+    source: str
+
+
+def read_corpus(data_cfg) -> Corpus:
+    """The documents of the configured corpus, capped at ``max_chars``."""
+    if data_cfg.name == "embedded":
+        files, source = _embedded_files(), f"python-stdlib ({sysconfig.get_paths()['stdlib']})"
+    elif data_cfg.name == "text":
+        files, source = _text_files(list(data_cfg.paths)), "text files"
+    else:
+        raise ConfigError(f"data.name='{data_cfg.name}' is unknown; use data=embedded or data=text.")
+    h = hashlib.sha256()
+    docs: list[str] = []
+    total = 0
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            if data_cfg.name == "text":
+                raise ConfigError(f"data.paths: '{f}' is not UTF-8 text.") from None
+            continue  # a few stdlib files are deliberately in other encodings
+        if not text.strip():
+            continue
+        docs.append(text)
+        h.update(text.encode("utf-8"))
+        h.update(b"\0")
+        total += len(text)
+        if data_cfg.max_chars and total >= data_cfg.max_chars:
+            break
+    if len(docs) < 2:
+        raise ConfigError(f"the corpus ({source}) has fewer than 2 non-empty documents; add more text.")
+    return Corpus(docs, h.hexdigest(), source)
+
+
+# ---------------------------------------------------------------------- tokenizers
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, end-of-text as 256."""
+
+    name = "byte"
+    vocab_size = 257
+    eos_id = 256
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``transformers`` fast tokenizer; encoding goes through its Rust backend in parallel."""
+
+    def __init__(self, tok, name: str):
+        self.tok = tok
+        self.name = name
+        self.vocab_size = len(tok)
+        self.eos_id = tok.eos_token_id
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # add_special_tokens=False: documents are joined with EOS by us, once.
+        return [e.ids for e in self.tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids))
+
+
+def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
+    """Build a directory under a temporary name, then rename it into place, so a
+    crash or a concurrent run never sees a half-written cache."""
+    tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
+    write(tmp)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process won the race; its copy is as good as ours
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_tokenizer(data_cfg, corpus: Corpus, cache: Path, log=print):
+    """The configured tokenizer; a BPE one is trained on first use and cached."""
+    spec = data_cfg.tokenizer
+    if spec == "byte":
+        return ByteTokenizer()
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if spec == "bpe":
+        path = cache / "tokenizers" / f"bpe{data_cfg.bpe_vocab_size}-{corpus.digest[:16]}"
+        if not path.exists():
+            log(f"training a {data_cfg.bpe_vocab_size}-token byte-level BPE on {sum(map(len, corpus.docs)):,} "
+                f"characters (once; cached in {path})")
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+            tok = Tokenizer(models.BPE())
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            trainer = trainers.BpeTrainer(
+                vocab_size=data_cfg.bpe_vocab_size,
+                special_tokens=[EOT],
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                show_progress=False,
+            )
+            tok.train_from_iterator(corpus.docs, trainer)
+            fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT)
+            _atomic_dir(path, lambda d: fast.save_pretrained(str(d)))
+        return HFTokenizer(PreTrainedTokenizerFast.from_pretrained(str(path)), f"bpe{data_cfg.bpe_vocab_size}")
+    p = Path(os.path.expanduser(spec))
+    if not p.is_dir():
+        raise ConfigError(
+            f"data.tokenizer='{spec}' is not 'bpe', 'byte' or a directory holding a saved transformers "
+            "tokenizer. Save one with tokenizer.save_pretrained(dir) and pass that directory."
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p))
+    except Exception as e:  # transformers raises many types here; all mean "not a tokenizer dir"
+        raise ConfigError(f"data.tokenizer='{spec}' could not be loaded by transformers: {e}") from e
+    if not getattr(tok, "is_fast", False):
+        raise ConfigError(f"data.tokenizer='{spec}' is a slow tokenizer; mptrain needs a fast (Rust) one.")
+    return HFTokenizer(tok, p.name)
+
+
+# -------------------------------------------------------------------- token cache
+@dataclass
+class TokenData:
+    train: np.ndarray  # 1-D token ids
+    val: np.ndarray
+    tokenizer: object
+    vocab_size: int
+    unigram_nats: float  # cross-entropy of val under the train unigram distribution
+    source: str
+
+
+def _split_docs(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """Whole documents go to val, chosen by a fixed-seed coin, so val is drawn
+    from the same mix of files as train rather than from the corpus's end."""
+    rng = random.Random(0)
+    flags = [rng.random() < val_fraction for _ in docs]
+    if not any(flags):
+        flags[-1] = True
+    if all(flags):
+        flags[0] = False
+    return [d for d, f in zip(docs, flags) if not f], [d for d, f in zip(docs, flags) if f]
+
+
+def _encode_stream(tok, docs: list[str]) -> np.ndarray:
+    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+    parts = []
+    eos = [tok.eos_id] if tok.eos_id is not None else []
+    for ids in tok.encode_batch(docs):
+        parts.append(np.asarray(ids + eos, dtype=dtype))
+    return np.concatenate(parts)
+
+
+def unigram_cross_entropy(train: np.ndarray, val: np.ndarray, vocab: int) -> float:
+    """Nats per token a model that ignores context (add-one smoothed unigram
+    frequencies of train) scores on val: the baseline a LM must beat."""
+    counts = np.bincount(train.astype(np.int64), minlength=vocab).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[val.astype(np.int64)].mean())
+
+
+def cache_dir(data_cfg) -> Path:
+    return Path(os.path.expanduser(os.environ.get("MPTRAIN_CACHE") or data_cfg.cache_dir))
+
+
+def prepare(data_cfg, log=print) -> TokenData:
+    """Read, tokenize and cache the corpus (or load the cache). Safe to call
+    from several processes: caches are written atomically."""
+    cache = cache_dir(data_cfg)
+    corpus = read_corpus(data_cfg)
+    tok = build_tokenizer(data_cfg, corpus, cache, log)
+    key = hashlib.sha256(f"{corpus.digest}|{tok.name}|{tok.vocab_size}|{data_cfg.val_fraction}".encode()).hexdigest()[:20]
+    path = cache / "tokens" / key
+    if not path.exists():
+        log(f"tokenizing {len(corpus.docs)} documents with {tok.name} (once; cached in {path})")
+        train_docs, val_docs = _split_docs(corpus.docs, data_cfg.val_fraction)
+
+        def write(d: Path) -> None:
+            d.mkdir(parents=True)
+            np.save(d / "train.npy", _encode_stream(tok, train_docs))
+            np.save(d / "val.npy", _encode_stream(tok, val_docs))
+            (d / "meta.json").write_text(json.dumps({"tokenizer": tok.name, "vocab_size": tok.vocab_size,
+                                                      "source": corpus.source, "docs": len(corpus.docs)}))
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_dir(path, write)
+    train = np.load(path / "train.npy", mmap_mode="r")
+    val = np.load(path / "val.npy", mmap_mode="r")
+    return TokenData(train, val, tok, tok.vocab_size,
+                     unigram_cross_entropy(np.asarray(train), np.asarray(val), tok.vocab_size), corpus.source)
+
+
+# ------------------------------------------------------------------------ batches
+class Windows:
+    """Non-overlapping windows of ``block + 1`` tokens (inputs and shifted targets)."""
+
+    def __init__(self, tokens: np.ndarray, block: int):
+        self.tokens = tokens
+        self.block = block
+        self.n = (len(tokens) - 1) // block
+        if self.n <= 0:
+            raise ConfigError(
+                f"the token stream ({len(tokens)} tokens) is shorter than one window of "
+                f"model.block_size={block}; use more data or a smaller block_size."
+            )
+
+    def get(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = idx.astype(np.int64) * self.block
+        rows = np.stack([np.asarray(self.tokens[s : s + self.block + 1], dtype=np.int64) for s in starts])
+        t = torch.from_numpy(rows)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+class Batches:
+    """Deterministic global batches, sharded over ranks, split into micro-batches.
+
+    ``batch(step)`` returns this rank's micro-batches for that optimizer step.
+    Global window ``g`` of the run is window ``perm_e[g % n]`` of epoch
+    ``e = g // n``, where ``perm_e`` is a permutation seeded by (seed, e): no
+    window is read twice before every window has been read once.
+    """
+
+    def __init__(self, windows: Windows, global_batch: int, micro_batch: int, rank: int, world: int, seed: int):
+        self.w = windows
+        self.G, self.mb, self.rank, self.world, self.seed = global_batch, micro_batch, rank, world, seed
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def _perm_for(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.w.n)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def global_indices(self, step: int) -> np.ndarray:
+        g = np.arange(step * self.G, (step + 1) * self.G, dtype=np.int64)
+        out = np.empty_like(g)
+        for e in np.unique(g // self.w.n):
+            m = (g // self.w.n) == e
+            out[m] = self._perm_for(int(e))[g[m] % self.w.n]
+        return out
+
+    def rank_indices(self, step: int) -> np.ndarray:
+        per = self.G // self.world
+        return self.global_indices(step)[self.rank * per : (self.rank + 1) * per]
+
+    def batch(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        idx = self.rank_indices(step)
+        return [self.w.get(idx[i : i + self.mb]) for i in range(0, len(idx), self.mb)]
+
+    def epoch(self, step: int) -> float:
+        return step * self.G / self.w.n
+
+
+def val_batches(windows: Windows, n_batches: int, global_batch: int, micro_batch: int,
+                rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``n_batches * global_batch`` val windows in order (fewer if val
+    is short), this rank's share, in micro-batches. The same every evaluation."""
+    total = min(n_batches * global_batch, windows.n)
+    total -= total % world
+    if total == 0:
+        raise ConfigError(
+            f"the validation split has {windows.n} windows, fewer than the world size {world}; "
+            "raise data.val_fraction or use more data."
+        )
+    per = total // world
+    idx = np.arange(rank * per, (rank + 1) * per)
+    for i in range(0, per, micro_batch):
+        yield windows.get(idx[i : i + micro_batch])
+
+
+def padded_vocab(vocab: int, multiple: int = 64) -> int:
+    return int(math.ceil(vocab / multiple) * multiple)

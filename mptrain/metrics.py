@@ -1,0 +1,169 @@
+"""Metric sinks: console progress bar, ``metrics.jsonl``, TensorBoard, W&B.
+
+Names follow DESIGN §4 (``train/loss``, ``amp/loss_scale``, ...) and are the
+same key in every sink. Only rank 0 builds sinks; other ranks get a
+``Metrics`` with none, so the trainer calls ``metrics.log`` unconditionally.
+A metric that does not apply to a run is simply absent from the dict.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Optional
+
+from tqdm import tqdm
+
+
+class JsonlSink:
+    """One JSON object per logged step, flushed every row so a crash loses nothing."""
+
+    def __init__(self, path: Path):
+        self.f = open(path, "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict) -> None:
+        # Non-finite values are written as JSON's Infinity/NaN extension, which
+        # Python's json (and pandas) read back; an overflowing gradient norm is
+        # information, not an error.
+        self.f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class TensorBoardSink:
+    def __init__(self, logdir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.w = SummaryWriter(log_dir=str(logdir))
+
+    def log(self, step: int, metrics: dict) -> None:
+        for k, v in metrics.items():
+            self.w.add_scalar(k, v, step)
+
+    def text(self, tag: str, text: str) -> None:
+        self.w.add_text(tag, text, 0)
+
+    def close(self) -> None:
+        self.w.flush()
+        self.w.close()
+
+
+class WandbSink:
+    """A W&B run in ``<run>/wandb``. Offline unless the config says online."""
+
+    def __init__(self, run_dir: Path, wcfg, config: dict, name: str, tags: list[str]):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(
+            dir=str(run_dir),
+            mode=wcfg.mode.value,
+            project=wcfg.project,
+            entity=wcfg.entity,
+            group=wcfg.group,
+            name=wcfg.name or name,
+            tags=sorted(set(tags) | set(wcfg.tags)),
+            config=config,
+            settings=wandb.Settings(console="off", quiet=True),
+        )
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.run.log(metrics, step=step)
+
+    def summary(self, summary: dict) -> None:
+        for k, v in summary.items():
+            if isinstance(v, (int, float, str)):
+                self.run.summary[k] = v
+
+    def close(self) -> None:
+        self.run.finish(quiet=True)
+
+
+class Console:
+    """tqdm progress bar on stderr; loss, lr, tokens/s and loss scale in its postfix."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.bar: Optional[tqdm] = None
+
+    def start(self) -> None:
+        """Show the bar (after the start-up banner, so the two do not interleave)."""
+        if self.enabled and self.bar is None:
+            self.bar = tqdm(total=self.total, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr, mininterval=0.5)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.bar is None:
+            return
+        post = {"loss": f"{metrics['train/loss']:.4f}", "lr": f"{metrics['train/lr']:.2e}"}
+        if "perf/tokens_per_s" in metrics:
+            post["tok/s"] = f"{metrics['perf/tokens_per_s']:,.0f}"
+        if "amp/loss_scale" in metrics:
+            post["scale"] = f"{metrics['amp/loss_scale']:g}"
+            post["skipped"] = int(metrics["amp/skipped_steps"])
+        self.bar.set_postfix(post, refresh=False)
+
+    def write(self, msg: str) -> None:
+        (self.bar.write if self.bar is not None else print)(msg)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Metrics:
+    """Fan-out to the configured sinks. ``enabled=False`` (ranks > 0) makes every call a no-op."""
+
+    def __init__(self, run_dir: Optional[Path], log_cfg, total_steps: int, enabled: bool,
+                 wandb_config: Optional[dict] = None, run_name: str = "", tags: Optional[list[str]] = None):
+        self.enabled = enabled
+        self.sinks: list = []
+        self.console = Console(total_steps, enabled and log_cfg.progress)  # bar starts at console.start()
+        if not enabled:
+            return
+        if log_cfg.jsonl:
+            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        self.tb = TensorBoardSink(run_dir / "tensorboard") if log_cfg.tensorboard else None
+        if self.tb:
+            self.sinks.append(self.tb)
+        self.wandb = None
+        if log_cfg.wandb.enabled and log_cfg.wandb.mode.value != "disabled":
+            self.wandb = WandbSink(run_dir, log_cfg.wandb, wandb_config or {}, run_name, tags or [])
+            self.sinks.append(self.wandb)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        metrics = {k: v if isinstance(v, int) else float(v) for k, v in metrics.items()}
+        for s in self.sinks:
+            s.log(step, metrics)
+        if "train/loss" in metrics:
+            self.console.log(step, metrics)
+
+    def write(self, msg: str) -> None:
+        if self.enabled:
+            self.console.write(msg)
+
+    def text(self, tag: str, text: str) -> None:
+        if self.enabled and self.tb:
+            self.tb.text(tag, text)
+
+    def summary(self, summary: dict) -> None:
+        if self.enabled and self.wandb:
+            self.wandb.summary(summary)
+
+    def close(self) -> None:
+        self.console.close()
+        for s in self.sinks:
+            s.close()
+
+
+def fmt(x: Optional[float], spec: str = ".4f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)

@@ -1,0 +1,271 @@
+"""Process-group life cycle, model wrapping and the collectives the step needs.
+
+Everything that depends on ``parallel=none|ddp|fsdp|fsdp1`` is here, so the
+trainer and the step never branch on it: they call ``ctx.grad_sync``,
+``ctx.clip_grad_norm`` and ``ctx.all_reduce_mean``.
+
+Launch: ``torchrun`` sets RANK / WORLD_SIZE / LOCAL_RANK; without them the run
+is one process. A wrapper asked for in a single process still wraps (over a
+one-rank group), so ``python train.py parallel=fsdp`` runs the same code path
+as the multi-rank job.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .config import ConfigError, ParallelMode
+from .precision import PrecisionPolicy, dtype_name
+
+
+def _pick_device(spec: str, local_rank: int) -> torch.device:
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda but this torch build sees no CUDA device; use train.device=cpu.")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if spec == "cpu":
+        return torch.device("cpu")
+    raise ConfigError(f"train.device='{spec}' is not one of auto, cpu, cuda.")
+
+
+@dataclass
+class DistContext:
+    """Who this process is and how its model is wrapped."""
+
+    mode: ParallelMode
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    owns_group: bool = False
+    wrapper_dtypes: dict = field(default_factory=dict)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def has_group(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    # ---------------------------------------------------------------- collectives
+    def barrier(self) -> None:
+        if self.has_group:
+            dist.barrier()
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks (SUM then divide: gloo has no AVG)."""
+        if self.has_group and self.world > 1:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            t /= self.world
+        return t
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.has_group and self.world > 1:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    def broadcast_object(self, obj):
+        if self.has_group and self.world > 1:
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return obj
+
+    def shutdown(self) -> None:
+        if self.owns_group and self.has_group:
+            dist.destroy_process_group()
+
+    # ---------------------------------------------------------------- step hooks
+    def grad_sync(self, model: nn.Module, enabled: bool):
+        """Context for one micro-batch's forward+backward: gradients are
+        reduced across ranks only when ``enabled`` (the last micro-batch)."""
+        if enabled or self.mode == ParallelMode.none:
+            if self.mode == ParallelMode.fsdp:
+                model.set_requires_gradient_sync(True)
+            return contextlib.nullcontext()
+        if self.mode == ParallelMode.fsdp:
+            model.set_requires_gradient_sync(False)
+            return contextlib.nullcontext()
+        return model.no_sync()  # ddp and fsdp1
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the (unscaled) gradients before clipping, the same
+        on every rank; clips to ``max_norm`` when it is > 0."""
+        limit = max_norm if max_norm > 0 else float("inf")
+        if self.mode == ParallelMode.fsdp1:
+            # FSDP1 knows which flat shards make up each parameter.
+            return model.clip_grad_norm_(limit)
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+        if self.mode == ParallelMode.fsdp and hasattr(norm, "full_tensor"):
+            # FSDP2 gradients are DTensor shards: the norm is a partial value
+            # until it is reduced over ranks.
+            norm = norm.full_tensor()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
+        return norm
+
+
+def setup(pcfg, device_spec: str) -> DistContext:
+    """Join (or create) the process group and pick this rank's device."""
+    mode = pcfg.name
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and mode == ParallelMode.none:
+        raise ConfigError(
+            f"launched with {world} processes but parallel=none: every rank would train its own copy. "
+            "Use parallel=ddp, parallel=fsdp or parallel=fsdp1 under torchrun."
+        )
+    device = _pick_device(device_spec, local_rank)
+    ctx = DistContext(mode=mode, rank=rank, world=world, local_rank=local_rank, device=device)
+    if mode == ParallelMode.none:
+        return ctx
+    if not dist.is_available():
+        raise ConfigError(f"parallel={mode.value} needs torch.distributed, which this torch build lacks.")
+    backend = pcfg.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("parallel.backend=nccl needs CUDA devices; on CPU use parallel.backend=gloo (or auto).")
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"parallel.backend='{backend}' is not one of auto, gloo, nccl.")
+    ctx.backend = backend
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=10)
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        else:  # one process without torchrun: an in-memory one-rank group
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        ctx.owns_group = True
+    return ctx
+
+
+def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext) -> nn.Module:
+    """Wrap ``model`` for ``ctx.mode`` and record the dtypes the wrapper uses.
+
+    Order (the one place it is decided): move to device -> (activation
+    checkpointing, compile: not yet) -> data-parallel wrapper last, so the
+    wrapper sees the final module tree.
+    """
+    model = model.to(ctx.device)
+    mode = ctx.mode
+    p_name, r_name, b_name = (dtype_name(d) for d in (policy.wrapper_param_dtype, policy.reduce_dtype, policy.buffer_dtype))
+    if mode == ParallelMode.none:
+        ctx.wrapper_dtypes = {"wrapper": "none"}
+        return model
+    if mode == ParallelMode.ddp:
+        return _wrap_ddp(model, policy, ctx)
+    if mode == ParallelMode.fsdp:
+        return _wrap_fsdp2(model, policy, ctx)
+    if mode == ParallelMode.fsdp1:
+        return _wrap_fsdp1(model, policy, ctx)
+    raise ConfigError(f"parallel={mode} is unknown")  # unreachable: the schema's Enum rejects it
+
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    # DDP and FSDP2 have no buffer dtype of their own; floating buffers are
+    # cast here so `precision.buffer_dtype` means the same under every wrapper.
+    for mod in model.modules():
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if buf.is_floating_point():
+                setattr(mod, name, buf.to(dtype))
+
+
+def _wrap_ddp(model, policy, ctx):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _cast_buffers(model, policy.buffer_dtype)
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    comm = "fp32 (all-reduce)"
+    if policy.reduce_dtype != torch.float32:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}[policy.reduce_dtype]
+        ddp.register_comm_hook(dist.group.WORLD, hook)
+        comm = f"{dtype_name(policy.reduce_dtype)} (compress comm hook)"
+    ctx.wrapper_dtypes = {
+        "wrapper": "DistributedDataParallel",
+        "param_storage": "fp32",
+        "compute_params": dtype_name(policy.compute_dtype) + (" (autocast casts per op)" if policy.autocast_enabled else ""),
+        "grad_reduce": comm,
+        "buffers": dtype_name(policy.buffer_dtype),
+    }
+    return ddp
+
+
+def _wrap_fsdp2(model, policy, ctx):
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError as e:  # torch < 2.6
+        raise ConfigError(f"parallel=fsdp needs FSDP2 (torch>=2.6); this torch is {torch.__version__}. Use parallel=fsdp1.") from e
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .model import Block
+
+    _cast_buffers(model, policy.buffer_dtype)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    # Explicit on every field: FSDP2 defaults have changed between releases.
+    mp = MixedPrecisionPolicy(
+        param_dtype=policy.wrapper_param_dtype,
+        reduce_dtype=policy.reduce_dtype,
+        output_dtype=None,
+        cast_forward_inputs=True,
+    )
+    for mod in model.modules():
+        if isinstance(mod, Block):
+            fully_shard(mod, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    ctx.wrapper_dtypes = {
+        "wrapper": "FSDP2 fully_shard (per block + root)",
+        "param_storage": "fp32 (sharded)",
+        "compute_params": dtype_name(policy.wrapper_param_dtype) + " (all-gathered)",
+        "grad_reduce": dtype_name(policy.reduce_dtype) + " (reduce-scatter)",
+        "buffers": dtype_name(policy.buffer_dtype),
+    }
+    return model
+
+
+def _wrap_fsdp1(model, policy, ctx):
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    except ImportError as e:
+        raise ConfigError(f"parallel=fsdp1 is not available in torch {torch.__version__}; use parallel=fsdp.") from e
+    from .model import Block
+
+    mp = MixedPrecision(
+        param_dtype=policy.wrapper_param_dtype,
+        reduce_dtype=policy.reduce_dtype,
+        buffer_dtype=policy.buffer_dtype,
+    )
+    wrapped = FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        mixed_precision=mp,
+        device_id=ctx.device if ctx.device.type == "cuda" else None,
+        use_orig_params=True,
+    )
+    ctx.wrapper_dtypes = {
+        "wrapper": "FullyShardedDataParallel (FSDP1, per-block auto-wrap)",
+        "param_storage": "fp32 (flat, sharded)",
+        "compute_params": dtype_name(policy.wrapper_param_dtype) + " (all-gathered)",
+        "grad_reduce": dtype_name(policy.reduce_dtype) + " (reduce-scatter)",
+        "buffers": dtype_name(policy.buffer_dtype),
+    }
+    return wrapped

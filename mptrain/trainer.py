@@ -1,0 +1,378 @@
+"""``run(cfg)``: the schedule of a training run; ``train_step``: the math of one step.
+
+The schedule (data, wrapping, when to log/evaluate, what to write where) is
+in ``run``; the step itself is a plain function of model, optimizer, scaler
+and micro-batches, with no knowledge of logging or of the parallel mode
+beyond the ``DistContext`` hooks it is handed.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
+
+from . import data as data_mod
+from .config import ConfigError, micro_steps, validate
+from .metrics import Metrics, fmt
+from .model import GPT, GPTShape
+from .parallel import DistContext, setup, wrap
+from .precision import LossScaler, PrecisionPolicy, dtype_name
+
+
+# ------------------------------------------------------------------ step math
+def lr_at(step: int, ocfg, max_steps: int) -> float:
+    """Learning rate for 0-based ``step``: linear warmup, then the decay schedule."""
+    peak, warm = ocfg.lr, ocfg.warmup_steps
+    if step < warm:
+        return peak * (step + 1) / warm
+    sched = ocfg.schedule.value
+    if sched == "constant":
+        return peak
+    floor = peak * ocfg.min_lr_ratio
+    progress = min(1.0, (step - warm) / max(1, max_steps - warm))
+    if sched == "linear":
+        return peak - (peak - floor) * progress
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def _clean_name(name: str) -> str:
+    for prefix in ("_fsdp_wrapped_module.", "module.", "_orig_mod.", "_checkpoint_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def decay_names(model: nn.Module) -> set[str]:
+    """Parameters that get weight decay: matrices (embeddings, linears), not
+    biases or norm gains. Taken before wrapping, since FSDP1 flattens shapes."""
+    return {n for n, p in model.named_parameters() if p.dim() >= 2}
+
+
+def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.device) -> torch.optim.Optimizer:
+    params_decay, params_other = [], []
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            (params_decay if _clean_name(n) in decay else params_other).append(p)
+    groups = [
+        {"params": params_decay, "weight_decay": ocfg.weight_decay},
+        {"params": params_other, "weight_decay": 0.0},
+    ]
+    # AdamW keeps its moments in the parameters' dtype: fp32 here, always.
+    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps,
+                             foreach=device.type == "cuda" or None)
+
+
+def _inject_inf(model: nn.Module) -> None:
+    """Testing aid: put an inf into the first non-empty local gradient shard."""
+    for p in model.parameters():
+        g = p.grad
+        if g is None:
+            continue
+        g = g.to_local() if hasattr(g, "to_local") else g
+        if g.numel():
+            g.view(-1)[0] = float("inf")
+            return
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler,
+               policy: PrecisionPolicy, ctx: DistContext, micro_batches: list, grad_clip: float,
+               inject_inf: bool = False) -> dict[str, torch.Tensor]:
+    """One optimizer step over this rank's micro-batches.
+
+    Returns device tensors (no host sync here beyond the one inside the fp16
+    scaler): ``loss`` (mean over micro-batches, this rank), ``grad_norm``
+    (global, unscaled, before clipping), ``skipped`` (1 if the scaler skipped).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    n = len(micro_batches)
+    loss_sum = torch.zeros((), device=ctx.device)
+    for i, (x, y) in enumerate(micro_batches):
+        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+        # Gradients cross ranks only on the last micro-batch.
+        with ctx.grad_sync(model, enabled=(i == n - 1)):
+            with policy.autocast():
+                _, loss = model(x, y)
+            # Dividing by n makes K micro-batches sum to the mean over the whole batch.
+            scaler.scale(loss / n).backward()
+        loss_sum += loss.detach()
+    if inject_inf:
+        _inject_inf(model)
+    scaler.unscale_(optimizer)  # clipping and the norm must see true gradients
+    grad_norm = ctx.clip_grad_norm(model, grad_clip)
+    skipped = scaler.step(optimizer)
+    return {"loss": loss_sum / n, "grad_norm": grad_norm.detach(), "skipped": skipped}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, batches) -> float:
+    """Mean validation loss over ranks (a host sync; only at the eval cadence)."""
+    model.eval()
+    total = torch.zeros((), device=ctx.device)
+    count = 0
+    for x, y in batches:
+        with policy.autocast():
+            _, loss = model(x.to(ctx.device), y.to(ctx.device))
+        total += loss.float()
+        count += 1
+    model.train()
+    return float(ctx.all_reduce_mean(total / max(count, 1)))
+
+
+# ------------------------------------------------------------- run records
+def _git_commit() -> str:
+    here = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+        if out.returncode:
+            return "unknown"
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _versions() -> dict:
+    import hydra
+    import numpy
+    import tokenizers
+    import transformers
+
+    return {"python": platform.python_version(), "torch": str(torch.__version__), "hydra": hydra.__version__,
+            "numpy": numpy.__version__, "tokenizers": tokenizers.__version__,
+            "transformers": transformers.__version__, "platform": platform.platform()}
+
+
+def _peak_memory(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"mem/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    # On CPU there is no allocator counter; the process's peak RSS is the honest figure.
+    return {"mem/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def _observe_compute_dtype(model: nn.Module) -> tuple[dict, callable]:
+    """Record the output dtype of the first Linear in the first forward."""
+    seen: dict = {}
+    lin = next(m for m in model.modules() if isinstance(m, nn.Linear))
+
+    def hook(_m, _inp, out):
+        seen.setdefault("linear_output", dtype_name(out.dtype))
+
+    h = lin.register_forward_hook(hook)
+    return seen, h.remove
+
+
+def observed_dtypes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Dtypes read off the live objects after a step."""
+    pd = sorted({dtype_name(p.dtype) for p in model.parameters()})
+    gd = sorted({dtype_name(p.grad.dtype) for p in model.parameters() if p.grad is not None})
+    od = sorted({dtype_name(v.dtype) for s in optimizer.state.values() for v in s.values()
+                 if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0})
+    return {"parameters": ",".join(pd), "gradients": ",".join(gd) or "none", "optimizer_state": ",".join(od) or "none"}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _write_config(run_dir: Path, cfg: DictConfig, info: dict) -> None:
+    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    resolved["run_info"] = info
+    tmp = run_dir / "config.yaml.tmp"
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    os.replace(tmp, run_dir / "config.yaml")
+
+
+def _hydra_run_dir() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        raise ConfigError("run(cfg) outside @hydra.main needs an explicit run_dir.")
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+# ------------------------------------------------------------------- schedule
+def run(cfg: DictConfig, run_dir: Optional[str | os.PathLike] = None) -> dict:
+    """Train as configured; returns the summary (also written to summary.json)."""
+    validate(cfg)
+    ctx = setup(cfg.parallel, cfg.train.device)
+    try:
+        return _run(cfg, ctx, Path(run_dir) if run_dir else _hydra_run_dir())
+    finally:
+        ctx.shutdown()
+
+
+def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
+    t_start = time.perf_counter()
+    validate(cfg, ctx.world)
+    tc = cfg.train
+    mbs, accum = micro_steps(cfg, ctx.world)
+    say = print if ctx.is_main else (lambda *a, **k: None)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+    policy = PrecisionPolicy(cfg.precision, ctx.device)
+
+    # Data: rank 0 builds the caches, the others wait and then read them.
+    if ctx.is_main:
+        tokens = data_mod.prepare(cfg.data, log=say)
+    ctx.barrier()
+    if not ctx.is_main:
+        tokens = data_mod.prepare(cfg.data, log=lambda *a: None)
+    vocab = cfg.model.vocab_size or data_mod.padded_vocab(tokens.vocab_size)
+    if vocab < tokens.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary ({tokens.vocab_size}); "
+            "leave model.vocab_size=null to take it from the tokenizer."
+        )
+    block = cfg.model.block_size
+    train_w, val_w = data_mod.Windows(tokens.train, block), data_mod.Windows(tokens.val, block)
+    batches = data_mod.Batches(train_w, tc.global_batch_size, mbs, ctx.rank, ctx.world, tc.seed)
+
+    # Model: the same seed on every rank gives the same initial weights.
+    torch.manual_seed(tc.seed)
+    m = cfg.model
+    shape = GPTShape(vocab, m.n_layer, m.n_head, m.d_model, block, m.dropout, m.bias)
+    model = GPT(shape)
+    n_params = model.num_params()
+    decay = decay_names(model)
+    model = wrap(model, policy, ctx)
+    optimizer = build_optimizer(model, decay, cfg.optim, ctx.device)
+    scaler = policy.make_scaler(distributed=ctx.has_group and ctx.world > 1)
+
+    dtypes = {**policy.describe(), **ctx.wrapper_dtypes}
+    info = {"dtypes": dtypes, "world_size": ctx.world, "device": str(ctx.device), "backend": ctx.backend,
+            "micro_batch_size": mbs, "grad_accum_steps": accum, "vocab_size": vocab,
+            "tokenizer": tokens.tokenizer.name, "corpus": tokens.source,
+            "train_tokens": int(len(tokens.train)), "val_tokens": int(len(tokens.val)),
+            "params_non_embedding": n_params, "git_commit": _git_commit(), "versions": _versions(),
+            "argv": sys.argv}
+    run_name = f"{m.name}-{cfg.precision.name}-{cfg.parallel.name.value}"
+    tags = [f"precision:{cfg.precision.name}", f"parallel:{cfg.parallel.name.value}", f"model:{m.name}"]
+    if ctx.is_main:
+        _write_config(run_dir, cfg, info)
+    wandb_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) | {"run_info": info}
+    metrics = Metrics(run_dir, cfg.log, tc.max_steps, ctx.is_main, wandb_cfg, run_name, tags)
+
+    tokens_per_step = tc.global_batch_size * block
+    say(_banner(cfg, ctx, policy, dtypes, info, tokens, tokens_per_step, run_dir))
+    if policy.warning:
+        say(f"WARNING: {policy.warning}")
+    metrics.text("config", "```\n" + OmegaConf.to_yaml(cfg) + "\n```")
+
+    seen_compute, unhook = _observe_compute_dtype(model)
+    inject_steps, inject_rank = set(cfg.debug.inject_inf_grad_steps), cfg.debug.inject_inf_grad_rank
+    last_train: dict = {}
+    last_val: Optional[float] = None
+    train_time = 0.0
+    t_mark, steps_since = time.perf_counter(), 0
+    model.train()
+    metrics.console.start()
+    for step in range(tc.max_steps):
+        lr = lr_at(step, cfg.optim, tc.max_steps)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        inject = step in inject_steps and inject_rank in (-1, ctx.rank)
+        out = train_step(model, optimizer, scaler, policy, ctx, batches.batch(step), tc.grad_clip, inject)
+        done = step + 1
+        steps_since += 1
+        metrics.console.advance()
+        if done == 1:
+            unhook()
+            dtypes.update(observed_dtypes(model, optimizer))
+            dtypes["compute_observed"] = seen_compute.get("linear_output", "?")
+            if ctx.is_main:
+                _write_config(run_dir, cfg, info)
+
+        row: dict = {}
+        if done == 1 or done % tc.log_every == 0 or done == tc.max_steps:
+            # Host sync: the loss/norm/scale are read back only at this cadence.
+            loss = float(ctx.all_reduce_mean(out["loss"].float()))
+            elapsed = time.perf_counter() - t_mark
+            train_time += elapsed
+            row.update({
+                "train/loss": loss,
+                "train/lr": lr,
+                "train/grad_norm": float(out["grad_norm"]),
+                "train/tokens": done * tokens_per_step,
+                "perf/tokens_per_s": steps_since * tokens_per_step / elapsed,
+                "perf/step_time_s": elapsed / steps_since,
+                **_peak_memory(ctx.device),
+            })
+            if scaler.enabled:
+                skipped = int(scaler.skipped)
+                row.update({"amp/loss_scale": scaler.get_scale(), "amp/skipped_steps": skipped,
+                            "amp/skip_rate": skipped / done})
+            last_train = row.copy()
+        if tc.eval_every and (done % tc.eval_every == 0 or done == tc.max_steps):
+            val_iter = data_mod.val_batches(val_w, tc.eval_batches, tc.global_batch_size, mbs, ctx.rank, ctx.world)
+            last_val = evaluate(model, policy, ctx, val_iter)
+            row["val/loss"] = last_val
+            metrics.write(f"step {done:>6} | train loss {fmt(last_train.get('train/loss'))} | "
+                          f"val loss {fmt(last_val)} | unigram baseline {tokens.unigram_nats:.4f}")
+        if row:
+            metrics.log(done, row)
+        if "train/loss" in row or "val/loss" in row:
+            t_mark, steps_since = time.perf_counter(), 0  # eval and logging time stay out of throughput
+    metrics.console.close()
+
+    skipped = int(scaler.skipped)
+    summary = {
+        "steps": tc.max_steps,
+        "tokens": tc.max_steps * tokens_per_step,
+        "final/train_loss": last_train.get("train/loss"),
+        "final/val_loss": last_val,
+        "baseline/unigram_val_loss": tokens.unigram_nats,
+        "perf/tokens_per_s": tc.max_steps * tokens_per_step / train_time if train_time else None,
+        "wall_time_s": time.perf_counter() - t_start,
+        "params_non_embedding": n_params,
+        "precision": cfg.precision.name,
+        "parallel": cfg.parallel.name.value,
+        "model": m.name,
+        "world_size": ctx.world,
+        "dtypes": dtypes,
+        **_peak_memory(ctx.device),
+    }
+    if scaler.enabled:
+        summary.update({"amp/skipped_steps": skipped, "amp/skip_rate": skipped / tc.max_steps,
+                        "amp/final_loss_scale": scaler.get_scale()})
+    if ctx.is_main:
+        _write_json(run_dir / "summary.json", summary)
+    metrics.summary(summary)
+    metrics.close()
+    say(f"done in {summary['wall_time_s']:.1f}s | train loss {fmt(summary['final/train_loss'])} | "
+        f"val loss {fmt(last_val)} | unigram baseline {tokens.unigram_nats:.4f} nats/token"
+        + (f" | skipped steps {skipped}" if scaler.enabled else ""))
+    say(f"run directory: {run_dir}")
+    return summary
+
+
+def _banner(cfg, ctx, policy, dtypes, info, tokens, tokens_per_step, run_dir) -> str:
+    m = cfg.model
+    lines = [
+        f"mptrain | {m.name} ({info['params_non_embedding'] / 1e6:.2f}M non-embedding params, "
+        f"{m.n_layer}x{m.d_model}, {m.n_head} heads, block {m.block_size}, vocab {info['vocab_size']})",
+        f"  device {ctx.device} | world size {ctx.world} | parallel={cfg.parallel.name.value}"
+        + (f" ({ctx.backend})" if ctx.backend else ""),
+        f"  data {info['corpus']} | tokenizer {tokens.tokenizer.name} | {info['train_tokens']:,} train / "
+        f"{info['val_tokens']:,} val tokens | unigram baseline {tokens.unigram_nats:.4f} nats/token",
+        f"  batch {cfg.train.global_batch_size} seqs = {tokens_per_step:,} tokens/step | micro-batch "
+        f"{info['micro_batch_size']} x {info['grad_accum_steps']} accumulation | {cfg.train.max_steps} steps",
+        f"  precision={cfg.precision.name}:",
+    ]
+    lines += [f"    {k:<16} {v}" for k, v in dtypes.items()]
+    lines.append(f"  run directory {run_dir}")
+    return "\n".join(lines)

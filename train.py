@@ -1,0 +1,30 @@
+"""Entry point: ``python train.py [overrides]`` or ``torchrun ... train.py [overrides]``."""
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from mptrain.config import ConfigError, check_override_keys
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from mptrain.trainer import run
+
+    try:
+        run(cfg)
+    except ConfigError as e:
+        # One clear message, no traceback: the problem is the config, not the code.
+        print(f"mptrain: configuration error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    import os
+
+    try:
+        check_override_keys(sys.argv[1:], os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"))
+    except ConfigError as e:
+        print(f"mptrain: configuration error: {e}", file=sys.stderr)
+        sys.exit(2)
+    main()

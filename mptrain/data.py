@@ -8,7 +8,7 @@ Pipeline:
 2. ``build_tokenizer``: ``byte`` (UTF-8 bytes), ``bpe`` (trained here with
    ``tokenizers`` and saved as a ``transformers`` fast tokenizer, cached by
    corpus hash), or a saved ``transformers`` tokenizer directory.
-3. ``prepare``: documents are split into train/val by document, encoded,
+3. ``prepare``: each document's tail goes to val, the rest to train; both are encoded,
    joined with the end-of-text token and cached on disk as ``.npy``.
 4. ``Batches``: the train stream is cut into non-overlapping windows of
    ``block_size + 1`` tokens. Step ``s`` of the run reads global windows
@@ -23,7 +23,6 @@ import hashlib
 import json
 import math
 import os
-import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,15 +208,18 @@ class TokenData:
 
 
 def _split_docs(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
-    """Whole documents go to val, chosen by a fixed-seed coin, so val is drawn
-    from the same mix of files as train rather than from the corpus's end."""
-    rng = random.Random(0)
-    flags = [rng.random() < val_fraction for _ in docs]
-    if not any(flags):
-        flags[-1] = True
-    if all(flags):
-        flags[0] = False
-    return [d for d, f in zip(docs, flags) if not f], [d for d, f in zip(docs, flags) if f]
+    """The last ``val_fraction`` of every document (cut at a line break) is
+    validation text, the rest is training text. Val then has the same mix of
+    files as train and exactly the configured share, however unequal the
+    documents' sizes are."""
+    train, val = [], []
+    for d in docs:
+        cut = int(len(d) * (1.0 - val_fraction))
+        nl = d.rfind("\n", 0, cut)
+        cut = nl + 1 if nl > 0 else cut
+        train.append(d[:cut])
+        val.append(d[cut:])
+    return [t for t in train if t], [v for v in val if v]
 
 
 def _encode_stream(tok, docs: list[str]) -> np.ndarray:

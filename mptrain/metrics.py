@@ -79,7 +79,7 @@ class WandbSink:
                 self.run.summary[k] = v
 
     def close(self) -> None:
-        self.run.finish(quiet=True)
+        self.run.finish()
 
 
 class Console:

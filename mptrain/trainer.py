@@ -328,6 +328,7 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         if "train/loss" in row or "val/loss" in row:
             t_mark, steps_since = time.perf_counter(), 0  # eval and logging time stay out of throughput
     metrics.console.close()
+    dtypes.update(observed_dtypes(model, optimizer))  # what the objects hold at the end, not just at step 1
 
     skipped = int(scaler.skipped)
     summary = {

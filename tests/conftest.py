@@ -1,0 +1,60 @@
+"""Shared test helpers: compose a real Hydra config, train in-process, read the run dir."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import mptrain.config  # noqa: F401  registers the schema in Hydra's ConfigStore
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+# Tiny and fast: byte tokenizer (no BPE training), gpt-nano, 8 sequences of 64 tokens.
+TINY = [
+    "model=gpt-nano",
+    "data.tokenizer=byte",
+    "data.max_chars=300000",
+    "train.global_batch_size=8",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "optim.warmup_steps=5",
+]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hermetic_cache(tmp_path_factory):
+    """Tokenizers and token caches go to a per-session folder, not ~/.cache."""
+    os.environ["MPTRAIN_CACHE"] = str(tmp_path_factory.mktemp("mptrain-cache"))
+    os.environ.setdefault("WANDB_SILENT", "true")
+    yield
+
+
+def make_cfg(*overrides: str, tiny: bool = True):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name="config", overrides=[*(TINY if tiny else []), *overrides])
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(run_dir: Path, *overrides: str, tiny: bool = True):
+    """Run in this process; returns (summary, metrics rows)."""
+    from mptrain.trainer import run
+
+    summary = run(make_cfg(*overrides, tiny=tiny), run_dir=run_dir)
+    return summary, read_rows(run_dir)
+
+
+def run_cli(*args: str, timeout: int = 300, env: dict | None = None, cwd: Path | None = None):
+    """``python train.py ...`` as a user types it."""
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or ROOT, env={**os.environ, **(env or {})})

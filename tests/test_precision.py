@@ -1,0 +1,108 @@
+"""The fp16 loss scaler: skip on inf/nan, backoff, growth, static mode, and what is logged."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mptrain.model import GPT, GPTShape
+from mptrain.parallel import DistContext
+from mptrain.config import ParallelMode
+from mptrain.precision import PrecisionPolicy
+from mptrain.trainer import build_optimizer, decay_names, train_step
+
+from .conftest import make_cfg, train
+
+CPU = torch.device("cpu")
+
+
+def _setup(*overrides):
+    cfg = make_cfg("precision=fp16", *overrides)
+    torch.manual_seed(0)
+    model = GPT(GPTShape(vocab_size=64, n_layer=1, n_head=2, d_model=32, block_size=16))
+    policy = PrecisionPolicy(cfg.precision, CPU)
+    opt = build_optimizer(model, decay_names(model), cfg.optim, CPU)
+    return model, opt, policy.make_scaler(), policy, DistContext(mode=ParallelMode.none)
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 64, (4, 17), generator=g)
+    return [(x[:, :-1], x[:, 1:])]
+
+
+def _state(model, opt):
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()["state"])
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    return a == b
+
+
+def test_injected_inf_skips_step_halves_scale_counts():
+    model, opt, scaler, policy, ctx = _setup()
+    train_step(model, opt, scaler, policy, ctx, _batch(0), 1.0)  # one clean step: optimizer state exists
+    assert int(scaler.skipped) == 0 and scaler.get_scale() == 65536.0
+    before = _state(model, opt)
+    out = train_step(model, opt, scaler, policy, ctx, _batch(1), 1.0, inject_inf=True)
+    after = _state(model, opt)
+    assert int(out["skipped"]) == 1
+    assert not torch.isfinite(out["grad_norm"])
+    assert _same(before[0], after[0]), "parameters changed on a skipped step"
+    assert _same(before[1], after[1]), "optimizer state changed on a skipped step"
+    assert scaler.get_scale() == 32768.0
+    assert int(scaler.skipped) == 1
+    # and the next clean step does update
+    train_step(model, opt, scaler, policy, ctx, _batch(2), 1.0)
+    assert not _same(after[0], _state(model, opt)[0])
+
+
+def test_scale_grows_after_growth_interval_clean_steps():
+    model, opt, scaler, policy, ctx = _setup("precision.loss_scale.growth_interval=3",
+                                             "precision.loss_scale.init_scale=1024")
+    scales = []
+    for i in range(7):
+        train_step(model, opt, scaler, policy, ctx, _batch(i), 1.0)
+        scales.append(scaler.get_scale())
+    assert scales == [1024, 1024, 2048, 2048, 2048, 4096, 4096]
+
+
+def test_static_scale_skips_but_never_moves():
+    model, opt, scaler, policy, ctx = _setup("precision.loss_scale.mode=static",
+                                             "precision.loss_scale.init_scale=512",
+                                             "precision.loss_scale.growth_interval=1")
+    for i, bad in enumerate([False, True, False, False]):
+        train_step(model, opt, scaler, policy, ctx, _batch(i), 1.0, inject_inf=bad)
+        assert scaler.get_scale() == 512.0
+    assert int(scaler.skipped) == 1
+
+
+def test_disabled_scaler_is_identity():
+    cfg = make_cfg("precision=fp16", "precision.loss_scale.enabled=false")
+    scaler = PrecisionPolicy(cfg.precision, CPU).make_scaler()
+    loss = torch.tensor(3.0)
+    assert scaler.scale(loss) is loss and scaler.get_scale() is None
+
+
+def test_skip_metrics_in_a_run(tmp_path):
+    """Injected at 0-based steps 2 and 5 with growth every 4 clean steps: the logged
+    loss scale, cumulative skipped steps and skip rate follow exactly."""
+    _, rows = train(tmp_path / "run", "precision=fp16", "train.max_steps=10",
+                    "precision.loss_scale.growth_interval=4", "debug.inject_inf_grad_steps=[2,5]")
+    scale = [r["amp/loss_scale"] for r in rows]
+    skipped = [r["amp/skipped_steps"] for r in rows]
+    rate = [r["amp/skip_rate"] for r in rows]
+    # step (1-based): 1 2 3* 4 5 6* 7 8 9 10      (* = skipped)
+    assert skipped == [0, 0, 1, 1, 1, 2, 2, 2, 2, 2]
+    assert rate == pytest.approx([s / (i + 1) for i, s in enumerate(skipped)])
+    assert scale == [65536, 65536, 32768, 32768, 32768, 16384, 16384, 16384, 16384, 32768]
+
+
+def test_fp16_without_scaling_warns(tmp_path, capsys):
+    train(tmp_path / "run", "precision=fp16", "precision.loss_scale.enabled=false", "train.max_steps=2")
+    assert "loss scaling off" in capsys.readouterr().out

@@ -5,6 +5,7 @@ import hydra
 from omegaconf import DictConfig
 
 from mptrain.config import ConfigError, check_override_keys
+from mptrain.launch import rank_overrides
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
@@ -27,4 +28,5 @@ if __name__ == "__main__":
     except ConfigError as e:
         print(f"mptrain: configuration error: {e}", file=sys.stderr)
         sys.exit(2)
+    sys.argv += rank_overrides()
     main()

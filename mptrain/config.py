@@ -297,7 +297,10 @@ def register() -> None:
     ``configs/config.yaml`` lists ``base_config`` first in its defaults, so
     every YAML merged after it is checked against these dataclasses.
     """
+    from .launch import register_resolvers
+
     ConfigStore.instance().store(name="base_config", node=Config)
+    register_resolvers()
 
 
 register()

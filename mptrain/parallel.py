@@ -11,6 +11,7 @@ as the multi-rank job.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -77,6 +78,42 @@ class DistContext:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t
 
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Stack of every rank's ``t`` (world, *t.shape); just ``t[None]`` alone."""
+        if not (self.has_group and self.world > 1):
+            return t[None]
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.stack(parts)
+
+    def ranks_agree(self, t: torch.Tensor) -> bool:
+        """True when every rank holds exactly the same values (nan equal to nan).
+        A collective: every rank must call it."""
+        g = self.all_gather(t)
+        return bool(all(torch.equal(g[0].nan_to_num(nan=7.0), g[i].nan_to_num(nan=7.0)) for i in range(len(g))))
+
+    def replica_fingerprint(self, model: nn.Module) -> torch.Tensor:
+        """(sum, sum of squares, non-finite count) of the full, gathered
+        parameters in fp64. A collective under FSDP (gathers shards)."""
+        acc = torch.zeros(3, dtype=torch.float64, device=self.device)
+
+        def add(p: torch.Tensor) -> None:
+            x = p.detach().double()
+            acc[0] += x.nan_to_num().sum()
+            acc[1] += x.nan_to_num().pow(2).sum()
+            acc[2] += (~torch.isfinite(x)).sum()
+
+        if self.mode == ParallelMode.fsdp1:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            with FSDP.summon_full_params(model, writeback=False):
+                for p in model.parameters():
+                    add(p)
+        else:
+            for p in model.parameters():
+                add(p.full_tensor() if hasattr(p, "full_tensor") else p)
+        return acc
+
     def broadcast_object(self, obj):
         if self.has_group and self.world > 1:
             box = [obj]
@@ -101,6 +138,14 @@ class DistContext:
             return contextlib.nullcontext()
         return model.no_sync()  # ddp and fsdp1
 
+    def reshard(self, model: nn.Module) -> None:
+        """Free the unsharded parameters FSDP2 keeps after a forward without a
+        backward (evaluation): the root does not reshard after forward."""
+        if self.mode == ParallelMode.fsdp:
+            for mod in model.modules():
+                if hasattr(mod, "reshard"):
+                    mod.reshard()
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the (unscaled) gradients before clipping, the same
         on every rank; clips to ``max_norm`` when it is > 0."""
@@ -118,6 +163,11 @@ class DistContext:
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
         return norm
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def setup(pcfg, device_spec: str) -> DistContext:
@@ -145,12 +195,23 @@ def setup(pcfg, device_spec: str) -> DistContext:
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"parallel.backend='{backend}' is not one of auto, gloo, nccl.")
     ctx.backend = backend
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=10)
-        if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-        else:  # one process without torchrun: an in-memory one-rank group
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if dist.is_initialized():
+        if dist.get_backend() != backend:
+            raise ConfigError(
+                f"this process already joined a '{dist.get_backend()}' process group; parallel.backend={backend} "
+                "cannot change inside one torchrun launch (e.g. across multirun jobs)."
+            )
+        return ctx
+    timeout = datetime.timedelta(minutes=10)
+    if "MASTER_ADDR" in os.environ:
+        # The torchrun group lives as long as the process: Hydra multirun runs several
+        # jobs in one process, and tearing the group down and re-creating it between
+        # jobs races on the rendezvous store (a rank still leaving job 1 meets a rank
+        # entering job 2). Every job reuses it; it is destroyed at exit.
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        atexit.register(_destroy_at_exit)
+    else:  # one process without torchrun: an in-memory one-rank group, just for this run
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         ctx.owns_group = True
     return ctx
 
@@ -186,6 +247,18 @@ def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(mod, name, buf.to(dtype))
 
 
+def _gloo_bf16_compress_hook(process_group, bucket):
+    """PyTorch's bf16 compression hook, for gloo.
+
+    DDP refuses a hook *named* ``bf16_compress_hook`` unless NCCL >= 2.10 is
+    present, but gloo all-reduces bf16 fine; this runs the very same
+    implementation (cast the bucket to bf16, divide by world size, all-reduce,
+    copy back) under another name so CPU runs can use it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
 def _wrap_ddp(model, policy, ctx):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -196,6 +269,8 @@ def _wrap_ddp(model, policy, ctx):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         hook = {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}[policy.reduce_dtype]
+        if policy.reduce_dtype == torch.bfloat16 and ctx.backend == "gloo":
+            hook = _gloo_bf16_compress_hook
         ddp.register_comm_hook(dist.group.WORLD, hook)
         comm = f"{dtype_name(policy.reduce_dtype)} (compress comm hook)"
     ctx.wrapper_dtypes = {
@@ -258,7 +333,7 @@ def _wrap_fsdp1(model, policy, ctx):
         model,
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         mixed_precision=mp,
-        device_id=ctx.device if ctx.device.type == "cuda" else None,
+        device_id=ctx.device,  # explicit: FSDP1 otherwise refuses a CPU-only machine
         use_orig_params=True,
     )
     ctx.wrapper_dtypes = {

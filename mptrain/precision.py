@@ -85,7 +85,7 @@ class LossScaler:
         found = sum(self.scaler._found_inf_per_device(optimizer).values())
         self.scaler.step(optimizer)
         self.scaler.update(new_scale=self.init_scale if self.static else None)
-        skipped = (found > 0).to(self.skipped.dtype)
+        skipped = (found > 0).to(self.skipped.dtype).reshape(())  # ShardedGradScaler keeps shape [1]
         self.skipped += skipped
         return skipped
 

@@ -126,6 +126,7 @@ def evaluate(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, batche
         total += loss.float()
         count += 1
     model.train()
+    ctx.reshard(model)
     return float(ctx.all_reduce_mean(total / max(count, 1)))
 
 
@@ -316,6 +317,11 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
                 skipped = int(scaler.skipped)
                 row.update({"amp/loss_scale": scaler.get_scale(), "amp/skipped_steps": skipped,
                             "amp/skip_rate": skipped / done})
+            if ctx.world > 1:
+                # Every rank must have the same global grad norm and skip count; a
+                # disagreement means the ranks are no longer training one model.
+                mine = torch.stack([out["grad_norm"].float(), scaler.skipped.float()])
+                row["dist/rank_mismatch"] = 0 if ctx.ranks_agree(mine) else 1
             last_train = row.copy()
         if tc.eval_every and (done % tc.eval_every == 0 or done == tc.max_steps):
             val_iter = data_mod.val_batches(val_w, tc.eval_batches, tc.global_batch_size, mbs, ctx.rank, ctx.world)
@@ -331,6 +337,13 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
     dtypes.update(observed_dtypes(model, optimizer))  # what the objects hold at the end, not just at step 1
 
     skipped = int(scaler.skipped)
+    dist_summary = {}
+    if ctx.world > 1:
+        fp = ctx.replica_fingerprint(model)
+        dist_summary = {
+            "dist/replicas_identical": ctx.ranks_agree(fp) and fp[2].item() == 0,
+            "dist/skipped_steps_per_rank": [int(v) for v in ctx.all_gather(scaler.skipped)],
+        }
     summary = {
         "steps": tc.max_steps,
         "tokens": tc.max_steps * tokens_per_step,
@@ -346,6 +359,7 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         "world_size": ctx.world,
         "dtypes": dtypes,
         **_peak_memory(ctx.device),
+        **dist_summary,
     }
     if scaler.enabled:
         summary.update({"amp/skipped_steps": skipped, "amp/skip_rate": skipped / tc.max_steps,
@@ -358,6 +372,7 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         f"val loss {fmt(last_val)} | unigram baseline {tokens.unigram_nats:.4f} nats/token"
         + (f" | skipped steps {skipped}" if scaler.enabled else ""))
     say(f"run directory: {run_dir}")
+    ctx.barrier()  # leave together: the next multirun job starts on every rank at once
     return summary
 
 

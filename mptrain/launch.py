@@ -1,0 +1,60 @@
+"""What has to happen before Hydra composes the config, so that every rank of a
+``torchrun`` job agrees on one run directory and only rank 0 writes into it.
+
+Hydra's ``${now:...}`` is evaluated in each process at its own start-up, so two
+ranks started a second apart would pick two directories. ``${mptrain_now:...}``
+(used by ``configs/config.yaml`` for ``hydra.run.dir`` and
+``hydra.sweep.dir``) is rank 0's clock, shared through torchrun's own
+rendezvous store before any process group exists.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+_STAMP: Optional[datetime.datetime] = None
+
+
+def _torchrun_store():
+    """A client of the key-value store torchrun's agent hosts, or None when not under torchrun."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None  # not launched by torchrun: nobody hosts a store yet
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                    int(os.environ["WORLD_SIZE"]), is_master=False,
+                    timeout=datetime.timedelta(minutes=5))
+
+
+def run_stamp() -> datetime.datetime:
+    """Rank 0's start time, the same in every process of this launch (and restart)."""
+    global _STAMP
+    if _STAMP is None:
+        store = _torchrun_store()
+        if store is None:
+            _STAMP = datetime.datetime.now()
+        else:
+            key = (f"mptrain/run_stamp/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+                   f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+            if int(os.environ.get("RANK", "0")) == 0:
+                store.set(key, datetime.datetime.now().isoformat())
+            _STAMP = datetime.datetime.fromisoformat(store.get(key).decode())  # get() waits for rank 0
+    return _STAMP
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("mptrain_now"):
+        OmegaConf.register_new_resolver("mptrain_now", lambda fmt: run_stamp().strftime(fmt))
+
+
+def rank_overrides() -> list[str]:
+    """Extra Hydra overrides for ranks > 0: no ``.hydra/`` copy of the config and
+    no log file in the shared run directory (rank 0 writes those)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return []
+    return ["hydra.output_subdir=null", "hydra/job_logging=stdout"]

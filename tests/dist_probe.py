@@ -1,0 +1,82 @@
+"""Launched by tests/test_distributed.py under torchrun (2 ranks, gloo).
+
+For each wrapper and precision setting it wraps a small GPT with
+``mptrain.parallel.wrap``, runs one forward/backward and writes, per rank, one
+JSON line (to ``<out_dir>/probe-rank<R>.jsonl``) with what was observed inside the wrapper:
+- ``storage``: dtypes of the (sharded) parameters the optimizer sees;
+- ``compute_weight``: dtype of a Linear's weight as the module sees it in forward
+  (the all-gathered copy under FSDP);
+- ``compute_out``: dtype of that Linear's output;
+- ``buffer``: dtype of a floating buffer as the model sees it in forward;
+- ``grads_in_bf16`` / ``grads_in_fp16``: whether every reduced gradient value
+  is exactly representable in that format (true when the reduction ran in it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from hydra import compose, initialize_config_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import mptrain.config  # noqa: E402,F401
+from mptrain.model import GPT, GPTShape  # noqa: E402
+from mptrain.parallel import setup, wrap  # noqa: E402
+from mptrain.precision import PrecisionPolicy, dtype_name  # noqa: E402
+
+CASES = {
+    "fp32": ["precision=fp32"],
+    "fp32+reduce_bf16": ["precision=fp32", "precision.reduce_dtype=bf16"],
+    "bf16+buffer_bf16": ["precision=bf16", "precision.buffer_dtype=bf16"],
+    "fp16+reduce_fp16": ["precision=fp16", "precision.reduce_dtype=fp16"],
+}
+
+
+def representable(g: torch.Tensor, dt: torch.dtype) -> bool:
+    return bool(torch.equal(g, g.to(dt).to(g.dtype)))
+
+
+def probe(mode: str, case: str, overrides: list[str]) -> dict:
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"parallel={mode}", *overrides])
+    ctx = setup(cfg.parallel, "cpu")
+    policy = PrecisionPolicy(cfg.precision, ctx.device)
+    torch.manual_seed(0)
+    model = GPT(GPTShape(vocab_size=128, n_layer=2, n_head=2, d_model=64, block_size=32))
+    model.register_buffer("probe", torch.ones(4))  # the GPT has no float buffer of its own
+    seen: dict = {}
+    fc = model.blocks[0].mlp.fc
+    # (hooks must return None: a returned value would replace the module's inputs/output)
+    fc.register_forward_pre_hook(lambda m, a: seen.setdefault("compute_weight", dtype_name(m.weight.dtype)) and None)
+    fc.register_forward_hook(lambda m, a, o: seen.setdefault("compute_out", dtype_name(o.dtype)) and None)
+    model.register_forward_pre_hook(lambda m, a: seen.setdefault("buffer", dtype_name(m.probe.dtype)) and None)
+    wrapped = wrap(model, policy, ctx)
+    g = torch.Generator().manual_seed(100 + ctx.rank)  # different data per rank: the reduction matters
+    x = torch.randint(0, 128, (4, 33), generator=g)
+    with policy.autocast():
+        _, loss = wrapped(x[:, :-1], x[:, 1:])
+    loss.backward()
+    grads = []
+    for p in wrapped.parameters():
+        if p.grad is not None:
+            t = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            grads.append(t.detach().reshape(-1))
+    flat = torch.cat(grads)
+    storage = sorted({dtype_name(p.dtype) for p in wrapped.parameters()})
+    return {"mode": mode, "case": case, "rank": ctx.rank, "storage": ",".join(storage),
+            "grad_dtype": dtype_name(flat.dtype), "grads_in_bf16": representable(flat, torch.bfloat16),
+            "grads_in_fp16": representable(flat, torch.float16), **seen,
+            "declared": ctx.wrapper_dtypes}
+
+
+if __name__ == "__main__":
+    out_dir, modes = sys.argv[1], sys.argv[2:]
+    # One file per rank: lines printed by two processes would interleave.
+    with open(os.path.join(out_dir, f"probe-rank{os.environ['RANK']}.jsonl"), "w") as f:
+        for mode in modes:
+            for case, ov in CASES.items():
+                f.write(json.dumps(probe(mode, case, ov)) + "\n")

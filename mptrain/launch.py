@@ -5,7 +5,9 @@ Hydra's ``${now:...}`` is evaluated in each process at its own start-up, so two
 ranks started a second apart would pick two directories. ``${mptrain_now:...}``
 (used by ``configs/config.yaml`` for ``hydra.run.dir`` and
 ``hydra.sweep.dir``) is rank 0's clock, shared through torchrun's own
-rendezvous store before any process group exists.
+rendezvous store before any process group exists. Jobs that submitit starts
+(``hydra/launcher=slurm``) inherit the launching process's time through the
+environment.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 _STAMP: Optional[datetime.datetime] = None
+_ENV = "MPTRAIN_RUN_STAMP"
 
 
 def _torchrun_store():
@@ -35,15 +38,22 @@ def run_stamp() -> datetime.datetime:
     """Rank 0's start time, the same in every process of this launch (and restart)."""
     global _STAMP
     if _STAMP is None:
+        inherited = os.environ.get(_ENV)
+        in_submitit = any(k in os.environ for k in ("SUBMITIT_EXECUTOR", "SUBMITIT_LOCAL_JOB_ID"))
         store = _torchrun_store()
-        if store is None:
-            _STAMP = datetime.datetime.now()
-        else:
+        if inherited and in_submitit:
+            # A submitit job re-resolves the sweep dir the launching process printed;
+            # it must get the launcher's time, not its own.
+            _STAMP = datetime.datetime.fromisoformat(inherited)
+        elif store is not None:
             key = (f"mptrain/run_stamp/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
                    f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
             if int(os.environ.get("RANK", "0")) == 0:
                 store.set(key, datetime.datetime.now().isoformat())
             _STAMP = datetime.datetime.fromisoformat(store.get(key).decode())  # get() waits for rank 0
+        else:
+            _STAMP = datetime.datetime.now()
+        os.environ[_ENV] = _STAMP.isoformat()  # for submitit jobs launched from this process
     return _STAMP
 
 

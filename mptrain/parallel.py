@@ -170,9 +170,24 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
 
 
+def _export_submitit_env() -> None:
+    """Under a submitit (Slurm or local) job with several tasks and no torchrun,
+    turn the task layout into the env:// variables torch.distributed reads."""
+    if "RANK" in os.environ or not any(k in os.environ for k in ("SUBMITIT_EXECUTOR", "SUBMITIT_LOCAL_JOB_ID")):
+        return
+    try:
+        from submitit.helpers import TorchDistributedEnvironment
+    except ImportError:
+        return
+    env = TorchDistributedEnvironment()
+    if env.world_size > 1:
+        env.export(set_cuda_visible_devices=False)
+
+
 def setup(pcfg, device_spec: str) -> DistContext:
     """Join (or create) the process group and pick this rank's device."""
     mode = pcfg.name
+    _export_submitit_env()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -227,11 +227,12 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
 
     policy = PrecisionPolicy(cfg.precision, ctx.device)
 
-    # Data: rank 0 builds the caches, the others wait and then read them.
-    if ctx.is_main:
+    # Data: the first rank of each node builds the caches (they live on node-local
+    # disk), the others wait and then read them.
+    if ctx.local_rank == 0:
         tokens = data_mod.prepare(cfg.data, log=say)
     ctx.barrier()
-    if not ctx.is_main:
+    if ctx.local_rank != 0:
         tokens = data_mod.prepare(cfg.data, log=lambda *a: None)
     vocab = cfg.model.vocab_size or data_mod.padded_vocab(tokens.vocab_size)
     if vocab < tokens.vocab_size:

@@ -169,3 +169,38 @@ def test_dtypes_inside_each_wrapper_are_the_configured_ones(tmp_path):
         assert rec["grads_in_bf16"] == (reduce == "bf16"), where
         assert rec["grads_in_fp16"] == (reduce == "fp16"), where
         assert rec["declared"]["grad_reduce"].startswith(reduce), where
+
+
+def test_nccl_without_cuda_is_refused(tmp_path):
+    from mptrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="nccl needs CUDA"):
+        train(tmp_path / "run", "train.max_steps=1", "parallel=ddp", "parallel.backend=nccl")
+
+
+def test_slurm_launcher_config_composes():
+    from hydra import compose, initialize_config_dir
+
+    from .conftest import CONFIGS
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.tasks_per_node == launcher.gpus_per_node == 8 and launcher.partition == "gpu"
+
+
+def test_submitit_sweep_with_two_tasks_per_job(tmp_path):
+    """The Slurm path rehearsed with submitit's local executor: each sweep job is
+    a 2-task job whose tasks become ranks 0 and 1 of one gloo group."""
+    from .conftest import run_cli
+
+    r = run_cli("-m", "hydra/launcher=local_tasks", *TINY, "train.max_steps=3", "parallel=ddp",
+                "precision=fp32,bf16", cwd=tmp_path, timeout=400)
+    assert r.returncode == 0, r.stderr[-4000:]
+    sweeps = [p for p in (tmp_path / "multirun").glob("*/*") if p.is_dir()]
+    assert len(sweeps) == 1, sweeps  # the jobs used the directory the launcher announced
+    for job, precision in (("0", "fp32"), ("1", "bf16")):
+        s = json.loads((sweeps[0] / job / "summary.json").read_text())
+        assert s["world_size"] == 2 and s["precision"] == precision and s["dist/replicas_identical"]

@@ -78,6 +78,19 @@ def test_two_ranks_match_single_process(tmp_path, reference, parallel, precision
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
+def test_gradient_accumulation_across_ranks(tmp_path, reference, parallel):
+    """2 ranks x 2 micro-batches of 2 (gradients reduced once, on the last
+    micro-batch) = the single-process batch of 8."""
+    torchrun(tmp_path, *COMMON, f"parallel={parallel}", "precision=fp32", "train.micro_batch_size=2")
+    run_dir = only_run_dir(tmp_path)
+    cfg = (run_dir / "config.yaml").read_text()
+    assert "grad_accum_steps: 2" in cfg
+    rows = [r for r in read_rows(run_dir) if "train/loss" in r]
+    ref = [r for r in reference["fp32"] if "train/loss" in r]
+    assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref)) < TOL["fp32"]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
 def test_inf_on_one_rank_makes_every_rank_skip(tmp_path, parallel):
     torchrun(tmp_path, *TINY, "train.max_steps=6", "precision=fp16", f"parallel={parallel}",
              "debug.inject_inf_grad_steps=[2]", "debug.inject_inf_grad_rank=1")

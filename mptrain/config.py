@@ -45,6 +45,17 @@ class ScaleMode(Enum):
     static = "static"
 
 
+class Fp8Recipe(Enum):
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+    rowwise_with_gw_hp = "rowwise_with_gw_hp"
+
+
+class Fp8GradDtype(Enum):
+    e5m2 = "float8_e5m2"
+    e4m3 = "float8_e4m3fn"
+
+
 class ParallelMode(Enum):
     none = "none"
     ddp = "ddp"
@@ -113,6 +124,37 @@ class LossScaleConfig:
 
 
 @dataclass
+class Fp8Config:
+    """Float8 training of the linear layers through torchao (``precision=fp8``).
+
+    Converted linears compute their three matmuls in float8: activations and
+    weights in E4M3 in the forward pass, output gradients in ``grad_dtype`` in
+    the backward pass, each scaled from its absolute max. Everything else runs
+    under bf16 autocast, with fp32 master weights."""
+
+    enabled: bool = False
+    """Convert linears to float8. On for ``precision=fp8``."""
+    recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    """Scaling granularity: ``tensorwise`` (one scale per tensor; allows float8
+    all-gather under FSDP2), ``rowwise`` (one scale per row: more accurate),
+    ``rowwise_with_gw_hp`` (rowwise, weight gradient kept in high precision)."""
+    grad_dtype: Fp8GradDtype = Fp8GradDtype.e5m2
+    """Format of the output gradient in the backward matmuls: ``e5m2`` (range
+    for gradients, the classic recipe) or ``e4m3`` (precision; torchao's
+    default for the rowwise recipes, which pair it with power-of-2 scales)."""
+    exclude: list[str] = field(default_factory=lambda: ["lm_head"])
+    """Module names (fnmatch patterns on the model's own names, e.g.
+    ``blocks.0.*``) kept in high precision. The output head is excluded by
+    default: its logits feed the softmax directly."""
+    dim_multiple: int = 16
+    """Linears whose in or out features are not multiples of this stay in high
+    precision (float8 matmul kernels need 16-aligned dimensions)."""
+    fsdp_float8_all_gather: bool = True
+    """Under FSDP2 with the tensorwise recipe, all-gather weights in float8
+    (half the bytes of bf16), with scales recomputed after every optimizer step."""
+
+
+@dataclass
 class PrecisionConfig:
     """What each format is used for. See DESIGN §2 and the README precision guide."""
 
@@ -133,9 +175,8 @@ class PrecisionConfig:
     """Dtype of module buffers under FSDP/DDP."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Loss scaling; see :class:`LossScaleConfig`."""
-    fp8: bool = False
-    """Float8 linears (``precision=fp8``). Not implemented yet: a run that asks
-    for it stops with an error instead of silently training in bf16."""
+    fp8: Fp8Config = field(default_factory=lambda: Fp8Config())
+    """Float8 linears; see :class:`Fp8Config`."""
 
 
 # ------------------------------------------------------------------------ parallel
@@ -260,6 +301,28 @@ class LogConfig:
     """``<run>/tensorboard/`` event files."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """See :class:`WandbConfig`."""
+
+
+@dataclass
+class MonitorConfig:
+    """The numerics monitor (``mptrain/numerics.py``): what each format would do
+    to this run's own gradients, updates and activations."""
+
+    enabled: bool = True
+    """Collect ``numerics/*`` metrics on monitored steps."""
+    every: int = 50
+    """Monitor the first step and then every this many steps. Monitored steps
+    cost a little more (statistics, a copy of the parameters, forward hooks);
+    the others cost nothing."""
+    histogram: bool = True
+    """Log a log2 histogram of |gradient| (TensorBoard histogram; bin counts in JSONL)."""
+    activations: bool = True
+    """Record the absolute max of every block's output on monitored steps."""
+    spike_factor: float = 3.0
+    """A loss above this many times the median of the last ``spike_window``
+    logged losses is reported as a spike event."""
+    spike_window: int = 20
+    """How many recent losses the spike median looks at."""
 
 
 @dataclass

@@ -234,11 +234,12 @@ def setup(pcfg, device_spec: str) -> DistContext:
 def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext) -> nn.Module:
     """Wrap ``model`` for ``ctx.mode`` and record the dtypes the wrapper uses.
 
-    Order (the one place it is decided): move to device -> (activation
-    checkpointing, compile: not yet) -> data-parallel wrapper last, so the
-    wrapper sees the final module tree.
+    Order (the one place it is decided): move to device -> float8 conversion
+    -> (activation checkpointing, compile: not yet) -> data-parallel wrapper
+    last, so the wrapper sees the final module tree.
     """
     model = model.to(ctx.device)
+    model = policy.convert_model(model)  # float8 linears first: FSDP must shard the converted weights
     mode = ctx.mode
     p_name, r_name, b_name = (dtype_name(d) for d in (policy.wrapper_param_dtype, policy.reduce_dtype, policy.buffer_dtype))
     if mode == ParallelMode.none:

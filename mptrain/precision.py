@@ -16,15 +16,21 @@ fly, per op, and gradients flow back into the fp32 parameters.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import fnmatch
 from typing import Optional
 
 import torch
+import torch.nn as nn
 
 from .config import ConfigError, DType, ScaleMode
 
 
 def dtype_name(dt: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt, str(dt).replace("torch.", ""))
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    if hasattr(torch, "float8_e4m3fn"):
+        names.update({torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"})
+    return names.get(dt, str(dt).replace("torch.", ""))
 
 
 class LossScaler:
@@ -101,16 +107,104 @@ class LossScaler:
         self.skipped.fill_(sd["skipped"])
 
 
+class Fp8Linears:
+    """Converts ``nn.Linear`` layers to torchao float8 linears and keeps their
+    FSDP2 float8 all-gather scales fresh.
+
+    Which linears: every ``nn.Linear`` except those matching a name pattern in
+    ``precision.fp8.exclude`` and those whose in/out features are not
+    multiples of ``precision.fp8.dim_multiple``; ``report`` says which and why.
+    """
+
+    def __init__(self, fcfg, fsdp2: bool):
+        from .doctor import fp8_software_problem
+
+        problem = fp8_software_problem()
+        if problem:
+            raise ConfigError(f"precision=fp8 cannot run: {problem}")
+        from torchao.float8 import Float8LinearConfig
+
+        self.cfg = fcfg
+        self.recipe = fcfg.recipe.value
+        base = Float8LinearConfig.from_recipe_name(self.recipe)
+        grad = getattr(torch, fcfg.grad_dtype.value)
+        # The recipe fixes the scaling granularity; the output-gradient format is ours to choose.
+        # torchao requires both uses of grad_output to name the same dtype, even when the
+        # weight-gradient one is disabled (kept in high precision).
+        changes = {
+            "cast_config_grad_output": dataclasses.replace(base.cast_config_grad_output, target_dtype=grad),
+            "cast_config_grad_output_for_grad_weight": dataclasses.replace(
+                base.cast_config_grad_output_for_grad_weight, target_dtype=grad),
+        }
+        self.all_gather = bool(fsdp2 and self.recipe == "tensorwise" and fcfg.fsdp_float8_all_gather)
+        changes["enable_fsdp_float8_all_gather"] = self.all_gather
+        self.float8_config = dataclasses.replace(base, **changes)
+        self.report: dict = {}
+
+    def _keep(self, mod: nn.Module, fqn: str) -> bool:
+        if not isinstance(mod, nn.Linear):
+            return False
+        for pat in self.cfg.exclude:
+            if fnmatch.fnmatch(fqn, pat):
+                self.report["excluded"][fqn] = f"matches precision.fp8.exclude '{pat}'"
+                return False
+        m = self.cfg.dim_multiple
+        if mod.in_features % m or mod.out_features % m:
+            self.report["excluded"][fqn] = f"{mod.in_features}x{mod.out_features} not multiples of {m}"
+            return False
+        return True
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        from torchao.float8 import convert_to_float8_training
+
+        self.report = {"converted": [], "excluded": {}}
+        convert_to_float8_training(model, config=self.float8_config, module_filter_fn=self._keep)
+        self.report["converted"] = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+        if self.recipe == "rowwise_with_gw_hp":
+            # This recipe's high-precision weight-gradient matmul reuses the layer's
+            # input as it arrived; autocast never sees it, so an fp32 residual stream
+            # would meet a bf16 gradient. Cast inputs to the autocast dtype first.
+            for n, m in model.named_modules():
+                if n in self.report["converted"]:
+                    m.register_forward_pre_hook(_cast_input_to_autocast)
+        f = self.float8_config
+        self.report.update({
+            "recipe": self.recipe,
+            "forward": f"input {dtype_name(f.cast_config_input.target_dtype)}, weight "
+                       f"{dtype_name(f.cast_config_weight.target_dtype)} "
+                       f"({f.cast_config_input.scaling_granularity.value} scales from amax)",
+            "backward": f"grad_output {dtype_name(f.cast_config_grad_output.target_dtype)}",
+            "fsdp_float8_all_gather": self.all_gather,
+        })
+        return model
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        """With float8 all-gather, each weight's scale is computed once per step for
+        all ranks; it must be recomputed after the weights change (and after a
+        checkpoint load)."""
+        if self.all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def _cast_input_to_autocast(mod, args):
+    x = args[0]
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and x.is_floating_point():
+        return (x.to(torch.get_autocast_dtype(dev)), *args[1:])
+    return None
+
+
 class PrecisionPolicy:
     """The dtypes of one run, built from ``cfg.precision`` and the device."""
 
-    def __init__(self, pcfg, device: torch.device):
-        if pcfg.fp8:
-            raise ConfigError(
-                "precision=fp8 is not implemented yet in this version of mptrain (float8 linears "
-                "through torchao are planned). Use precision=bf16 for now."
-            )
+    def __init__(self, pcfg, device: torch.device, fsdp2: bool = False):
         self.cfg = pcfg
+        self.fp8_enabled = bool(pcfg.fp8.enabled)
+        # Float8 linears, or nothing: the model is converted and stepped through
+        # the same two calls either way.
+        self.fp8 = Fp8Linears(pcfg.fp8, fsdp2) if self.fp8_enabled else None
         self.device = device
         self.name = pcfg.name
         self.compute_dtype: torch.dtype = pcfg.compute_dtype.torch
@@ -127,6 +221,14 @@ class PrecisionPolicy:
             )
         else:
             self.warning = None
+
+    def convert_model(self, model: nn.Module) -> nn.Module:
+        """Swap layers for their low-precision versions (float8 linears), before wrapping."""
+        return self.fp8.convert(model) if self.fp8 else model
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        if self.fp8:
+            self.fp8.after_optimizer_step(model)
 
     def autocast(self):
         """The forward-pass context: autocast to the compute dtype, or nothing in fp32."""
@@ -154,4 +256,6 @@ class PrecisionPolicy:
             "gradients": dtype_name(self.param_dtype),
             "optimizer_state": dtype_name(self.param_dtype),
             "loss_scaling": self.loss_scaling_text(),
+            **({"fp8_linears": f"{self.fp8.recipe}: forward E4M3, backward "
+                               f"{dtype_name(getattr(torch, self.cfg.fp8.grad_dtype.value))}"} if self.fp8 else {}),
         }

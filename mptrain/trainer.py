@@ -24,7 +24,8 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from . import data as data_mod
-from .config import ConfigError, micro_steps, validate
+from .config import ConfigError, ParallelMode, micro_steps, validate
+from .doctor import check_precision
 from .metrics import Metrics, fmt
 from .model import GPT, GPTShape
 from .parallel import DistContext, setup, wrap
@@ -111,6 +112,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
     scaler.unscale_(optimizer)  # clipping and the norm must see true gradients
     grad_norm = ctx.clip_grad_norm(model, grad_clip)
     skipped = scaler.step(optimizer)
+    policy.after_optimizer_step(model)  # float8 all-gather scales follow the new weights
     return {"loss": loss_sum / n, "grad_norm": grad_norm.detach(), "skipped": skipped}
 
 
@@ -225,7 +227,8 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
 
-    policy = PrecisionPolicy(cfg.precision, ctx.device)
+    policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=ctx.mode == ParallelMode.fsdp)
+    hw_warnings = check_precision(policy, ctx.device)  # refuses the impossible before any work
 
     # Data: the first rank of each node builds the caches (they live on node-local
     # disk), the others wait and then read them.
@@ -256,12 +259,19 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
     scaler = policy.make_scaler(distributed=ctx.has_group and ctx.world > 1)
 
     dtypes = {**policy.describe(), **ctx.wrapper_dtypes}
+    fp8_report = policy.fp8.report if policy.fp8 else None
+    if fp8_report is not None:
+        # Weights FSDP2 will all-gather in float8 carry torchao's float8-cast tensor subclass.
+        fp8_report["float8_all_gather_weights"] = sum(
+            "Float8" in type(p.to_local() if hasattr(p, "to_local") else p).__name__ for p in model.parameters())
     info = {"dtypes": dtypes, "world_size": ctx.world, "device": str(ctx.device), "backend": ctx.backend,
             "micro_batch_size": mbs, "grad_accum_steps": accum, "vocab_size": vocab,
             "tokenizer": tokens.tokenizer.name, "corpus": tokens.source,
             "train_tokens": int(len(tokens.train)), "val_tokens": int(len(tokens.val)),
             "params_non_embedding": n_params, "git_commit": _git_commit(), "versions": _versions(),
             "argv": sys.argv}
+    if fp8_report:
+        info["fp8"] = fp8_report
     run_name = f"{m.name}-{cfg.precision.name}-{cfg.parallel.name.value}"
     tags = [f"precision:{cfg.precision.name}", f"parallel:{cfg.parallel.name.value}", f"model:{m.name}"]
     if ctx.is_main:
@@ -271,8 +281,8 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
 
     tokens_per_step = tc.global_batch_size * block
     say(_banner(cfg, ctx, policy, dtypes, info, tokens, tokens_per_step, run_dir))
-    if policy.warning:
-        say(f"WARNING: {policy.warning}")
+    for w in ([policy.warning] if policy.warning else []) + hw_warnings:
+        say(f"WARNING: {w}")
     metrics.text("config", "```\n" + OmegaConf.to_yaml(cfg) + "\n```")
 
     seen_compute, unhook = _observe_compute_dtype(model)
@@ -361,6 +371,7 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         "dtypes": dtypes,
         **_peak_memory(ctx.device),
         **dist_summary,
+        **({"fp8": fp8_report} if fp8_report else {}),
     }
     if scaler.enabled:
         summary.update({"amp/skipped_steps": skipped, "amp/skip_rate": skipped / tc.max_steps,
@@ -391,5 +402,10 @@ def _banner(cfg, ctx, policy, dtypes, info, tokens, tokens_per_step, run_dir) ->
         f"  precision={cfg.precision.name}:",
     ]
     lines += [f"    {k:<16} {v}" for k, v in dtypes.items()]
+    if "fp8" in info:
+        r = info["fp8"]
+        lines.append(f"  fp8: {len(r['converted'])} linears converted ({r['forward']}; {r['backward']}; "
+                     f"float8 all-gather {'on' if r['fsdp_float8_all_gather'] else 'off'})")
+        lines += [f"    kept high precision: {n} ({why})" for n, why in r["excluded"].items()]
     lines.append(f"  run directory {run_dir}")
     return "\n".join(lines)

@@ -117,10 +117,3 @@ def test_cli_cross_field_error_is_one_clear_line(tmp_path):
     assert r.returncode == 2
     assert "configuration error" in r.stderr and "micro_batch_size=4" in r.stderr
     assert "Traceback" not in r.stderr
-
-
-def test_fp8_is_refused_not_faked(tmp_path):
-    from .conftest import train
-
-    with pytest.raises(ConfigError, match="fp8 is not implemented"):
-        train(tmp_path / "run", "precision=fp8", "train.max_steps=1")

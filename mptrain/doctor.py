@@ -1,0 +1,193 @@
+"""What this machine can do with each format: ``python -m mptrain.doctor``.
+
+For the device a run would use, each of bf16 / fp16 / fp8 is ``native`` (the
+hardware has matmul instructions or tensor cores for it), ``emulated`` (it
+runs, through conversions or generic kernels, usually much slower than
+fp32) or ``unavailable`` (it cannot run: the reason says why and what to do).
+
+The verdict comes from what the hardware reports (CUDA compute capability;
+the CPU's instruction-set flags), and the doctor also *measures* a matmul in
+each dtype against fp32, so a surprising verdict can be checked on the spot.
+``trainer.run`` uses :func:`check_precision` to warn about emulated formats and
+to refuse impossible ones before anything is built.
+"""
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError
+
+MIN_TORCHAO = (0, 10)
+
+
+@dataclass
+class Verdict:
+    status: str  # native | emulated | unavailable
+    why: str
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def torchao_version() -> str | None:
+    try:
+        import torchao
+    except ImportError:
+        return None
+    return getattr(torchao, "__version__", "unknown")
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def fp8_software_problem() -> str | None:
+    """Why float8 training cannot run with this software, or None when it can."""
+    if not (hasattr(torch, "float8_e4m3fn") and hasattr(torch, "float8_e5m2")):
+        return f"torch {torch.__version__} has no float8 dtypes; install torch>=2.6."
+    v = torchao_version()
+    if v is None:
+        return "torchao is not installed; install it with pip install -e \".[fp8]\" (or pip install torchao)."
+    if _version_tuple(v) < MIN_TORCHAO:
+        return (f"torchao {v} is too old for float8 training here (need >= "
+                f"{'.'.join(map(str, MIN_TORCHAO))}); pip install -U torchao.")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
+    except ImportError as e:
+        return f"torchao {v} has no usable torchao.float8 ({e}); pip install -U torchao."
+    return None
+
+
+def verdicts(device: torch.device) -> dict[str, Verdict]:
+    """native / emulated / unavailable for bf16, fp16 and fp8 on ``device``."""
+    out: dict[str, Verdict] = {}
+    sw = fp8_software_problem()
+    if device.type == "cuda":
+        cc = torch.cuda.get_device_capability(device)
+        name = f"compute capability {cc[0]}.{cc[1]}"
+        out["bf16"] = (Verdict("native", f"{name} >= 8.0 has bf16 tensor cores") if cc >= (8, 0)
+                       else Verdict("emulated", f"{name} < 8.0: no bf16 tensor cores"))
+        out["fp16"] = (Verdict("native", f"{name} >= 7.0 has fp16 tensor cores") if cc >= (7, 0)
+                       else Verdict("emulated", f"{name} < 7.0: no fp16 tensor cores"))
+        if sw:
+            out["fp8"] = Verdict("unavailable", sw)
+        elif cc >= (8, 9):
+            out["fp8"] = Verdict("native", f"{name} >= 8.9 has float8 tensor cores")
+        else:
+            out["fp8"] = Verdict("unavailable", f"{name} < 8.9 has no float8 matmul (torch._scaled_mm); "
+                                 "use precision=bf16, or an Ada/Hopper/Blackwell GPU for fp8")
+        return out
+    flags = _cpu_flags()
+    bf = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    fp = sorted(flags & {"avx512_fp16", "amx_fp16"})
+    out["bf16"] = (Verdict("native", f"CPU has {', '.join(bf)}") if bf
+                   else Verdict("emulated", "CPU has neither avx512_bf16 nor amx_bf16"))
+    out["fp16"] = (Verdict("native", f"CPU has {', '.join(fp)}") if fp
+                   else Verdict("emulated", "CPU has neither avx512_fp16 nor amx_fp16"))
+    out["fp8"] = (Verdict("unavailable", sw) if sw else
+                  Verdict("emulated", "no CPU has float8 matmul; torch._scaled_mm upcasts on CPU"))
+    return out
+
+
+def measure_matmul(device: torch.device, n: int = 512, reps: int = 10) -> dict[str, float]:
+    """Seconds per n x n matmul in fp32 / bf16 / fp16 (a rough probe, not a benchmark)."""
+    res = {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        a = torch.randn(n, n, device=device).to(dt)
+        a @ a  # warm-up (and kernel selection)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        res[name] = (time.perf_counter() - t) / reps
+    return res
+
+
+def recommend(device: torch.device, v: dict[str, Verdict]) -> str:
+    if device.type == "cuda":
+        if v["fp8"].status == "native":
+            return "bf16; fp8 for large models (>= ~1B parameters), where its matmul speed-up outweighs the casts"
+        if v["bf16"].status == "native":
+            return "bf16"
+        if v["fp16"].status == "native":
+            return "fp16 (with dynamic loss scaling)"
+        return "fp32"
+    if v["bf16"].status == "native":
+        return "bf16 (native bf16 matmul on this CPU); fp32 for exact reference runs"
+    return "fp32 (half precision is emulated on this CPU)"
+
+
+def check_precision(policy, device: torch.device) -> list[str]:
+    """Warnings for the run's precision on ``device``; ConfigError when impossible."""
+    v = verdicts(device)
+    want = "fp8" if policy.fp8_enabled else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(policy.compute_dtype)
+    if want is None:
+        return []
+    warnings = []
+    if want == "fp8":
+        if v["fp8"].status == "unavailable":
+            raise ConfigError(f"precision=fp8 cannot run here: {v['fp8'].why}")
+        if v["bf16"].status == "emulated":
+            warnings.append(f"fp8 runs its other ops in bf16, which is emulated on this {device.type}: {v['bf16'].why}.")
+    if v[want].status == "emulated":
+        warnings.append(f"{want} is emulated on this {device.type} ({v[want].why}): expect it to be "
+                        "slower than fp32. Run `python -m mptrain.doctor` for a measured comparison.")
+    return warnings
+
+
+def report(device: torch.device | None = None) -> str:
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    v = verdicts(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    t = measure_matmul(device)
+    lines = [
+        f"device       {device} ({name})",
+        f"torch        {torch.__version__}",
+        f"torchao      {torchao_version() or 'not installed'}",
+        "formats:",
+    ]
+    for fmt in ("bf16", "fp16", "fp8"):
+        lines.append(f"  {fmt:<5} {v[fmt].status:<12} {v[fmt].why}")
+    lines.append("measured 512x512 matmul (relative to fp32; < 1 is faster):")
+    for fmt in ("bf16", "fp16"):
+        lines.append(f"  {fmt:<5} {t[fmt] / t['fp32']:6.2f}x  ({t[fmt] * 1e3:.2f} ms vs {t['fp32'] * 1e3:.2f} ms)")
+    lines.append(f"recommended  precision={recommend(device, v)}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    print(report())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""precision=fp8: real float8 linears from torchao (on CPU through torch._scaled_mm)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mptrain.config import ConfigError
+from mptrain.doctor import fp8_software_problem
+
+from .conftest import ROOT, TINY, make_cfg, read_rows, train
+
+RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+NANO_LINEARS = {f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_30_steps_lower_the_loss(tmp_path, recipe):
+    s, rows = train(tmp_path / "run", "precision=fp8", f"precision.fp8.recipe={recipe}", "train.max_steps=30")
+    losses = [r["train/loss"] for r in rows]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5
+    assert set(s["fp8"]["converted"]) == NANO_LINEARS  # 8 linears: 4 per block
+    assert set(s["fp8"]["excluded"]) == {"lm_head"}  # the tied output head stays high precision
+    assert s["fp8"]["recipe"] == recipe and "e5m2" in s["fp8"]["backward"]
+    assert s["dtypes"]["parameters"] == "fp32" and s["dtypes"]["compute_observed"] == "bf16"
+
+
+def test_exclusions_are_configurable(tmp_path):
+    s, _ = train(tmp_path / "a", "precision=fp8", "train.max_steps=1", "precision.fp8.exclude=[lm_head,blocks.0.*]")
+    assert set(s["fp8"]["converted"]) == {n for n in NANO_LINEARS if n.startswith("blocks.1")}
+    assert {"lm_head", "blocks.0.attn.qkv", "blocks.0.mlp.proj"} <= set(s["fp8"]["excluded"])
+    s, _ = train(tmp_path / "b", "precision=fp8", "train.max_steps=1", "precision.fp8.dim_multiple=128")
+    assert s["fp8"]["converted"] == []  # 64-wide layers are not multiples of 128
+    assert "not multiples of 128" in s["fp8"]["excluded"]["blocks.0.mlp.fc"]
+
+
+def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
+    ref, test = ref.double(), test.double()
+    return 10 * math.log10(ref.pow(2).sum().item() / (ref - test).pow(2).sum().item())
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_float8_linear_sqnr_vs_fp32(recipe):
+    from mptrain.precision import PrecisionPolicy
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(256, 512))
+    x = torch.randn(128, 256)
+    gy = torch.randn(128, 512)
+    policy = PrecisionPolicy(make_cfg("precision=fp8", f"precision.fp8.recipe={recipe}").precision, torch.device("cpu"))
+    f8 = policy.convert_model(nn.Sequential(nn.Linear(256, 512)))
+    f8.load_state_dict(ref.state_dict())
+    assert type(f8[0]).__name__ == "Float8Linear"
+    x_ref, x_f8 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    y_ref.backward(gy)
+    with policy.autocast():
+        y_f8 = f8(x_f8)
+    y_f8.float().backward(gy)
+    out_db, gx_db = sqnr_db(y_ref, y_f8), sqnr_db(x_ref.grad, x_f8.grad)
+    gw_db = sqnr_db(ref[0].weight.grad, f8[0].weight.grad)
+    assert out_db >= 18 and gx_db >= 17 and gw_db >= 17, (out_db, gx_db, gw_db)
+    # and it really is low precision: far from the ~40+ dB bf16 alone would give
+    assert out_db < 35, out_db
+
+
+def test_fp8_refused_without_torchao(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` now raises ImportError
+    assert "pip install -e \".[fp8]\"" in fp8_software_problem()
+    with pytest.raises(ConfigError, match="torchao is not installed"):
+        train(tmp_path / "run", "precision=fp8", "train.max_steps=1")
+
+
+def test_fp8_refused_without_float8_dtypes(monkeypatch):
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    assert "no float8 dtypes" in fp8_software_problem()
+
+
+def test_doctor_on_this_machine():
+    r = subprocess.run([sys.executable, "-m", "mptrain.doctor"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = {line.split()[0]: line.split()[1] for line in r.stdout.splitlines()
+           if line.startswith("  ") and line.split()[1] in ("native", "emulated", "unavailable")}
+    flags = {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    # The verdict follows the CPU's own instruction-set flags, read independently here.
+    assert out["bf16"] == ("native" if flags & {"avx512_bf16", "amx_bf16"} else "emulated")
+    assert out["fp16"] == ("native" if flags & {"avx512_fp16", "amx_fp16"} else "emulated")
+    assert out["fp8"] == "emulated"  # torchao is installed; no CPU has float8 matmul
+    assert f"torch        {torch.__version__}" in r.stdout and "device       cpu" in r.stdout
+    assert "recommended  precision=" in r.stdout and "measured 512x512 matmul" in r.stdout
+
+
+def test_emulated_precision_warns(tmp_path, capsys):
+    train(tmp_path / "run", "precision=fp8", "train.max_steps=1")
+    assert "fp8 is emulated on this cpu" in capsys.readouterr().out
+
+
+def test_fsdp2_fp8_two_ranks(tmp_path):
+    """2-rank FSDP2 with tensorwise float8 all-gather: same loss curve as one
+    process (the all-gather scales are recomputed after every step; stale scales
+    would drift), identical and finite parameters on both ranks after gathering."""
+    from .test_distributed import COMMON, only_run_dir, torchrun
+
+    _, ref = train(tmp_path / "ref", *COMMON, "precision=fp8", tiny=False)
+    torchrun(tmp_path / "dist", *COMMON, "precision=fp8", "parallel=fsdp")
+    run_dir = only_run_dir(tmp_path / "dist")
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["dist/replicas_identical"] is True
+    assert s["fp8"]["fsdp_float8_all_gather"] is True and s["fp8"]["float8_all_gather_weights"] == 8
+    rows = [r for r in read_rows(run_dir) if "train/loss" in r]
+    ref = [r for r in ref if "train/loss" in r]
+    assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref)) < 3e-2
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3
+
+
+def test_gpu_check_script_skips_without_cuda():
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "no CUDA device" in r.stdout

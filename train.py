@@ -10,7 +10,7 @@ from mptrain.launch import rank_overrides
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from mptrain.trainer import run
+    from mptrain.trainer import NonFiniteError, run
 
     try:
         run(cfg)
@@ -18,6 +18,9 @@ def main(cfg: DictConfig) -> None:
         # One clear message, no traceback: the problem is the config, not the code.
         print(f"mptrain: configuration error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteError as e:
+        print(f"mptrain: training stopped: {e}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,11 @@ class Fp8GradDtype(Enum):
     e4m3 = "float8_e4m3fn"
 
 
+class NonFinite(Enum):
+    abort = "abort"
+    skip = "skip"
+
+
 class ParallelMode(Enum):
     none = "none"
     ddp = "ddp"
@@ -121,6 +126,10 @@ class LossScaleConfig:
     """Scale multiplier on a step whose gradients hold inf/nan (that step is skipped)."""
     growth_interval: int = 2000
     """Clean steps between two growths."""
+    min_scale: float = 1.0
+    """Abort when the dynamic scale falls below this: gradients overflow at
+    every scale, so the run produces inf/nan whatever the scaling (the error
+    names the first module that does)."""
 
 
 @dataclass
@@ -244,6 +253,18 @@ class TrainConfig:
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``."""
     seed: int = 1337
     """Seed for initialisation and for the order of training windows."""
+    on_nonfinite: NonFinite = NonFinite.abort
+    """What to do with a step whose gradients hold inf/nan, in runs without a
+    loss scaler: ``abort`` (stop with the step and the first module whose
+    forward output or gradient was non-finite; nothing of the broken state is
+    saved) or ``skip`` (do not apply that step; counted in
+    ``train/nonfinite_skipped``). Checking reads one value back from the
+    device each step. With a loss scaler, skipping is the scaler's job."""
+    stop_after: Optional[int] = None
+    """End this invocation once this many optimizer steps are done (counted
+    from step 0, so it is the same across resumes), writing a checkpoint to
+    resume from. The learning-rate schedule still runs to
+    ``max_steps``: this is a time slice of the run, not a shorter run."""
 
 
 @dataclass
@@ -304,6 +325,20 @@ class LogConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Distributed checkpoints in ``<run>/checkpoints/step-N/`` (``mptrain/checkpoint.py``)."""
+
+    every: int = 0
+    """Save every this many optimizer steps, and at the end of the run. 0: only
+    when stopped by a signal or ``train.stop_after``."""
+    keep_last: int = 2
+    """Keep this many most recent complete checkpoints; older ones are deleted. 0 keeps all."""
+    on_signal: bool = True
+    """On SIGTERM/SIGINT (a preempted job, Ctrl-C), finish the current step,
+    save a checkpoint and exit with code 0. A second SIGINT stops at once."""
+
+
+@dataclass
 class MonitorConfig:
     """The numerics monitor (``mptrain/numerics.py``): what each format would do
     to this run's own gradients, updates and activations."""
@@ -334,6 +369,15 @@ class DebugConfig:
     after backward (before unscaling), as an fp16 overflow would."""
     inject_inf_grad_rank: int = -1
     """Rank that gets the inf; -1 means every rank."""
+    nan_in_module: Optional[str] = None
+    """Name of a module (as in ``model.named_modules()``, e.g. ``blocks.1.mlp.fc``)
+    whose forward output is replaced by NaN at ``nan_at_steps``."""
+    nan_at_steps: list[int] = field(default_factory=list)
+    """0-based steps at which ``nan_in_module`` outputs NaN."""
+    kill_during_save_at_step: Optional[int] = None
+    """SIGKILL this process in the middle of saving the checkpoint of this
+    step (shards written, checkpoint not yet made visible): rehearses a node
+    lost during a save."""
 
 
 # --------------------------------------------------------------------------- root
@@ -348,6 +392,13 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    resume: str = "auto"
+    """``auto``: continue from the newest complete checkpoint in this run
+    directory, if there is one (a fresh run directory starts from scratch).
+    ``none``: always start from scratch. Anything else: a checkpoint directory
+    (``.../checkpoints/step-N``) or a run directory whose newest checkpoint is used."""
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
@@ -470,6 +521,12 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             raise ConfigError(
                 f"precision.loss_scale.growth_interval must be positive, got {ls.growth_interval}."
             )
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
+        raise ConfigError("checkpoint.every and checkpoint.keep_last must be >= 0.")
+    if t.stop_after is not None and t.stop_after <= 0:
+        raise ConfigError(f"train.stop_after must be positive (or null), got {t.stop_after}.")
+    if cfg.monitor.every <= 0:
+        raise ConfigError(f"monitor.every must be positive, got {cfg.monitor.every}.")
     if not 0.0 < cfg.data.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction must be in (0, 0.5), got {cfg.data.val_fraction}.")
 

@@ -85,10 +85,11 @@ def fp8_software_problem() -> str | None:
     return None
 
 
-def verdicts(device: torch.device) -> dict[str, Verdict]:
-    """native / emulated / unavailable for bf16, fp16 and fp8 on ``device``."""
+def verdicts(device: torch.device, check_fp8: bool = True) -> dict[str, Verdict]:
+    """native / emulated / unavailable for bf16, fp16 and fp8 on ``device``.
+    ``check_fp8=False`` skips importing torchao (slow, noisy) when fp8 is not wanted."""
     out: dict[str, Verdict] = {}
-    sw = fp8_software_problem()
+    sw = fp8_software_problem() if check_fp8 else None
     if device.type == "cuda":
         cc = torch.cuda.get_device_capability(device)
         name = f"compute capability {cc[0]}.{cc[1]}"
@@ -149,7 +150,7 @@ def recommend(device: torch.device, v: dict[str, Verdict]) -> str:
 
 def check_precision(policy, device: torch.device) -> list[str]:
     """Warnings for the run's precision on ``device``; ConfigError when impossible."""
-    v = verdicts(device)
+    v = verdicts(device, check_fp8=policy.fp8_enabled)
     want = "fp8" if policy.fp8_enabled else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(policy.compute_dtype)
     if want is None:
         return []

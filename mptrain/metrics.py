@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -17,16 +18,29 @@ from tqdm import tqdm
 
 
 class JsonlSink:
-    """One JSON object per logged step, flushed every row so a crash loses nothing."""
+    """One JSON object per logged step, flushed every row so a crash loses nothing.
 
-    def __init__(self, path: Path):
+    On resume from step N, rows after N (logged before the interruption, by
+    steps that are now run again) are dropped first, so every step has one row."""
+
+    def __init__(self, path: Path, resume_step: Optional[int] = None):
+        if resume_step is not None and path.exists():
+            keep = [ln for ln in path.read_text(encoding="utf-8").splitlines()
+                    if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+            os.replace(tmp, path)
         self.f = open(path, "a", encoding="utf-8")
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, hists: Optional[dict] = None) -> None:
         # Non-finite values are written as JSON's Infinity/NaN extension, which
         # Python's json (and pandas) read back; an overflowing gradient norm is
         # information, not an error.
-        self.f.write(json.dumps({"step": step, **metrics}) + "\n")
+        row = {"step": step, **metrics}
+        for name, (counts, edges) in (hists or {}).items():
+            # bin i counts values with log2|x| in [log2_lo + i, log2_lo + i + 1)
+            row[name] = {"log2_lo": int(round(math.log2(float(edges[0])))), "counts": [int(c) for c in counts]}
+        self.f.write(json.dumps(row) + "\n")
         self.f.flush()
 
     def close(self) -> None:
@@ -34,14 +48,29 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    def __init__(self, logdir: Path):
+    def __init__(self, logdir: Path, resume_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.w = SummaryWriter(log_dir=str(logdir))
+        # purge_step: TensorBoard hides events at or after it from earlier files,
+        # so steps redone after a resume are not drawn twice.
+        self.w = SummaryWriter(log_dir=str(logdir), purge_step=None if resume_step is None else resume_step + 1)
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, hists: Optional[dict] = None) -> None:
         for k, v in metrics.items():
             self.w.add_scalar(k, v, step)
+        for name, (counts, edges) in (hists or {}).items():
+            # Drawn in log2 space: bucket i is the binade [2^k, 2^(k+1)), shown at k.
+            lo = int(round(math.log2(float(edges[0]))))
+            k = [lo + i for i in range(len(counts))]
+            c = [float(x) for x in counts]
+            num = sum(c)
+            if num == 0:
+                continue
+            centers = [x + 0.5 for x in k]
+            self.w.add_histogram_raw(
+                name, min=float(k[0]), max=float(k[-1] + 1), num=num,
+                sum=sum(a * b for a, b in zip(centers, c)), sum_squares=sum(a * a * b for a, b in zip(centers, c)),
+                bucket_limits=[float(x + 1) for x in k], bucket_counts=c, global_step=step)
 
     def text(self, tag: str, text: str) -> None:
         self.w.add_text(tag, text, 0)
@@ -70,8 +99,12 @@ class WandbSink:
             settings=wandb.Settings(console="off", quiet=True),
         )
 
-    def log(self, step: int, metrics: dict) -> None:
-        self.run.log(metrics, step=step)
+    def log(self, step: int, metrics: dict, hists: Optional[dict] = None) -> None:
+        data = dict(metrics)
+        for name, (counts, edges) in (hists or {}).items():
+            log2_edges = [math.log2(float(e)) for e in edges]
+            data[name] = self.wandb.Histogram(np_histogram=([int(c) for c in counts], log2_edges))
+        self.run.log(data, step=step)
 
     def summary(self, summary: dict) -> None:
         for k, v in summary.items():
@@ -89,10 +122,10 @@ class Console:
         self.total, self.enabled = total, enabled
         self.bar: Optional[tqdm] = None
 
-    def start(self) -> None:
+    def start(self, initial: int = 0) -> None:
         """Show the bar (after the start-up banner, so the two do not interleave)."""
         if self.enabled and self.bar is None:
-            self.bar = tqdm(total=self.total, desc="train", unit="step", dynamic_ncols=True,
+            self.bar = tqdm(total=self.total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                             file=sys.stderr, mininterval=0.5)
 
     def advance(self, n: int = 1) -> None:
@@ -122,15 +155,16 @@ class Metrics:
     """Fan-out to the configured sinks. ``enabled=False`` (ranks > 0) makes every call a no-op."""
 
     def __init__(self, run_dir: Optional[Path], log_cfg, total_steps: int, enabled: bool,
-                 wandb_config: Optional[dict] = None, run_name: str = "", tags: Optional[list[str]] = None):
+                 wandb_config: Optional[dict] = None, run_name: str = "", tags: Optional[list[str]] = None,
+                 resume_step: Optional[int] = None):
         self.enabled = enabled
         self.sinks: list = []
         self.console = Console(total_steps, enabled and log_cfg.progress)  # bar starts at console.start()
         if not enabled:
             return
         if log_cfg.jsonl:
-            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
-        self.tb = TensorBoardSink(run_dir / "tensorboard") if log_cfg.tensorboard else None
+            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step))
+        self.tb = TensorBoardSink(run_dir / "tensorboard", resume_step) if log_cfg.tensorboard else None
         if self.tb:
             self.sinks.append(self.tb)
         self.wandb = None
@@ -138,12 +172,12 @@ class Metrics:
             self.wandb = WandbSink(run_dir, log_cfg.wandb, wandb_config or {}, run_name, tags or [])
             self.sinks.append(self.wandb)
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, hists: Optional[dict] = None) -> None:
         if not self.enabled:
             return
         metrics = {k: v if isinstance(v, int) else float(v) for k, v in metrics.items()}
         for s in self.sinks:
-            s.log(step, metrics)
+            s.log(step, metrics, hists)
         if "train/loss" in metrics:
             self.console.log(step, metrics)
 

@@ -72,11 +72,32 @@ class DistContext:
             t /= self.world
         return t
 
+    def shard_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks that *shard* the parameters (FSDP); identity where
+        every rank holds full copies (none, DDP)."""
+        if self.mode in (ParallelMode.fsdp, ParallelMode.fsdp1) and self.has_group and self.world > 1:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def shard_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.mode in (ParallelMode.fsdp, ParallelMode.fsdp1):
+            return self.all_reduce_max(t)
+        return t
+
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         if self.has_group and self.world > 1:
             t = t.clone()
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any (a collective when world > 1)."""
+        if not (self.has_group and self.world > 1):
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)  # int32: NCCL reduces it, unlike bool
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Stack of every rank's ``t`` (world, *t.shape); just ``t[None]`` alone."""

@@ -95,6 +95,10 @@ class LossScaler:
         self.skipped += skipped
         return skipped
 
+    def scale_tensor(self) -> Optional[torch.Tensor]:
+        """The current scale as a device tensor (no host sync), or None when off."""
+        return getattr(self.scaler, "_scale", None) if self.enabled else None
+
     def get_scale(self) -> Optional[float]:
         """Current scale (host sync), or None when scaling is off."""
         return float(self.scaler.get_scale()) if self.enabled else None

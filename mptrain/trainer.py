@@ -24,9 +24,11 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from . import data as data_mod
+from .checkpoint import Checkpointer, Progress, StopSignal, resolve_resume
 from .config import ConfigError, ParallelMode, micro_steps, validate
 from .doctor import check_precision
 from .metrics import Metrics, fmt
+from .numerics import NumericsMonitor
 from .model import GPT, GPTShape
 from .parallel import DistContext, setup, wrap
 from .precision import LossScaler, PrecisionPolicy, dtype_name
@@ -86,14 +88,50 @@ def _inject_inf(model: nn.Module) -> None:
             return
 
 
+class NonFiniteStep(Exception):
+    """Raised inside a step whose gradients hold inf/nan when the run aborts on it."""
+
+
+class NonFiniteError(RuntimeError):
+    """The run stopped on non-finite numbers; the message names the step and the module."""
+
+
+def _plant_nan(model: nn.Module, name: Optional[str], steps) -> dict:
+    """Testing aid (debug.nan_in_module): NaN out one module's forward output at
+    chosen steps. Returns the dict whose "step" the loop keeps current."""
+    state = {"step": -1}
+    if not name:
+        return state
+    from .numerics import canonical_name
+
+    mods = {canonical_name(n): m for n, m in model.named_modules()}
+    if name not in mods:
+        raise ConfigError(f"debug.nan_in_module='{name}' is not a module of this model; "
+                          f"e.g. {', '.join(list(mods)[1:6])}, ...")
+    at = set(steps)
+
+    def hook(_m, _inp, out):
+        if state["step"] in at:
+            return out * float("nan")
+        return None
+
+    mods[name].register_forward_hook(hook)
+    return state
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler,
                policy: PrecisionPolicy, ctx: DistContext, micro_batches: list, grad_clip: float,
-               inject_inf: bool = False) -> dict[str, torch.Tensor]:
+               inject_inf: bool = False, monitor=None, on_nonfinite: Optional[str] = None) -> dict[str, torch.Tensor]:
     """One optimizer step over this rank's micro-batches.
 
     Returns device tensors (no host sync here beyond the one inside the fp16
-    scaler): ``loss`` (mean over micro-batches, this rank), ``grad_norm``
-    (global, unscaled, before clipping), ``skipped`` (1 if the scaler skipped).
+    scaler, or the finiteness check of ``on_nonfinite``): ``loss`` (mean over
+    micro-batches, this rank), ``grad_norm`` (global, unscaled, before
+    clipping), ``skipped`` (1 if the step was not applied).
+
+    ``on_nonfinite`` (runs without a loss scaler): ``"abort"`` raises
+    :class:`NonFiniteStep` before the optimizer touches the weights, ``"skip"``
+    leaves the weights as they are; ``None`` does not look.
     """
     optimizer.zero_grad(set_to_none=True)
     n = len(micro_batches)
@@ -109,11 +147,63 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
         loss_sum += loss.detach()
     if inject_inf:
         _inject_inf(model)
+    if monitor is not None:
+        monitor.after_backward(model, scaler.scale_tensor())  # gradients as held: still scaled
     scaler.unscale_(optimizer)  # clipping and the norm must see true gradients
     grad_norm = ctx.clip_grad_norm(model, grad_clip)
+    if on_nonfinite is not None and not bool(torch.isfinite(grad_norm)):  # host sync (documented)
+        if on_nonfinite == "abort":
+            raise NonFiniteStep()
+        optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_sum / n, "grad_norm": grad_norm.detach(),
+                "skipped": torch.ones((), device=ctx.device)}
+    if monitor is not None:
+        monitor.before_optimizer(model)
     skipped = scaler.step(optimizer)
+    if monitor is not None:
+        monitor.after_optimizer(model, skipped)
     policy.after_optimizer_step(model)  # float8 all-gather scales follow the new weights
     return {"loss": loss_sum / n, "grad_norm": grad_norm.detach(), "skipped": skipped}
+
+
+def locate_nonfinite(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, micro_batches: list,
+                     scale: float = 1.0) -> str:
+    """Replay a step's forward and backward with hooks and name the first module
+    whose output (in forward order) or output gradient (in backward order) holds
+    inf/nan. The weights are those the bad step started from: it was not applied."""
+    from .numerics import canonical_name
+
+    found: list[str] = []
+
+    def bad(t) -> bool:
+        return torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+
+    def fwd_hook(name):
+        def hook(_m, _inp, out):
+            t = out[0] if isinstance(out, (tuple, list)) else out
+            if bad(t):
+                found.append(f"forward output of '{name}'")
+            elif torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(lambda g: found.append(f"gradient of '{name}' output") if bad(g) else None)
+        return hook
+
+    handles = [m.register_forward_hook(fwd_hook(canonical_name(n) or "model (the loss)"))
+               for n, m in model.named_modules()]
+    try:
+        model.zero_grad(set_to_none=True)
+        for x, y in micro_batches:
+            with ctx.grad_sync(model, enabled=True), policy.autocast():
+                _, loss = model(x.to(ctx.device), y.to(ctx.device))
+            if found:
+                break
+            (loss * scale).backward()
+            if found:
+                break
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return found[0] if found else "no module (inf/nan appeared in the gradient reduction or clipping)"
 
 
 @torch.no_grad()
@@ -130,6 +220,31 @@ def evaluate(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, batche
     model.train()
     ctx.reshard(model)
     return float(ctx.all_reduce_mean(total / max(count, 1)))
+
+
+class SpikeDetector:
+    """A logged loss above ``factor`` x the median of the previous ``window``
+    logged losses is a spike. Resumable (its window is checkpointed)."""
+
+    def __init__(self, factor: float, window: int):
+        self.factor, self.size = factor, window
+        self.window: list[float] = []
+        self.median = float("nan")
+
+    def update(self, loss: float) -> bool:
+        hist = sorted(self.window)
+        spike = False
+        if len(hist) >= min(5, self.size) and math.isfinite(loss):
+            self.median = hist[len(hist) // 2]
+            spike = loss > self.factor * self.median
+        self.window = (self.window + [loss])[-self.size:]
+        return spike
+
+    def state_dict(self) -> dict:
+        return {"window": list(self.window)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.window = list(sd.get("window", []))
 
 
 # ------------------------------------------------------------- run records
@@ -276,33 +391,71 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
     tags = [f"precision:{cfg.precision.name}", f"parallel:{cfg.parallel.name.value}", f"model:{m.name}"]
     if ctx.is_main:
         _write_config(run_dir, cfg, info)
+    # Resume: rank 0 picks the checkpoint (one listing of the directory), every rank loads it.
+    progress = Progress()
+    ckpt = Checkpointer(cfg.checkpoint, run_dir, ctx, cfg, cfg.debug.kill_during_save_at_step)
+    resume_path = ctx.broadcast_object(resolve_resume(cfg.resume, run_dir) if ctx.is_main else None)
+    if resume_path is not None:
+        ckpt.load(Path(resume_path), model, optimizer, scaler, progress, policy)
+        info["resumed_from"] = str(resume_path)
+    start = progress.step
+
     wandb_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) | {"run_info": info}
-    metrics = Metrics(run_dir, cfg.log, tc.max_steps, ctx.is_main, wandb_cfg, run_name, tags)
+    metrics = Metrics(run_dir, cfg.log, tc.max_steps, ctx.is_main, wandb_cfg, run_name, tags,
+                      resume_step=start if resume_path is not None else None)
 
     tokens_per_step = tc.global_batch_size * block
     say(_banner(cfg, ctx, policy, dtypes, info, tokens, tokens_per_step, run_dir))
     for w in ([policy.warning] if policy.warning else []) + hw_warnings:
         say(f"WARNING: {w}")
+    if resume_path is not None:
+        say(f"resumed from {resume_path} at step {start} ({progress.tokens:,} tokens seen)")
     metrics.text("config", "```\n" + OmegaConf.to_yaml(cfg) + "\n```")
 
+    monitor = NumericsMonitor(cfg.monitor, model, reduce_sum=ctx.shard_sum, reduce_max=ctx.shard_max,
+                              reduce_max_all=ctx.all_reduce_max)
+    spikes = SpikeDetector(cfg.monitor.spike_factor, cfg.monitor.spike_window)
+    if resume_path is not None:
+        spikes.load_state_dict(ckpt.loaded_extra.get("spikes", {}))
+    # With a loss scaler the scaler skips bad steps; without one we look ourselves.
+    on_nonfinite = None if scaler.enabled else cfg.train.on_nonfinite.value
+    nonfinite_skipped = torch.zeros((), dtype=torch.int64, device=ctx.device)
+    nan_fault = _plant_nan(model, cfg.debug.nan_in_module, cfg.debug.nan_at_steps)
     seen_compute, unhook = _observe_compute_dtype(model)
     inject_steps, inject_rank = set(cfg.debug.inject_inf_grad_steps), cfg.debug.inject_inf_grad_rank
+    stop = StopSignal(cfg.checkpoint.on_signal)
+    stopped_by: Optional[str] = None
+    last_saved: Optional[int] = None
     last_train: dict = {}
     last_val: Optional[float] = None
     train_time = 0.0
-    t_mark, steps_since = time.perf_counter(), 0
+    t_mark, steps_since, excluded = time.perf_counter(), 0, 0.0
     model.train()
-    metrics.console.start()
-    for step in range(tc.max_steps):
+    metrics.console.start(initial=start)
+    for step in range(start, tc.max_steps):
         lr = lr_at(step, cfg.optim, tc.max_steps)
         for g in optimizer.param_groups:
             g["lr"] = lr
         inject = step in inject_steps and inject_rank in (-1, ctx.rank)
-        out = train_step(model, optimizer, scaler, policy, ctx, batches.batch(step), tc.grad_clip, inject)
+        micro = batches.batch(step)
+        nan_fault["step"] = step
+        monitor.start_step(step)
+        try:
+            out = train_step(model, optimizer, scaler, policy, ctx, micro, tc.grad_clip, inject,
+                             monitor, on_nonfinite)
+        except NonFiniteStep:
+            where = locate_nonfinite(model, policy, ctx, micro)
+            raise NonFiniteError(
+                f"step {step + 1}: the gradients hold inf/nan; first non-finite value: {where}. "
+                "Nothing of this step was applied or saved. (train.on_nonfinite=skip skips such steps "
+                "instead; lowering optim.lr or checking the data are the usual fixes.)") from None
+        if on_nonfinite == "skip":
+            nonfinite_skipped += out["skipped"].to(nonfinite_skipped.dtype)
         done = step + 1
+        progress.step, progress.tokens = done, progress.tokens + tokens_per_step
         steps_since += 1
         metrics.console.advance()
-        if done == 1:
+        if done == start + 1:
             unhook()
             dtypes.update(observed_dtypes(model, optimizer))
             dtypes["compute_observed"] = seen_compute.get("linear_output", "?")
@@ -313,21 +466,38 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         if done == 1 or done % tc.log_every == 0 or done == tc.max_steps:
             # Host sync: the loss/norm/scale are read back only at this cadence.
             loss = float(ctx.all_reduce_mean(out["loss"].float()))
-            elapsed = time.perf_counter() - t_mark
+            now = time.perf_counter()
+            # Throughput counts everything a training step costs (logging and the
+            # monitor included) except evaluation and checkpointing.
+            elapsed, t_mark, excluded = now - t_mark - excluded, now, 0.0
             train_time += elapsed
             row.update({
                 "train/loss": loss,
                 "train/lr": lr,
                 "train/grad_norm": float(out["grad_norm"]),
-                "train/tokens": done * tokens_per_step,
+                "train/tokens": progress.tokens,
                 "perf/tokens_per_s": steps_since * tokens_per_step / elapsed,
                 "perf/step_time_s": elapsed / steps_since,
                 **_peak_memory(ctx.device),
             })
             if scaler.enabled:
                 skipped = int(scaler.skipped)
-                row.update({"amp/loss_scale": scaler.get_scale(), "amp/skipped_steps": skipped,
+                scale_now = scaler.get_scale()
+                row.update({"amp/loss_scale": scale_now, "amp/skipped_steps": skipped,
                             "amp/skip_rate": skipped / done})
+                if scale_now < cfg.precision.loss_scale.min_scale:
+                    where = locate_nonfinite(model, policy, ctx, micro, scale=scale_now)
+                    raise NonFiniteError(
+                        f"step {done}: the loss scale fell to {scale_now:g}, below "
+                        f"precision.loss_scale.min_scale={cfg.precision.loss_scale.min_scale:g}: the gradients "
+                        f"overflow at every scale. First non-finite value: {where}. Nothing of the broken state "
+                        "was saved. Consider bf16, a lower optim.lr, or checking the data.")
+            if on_nonfinite == "skip":
+                row["train/nonfinite_skipped"] = int(nonfinite_skipped)
+            if spikes.update(loss):
+                row["events/loss_spike"] = loss / spikes.median
+                metrics.write(f"step {done:>6} | loss spike: {loss:.4f} is {loss / spikes.median:.1f}x "
+                              f"the median {spikes.median:.4f} of the last {len(spikes.window) - 1} logged losses")
             if ctx.world > 1:
                 # Every rank must have the same global grad norm and skip count; a
                 # disagreement means the ranks are no longer training one model.
@@ -335,16 +505,43 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
                 row["dist/rank_mismatch"] = 0 if ctx.ranks_agree(mine) else 1
             last_train = row.copy()
         if tc.eval_every and (done % tc.eval_every == 0 or done == tc.max_steps):
+            t_eval = time.perf_counter()
             val_iter = data_mod.val_batches(val_w, tc.eval_batches, tc.global_batch_size, mbs, ctx.rank, ctx.world)
             last_val = evaluate(model, policy, ctx, val_iter)
+            excluded += time.perf_counter() - t_eval
             row["val/loss"] = last_val
             metrics.write(f"step {done:>6} | train loss {fmt(last_train.get('train/loss'))} | "
                           f"val loss {fmt(last_val)} | unigram baseline {tokens.unigram_nats:.4f}")
+        hists = {}
+        if monitor.active(step):
+            scalars, hists = monitor.collect()  # collectives + one host sync, on monitored steps only
+            row.update(scalars)
         if row:
-            metrics.log(done, row)
-        if "train/loss" in row or "val/loss" in row:
-            t_mark, steps_since = time.perf_counter(), 0  # eval and logging time stay out of throughput
+            metrics.log(done, row, hists)
+
+        # Stop here? A signal may reach ranks at different steps: they agree through
+        # a tiny all-reduce (a host sync per step, only in multi-rank runs).
+        if ctx.any_rank(stop.flag):
+            stopped_by = stop.name or "a signal on another rank"
+        elif tc.stop_after is not None and done >= tc.stop_after and done < tc.max_steps:
+            stopped_by = f"train.stop_after={tc.stop_after}"
+        every = cfg.checkpoint.every
+        if stopped_by or (every and done % every == 0) or (every and done == tc.max_steps):
+            t_save = time.perf_counter()
+            ckpt.save(done, model, optimizer, scaler, progress, {"spikes": spikes.state_dict()})
+            excluded += time.perf_counter() - t_save
+            last_saved = done
+            metrics.write(f"step {done:>6} | checkpoint saved: {ckpt.root / f'step-{done}'}")
+        if stopped_by:
+            metrics.write(f"step {done:>6} | stopping ({stopped_by}); resume with resume=auto "
+                          f"hydra.run.dir={run_dir}")
+            break
+        if "train/loss" in row:
+            steps_since = 0
+    stop.restore()
     metrics.console.close()
+    if cfg.checkpoint.every and last_saved != progress.step and progress.step == tc.max_steps:
+        ckpt.save(progress.step, model, optimizer, scaler, progress, {"spikes": spikes.state_dict()})
     dtypes.update(observed_dtypes(model, optimizer))  # what the objects hold at the end, not just at step 1
 
     skipped = int(scaler.skipped)
@@ -356,12 +553,12 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
             "dist/skipped_steps_per_rank": [int(v) for v in ctx.all_gather(scaler.skipped)],
         }
     summary = {
-        "steps": tc.max_steps,
-        "tokens": tc.max_steps * tokens_per_step,
+        "steps": progress.step,
+        "tokens": progress.tokens,
         "final/train_loss": last_train.get("train/loss"),
         "final/val_loss": last_val,
         "baseline/unigram_val_loss": tokens.unigram_nats,
-        "perf/tokens_per_s": tc.max_steps * tokens_per_step / train_time if train_time else None,
+        "perf/tokens_per_s": (progress.step - start) * tokens_per_step / train_time if train_time else None,
         "wall_time_s": time.perf_counter() - t_start,
         "params_non_embedding": n_params,
         "precision": cfg.precision.name,
@@ -372,9 +569,11 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         **_peak_memory(ctx.device),
         **dist_summary,
         **({"fp8": fp8_report} if fp8_report else {}),
+        **({"resumed_from": str(resume_path)} if resume_path is not None else {}),
+        **({"stopped_early": stopped_by} if stopped_by else {}),
     }
     if scaler.enabled:
-        summary.update({"amp/skipped_steps": skipped, "amp/skip_rate": skipped / tc.max_steps,
+        summary.update({"amp/skipped_steps": skipped, "amp/skip_rate": skipped / max(progress.step, 1),
                         "amp/final_loss_scale": scaler.get_scale()})
     if ctx.is_main:
         _write_json(run_dir / "summary.json", summary)

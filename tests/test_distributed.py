@@ -35,6 +35,8 @@ def torchrun(cwd: Path, *overrides: str, nproc: int = 2, timeout: int = 300) -> 
            str(ROOT / "train.py"), *overrides]
     cwd.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ})
+    if r.returncode:
+        (cwd / "torchrun.stderr").write_text(r.stderr)
     assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return r
 
@@ -72,6 +74,11 @@ def test_two_ranks_match_single_process(tmp_path, reference, parallel, precision
         # and that grad norm is the single-process one
         for a, b in zip(rows, ref):
             assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4), a["step"]
+        # the numerics monitor describes the whole model (shards reduced), as one process sees it
+        a, b = rows[0], ref[0]
+        for key in ("numerics/grad_norm/all", "numerics/grad_norm/block1", "numerics/weight_norm/embed",
+                    "numerics/weight_absmax/head", "numerics/grad_underflow/e4m3", "numerics/update_underflow/bf16"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["world_size"] == 2 and s["dist/replicas_identical"] is True
     assert s["dtypes"]["parameters"] == "fp32" and s["dtypes"]["optimizer_state"] == "fp32"

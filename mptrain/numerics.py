@@ -1,0 +1,510 @@
+"""The numerics monitor: what each format would do to this run's own numbers.
+
+On monitored steps the monitor looks at the gradients, the parameter updates
+and the block activations and asks, for fp16, bf16, e4m3 and e5m2: how many
+of these values would flush to zero, land in the subnormal range, or
+overflow if they were cast to that format? How many optimizer updates would be
+lost if the parameters were stored in bf16 / fp16 instead of fp32?
+
+Design rules:
+
+- Everything stays on the device until :meth:`NumericsMonitor.collect`, which
+  does the cross-rank reductions and one host sync. Counts are int64 (exact,
+  and NCCL/gloo sum them), norms are fp32.
+- The thresholds are derived from :mod:`mptrain.formats` (``torch.finfo``) and
+  the round-to-nearest-even rule, never typed in; the tests check them
+  against real casts at and next to every boundary.
+- On steps that are not monitored every method returns at once: the monitor
+  is its own no-op object, so the step calls it unconditionally.
+
+Definitions (for a non-zero value ``x`` cast to format F with round to nearest even):
+
+- *underflow*: the cast is exactly 0, i.e. ``|x| <= smallest_subnormal / 2``
+  (the tie at half the smallest subnormal goes to 0, the even neighbour).
+- *subnormal*: the cast is non-zero and below ``smallest_normal``, i.e.
+  ``smallest_subnormal / 2 < |x| < smallest_normal - smallest_subnormal / 2``
+  (the tie at the top goes up to ``smallest_normal``, whose mantissa is even).
+- *overflow*: ``|x|`` rounds to a magnitude beyond ``max``, i.e. above the
+  midpoint ``max + ulp(max) / 2``, or at it when the tie goes up (it goes up
+  when ``max`` has an odd last mantissa bit: fp16, bf16, e5m2, whose
+  all-ones ``max`` rounds the tie up to what would be the next binade, inf).
+  For fp16/bf16/e5m2 this is exactly "the cast gives inf": >= 65520,
+  >= 0x1.ffp127 and >= 61440. **e4m3 (``float8_e4m3fn``) has no inf**: its
+  ``max`` (448 = 1.110b x 2^8) has an even last bit, because 1.111b x 2^8 is
+  the NaN pattern. We use the same rule: overflow is ``|x| > 464`` (464 is the
+  tie between 448 and the unrepresentable 480 and rounds down, to even 448).
+  Every such value is one a cast cannot round correctly: depending on the
+  torch version and device the cast saturates to 448 (torch 2.13 CPU does) or
+  gives NaN; values up to 464 round to 448 like any other value.
+- inf counts as overflow in every format; NaN is not a value and is counted
+  nowhere (not even as non-zero).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from . import formats
+
+MONITORED: tuple[str, ...] = ("fp16", "bf16", "e4m3", "e5m2")
+"""Formats whose underflow / subnormal / overflow counts are computed."""
+
+COUNT_KINDS: tuple[str, ...] = ("underflow", "subnormal", "overflow")
+"""The per-format counts, in the order :func:`format_counts` returns them."""
+
+UPDATE_FORMATS: tuple[str, ...] = ("bf16", "fp16")
+"""Storage formats for which :func:`update_underflow_counts` counts lost updates."""
+
+WHOLE_MODEL = "all"
+"""Group name used for statistics over the whole model."""
+
+
+def count_index(fmt: str, kind: str) -> int:
+    """Position of ``(fmt, kind)`` in the vector of :func:`format_counts` (0 is the non-zero count)."""
+    return 1 + 3 * MONITORED.index(fmt) + COUNT_KINDS.index(kind)
+
+
+# ----------------------------------------------------------------- thresholds
+@dataclass(frozen=True)
+class CastThresholds:
+    """Magnitudes (fp32 values) where a cast to one format changes behaviour.
+
+    All three are exactly representable in fp32, so comparing an fp32 tensor
+    with them is exact (checked when they are built)."""
+
+    name: str
+    last_underflow: float
+    """Largest |x| that rounds to 0: half the smallest subnormal."""
+    first_normal: float
+    """Smallest |x| that rounds to a normal value: ``smallest_normal - smallest_subnormal / 2``."""
+    first_overflow: float
+    """Smallest fp32 |x| that rounds beyond ``max`` (see the module docstring)."""
+
+
+def _fp32_exact(x: float) -> bool:
+    return torch.tensor(x, dtype=torch.float32).item() == x
+
+
+@functools.lru_cache(maxsize=None)
+def thresholds(name: str) -> CastThresholds:
+    """The :class:`CastThresholds` of format ``name``, derived from :func:`formats.info`."""
+    f = formats.info(name)
+    if name == "fp32":
+        # Its own thresholds are not fp32 numbers (2^-150...), and an fp32 value
+        # cast to fp32 never changes: there is nothing to monitor.
+        raise ValueError("thresholds are defined for formats narrower than fp32")
+    half_sub = f.smallest_subnormal / 2
+    midpoint = f.max + f.ulp_of_max / 2
+    # Round half to even at the midpoint: it goes up (overflow) iff max's last
+    # mantissa bit is odd. max / ulp(max) is the integer significand of max.
+    max_is_odd = int(f.max / f.ulp_of_max) % 2 == 1
+    if max_is_odd:
+        first_overflow = midpoint
+    else:
+        first_overflow = torch.nextafter(torch.tensor(midpoint, dtype=torch.float32),
+                                         torch.tensor(math.inf, dtype=torch.float32)).item()
+    th = CastThresholds(name, last_underflow=half_sub, first_normal=f.smallest_normal - half_sub,
+                        first_overflow=first_overflow)
+    for v in (th.last_underflow, th.first_normal, th.first_overflow):
+        assert _fp32_exact(v), f"{name}: threshold {v!r} is not an fp32 number"
+    return th
+
+
+# ----------------------------------------------------------------- statistics
+def format_counts(t: torch.Tensor) -> torch.Tensor:
+    """Counts over the non-zero elements of ``t`` (any float dtype, upcast to fp32).
+
+    Returns an int64 tensor of shape ``(1 + 3 * len(MONITORED),)``:
+    ``[n_nonzero, then per format in MONITORED: n_underflow, n_subnormal, n_overflow]``
+    (index with :func:`count_index`). No host sync.
+    """
+    # abs of an fp32 value is exact, and so is the upcast from bf16/fp16.
+    a = t.detach().float().abs().reshape(-1)
+    nonzero = a > 0  # NaN compares False: counted nowhere
+    out = [nonzero.sum()]
+    for name in MONITORED:
+        th = thresholds(name)
+        out.append((nonzero & (a <= th.last_underflow)).sum())
+        out.append(((a > th.last_underflow) & (a < th.first_normal)).sum())
+        out.append((a >= th.first_overflow).sum())  # inf included
+    return torch.stack(out)
+
+
+def hist_edges(lo: int = -40, hi: int = 16) -> torch.Tensor:
+    """Bin edges (float64, length ``hi - lo + 2``) of :func:`log2_histogram`:
+    bin ``i`` holds ``2^(lo+i) <= |x| < 2^(lo+i+1)``; the first and last bins
+    also hold everything below / above the range."""
+    return torch.pow(2.0, torch.arange(lo, hi + 2, dtype=torch.float64))
+
+
+def log2_histogram(t: torch.Tensor, lo: int = -40, hi: int = 16) -> torch.Tensor:
+    """int64 counts of ``floor(log2|x|)`` for the non-zero finite elements of
+    ``t``, bins ``lo..hi`` inclusive (``hi - lo + 1`` of them), values beyond
+    the range clamped into the end bins. No host sync."""
+    if hi < lo:
+        raise ValueError(f"log2_histogram: hi={hi} < lo={lo}")
+    a = t.detach().float().reshape(-1)
+    # frexp gives |x| = m * 2^e with m in [0.5, 1), so floor(log2|x|) = e - 1
+    # exactly; torch.log2 rounds to the next integer just below powers of two.
+    _, e = torch.frexp(a)
+    nbins = hi - lo + 1
+    k = (e.to(torch.int64) - 1).clamp(lo, hi) - lo
+    # Zero / inf / NaN go to an extra bin that is cut off: selecting the valid
+    # elements with a boolean mask would be a host sync (the size is data-dependent).
+    valid = (a != 0) & torch.isfinite(a)
+    k = torch.where(valid, k, torch.full_like(k, nbins))
+    counts = torch.zeros(nbins + 1, dtype=torch.int64, device=a.device)
+    # scatter_add_ rather than bincount: bincount sizes its output from the
+    # data's max, a host sync on CUDA. Integer adds are exact in any order.
+    counts.scatter_add_(0, k, torch.ones_like(k))
+    return counts[:nbins]
+
+
+def update_underflow_counts(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """Updates that only fp32 master weights keep.
+
+    ``update = after - before`` (fp32). An update is lost in format F when the
+    parameter stored in F would not change: ``(F(before) + update)`` cast back
+    to F equals ``F(before)``. Returns int64 ``[n_nonzero_update,
+    n_lost_bf16, n_lost_fp16]`` (the order of :data:`UPDATE_FORMATS`). No host sync.
+    """
+    before = before.detach().float().reshape(-1)
+    after = after.detach().float().reshape(-1)
+    update = after - before
+    changed = update != 0
+    out = [changed.sum()]
+    for name in UPDATE_FORMATS:
+        dt = formats.FORMATS[name]
+        held = before.to(dt)
+        lost = (held.float() + update).to(dt) == held
+        out.append((changed & lost).sum())
+    return torch.stack(out)
+
+
+# ----------------------------------------------------------------- layer groups
+# Name components that wrappers insert: DDP / FSDP1 / torch.compile / activation checkpointing.
+_WRAPPER_PARTS = frozenset({"module", "_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"})
+
+
+def canonical_name(name: str) -> str:
+    """``name`` with the wrappers' components removed, wherever they sit
+    (whole dotted components only, so ``submodule.x`` is left alone)."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+def group_of(name: str) -> str:
+    """Layer group of a parameter or module name of :class:`mptrain.model.GPT`:
+    ``embed`` (wte, wpe), ``block{N}`` (blocks.N), ``head`` (ln_f, lm_head) or ``other``."""
+    parts = canonical_name(name).split(".")
+    if parts[0] in ("wte", "wpe"):
+        return "embed"
+    if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit():
+        return f"block{int(parts[1])}"
+    if parts[0] in ("ln_f", "lm_head"):
+        return "head"
+    return "other"
+
+
+def _group_order(g: str) -> tuple:
+    m = re.fullmatch(r"block(\d+)", g)
+    return (1, int(m.group(1))) if m else ({"embed": 0, "head": 2}.get(g, 3), 0)
+
+
+def layer_groups(named_params: Iterable[tuple[str, nn.Parameter]]) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Group ``(name, parameter)`` pairs by :func:`group_of`, keeping the names
+    as given. Groups are ordered embed, block0, block1, ..., head, other.
+    (The tied ``lm_head.weight`` usually appears only as ``wte.weight``, since
+    ``named_parameters`` lists a shared tensor once.)"""
+    groups: dict[str, list] = {}
+    for name, p in named_params:
+        groups.setdefault(group_of(name), []).append((name, p))
+    return {g: groups[g] for g in sorted(groups, key=_group_order)}
+
+
+# ----------------------------------------------------------------- monitor
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2 parameters and gradients); a plain tensor as is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _first_tensor(out) -> Optional[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                return o
+    return None
+
+
+Reducer = Callable[[torch.Tensor], torch.Tensor]
+
+
+class NumericsMonitor:
+    """Collects ``numerics/*`` statistics on monitored steps.
+
+    The trainer calls, every step and unconditionally::
+
+        monitor.start_step(step)                 # before the forward pass(es)
+        ... forward / backward ...
+        monitor.after_backward(model, scale)     # grads as held, scaled or not
+        monitor.before_optimizer(model)
+        skipped = scaler.step(optimizer)
+        monitor.after_optimizer(model, skipped)
+        if logging: scalars, hists = monitor.collect()   # on every rank: it runs collectives
+
+    On steps where :meth:`active` is False each call returns at once. A
+    monitored step replaces whatever an earlier monitored step left
+    uncollected; :meth:`collect` reports the latest one.
+
+    ``reduce_sum`` / ``reduce_max`` combine over the ranks that *shard* the
+    parameters (identity in one process or under DDP, where every rank holds
+    the same full gradients; an all-reduce under FSDP). ``reduce_max_all``
+    combines over every rank (activations come from different data on each
+    rank, whatever the wrapper).
+    """
+
+    def __init__(self, mcfg, model: nn.Module, reduce_sum: Reducer = _identity, reduce_max: Reducer = _identity,
+                 *, reduce_max_all: Reducer = _identity, hist_lo: int = -40, hist_hi: int = 16):
+        self.cfg = mcfg
+        self.enabled = bool(mcfg.enabled)
+        self.every = int(mcfg.every)
+        self.histogram = bool(mcfg.histogram)
+        self.activations = bool(mcfg.activations)
+        self.reduce_sum, self.reduce_max, self.reduce_max_all = reduce_sum, reduce_max, reduce_max_all
+        self.hist_lo, self.hist_hi = hist_lo, hist_hi
+        # Outermost module per block name: with wrappers (FSDP1, checkpoint
+        # wrappers) the same "blocks.N" appears at several depths after
+        # canonicalisation, and the outer one runs once per forward.
+        self._blocks: dict[str, nn.Module] = {}
+        for name, mod in model.named_modules():
+            parts = canonical_name(name).split(".")
+            if len(parts) == 2 and parts[0] == "blocks" and parts[1].isdigit():
+                self._blocks.setdefault(group_of(name), mod)
+        self._on = False
+        self._hooks: list = []
+        self._reset()
+
+    # -- schedule
+    def active(self, step: int) -> bool:
+        """Whether 0-based ``step`` is monitored: the first step, then every ``every``-th."""
+        if not self.enabled:
+            return False
+        return step == 0 or (self.every > 0 and (step + 1) % self.every == 0)
+
+    def _reset(self) -> None:
+        self._sum: dict[str, torch.Tensor] = {}      # summed over shards
+        self._max: dict[str, torch.Tensor] = {}      # max over shards
+        self._max_all: dict[str, torch.Tensor] = {}  # max over all ranks
+        self._has_grad: set[str] = set()
+        self._snapshot: Optional[list[torch.Tensor]] = None
+        self._pending = False
+
+    def start_step(self, step: int) -> None:
+        """Begin ``step``: if monitored, drop stale results and hook the blocks' outputs."""
+        self._remove_hooks()  # left over only if a step died between forward and backward
+        self._on = self.active(step)
+        if not self._on:
+            return
+        self._reset()
+        self._pending = True
+        if self.activations:
+            for group, mod in self._blocks.items():
+                # Zeros up front (|x| >= 0), in a fixed order: every rank then
+                # packs the same layout for the collective in collect().
+                self._max_all[f"act/{group}"] = torch.zeros((), dtype=torch.float32, device=self._device(mod))
+                self._hooks.append(mod.register_forward_hook(self._make_hook(group)))
+
+    def _make_hook(self, group: str):
+        def hook(module, args, output):
+            out = _first_tensor(output)
+            if out is None or out.numel() == 0:
+                return
+            key = f"act/{group}"
+            m = _local(out).detach().abs().amax().float()
+            # Several forwards per step (gradient accumulation): keep the largest.
+            self._max_all[key] = torch.maximum(self._max_all[key], m)
+        return hook
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- gradients and weights
+    def after_backward(self, model: nn.Module, grad_scale: Union[float, torch.Tensor, None]) -> None:
+        """Gradient and weight statistics per layer group and for the whole model.
+
+        ``grad_scale``: the loss scale the gradients still carry (None or 1 when
+        unscaled). Norms are of the true gradient (divided by it); the format
+        counts and the histogram are of the gradient as held, since that is
+        what a cast would see."""
+        if not self._on:
+            return
+        self._remove_hooks()
+        dev = self._device(model)
+        # Norms of the held gradient times 1/scale: the true gradient's, without
+        # an unscaled copy of each gradient. Scaled per parameter, before
+        # squaring, so a large scale does not overflow the fp32 sum of squares.
+        if grad_scale is None:
+            inv: Union[float, torch.Tensor] = 1.0
+        elif isinstance(grad_scale, torch.Tensor):
+            inv = 1.0 / grad_scale.detach().float().reshape(())
+        else:
+            inv = 1.0 / float(grad_scale)
+        nb = self.hist_hi - self.hist_lo + 1
+        whole_counts = torch.zeros(1 + 3 * len(MONITORED), dtype=torch.int64, device=dev)
+        whole_gsq = torch.zeros((), dtype=torch.float32, device=dev)
+        whole_wsq = torch.zeros((), dtype=torch.float32, device=dev)
+        whole_wmax = torch.zeros((), dtype=torch.float32, device=dev)
+        hist = torch.zeros(nb, dtype=torch.int64, device=dev)
+        for group, params in layer_groups(model.named_parameters()).items():
+            counts = torch.zeros_like(whole_counts)
+            gsq, wsq, wmax = torch.zeros_like(whole_gsq), torch.zeros_like(whole_wsq), torch.zeros_like(whole_wmax)
+            for _, p in params:
+                if p.grad is not None:
+                    self._has_grad.add(group)
+                w = _local(p.detach())
+                if w.numel() == 0:  # an FSDP rank may hold no shard of a small parameter
+                    continue
+                wsq = wsq + torch.linalg.vector_norm(w, dtype=torch.float32).square()
+                wmax = torch.maximum(wmax, w.abs().amax().float())
+                if p.grad is None:
+                    continue
+                g = _local(p.grad.detach())
+                gsq = gsq + (torch.linalg.vector_norm(g, dtype=torch.float32) * inv).square()
+                counts = counts + format_counts(g)
+                if self.histogram:
+                    hist = hist + log2_histogram(g, self.hist_lo, self.hist_hi)
+            self._sum[f"grad_sq/{group}"] = gsq
+            self._sum[f"weight_sq/{group}"] = wsq
+            self._sum[f"counts/{group}"] = counts
+            self._max[f"weight_absmax/{group}"] = wmax
+            whole_counts, whole_gsq, whole_wsq = whole_counts + counts, whole_gsq + gsq, whole_wsq + wsq
+            whole_wmax = torch.maximum(whole_wmax, wmax)
+        if self._has_grad:
+            self._has_grad.add(WHOLE_MODEL)
+        self._sum[f"grad_sq/{WHOLE_MODEL}"] = whole_gsq
+        self._sum[f"weight_sq/{WHOLE_MODEL}"] = whole_wsq
+        self._sum[f"counts/{WHOLE_MODEL}"] = whole_counts
+        self._max[f"weight_absmax/{WHOLE_MODEL}"] = whole_wmax
+        if self.histogram:
+            self._sum["hist"] = hist
+
+    @staticmethod
+    def _device(model: nn.Module) -> torch.device:
+        for p in model.parameters():
+            return _local(p.detach()).device
+        return torch.device("cpu")
+
+    # -- updates
+    def before_optimizer(self, model: nn.Module) -> None:
+        """Copy the local parameter shards (fp32), to see what the optimizer step changes."""
+        if not self._on:
+            return
+        self._snapshot = [_local(p.detach()).to(torch.float32, copy=True)
+                          for p in model.parameters() if p.requires_grad]
+
+    def after_optimizer(self, model: nn.Module, skipped: Union[torch.Tensor, bool, None] = None) -> None:
+        """Count the updates bf16 / fp16 storage would lose (whole model).
+
+        ``skipped`` (0-d tensor, 1 when the loss scaler skipped the step) is
+        applied as a multiplier rather than read, so there is no host sync: a
+        skipped step counts no updates, and :meth:`collect` leaves the
+        update metrics out."""
+        if not self._on or self._snapshot is None:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        counts = None
+        for before, p in zip(self._snapshot, params, strict=True):
+            c = update_underflow_counts(before, _local(p.detach()))
+            counts = c if counts is None else counts + c
+        self._snapshot = None
+        if counts is None:
+            return
+        if isinstance(skipped, torch.Tensor):
+            counts = counts * (skipped.detach().reshape(()) == 0).to(counts.dtype)
+        elif skipped:
+            counts = torch.zeros_like(counts)
+        self._sum["update"] = counts
+
+    # -- results
+    def collect(self) -> tuple[dict[str, float], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Reduce over ranks and return ``(scalars, histograms)`` of the last
+        monitored step; ``({}, {})`` when nothing is waiting. Every rank must
+        call it at the same steps: it runs collectives."""
+        if not self._pending:
+            return {}, {}
+        self._remove_hooks()
+        self._pending = False
+        vecs, layout = [], []
+        for store, reduce in ((self._sum, self.reduce_sum), (self._max, self.reduce_max),
+                              (self._max_all, self.reduce_max_all)):
+            if not store:
+                continue
+            names = list(store)
+            # float64: exact for counts up to 2^53, and one dtype -> one collective per kind.
+            flat = torch.cat([store[n].reshape(-1).to(torch.float64) for n in names])
+            vecs.append(reduce(flat))
+            layout += [(n, store[n].numel()) for n in names]
+        if not vecs:
+            self._reset()
+            return {}, {}
+        # The monitor's one host sync.
+        host = torch.cat(vecs).cpu()
+        vals: dict[str, torch.Tensor] = {}
+        i = 0
+        for n, size in layout:
+            vals[n] = host[i:i + size]
+            i += size
+        scalars = self._scalars(vals)
+        hists = {}
+        if "hist" in vals:
+            hists["numerics/grad_log2_hist"] = (vals["hist"].round().to(torch.int64),
+                                                hist_edges(self.hist_lo, self.hist_hi))
+        self._reset()
+        return scalars, hists
+
+    def _scalars(self, vals: dict[str, torch.Tensor]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        groups = [n.split("/", 1)[1] for n in vals if n.startswith("weight_sq/")]
+        for g in groups:
+            if g in self._has_grad:
+                out[f"numerics/grad_norm/{g}"] = math.sqrt(float(vals[f"grad_sq/{g}"]))
+            out[f"numerics/weight_norm/{g}"] = math.sqrt(float(vals[f"weight_sq/{g}"]))
+            out[f"numerics/weight_absmax/{g}"] = float(vals[f"weight_absmax/{g}"])
+        # A fraction with nothing to count is left out, not logged as 0.
+        whole = vals.get(f"counts/{WHOLE_MODEL}")
+        if whole is not None and whole[0] > 0:
+            for fmt in MONITORED:
+                for kind in COUNT_KINDS:
+                    out[f"numerics/grad_{kind}/{fmt}"] = float(whole[count_index(fmt, kind)] / whole[0])
+        for g in groups:
+            c = vals[f"counts/{g}"]
+            if g == WHOLE_MODEL or c[0] <= 0:
+                continue
+            for fmt in MONITORED:
+                out[f"numerics/grad_underflow/{fmt}/{g}"] = float(c[count_index(fmt, "underflow")] / c[0])
+        upd = vals.get("update")
+        if upd is not None and upd[0] > 0:
+            for j, fmt in enumerate(UPDATE_FORMATS):
+                out[f"numerics/update_underflow/{fmt}"] = float(upd[1 + j] / upd[0])
+        acts = {n.split("/", 1)[1]: float(v) for n, v in vals.items() if n.startswith("act/")}
+        for g, v in acts.items():
+            out[f"numerics/act_absmax/{g}"] = v
+        if acts:
+            top = max(acts.values())
+            out["numerics/act_absmax_over_fp16_max"] = top / formats.info("fp16").max
+            out["numerics/act_absmax_over_e4m3_max"] = top / formats.info("e4m3").max
+        return out

@@ -1,0 +1,101 @@
+"""The numerics monitor inside real runs: sinks, non-finite handling, spikes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mptrain.trainer import NonFiniteError, SpikeDetector
+
+from .conftest import read_rows, run_cli, train
+
+FORMATS = ("fp16", "bf16", "e4m3", "e5m2")
+
+
+def test_monitor_metrics_in_jsonl_and_tensorboard(tmp_path):
+    run_dir = tmp_path / "run"
+    _, rows = train(run_dir, "precision=fp16", "train.max_steps=6", "monitor.every=3", "log.tensorboard=true")
+    monitored = [r for r in rows if "numerics/grad_norm/all" in r]
+    assert [r["step"] for r in monitored] == [1, 3, 6]  # the first step, then every 3
+    r = monitored[0]
+    for fmt in FORMATS:
+        for kind in ("underflow", "subnormal", "overflow"):
+            assert 0.0 <= r[f"numerics/grad_{kind}/{fmt}"] <= 1.0
+        assert f"numerics/grad_underflow/{fmt}/block0" in r
+    for g in ("embed", "block0", "block1", "head"):
+        assert f"numerics/weight_norm/{g}" in r
+    assert {"numerics/update_underflow/bf16", "numerics/update_underflow/fp16",
+            "numerics/act_absmax/block1", "numerics/act_absmax_over_e4m3_max"} <= r.keys()
+    hist = r["numerics/grad_log2_hist"]
+    assert hist["log2_lo"] == -40 and sum(hist["counts"]) > 0
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"histograms": 0, "scalars": 0})
+    acc.Reload()
+    assert "numerics/grad_log2_hist" in acc.Tags()["histograms"]
+    h = acc.Histograms("numerics/grad_log2_hist")
+    assert [e.step for e in h] == [1, 3, 6] and h[0].histogram_value.num == sum(hist["counts"])
+    assert "numerics/grad_underflow/e4m3" in acc.Tags()["scalars"]
+
+
+def test_planted_nan_aborts_with_module_and_step(tmp_path):
+    with pytest.raises(NonFiniteError) as e:
+        train(tmp_path / "run", "train.max_steps=10", "checkpoint.every=2",
+              "debug.nan_in_module=blocks.1.mlp.fc", "debug.nan_at_steps=[4]")
+    msg = str(e.value)
+    assert msg.startswith("step 5:") and "forward output of 'blocks.1.mlp.fc'" in msg
+    # checkpoints of the good steps exist; nothing at or after the broken one
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["step-2", "step-4"]
+
+
+def test_planted_nan_from_the_cli_is_one_clear_line(tmp_path):
+    r = run_cli("model=gpt-nano", "data.tokenizer=byte", "data.max_chars=300000", "train.global_batch_size=8",
+                "train.max_steps=5", "debug.nan_in_module=blocks.0.attn", "debug.nan_at_steps=[1]",
+                f"hydra.run.dir={tmp_path}/run")
+    assert r.returncode == 3
+    assert "step 2:" in r.stderr and "'blocks.0.attn'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_skip_mode_skips_the_bad_step(tmp_path):
+    s, rows = train(tmp_path / "run", "train.max_steps=6", "train.on_nonfinite=skip",
+                    "debug.nan_in_module=blocks.0.mlp", "debug.nan_at_steps=[2]")
+    assert [r["train/nonfinite_skipped"] for r in rows] == [0, 0, 1, 1, 1, 1]
+    assert rows[-1]["train/loss"] == rows[-1]["train/loss"]  # finite: the NaN step was not applied
+    assert s["dtypes"]["parameters"] == "fp32"
+
+
+def test_collapsing_loss_scale_aborts(tmp_path):
+    with pytest.raises(NonFiniteError, match=r"loss scale fell to 0.5.*forward output of 'blocks.1.mlp.fc'"):
+        train(tmp_path / "run", "precision=fp16", "precision.loss_scale.init_scale=8", "train.max_steps=12",
+              "debug.nan_in_module=blocks.1.mlp.fc", "debug.nan_at_steps=[0,1,2,3,4,5,6,7,8,9,10,11]")
+
+
+def test_spike_detector():
+    d = SpikeDetector(factor=3.0, window=10)
+    flags = [d.update(x) for x in [4.0, 3.9, 3.8, 3.9, 3.7, 3.8, 12.5, 3.7]]
+    assert flags == [False] * 6 + [True, False]
+    assert d.median == pytest.approx(3.9)  # median of the 7 losses before the last one
+
+
+def test_spike_is_logged_as_event(tmp_path):
+    # lr ramps to a value that blows the loss up for a few steps on this tiny model
+    _, rows = train(tmp_path / "run", "train.max_steps=40", "optim.lr=0.3", "optim.warmup_steps=20",
+                    "train.grad_clip=0", "monitor.spike_factor=1.5", "monitor.spike_window=5")
+    events = [r for r in rows if "events/loss_spike" in r]
+    assert events, [round(r["train/loss"], 2) for r in rows]
+    assert all(r["events/loss_spike"] > 1.5 for r in events)
+
+
+def test_monitor_off_logs_no_numerics(tmp_path):
+    _, rows = train(tmp_path / "run", "train.max_steps=3", "monitor.enabled=false")
+    assert not any(k.startswith("numerics/") for r in rows for k in r)
+
+
+def test_formats_cli():
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "mptrain.formats"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and all(f in r.stdout for f in ("fp32", "bf16", "fp16", "e4m3", "e5m2"))

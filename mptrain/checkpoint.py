@@ -98,13 +98,15 @@ def resolve_resume(resume: str, run_dir: Path) -> Optional[Path]:
 class Checkpointer:
     """Saves and loads the whole training state of one run."""
 
-    def __init__(self, ccfg, run_dir: Path, ctx, cfg, kill_at_step: Optional[int] = None):
+    def __init__(self, ccfg, run_dir: Path, ctx, cfg, kill_at_step: Optional[int] = None,
+                 meta_extra: Optional[dict] = None):
         self.cfg = ccfg
         self.root = run_dir / "checkpoints"
         self.ctx = ctx
         self.run_cfg = cfg
         self.kill_at_step = kill_at_step
         self.loaded_extra: dict = {}
+        self.meta_extra = meta_extra or {}
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model, optimizer, scaler, progress: Progress, extra: dict | None = None) -> Path:
@@ -135,6 +137,7 @@ class Checkpointer:
                 "model": {k: int(m[k]) for k in _SHAPE_KEYS},
                 "vocab_size": int(model_sd["wte.weight"].shape[0]),
                 "config": OmegaConf.to_container(self.run_cfg, resolve=True, enum_to_str=True),
+                **self.meta_extra,
             }
             # meta.json last: its presence is what marks the content complete.
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))

@@ -126,7 +126,7 @@ class LossScaleConfig:
     """Scale multiplier on a step whose gradients hold inf/nan (that step is skipped)."""
     growth_interval: int = 2000
     """Clean steps between two growths."""
-    min_scale: float = 1.0
+    min_loss_scale: float = 1.0
     """Abort when the dynamic scale falls below this: gradients overflow at
     every scale, so the run produces inf/nan whatever the scaling (the error
     names the first module that does)."""

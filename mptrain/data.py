@@ -26,7 +26,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -114,6 +114,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255, end-of-text as 256."""
 
     name = "byte"
+    path = None
     vocab_size = 257
     eos_id = 256
 
@@ -127,9 +128,10 @@ class ByteTokenizer:
 class HFTokenizer:
     """A ``transformers`` fast tokenizer; encoding goes through its Rust backend in parallel."""
 
-    def __init__(self, tok, name: str):
+    def __init__(self, tok, name: str, path: Optional[str] = None):
         self.tok = tok
         self.name = name
+        self.path = path  # the saved tokenizer directory (for export)
         self.vocab_size = len(tok)
         self.eos_id = tok.eos_token_id
 
@@ -180,7 +182,7 @@ def build_tokenizer(data_cfg, corpus: Corpus, cache: Path, log=print):
             tok.train_from_iterator(corpus.docs, trainer)
             fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT)
             _atomic_dir(path, lambda d: fast.save_pretrained(str(d)))
-        return HFTokenizer(PreTrainedTokenizerFast.from_pretrained(str(path)), f"bpe{data_cfg.bpe_vocab_size}")
+        return HFTokenizer(PreTrainedTokenizerFast.from_pretrained(str(path)), f"bpe{data_cfg.bpe_vocab_size}", str(path))
     p = Path(os.path.expanduser(spec))
     if not p.is_dir():
         raise ConfigError(
@@ -193,7 +195,7 @@ def build_tokenizer(data_cfg, corpus: Corpus, cache: Path, log=print):
         raise ConfigError(f"data.tokenizer='{spec}' could not be loaded by transformers: {e}") from e
     if not getattr(tok, "is_fast", False):
         raise ConfigError(f"data.tokenizer='{spec}' is a slow tokenizer; mptrain needs a fast (Rust) one.")
-    return HFTokenizer(tok, p.name)
+    return HFTokenizer(tok, p.name, str(p.resolve()))
 
 
 # -------------------------------------------------------------------- token cache

@@ -381,7 +381,7 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
             "Float8" in type(p.to_local() if hasattr(p, "to_local") else p).__name__ for p in model.parameters())
     info = {"dtypes": dtypes, "world_size": ctx.world, "device": str(ctx.device), "backend": ctx.backend,
             "micro_batch_size": mbs, "grad_accum_steps": accum, "vocab_size": vocab,
-            "tokenizer": tokens.tokenizer.name, "corpus": tokens.source,
+            "tokenizer": tokens.tokenizer.name, "tokenizer_path": tokens.tokenizer.path, "corpus": tokens.source,
             "train_tokens": int(len(tokens.train)), "val_tokens": int(len(tokens.val)),
             "params_non_embedding": n_params, "git_commit": _git_commit(), "versions": _versions(),
             "argv": sys.argv}
@@ -393,7 +393,8 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         _write_config(run_dir, cfg, info)
     # Resume: rank 0 picks the checkpoint (one listing of the directory), every rank loads it.
     progress = Progress()
-    ckpt = Checkpointer(cfg.checkpoint, run_dir, ctx, cfg, cfg.debug.kill_during_save_at_step)
+    ckpt = Checkpointer(cfg.checkpoint, run_dir, ctx, cfg, cfg.debug.kill_during_save_at_step,
+                        meta_extra={"tokenizer": {"name": tokens.tokenizer.name, "path": tokens.tokenizer.path}})
     resume_path = ctx.broadcast_object(resolve_resume(cfg.resume, run_dir) if ctx.is_main else None)
     if resume_path is not None:
         ckpt.load(Path(resume_path), model, optimizer, scaler, progress, policy)
@@ -485,11 +486,11 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
                 scale_now = scaler.get_scale()
                 row.update({"amp/loss_scale": scale_now, "amp/skipped_steps": skipped,
                             "amp/skip_rate": skipped / done})
-                if scale_now < cfg.precision.loss_scale.min_scale:
+                if scale_now < cfg.precision.loss_scale.min_loss_scale:
                     where = locate_nonfinite(model, policy, ctx, micro, scale=scale_now)
                     raise NonFiniteError(
                         f"step {done}: the loss scale fell to {scale_now:g}, below "
-                        f"precision.loss_scale.min_scale={cfg.precision.loss_scale.min_scale:g}: the gradients "
+                        f"precision.loss_scale.min_loss_scale={cfg.precision.loss_scale.min_loss_scale:g}: the gradients "
                         f"overflow at every scale. First non-finite value: {where}. Nothing of the broken state "
                         "was saved. Consider bf16, a lower optim.lr, or checking the data.")
             if on_nonfinite == "skip":

@@ -204,27 +204,57 @@ class ParallelConfig:
 class DataConfig:
     """Where tokens come from (``mptrain/data.py``)."""
 
-    name: str = "embedded"
-    """``embedded``: the Python standard library's own source, present on every
-    install, no network. ``text``: the local files in ``paths``."""
+    kind: str = "embedded"
+    """Set by the ``data=`` group option. ``embedded``: the Python standard
+    library's own source, present on every install, no network. ``text``: the
+    local files in ``paths``. ``hf``: a Hugging Face ``datasets`` dataset (hub
+    name, local directory, or local json/jsonl/parquet/text files) in ``path``.
+    ``tokens``: token shards written by ``scripts/prepare_data.py`` in ``path``."""
     paths: list[str] = field(default_factory=list)
     """For ``data=text``: files, directories (all files below, sorted) or glob
     patterns, read as UTF-8."""
+    path: Optional[str] = None
+    """For ``data=hf``: a dataset name on the hub (e.g. ``HuggingFaceFW/fineweb-edu``),
+    a local dataset directory, or local data files (``*.jsonl``, ``*.json``,
+    ``*.parquet``, ``*.txt``; comma-separated or a glob). For ``data=tokens``:
+    the directory ``prepare_data.py`` wrote."""
+    name: Optional[str] = None
+    """For ``data=hf``: the dataset configuration (e.g. ``sample-10BT``)."""
+    split: str = "train"
+    """For ``data=hf``: the split to train on."""
+    val_split: Optional[str] = None
+    """For ``data=hf``: a split to validate on. ``null``: hold out every
+    ``round(1 / val_fraction)``-th document of ``split``."""
+    text_field: str = "text"
+    """For ``data=hf``: the column holding the text."""
+    streaming: bool = False
+    """For ``data=hf``: read the dataset as a stream (nothing downloaded or
+    converted up front; tokenized in this process). Otherwise ``datasets``
+    memory-maps it from its Arrow cache and tokenization runs in ``num_proc``
+    processes."""
+    num_proc: int = 0
+    """Tokenizer processes for ``data=hf`` (``datasets.map``); 0: one per CPU core."""
+    max_documents: int = 0
+    """Read at most this many documents of an ``hf`` dataset (0: all)."""
+    shard_tokens: int = 100_000_000
+    """Tokens per shard file written by the ``hf`` preparation."""
     tokenizer: str = "bpe"
     """``bpe``: a byte-level BPE trained on the corpus with ``tokenizers`` and
-    saved as a ``transformers`` fast tokenizer (trained once, cached).
-    ``byte``: raw UTF-8 bytes (256 symbols + end of text). Anything else: a
-    local directory holding a saved ``transformers`` tokenizer."""
+    saved as a ``transformers`` fast tokenizer (trained once, cached; not for
+    ``data=hf``). ``byte``: raw UTF-8 bytes (256 symbols + end of text).
+    Anything else: a ``transformers`` tokenizer, by hub name (e.g. ``gpt2``;
+    offline it must be in the Hugging Face cache) or local directory."""
     bpe_vocab_size: int = 4096
     """Vocabulary size of the trained BPE tokenizer."""
     max_chars: int = 4_000_000
     """Read at most this many characters of the corpus (whole files, in sorted
     order). Keeps the embedded default quick; 0 means no limit."""
     val_fraction: float = 0.05
-    """Share of the token stream, taken from its end, held out for validation."""
+    """Share of the text held out for validation (the end of each document for
+    ``embedded``/``text``; whole documents for ``hf``)."""
     cache_dir: str = "~/.cache/mptrain"
-    """Where trained tokenizers and token caches are kept. The environment
-    variable ``MPTRAIN_CACHE`` overrides it."""
+    """Where trained tokenizers, token caches and prepared ``hf`` shards are
+    kept. The environment variable ``MPTRAIN_CACHE`` overrides it."""
 
 
 # --------------------------------------------------------------------------- train

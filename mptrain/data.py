@@ -80,12 +80,12 @@ class Corpus:
 
 def read_corpus(data_cfg) -> Corpus:
     """The documents of the configured corpus, capped at ``max_chars``."""
-    if data_cfg.name == "embedded":
+    if data_cfg.kind == "embedded":
         files, source = _embedded_files(), f"python-stdlib ({sysconfig.get_paths()['stdlib']})"
-    elif data_cfg.name == "text":
+    elif data_cfg.kind == "text":
         files, source = _text_files(list(data_cfg.paths)), "text files"
     else:
-        raise ConfigError(f"data.name='{data_cfg.name}' is unknown; use data=embedded or data=text.")
+        raise ConfigError(f"data.kind='{data_cfg.kind}' is unknown; use data=embedded, text, hf or tokens.")
     h = hashlib.sha256()
     docs: list[str] = []
     total = 0
@@ -93,7 +93,7 @@ def read_corpus(data_cfg) -> Corpus:
         try:
             text = f.read_text(encoding="utf-8")
         except UnicodeDecodeError:
-            if data_cfg.name == "text":
+            if data_cfg.kind == "text":
                 raise ConfigError(f"data.paths: '{f}' is not UTF-8 text.") from None
             continue  # a few stdlib files are deliberately in other encodings
         if not text.strip():
@@ -161,7 +161,7 @@ def build_tokenizer(data_cfg, corpus: Corpus, cache: Path, log=print):
     spec = data_cfg.tokenizer
     if spec == "byte":
         return ByteTokenizer()
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     if spec == "bpe":
         path = cache / "tokenizers" / f"bpe{data_cfg.bpe_vocab_size}-{corpus.digest[:16]}"
@@ -183,19 +183,11 @@ def build_tokenizer(data_cfg, corpus: Corpus, cache: Path, log=print):
             fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT)
             _atomic_dir(path, lambda d: fast.save_pretrained(str(d)))
         return HFTokenizer(PreTrainedTokenizerFast.from_pretrained(str(path)), f"bpe{data_cfg.bpe_vocab_size}", str(path))
+    from .tokens import load_hf_tokenizer
+
+    tok = load_hf_tokenizer(spec)  # a local directory or a hub name (from the HF cache when offline)
     p = Path(os.path.expanduser(spec))
-    if not p.is_dir():
-        raise ConfigError(
-            f"data.tokenizer='{spec}' is not 'bpe', 'byte' or a directory holding a saved transformers "
-            "tokenizer. Save one with tokenizer.save_pretrained(dir) and pass that directory."
-        )
-    try:
-        tok = AutoTokenizer.from_pretrained(str(p))
-    except Exception as e:  # transformers raises many types here; all mean "not a tokenizer dir"
-        raise ConfigError(f"data.tokenizer='{spec}' could not be loaded by transformers: {e}") from e
-    if not getattr(tok, "is_fast", False):
-        raise ConfigError(f"data.tokenizer='{spec}' is a slow tokenizer; mptrain needs a fast (Rust) one.")
-    return HFTokenizer(tok, p.name, str(p.resolve()))
+    return HFTokenizer(tok, p.name if p.is_dir() else spec, str(p.resolve()) if p.is_dir() else spec)
 
 
 # -------------------------------------------------------------------- token cache
@@ -233,22 +225,62 @@ def _encode_stream(tok, docs: list[str]) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def unigram_cross_entropy(train: np.ndarray, val: np.ndarray, vocab: int) -> float:
+def unigram_cross_entropy(train, val, vocab: int, limit: int = 20_000_000) -> float:
     """Nats per token a model that ignores context (add-one smoothed unigram
-    frequencies of train) scores on val: the baseline a LM must beat."""
-    counts = np.bincount(train.astype(np.int64), minlength=vocab).astype(np.float64) + 1.0
+    frequencies of train) scores on val: the baseline a LM must beat. On large
+    corpora it is estimated from the first ``limit`` tokens of each split."""
+    from .tokens import bincount_chunked
+
+    counts = bincount_chunked(train, vocab, limit).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
-    return float(-logp[val.astype(np.int64)].mean())
+    val_counts = bincount_chunked(val, vocab, limit // 10)
+    return float(-(val_counts * logp).sum() / max(val_counts.sum(), 1))
 
 
 def cache_dir(data_cfg) -> Path:
     return Path(os.path.expanduser(os.environ.get("MPTRAIN_CACHE") or data_cfg.cache_dir))
 
 
+class _TokenizerInfo:
+    """What a pre-tokenized corpus says about its tokenizer (name, path, ids)."""
+
+    def __init__(self, meta: dict):
+        self.name = meta["tokenizer"]
+        self.path = meta.get("tokenizer_path")
+        self.vocab_size = meta["vocab_size"]
+        self.eos_id = meta.get("eos_id")
+
+
+def _prepare_tokens(path: Path, source: str) -> TokenData:
+    from .tokens import open_token_dir
+
+    train, val, meta = open_token_dir(path)
+    return TokenData(train, val, _TokenizerInfo(meta), meta["vocab_size"],
+                     unigram_cross_entropy(train, val, meta["vocab_size"]), source)
+
+
 def prepare(data_cfg, log=print) -> TokenData:
     """Read, tokenize and cache the corpus (or load the cache). Safe to call
     from several processes: caches are written atomically."""
     cache = cache_dir(data_cfg)
+    if data_cfg.kind == "tokens":
+        if not data_cfg.path:
+            raise ConfigError("data=tokens needs data.path: the directory scripts/prepare_data.py wrote.")
+        p = Path(os.path.expanduser(data_cfg.path))
+        return _prepare_tokens(p, f"token shards ({p})")
+    if data_cfg.kind == "hf":
+        if data_cfg.tokenizer in ("bpe",):
+            raise ConfigError("data=hf needs a transformers tokenizer (data.tokenizer=gpt2 or a saved directory); "
+                              "the corpus BPE is trained only for data=embedded/text.")
+        from .tokens import prepare_hf
+
+        fields = ("path", "name", "split", "val_split", "text_field", "tokenizer", "max_documents", "val_fraction")
+        key = hashlib.sha256("|".join(str(data_cfg[f]) for f in fields).encode()).hexdigest()[:20]
+        out = cache / "hf" / key
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _atomic_dir(out, lambda d: prepare_hf(data_cfg, d, log))
+        return _prepare_tokens(out, f"{data_cfg.path}" + (f" ({data_cfg.name})" if data_cfg.name else ""))
     corpus = read_corpus(data_cfg)
     tok = build_tokenizer(data_cfg, corpus, cache, log)
     key = hashlib.sha256(f"{corpus.digest}|{tok.name}|{tok.vocab_size}|{data_cfg.val_fraction}".encode()).hexdigest()[:20]
@@ -268,8 +300,7 @@ def prepare(data_cfg, log=print) -> TokenData:
         _atomic_dir(path, write)
     train = np.load(path / "train.npy", mmap_mode="r")
     val = np.load(path / "val.npy", mmap_mode="r")
-    return TokenData(train, val, tok, tok.vocab_size,
-                     unigram_cross_entropy(np.asarray(train), np.asarray(val), tok.vocab_size), corpus.source)
+    return TokenData(train, val, tok, tok.vocab_size, unigram_cross_entropy(train, val, tok.vocab_size), corpus.source)
 
 
 # ------------------------------------------------------------------------ batches

@@ -34,6 +34,9 @@ def _hermetic_cache(tmp_path_factory):
     """Tokenizers and token caches go to a per-session folder, not ~/.cache."""
     os.environ["MPTRAIN_CACHE"] = str(tmp_path_factory.mktemp("mptrain-cache"))
     os.environ.setdefault("WANDB_SILENT", "true")
+    # Tests are offline: the hub is never contacted (a hub name must be in the local cache).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     yield
 
 

@@ -17,7 +17,7 @@ def test_groups_of_design_exist():
     for g, opts in {"model": ["gpt-nano", "gpt-mini", "gpt-small", "gpt-medium", "gpt-large", "gpt-xl"],
                     "precision": ["fp32", "fp16", "bf16", "fp8"],
                     "parallel": ["none", "ddp", "fsdp", "fsdp1"],
-                    "data": ["embedded", "text"]}.items():
+                    "data": ["embedded", "text", "hf", "tokens"]}.items():
         for o in opts:
             assert (g, o) in names, f"{g}/{o}.yaml missing"
 
@@ -29,6 +29,8 @@ def test_every_option_composes_with_schema(group, option):
     section = cfg[group]
     if group == "parallel":
         assert section.name.value == option
+    elif group == "data":
+        assert section.kind == option
     else:
         assert section.name == option
     validate(cfg)

@@ -1,0 +1,53 @@
+"""Tokenize a dataset once into token shards that training memory-maps.
+
+    python scripts/prepare_data.py data=hf data.path=HuggingFaceFW/fineweb-edu data.name=sample-10BT \\
+        data.tokenizer=gpt2 data.num_proc=16 /data/fineweb-edu-gpt2
+    python train.py data=tokens data.path=/data/fineweb-edu-gpt2 model=gpt-small
+
+Every ``data.*`` key of train.py applies (see configs/data/hf.yaml and the
+README's data section). Tokenization runs in ``data.num_proc`` processes
+(``datasets.map``); shards hold ``data.shard_tokens`` tokens each, as uint16
+when the vocabulary fits, else uint32, beside a ``meta.json``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from mptrain.config import ConfigError, check_override_keys  # noqa: E402
+from mptrain.tokens import prepare_hf  # noqa: E402
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[-1].startswith("-") or "=" in argv[-1]:
+        print(__doc__, file=sys.stderr)
+        print("prepare_data: the last argument must be the output directory.", file=sys.stderr)
+        return 2
+    out, overrides = Path(argv[-1]), argv[:-1]
+    try:
+        check_override_keys(overrides, CONFIGS)
+        with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+            cfg = compose("config", overrides=["data=hf", *overrides])
+        if cfg.data.kind != "hf":
+            raise ConfigError("prepare_data.py prepares data=hf datasets (data=embedded/text are cached by train.py).")
+        if out.exists() and any(out.iterdir()):
+            raise ConfigError(f"{out} exists and is not empty; choose a new directory (nothing was overwritten).")
+        if out.exists():
+            out.rmdir()
+        prepare_hf(cfg.data, out)
+    except ConfigError as e:
+        print(f"prepare_data: {e}", file=sys.stderr)
+        return 2
+    print(f"train with: python train.py data=tokens data.path={out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

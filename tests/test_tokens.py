@@ -1,0 +1,141 @@
+"""Hugging Face datasets -> token shards -> memory maps (all offline, on local files)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mptrain import data as D
+from mptrain.config import ConfigError
+from mptrain.tokens import ShardedTokens, ShardWriter, open_token_dir, token_dtype
+
+from .conftest import ROOT, TINY, make_cfg, train
+
+TEXTS = [f"Document {i}: the gradient of step {i} underflows in fp16 but not in bf16. " * (1 + i % 4)
+         for i in range(60)]
+
+
+@pytest.fixture(scope="module")
+def saved_tokenizer(tmp_path_factory):
+    """A BPE tokenizer saved locally with transformers' save_pretrained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=[D.EOT], show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    d = tmp_path_factory.mktemp("tok")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=D.EOT).save_pretrained(d)
+    return d
+
+
+def _write(path, fmt):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"text": TEXTS, "id": list(range(len(TEXTS)))})
+    if fmt == "jsonl":
+        ds.to_json(str(path), lines=True)
+    else:
+        ds.to_parquet(str(path))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_prepared_tokens_equal_calling_the_tokenizer(tmp_path, saved_tokenizer, fmt):
+    from transformers import AutoTokenizer
+
+    src = _write(tmp_path / f"docs.{fmt}", fmt)
+    out = tmp_path / "tokens"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), f"data.path={src}",
+                        f"data.tokenizer={saved_tokenizer}", "data.num_proc=2", "data.shard_tokens=500", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tokens/s" in r.stdout and "train with: python train.py data=tokens" in r.stdout
+    tok = AutoTokenizer.from_pretrained(saved_tokenizer)
+    eos = tok.eos_token_id
+    want = {"train": [], "val": []}
+    for i, t in enumerate(TEXTS):  # val_fraction 0.05: every 20th document is held out
+        want["val" if i % 20 == 19 else "train"] += tok(t, add_special_tokens=False)["input_ids"] + [eos]
+    tr, va, meta = open_token_dir(out)
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == len(tok)
+    assert len(meta["train"]["shards"]) > 1  # several shards, read back as one stream
+    assert np.array_equal(tr[0:len(tr)], np.array(want["train"]))
+    assert np.array_equal(va[0:len(va)], np.array(want["val"]))
+    assert meta["train"]["documents"] == 57 and meta["val"]["documents"] == 3
+
+    # and training reads them through memory maps
+    s, rows = train(tmp_path / "run", *TINY, "data=tokens", f"data.path={out}", "train.max_steps=3",
+                    "model.block_size=32", tiny=False)
+    assert s["steps"] == 3 and len(rows) == 3
+
+
+@pytest.mark.parametrize("vocab,dtype", [(50_000, np.uint16), (100_000, np.uint32)])
+def test_token_files_round_trip(tmp_path, vocab, dtype):
+    assert token_dtype(vocab) == dtype
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab, size=10_007)
+    w = ShardWriter(tmp_path, "train", token_dtype(vocab), shard_tokens=1000)
+    for chunk in np.array_split(ids, 7):
+        w.write(chunk)
+    shards = w.close()
+    assert len(shards) == 11 and sum(s["tokens"] for s in shards) == len(ids)
+    st = ShardedTokens(tmp_path, shards, token_dtype(vocab))
+    assert len(st) == len(ids) and st.dtype == dtype
+    for a, b in [(0, 10_007), (995, 1005), (1999, 4001), (10_000, 10_007), (5, 5)]:
+        assert np.array_equal(st[a:b], ids[a:b]), (a, b)
+    with pytest.raises(ValueError):
+        w2 = ShardWriter(tmp_path, "x", np.dtype(np.uint16), 100)
+        w2.write([70_000])
+
+
+def test_resuming_the_stream_at_step_k(tmp_path):
+    ids = np.arange(64 * 50 + 1) % 251
+    w = ShardWriter(tmp_path, "train", np.dtype(np.uint16), shard_tokens=333)
+    w.write(ids)
+    st = ShardedTokens(tmp_path, w.close(), np.dtype(np.uint16))
+    windows = D.Windows(st, 64)
+
+    def batches():
+        return D.Batches(windows, global_batch=8, micro_batch=2, rank=1, world=2, seed=5)
+
+    straight = batches()
+    run = [straight.batch(s) for s in range(12)]  # through an epoch boundary (50 windows / 8 per step)
+    resumed = batches()  # a fresh reader started at step 7: nothing but the step is needed
+    for s in range(7, 12):
+        for (x1, y1), (x2, y2) in zip(run[s], resumed.batch(s)):
+            assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
+
+
+def test_hf_data_errors(tmp_path, saved_tokenizer):
+    with pytest.raises(ConfigError, match="could not be loaded"):
+        D.prepare(make_cfg("data=hf", f"data.path={tmp_path}/missing.jsonl", f"data.tokenizer={saved_tokenizer}").data)
+    src = _write(tmp_path / "d.jsonl", "jsonl")
+    with pytest.raises(ConfigError, match="Offline, a hub tokenizer must already be in the Hugging Face cache"):
+        D.prepare(make_cfg("data=hf", f"data.path={src}", "data.tokenizer=nobody/no-such-tokenizer").data)
+    with pytest.raises(ConfigError, match="data.text_field='body' is not a column"):
+        D.prepare(make_cfg("data=hf", f"data.path={src}", f"data.tokenizer={saved_tokenizer}",
+                           "data.text_field=body").data)
+    with pytest.raises(ConfigError, match="no meta.json"):
+        D.prepare(make_cfg("data=tokens", f"data.path={tmp_path}").data)
+
+
+def test_vocabulary_larger_than_the_model(tmp_path, saved_tokenizer):
+    src = _write(tmp_path / "d.jsonl", "jsonl")
+    with pytest.raises(ConfigError, match=r"model.vocab_size=64 is smaller than the tokenizer's vocabulary \(300\)"):
+        train(tmp_path / "run", *TINY, "data=hf", f"data.path={src}", f"data.tokenizer={saved_tokenizer}",
+              "model.vocab_size=64", "model.block_size=32", "train.max_steps=1", tiny=False)
+
+
+def test_prepare_data_refuses_a_used_directory(tmp_path, saved_tokenizer):
+    src = _write(tmp_path / "d.jsonl", "jsonl")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), f"data.path={src}",
+                        f"data.tokenizer={saved_tokenizer}", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not empty" in r.stderr and (tmp_path / "out" / "keep.txt").exists()

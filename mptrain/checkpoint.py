@@ -231,7 +231,7 @@ def load_full_state(path: Path) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "full.pt"
         dcp_to_torch_save(str(path), str(out))
-        return _flatten(torch.load(out, weights_only=False))
+        return flatten(torch.load(out, weights_only=False))
 
 
 def load_full_model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -239,12 +239,13 @@ def load_full_model_state(path: Path) -> dict[str, torch.Tensor]:
     return {k[len("model."):]: v for k, v in load_full_state(path).items() if k.startswith("model.")}
 
 
-def _flatten(d, prefix=""):
+def flatten(d, prefix: str = "") -> dict:
+    """Nested dicts -> one dict with dotted keys."""
     out = {}
-    for k, v in d.items():
+    for k, v in (d or {}).items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
+            out.update(flatten(v, key + "."))
         else:
             out[key] = v
     return out

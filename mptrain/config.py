@@ -173,7 +173,9 @@ class PrecisionConfig:
     """Dtype of matmuls under autocast. ``fp32`` turns autocast off."""
     master_weights: bool = True
     """Store parameters (and so gradients and optimizer state) in fp32 while
-    computing in ``compute_dtype``. The only supported value today."""
+    computing in ``compute_dtype``. ``false`` stores them in ``compute_dtype``
+    (bf16 only: ``precision=bf16-pure``), so every optimizer update is rounded
+    to bf16 — the study case that shows why master weights exist."""
     param_dtype: Optional[DType] = None
     """Dtype parameters are cast to for compute by FSDP (the all-gathered
     copy). ``null`` means ``compute_dtype``."""
@@ -483,9 +485,11 @@ def check_override_keys(overrides: list[str], config_dir: str) -> None:
         if "/" in top:  # e.g. hydra/launcher=...
             continue
         valid_top = [f.name for f in dataclasses.fields(Config)]
+        groups = [d for d in os.listdir(config_dir) if os.path.isdir(os.path.join(config_dir, d))]
+        if top in groups and len(parts) == 1:
+            continue  # a group choice (experiment=..., model=...): Hydra names the valid options
         if top not in valid_top:
-            extra = [d for d in os.listdir(config_dir) if os.path.isdir(os.path.join(config_dir, d))]
-            choices = sorted(set(valid_top) | set(extra))
+            choices = sorted(set(valid_top) | set(groups))
             raise ConfigError(_unknown(key, top, choices, "top-level keys and groups"))
         node: Any = Config
         path = []
@@ -533,9 +537,10 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if t.log_every <= 0:
         raise ConfigError(f"train.log_every must be positive, got {t.log_every}.")
     micro_steps(cfg, world_size)  # raises on batch sizes that do not divide
-    if not p.master_weights:
+    if not p.master_weights and (p.compute_dtype != DType.bf16 or p.loss_scale.enabled or p.fp8.enabled):
         raise ConfigError(
-            "precision.master_weights=false is not supported yet; parameters are kept in fp32."
+            "precision.master_weights=false is supported for bf16 compute without loss scaling or fp8 "
+            "(precision=bf16-pure): fp16 parameters cannot be unscaled by a GradScaler."
         )
     ls = p.loss_scale
     if ls.enabled:

@@ -259,10 +259,9 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext) -> nn.Modu
     -> (activation checkpointing, compile: not yet) -> data-parallel wrapper
     last, so the wrapper sees the final module tree.
     """
-    model = model.to(ctx.device)
+    model = model.to(ctx.device, dtype=policy.param_dtype)  # fp32 unless master_weights=false
     model = policy.convert_model(model)  # float8 linears first: FSDP must shard the converted weights
     mode = ctx.mode
-    p_name, r_name, b_name = (dtype_name(d) for d in (policy.wrapper_param_dtype, policy.reduce_dtype, policy.buffer_dtype))
     if mode == ParallelMode.none:
         ctx.wrapper_dtypes = {"wrapper": "none"}
         return model
@@ -273,6 +272,17 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext) -> nn.Modu
     if mode == ParallelMode.fsdp1:
         return _wrap_fsdp1(model, policy, ctx)
     raise ConfigError(f"parallel={mode} is unknown")  # unreachable: the schema's Enum rejects it
+
+
+def _sharded_dtypes(wrapper: str, storage: str, policy) -> dict:
+    """What an FSDP wrapper was given, for the banner and run_info."""
+    return {
+        "wrapper": wrapper,
+        "param_storage": f"{dtype_name(policy.param_dtype)} ({storage})",
+        "compute_params": dtype_name(policy.wrapper_param_dtype) + " (all-gathered)",
+        "grad_reduce": dtype_name(policy.reduce_dtype) + " (reduce-scatter)",
+        "buffers": dtype_name(policy.buffer_dtype),
+    }
 
 
 def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
@@ -312,7 +322,7 @@ def _wrap_ddp(model, policy, ctx):
         comm = f"{dtype_name(policy.reduce_dtype)} (compress comm hook)"
     ctx.wrapper_dtypes = {
         "wrapper": "DistributedDataParallel",
-        "param_storage": "fp32",
+        "param_storage": dtype_name(policy.param_dtype),
         "compute_params": dtype_name(policy.compute_dtype) + (" (autocast casts per op)" if policy.autocast_enabled else ""),
         "grad_reduce": comm,
         "buffers": dtype_name(policy.buffer_dtype),
@@ -342,13 +352,7 @@ def _wrap_fsdp2(model, policy, ctx):
         if isinstance(mod, Block):
             fully_shard(mod, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    ctx.wrapper_dtypes = {
-        "wrapper": "FSDP2 fully_shard (per block + root)",
-        "param_storage": "fp32 (sharded)",
-        "compute_params": dtype_name(policy.wrapper_param_dtype) + " (all-gathered)",
-        "grad_reduce": dtype_name(policy.reduce_dtype) + " (reduce-scatter)",
-        "buffers": dtype_name(policy.buffer_dtype),
-    }
+    ctx.wrapper_dtypes = _sharded_dtypes("FSDP2 fully_shard (per block + root)", "sharded", policy)
     return model
 
 
@@ -373,11 +377,5 @@ def _wrap_fsdp1(model, policy, ctx):
         device_id=ctx.device,  # explicit: FSDP1 otherwise refuses a CPU-only machine
         use_orig_params=True,
     )
-    ctx.wrapper_dtypes = {
-        "wrapper": "FullyShardedDataParallel (FSDP1, per-block auto-wrap)",
-        "param_storage": "fp32 (flat, sharded)",
-        "compute_params": dtype_name(policy.wrapper_param_dtype) + " (all-gathered)",
-        "grad_reduce": dtype_name(policy.reduce_dtype) + " (reduce-scatter)",
-        "buffers": dtype_name(policy.buffer_dtype),
-    }
+    ctx.wrapper_dtypes = _sharded_dtypes("FullyShardedDataParallel (FSDP1, per-block auto-wrap)", "flat, sharded", policy)
     return wrapped

@@ -212,7 +212,8 @@ class PrecisionPolicy:
         self.device = device
         self.name = pcfg.name
         self.compute_dtype: torch.dtype = pcfg.compute_dtype.torch
-        self.param_dtype = torch.float32  # storage: fp32 master weights in every precision
+        # Storage: fp32 master weights, except in the bf16-pure study case.
+        self.param_dtype = torch.float32 if pcfg.master_weights else self.compute_dtype
         self.wrapper_param_dtype: torch.dtype = (pcfg.param_dtype or pcfg.compute_dtype).torch
         self.reduce_dtype: torch.dtype = pcfg.reduce_dtype.torch
         self.buffer_dtype: torch.dtype = pcfg.buffer_dtype.torch

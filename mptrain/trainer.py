@@ -314,6 +314,21 @@ def _write_config(run_dir: Path, cfg: DictConfig, info: dict) -> None:
     os.replace(tmp, run_dir / "config.yaml")
 
 
+def _sweep_identity() -> tuple[Optional[str], Optional[str]]:
+    """(W&B group, job name) for a Hydra multirun job: the sweep directory and
+    the job's overrides; (None, None) otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None, None
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None, None
+    group = "sweep-" + Path(hc.sweep.dir).as_posix().strip("/").replace("/", "_")
+    return group, hc.job.override_dirname or f"job{hc.job.num}"
+
+
 def _hydra_run_dir() -> Path:
     from hydra.core.hydra_config import HydraConfig
 
@@ -388,6 +403,12 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
     if fp8_report:
         info["fp8"] = fp8_report
     run_name = f"{m.name}-{cfg.precision.name}-{cfg.parallel.name.value}"
+    sweep_group, job_name = _sweep_identity()
+    if sweep_group and not cfg.log.wandb.group:
+        # one W&B group per sweep, each job named by its overrides
+        cfg.log.wandb.group = sweep_group
+        run_name = job_name or run_name
+    info["run_name"] = cfg.log.wandb.name or run_name
     tags = [f"precision:{cfg.precision.name}", f"parallel:{cfg.parallel.name.value}", f"model:{m.name}"]
     if ctx.is_main:
         _write_config(run_dir, cfg, info)

@@ -292,6 +292,10 @@ class TrainConfig:
     saved) or ``skip`` (do not apply that step; counted in
     ``train/nonfinite_skipped``). Checking reads one value back from the
     device each step. With a loss scaler, skipping is the scaler's job."""
+    peak_tflops: Optional[float] = None
+    """Dense peak TFLOPS of one device for this run's matmul dtype, for
+    ``perf/mfu``. ``null`` looks the device up in ``mptrain/perf.py``'s table
+    (CUDA devices; no MFU is logged where the peak is unknown, e.g. on CPU)."""
     stop_after: Optional[int] = None
     """End this invocation once this many optimizer steps are done (counted
     from step 0, so it is the same across resumes), writing a checkpoint to

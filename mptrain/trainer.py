@@ -27,10 +27,12 @@ from . import data as data_mod
 from .checkpoint import Checkpointer, Progress, StopSignal, resolve_resume
 from .config import ConfigError, ParallelMode, micro_steps, validate
 from .doctor import check_precision
+from .memory import estimate as memory_estimate
 from .metrics import Metrics, fmt
 from .numerics import NumericsMonitor
 from .model import GPT, GPTShape
 from .parallel import DistContext, setup, wrap
+from .perf import flops_per_token, matmul_kind, mfu, peak_flops
 from .precision import LossScaler, PrecisionPolicy, dtype_name
 
 
@@ -427,6 +429,14 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
                       resume_step=start if resume_path is not None else None)
 
     tokens_per_step = tc.global_batch_size * block
+    flops_tok = flops_per_token(n_params, m.n_layer, m.d_model, block)
+    device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    kind = matmul_kind(dtype_name(policy.compute_dtype), policy.fp8_enabled,
+                       ctx.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    peak = peak_flops(device_name, kind, tc.peak_tflops)
+    mem_est = memory_estimate(cfg, vocab, ctx.world, mbs)
+    info["flops_per_token"] = flops_tok
+    info["memory_estimate_gib"] = {k: round(v / 2**30, 4) for k, v in mem_est.rows()}
     say(_banner(cfg, ctx, policy, dtypes, info, tokens, tokens_per_step, run_dir))
     for w in ([policy.warning] if policy.warning else []) + hw_warnings:
         say(f"WARNING: {w}")
@@ -500,6 +510,8 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
                 "train/tokens": progress.tokens,
                 "perf/tokens_per_s": steps_since * tokens_per_step / elapsed,
                 "perf/step_time_s": elapsed / steps_since,
+                **({"perf/mfu": mfu(steps_since * tokens_per_step / elapsed, flops_tok, peak, ctx.world)}
+                   if peak else {}),
                 **_peak_memory(ctx.device),
             })
             if scaler.enabled:
@@ -583,6 +595,8 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         "perf/tokens_per_s": (progress.step - start) * tokens_per_step / train_time if train_time else None,
         "wall_time_s": time.perf_counter() - t_start,
         "params_non_embedding": n_params,
+        "flops_per_token": flops_tok,
+        "mem/estimate_gib": mem_est.total / 2**30,
         "precision": cfg.precision.name,
         "parallel": cfg.parallel.name.value,
         "model": m.name,
@@ -594,6 +608,8 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         **({"resumed_from": str(resume_path)} if resume_path is not None else {}),
         **({"stopped_early": stopped_by} if stopped_by else {}),
     }
+    if peak and summary["perf/tokens_per_s"]:
+        summary["perf/mfu"] = mfu(summary["perf/tokens_per_s"], flops_tok, peak, ctx.world)
     if scaler.enabled:
         summary.update({"amp/skipped_steps": skipped, "amp/skip_rate": skipped / max(progress.step, 1),
                         "amp/final_loss_scale": scaler.get_scale()})

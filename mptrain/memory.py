@@ -1,0 +1,108 @@
+"""How much memory a configuration needs per rank: ``python -m mptrain.memory <overrides> [--world N]``.
+
+Exact for the tensors whose size is known in advance (parameters, gradients,
+optimizer state: what ``tests/test_memory.py`` checks against a real step),
+an estimate for activations (the per-layer count of Korthikanti et al. 2022,
+"Reducing activation recomputation", scaled to the compute dtype's width) and
+for FSDP's gathered copies. ``summary.json`` puts the estimate beside the
+measured peak.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class Estimate:
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+    activations: int
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.state + self.gathered + self.activations
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [("parameters", self.params), ("gradients", self.grads), ("optimizer (AdamW moments)", self.optimizer),
+                ("FSDP gathered copies", self.gathered), ("activations (estimate)", self.activations),
+                ("total", self.total)]
+
+
+def param_count(n_layer: int, d_model: int, vocab: int, block: int, bias: bool = True) -> int:
+    """Exact parameter count of mptrain's GPT (tied head counted once)."""
+    d = d_model
+    per_block = 3 * d * d + d * d + 4 * d * d + 4 * d * d  # qkv, attn proj, mlp fc, mlp proj weights
+    if bias:
+        per_block += 3 * d + d + 4 * d + d + 2 * d  # their biases + the two LayerNorm biases
+        final_norm = 2 * d
+    else:
+        final_norm = d
+    per_block += 2 * d  # LayerNorm weights
+    return n_layer * per_block + vocab * d + block * d + final_norm
+
+
+def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) -> Estimate:
+    """Bytes per rank for ``cfg`` (a composed mptrain config) with ``vocab`` rows."""
+    m, p = cfg.model, cfg.precision
+    n = param_count(m.n_layer, m.d_model, vocab, m.block_size, m.bias)
+    store = BYTES[p.compute_dtype.name] if not p.master_weights else 4
+    sharded = cfg.parallel.name.value in ("fsdp", "fsdp1")
+    shard = world if sharded else 1
+    per_rank = math.ceil(n / shard)
+    params = per_rank * store
+    grads = per_rank * store
+    optimizer = 2 * per_rank * store  # AdamW: exp_avg and exp_avg_sq, in the parameters' dtype
+    gathered = 0
+    if sharded and world > 1:
+        # one block gathered for compute, one prefetched, in the gather dtype
+        blk = param_count(1, m.d_model, 0, 0, m.bias) - (2 * m.d_model if m.bias else m.d_model)
+        gathered = 2 * blk * BYTES[(p.param_dtype or p.compute_dtype).name]
+    b = micro_batch or cfg.train.micro_batch_size or max(1, cfg.train.global_batch_size // world)
+    t, d, a = m.block_size, m.d_model, m.n_head
+    width = BYTES[p.compute_dtype.name] / 2  # the published count is for 16-bit activations
+    per_layer = t * b * d * (34 + 5 * a * t / d)
+    logits = b * t * vocab * (BYTES[p.compute_dtype.name] + 4)  # logits, and their fp32 copy for the loss
+    activations = int(m.n_layer * per_layer * width + logits)
+    return Estimate(params, grads, optimizer, gathered, activations)
+
+
+def main(argv: list[str]) -> None:
+    import os
+
+    from hydra import compose, initialize_config_dir
+
+    import mptrain.config  # noqa: F401
+
+    world, vocab = 1, None
+    rest = []
+    it = iter(argv)
+    for a in it:
+        if a == "--world":
+            world = int(next(it))
+        elif a == "--vocab":
+            vocab = int(next(it))
+        else:
+            rest.append(a)
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    with initialize_config_dir(config_dir=configs, version_base="1.3"):
+        cfg = compose("config", overrides=rest)
+    vocab = vocab or cfg.model.vocab_size or 4096
+    e = estimate(cfg, vocab, world)
+    print(f"memory per rank: model={cfg.model.name} precision={cfg.precision.name} "
+          f"parallel={cfg.parallel.name.value} world={world} vocab={vocab}")
+    for name, v in e.rows():
+        print(f"  {name:<28} {v / 2**30:10.3f} GiB")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,23 @@
+"""scripts/bench.py runs and prints every column (no timing assertions: speed is a benchmark's job)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from .conftest import ROOT
+
+
+def test_bench_prints_the_table():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "model=gpt-nano", "data.tokenizer=byte",
+                        "data.max_chars=300000", "train.global_batch_size=8", "train.peak_tflops=1.0",
+                        "--steps", "3", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    for col in ("tokens/s", "step ms", "MFU", "RSS GiB*", "vs bare"):
+        assert col in out, col
+    rows = [line for line in out.splitlines() if line.strip().startswith(("harness", "bare"))]
+    assert len(rows) == 3
+    for line in rows:
+        cells = line.split()
+        assert cells[-1].replace(".", "").isdigit() and cells[-3].endswith("%")  # ratio and MFU are numbers
+    assert rows[-1].split()[-1] == "1.000"  # the bare loop is the reference

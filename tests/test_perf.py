@@ -1,0 +1,101 @@
+"""FLOPs per token, the device peak table, MFU, and the memory estimator."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mptrain.memory import estimate, param_count
+from mptrain.model import GPT, GPTShape
+from mptrain.perf import PEAK_TFLOPS, device_key, flops_per_token, matmul_kind, peak_flops
+
+from .conftest import make_cfg, train
+
+
+def test_flops_formula_against_a_hand_count():
+    s = GPTShape(vocab_size=8, n_layer=1, n_head=1, d_model=4, block_size=2)
+    m = GPT(s)
+    # by hand: block = 12*d^2 weights + 9d linear biases + 2d LN biases + 2d LN weights = 192+36+8+8 = 244;
+    # wte 8*4 = 32 (tied head, counted once); ln_f 2*4 = 8; wpe 2*4 = 8 is left out of N.
+    assert m.num_params() == 244 + 32 + 8 == 284
+    assert param_count(1, 4, 8, 2) == 284 + 8  # the estimator's count includes wpe
+    # 6N + 12 * layers * d * T = 6*284 + 12*1*4*2
+    assert flops_per_token(m.num_params(), 1, 4, 2) == 1704 + 96
+
+
+def test_flops_formula_against_torch_flop_counter():
+    """The formula vs the matmul FLOPs torch counts for a real forward+backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    s = GPTShape(vocab_size=512, n_layer=2, n_head=4, d_model=128, block_size=64)
+    m = GPT(s)
+    x = torch.randint(0, 512, (2, 64))
+    # the math backend spells attention as bmm, which the counter sees (the fused CPU kernel it does not)
+    with FlopCounterMode(display=False) as fc, sdpa_kernel(SDPBackend.MATH):
+        _, loss = m(x, x)
+        loss.backward()
+    counted = fc.get_total_flops() / x.numel()
+    formula = flops_per_token(m.num_params(), 2, 128, 64)
+    # the formula also counts bias and norm parameters as if they were matmul weights (~1%)
+    assert counted == pytest.approx(formula, rel=0.03), (counted, formula)
+
+
+@pytest.mark.parametrize("name,key", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H200", "H200"),
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("Tesla V100-SXM2-16GB", "V100"), ("NVIDIA L40S", "L40S"),
+    ("NVIDIA L4", "L4"), ("NVIDIA B200", "B200"), ("NVIDIA GeForce RTX 3090", None), ("cpu", None),
+])
+def test_peak_table_lookup(name, key):
+    assert device_key(name) == key
+
+
+def test_peaks_and_kinds():
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12
+    assert peak_flops("NVIDIA H200", "fp8") == 1978.9e12
+    assert peak_flops("Tesla V100-SXM2-16GB", "bf16") is None  # V100 has no bf16 tensor cores
+    assert peak_flops("cpu", "fp32") is None and peak_flops("cpu", "fp32", override_tflops=2.0) == 2e12
+    assert matmul_kind("bf16", fp8=True, tf32=False) == "fp8"
+    assert matmul_kind("fp32", fp8=False, tf32=True) == "tf32"
+    for dev in ("V100", "A100", "H100 SXM", "H100 PCIe", "H200", "B200", "L40S"):
+        assert dev in PEAK_TFLOPS
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16-pure"])
+def test_memory_estimate_is_exact_for_params_grads_optimizer(precision):
+    from mptrain.config import ParallelMode
+    from mptrain.parallel import DistContext, wrap
+    from mptrain.precision import PrecisionPolicy
+    from mptrain.trainer import build_optimizer, decay_names, train_step
+
+    cfg = make_cfg(f"precision={precision}", "model.vocab_size=320")
+    cpu = torch.device("cpu")
+    policy = PrecisionPolicy(cfg.precision, cpu)
+    ctx = DistContext(mode=ParallelMode.none)
+    m = cfg.model
+    model = GPT(GPTShape(320, m.n_layer, m.n_head, m.d_model, m.block_size))
+    decay = decay_names(model)
+    model = wrap(model, policy, ctx)
+    opt = build_optimizer(model, decay, cfg.optim, cpu)
+    x = torch.randint(0, 320, (2, m.block_size + 1))
+    train_step(model, opt, policy.make_scaler(), policy, ctx, [(x[:, :-1], x[:, 1:])], 1.0)
+    params = list(model.parameters())  # tied weights appear once
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    state = [v for st in opt.state.values() for k, v in st.items() if k != "step"]
+    e = estimate(cfg, vocab=320, world=1, micro_batch=2)
+    assert e.params == nbytes(params)
+    assert e.grads == nbytes(p.grad for p in params)
+    assert e.optimizer == nbytes(state)
+    assert e.activations > 0 and e.gathered == 0
+
+
+def test_fsdp_estimate_shards_by_world_size():
+    cfg = make_cfg("parallel=fsdp", "precision=bf16")
+    one, eight = estimate(cfg, 4096, world=1), estimate(cfg, 4096, world=8)
+    assert eight.params * 8 == pytest.approx(one.params, rel=1e-3) and eight.gathered > 0
+
+
+def test_mfu_logged_when_the_peak_is_known(tmp_path):
+    s, rows = train(tmp_path / "run", "train.max_steps=3", "train.peak_tflops=0.5")
+    for r in rows:
+        assert r["perf/mfu"] == pytest.approx(r["perf/tokens_per_s"] * s["flops_per_token"] / 0.5e12)
+    assert s["mem/estimate_gib"] > 0 and "mem/peak_rss_gib" in s

@@ -274,10 +274,29 @@ def _versions() -> dict:
             "transformers": transformers.__version__, "platform": platform.platform()}
 
 
+def _reset_peak_memory(device: torch.device) -> None:
+    """Start this run's peak from here (several runs can share a process: multirun)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def _peak_memory(device: torch.device) -> dict:
     if device.type == "cuda":
         return {"mem/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
     # On CPU there is no allocator counter; the process's peak RSS is the honest figure.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return {"mem/peak_rss_gib": int(line.split()[1]) / 2**20}  # kB
+    except OSError:
+        pass
     return {"mem/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -352,6 +371,7 @@ def run(cfg: DictConfig, run_dir: Optional[str | os.PathLike] = None) -> dict:
 
 def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
     t_start = time.perf_counter()
+    _reset_peak_memory(ctx.device)
     validate(cfg, ctx.world)
     tc = cfg.train
     mbs, accum = micro_steps(cfg, ctx.world)
@@ -400,7 +420,7 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
             "micro_batch_size": mbs, "grad_accum_steps": accum, "vocab_size": vocab,
             "tokenizer": tokens.tokenizer.name, "tokenizer_path": tokens.tokenizer.path, "corpus": tokens.source,
             "train_tokens": int(len(tokens.train)), "val_tokens": int(len(tokens.val)),
-            "params_non_embedding": n_params, "git_commit": _git_commit(), "versions": _versions(),
+            "params": n_params, "git_commit": _git_commit(), "versions": _versions(),
             "argv": sys.argv}
     if fp8_report:
         info["fp8"] = fp8_report
@@ -464,115 +484,120 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
     t_mark, steps_since, excluded = time.perf_counter(), 0, 0.0
     model.train()
     metrics.console.start(initial=start)
-    for step in range(start, tc.max_steps):
-        lr = lr_at(step, cfg.optim, tc.max_steps)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        inject = step in inject_steps and inject_rank in (-1, ctx.rank)
-        micro = batches.batch(step)
-        nan_fault["step"] = step
-        monitor.start_step(step)
-        try:
-            out = train_step(model, optimizer, scaler, policy, ctx, micro, tc.grad_clip, inject,
-                             monitor, on_nonfinite)
-        except NonFiniteStep:
-            where = locate_nonfinite(model, policy, ctx, micro)
-            raise NonFiniteError(
-                f"step {step + 1}: the gradients hold inf/nan; first non-finite value: {where}. "
-                "Nothing of this step was applied or saved. (train.on_nonfinite=skip skips such steps "
-                "instead; lowering optim.lr or checking the data are the usual fixes.)") from None
-        if on_nonfinite == "skip":
-            nonfinite_skipped += out["skipped"].to(nonfinite_skipped.dtype)
-        done = step + 1
-        progress.step, progress.tokens = done, progress.tokens + tokens_per_step
-        steps_since += 1
-        metrics.console.advance()
-        if done == start + 1:
-            unhook()
-            dtypes.update(observed_dtypes(model, optimizer))
-            dtypes["compute_observed"] = seen_compute.get("linear_output", "?")
-            if ctx.is_main:
-                _write_config(run_dir, cfg, info)
-
-        row: dict = {}
-        if done == 1 or done % tc.log_every == 0 or done == tc.max_steps:
-            # Host sync: the loss/norm/scale are read back only at this cadence.
-            loss = float(ctx.all_reduce_mean(out["loss"].float()))
-            now = time.perf_counter()
-            # Throughput counts everything a training step costs (logging and the
-            # monitor included) except evaluation and checkpointing.
-            elapsed, t_mark, excluded = now - t_mark - excluded, now, 0.0
-            train_time += elapsed
-            row.update({
-                "train/loss": loss,
-                "train/lr": lr,
-                "train/grad_norm": float(out["grad_norm"]),
-                "train/tokens": progress.tokens,
-                "perf/tokens_per_s": steps_since * tokens_per_step / elapsed,
-                "perf/step_time_s": elapsed / steps_since,
-                **({"perf/mfu": mfu(steps_since * tokens_per_step / elapsed, flops_tok, peak, ctx.world)}
-                   if peak else {}),
-                **_peak_memory(ctx.device),
-            })
-            if scaler.enabled:
-                skipped = int(scaler.skipped)
-                scale_now = scaler.get_scale()
-                row.update({"amp/loss_scale": scale_now, "amp/skipped_steps": skipped,
-                            "amp/skip_rate": skipped / done})
-                if scale_now < cfg.precision.loss_scale.min_loss_scale:
-                    where = locate_nonfinite(model, policy, ctx, micro, scale=scale_now)
-                    raise NonFiniteError(
-                        f"step {done}: the loss scale fell to {scale_now:g}, below "
-                        f"precision.loss_scale.min_loss_scale={cfg.precision.loss_scale.min_loss_scale:g}: the gradients "
-                        f"overflow at every scale. First non-finite value: {where}. Nothing of the broken state "
-                        "was saved. Consider bf16, a lower optim.lr, or checking the data.")
+    try:
+        for step in range(start, tc.max_steps):
+            lr = lr_at(step, cfg.optim, tc.max_steps)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            inject = step in inject_steps and inject_rank in (-1, ctx.rank)
+            micro = batches.batch(step)
+            nan_fault["step"] = step
+            monitor.start_step(step)
+            try:
+                out = train_step(model, optimizer, scaler, policy, ctx, micro, tc.grad_clip, inject,
+                                 monitor, on_nonfinite)
+            except NonFiniteStep:
+                where = locate_nonfinite(model, policy, ctx, micro)
+                raise NonFiniteError(
+                    f"step {step + 1}: the gradients hold inf/nan; first non-finite value: {where}. "
+                    "Nothing of this step was applied or saved. (train.on_nonfinite=skip skips such steps "
+                    "instead; lowering optim.lr or checking the data are the usual fixes.)") from None
             if on_nonfinite == "skip":
-                row["train/nonfinite_skipped"] = int(nonfinite_skipped)
-            if spikes.update(loss):
-                row["events/loss_spike"] = loss / spikes.median
-                metrics.write(f"step {done:>6} | loss spike: {loss:.4f} is {loss / spikes.median:.1f}x "
-                              f"the median {spikes.median:.4f} of the last {len(spikes.window) - 1} logged losses")
-            if ctx.world > 1:
-                # Every rank must have the same global grad norm and skip count; a
-                # disagreement means the ranks are no longer training one model.
-                mine = torch.stack([out["grad_norm"].float(), scaler.skipped.float()])
-                row["dist/rank_mismatch"] = 0 if ctx.ranks_agree(mine) else 1
-            last_train = row.copy()
-        if tc.eval_every and (done % tc.eval_every == 0 or done == tc.max_steps):
-            t_eval = time.perf_counter()
-            val_iter = data_mod.val_batches(val_w, tc.eval_batches, tc.global_batch_size, mbs, ctx.rank, ctx.world)
-            last_val = evaluate(model, policy, ctx, val_iter)
-            excluded += time.perf_counter() - t_eval
-            row["val/loss"] = last_val
-            metrics.write(f"step {done:>6} | train loss {fmt(last_train.get('train/loss'))} | "
-                          f"val loss {fmt(last_val)} | unigram baseline {tokens.unigram_nats:.4f}")
-        hists = {}
-        if monitor.active(step):
-            scalars, hists = monitor.collect()  # collectives + one host sync, on monitored steps only
-            row.update(scalars)
-        if row:
-            metrics.log(done, row, hists)
+                nonfinite_skipped += out["skipped"].to(nonfinite_skipped.dtype)
+            done = step + 1
+            progress.step, progress.tokens = done, progress.tokens + tokens_per_step
+            steps_since += 1
+            metrics.console.advance()
+            if done == start + 1:
+                unhook()
+                dtypes.update(observed_dtypes(model, optimizer))
+                dtypes["compute_observed"] = seen_compute.get("linear_output", "?")
+                if ctx.is_main:
+                    _write_config(run_dir, cfg, info)
 
-        # Stop here? A signal may reach ranks at different steps: they agree through
-        # a tiny all-reduce (a host sync per step, only in multi-rank runs).
-        if ctx.any_rank(stop.flag):
-            stopped_by = stop.name or "a signal on another rank"
-        elif tc.stop_after is not None and done >= tc.stop_after and done < tc.max_steps:
-            stopped_by = f"train.stop_after={tc.stop_after}"
-        every = cfg.checkpoint.every
-        if stopped_by or (every and done % every == 0) or (every and done == tc.max_steps):
-            t_save = time.perf_counter()
-            ckpt.save(done, model, optimizer, scaler, progress, {"spikes": spikes.state_dict()})
-            excluded += time.perf_counter() - t_save
-            last_saved = done
-            metrics.write(f"step {done:>6} | checkpoint saved: {ckpt.root / f'step-{done}'}")
-        if stopped_by:
-            metrics.write(f"step {done:>6} | stopping ({stopped_by}); resume with resume=auto "
-                          f"hydra.run.dir={run_dir}")
-            break
-        if "train/loss" in row:
-            steps_since = 0
-    stop.restore()
+            row: dict = {}
+            if done == 1 or done % tc.log_every == 0 or done == tc.max_steps:
+                # Host sync: the loss/norm/scale are read back only at this cadence.
+                loss = float(ctx.all_reduce_mean(out["loss"].float()))
+                now = time.perf_counter()
+                # Throughput counts everything a training step costs (logging and the
+                # monitor included) except evaluation and checkpointing.
+                elapsed, t_mark, excluded = now - t_mark - excluded, now, 0.0
+                train_time += elapsed
+                row.update({
+                    "train/loss": loss,
+                    "train/lr": lr,
+                    "train/grad_norm": float(out["grad_norm"]),
+                    "train/tokens": progress.tokens,
+                    "perf/tokens_per_s": steps_since * tokens_per_step / elapsed,
+                    "perf/step_time_s": elapsed / steps_since,
+                    **({"perf/mfu": mfu(steps_since * tokens_per_step / elapsed, flops_tok, peak, ctx.world)}
+                       if peak else {}),
+                    **_peak_memory(ctx.device),
+                })
+                if scaler.enabled:
+                    skipped = int(scaler.skipped)
+                    scale_now = scaler.get_scale()
+                    row.update({"amp/loss_scale": scale_now, "amp/skipped_steps": skipped,
+                                "amp/skip_rate": skipped / done})
+                    if scale_now < cfg.precision.loss_scale.min_loss_scale:
+                        where = locate_nonfinite(model, policy, ctx, micro, scale=scale_now)
+                        raise NonFiniteError(
+                            f"step {done}: the loss scale fell to {scale_now:g}, below "
+                            f"precision.loss_scale.min_loss_scale={cfg.precision.loss_scale.min_loss_scale:g}: the gradients "
+                            f"overflow at every scale. First non-finite value: {where}. Nothing of the broken state "
+                            "was saved. Consider bf16, a lower optim.lr, or checking the data.")
+                if on_nonfinite == "skip":
+                    row["train/nonfinite_skipped"] = int(nonfinite_skipped)
+                if spikes.update(loss):
+                    row["events/loss_spike"] = loss / spikes.median
+                    metrics.write(f"step {done:>6} | loss spike: {loss:.4f} is {loss / spikes.median:.1f}x "
+                                  f"the median {spikes.median:.4f} of the last {len(spikes.window) - 1} logged losses")
+                if ctx.world > 1:
+                    # Every rank must have the same global grad norm and skip count; a
+                    # disagreement means the ranks are no longer training one model.
+                    mine = torch.stack([out["grad_norm"].float(), scaler.skipped.float()])
+                    row["dist/rank_mismatch"] = 0 if ctx.ranks_agree(mine) else 1
+                last_train = row.copy()
+            if tc.eval_every and (done % tc.eval_every == 0 or done == tc.max_steps):
+                t_eval = time.perf_counter()
+                val_iter = data_mod.val_batches(val_w, tc.eval_batches, tc.global_batch_size, mbs, ctx.rank, ctx.world)
+                last_val = evaluate(model, policy, ctx, val_iter)
+                excluded += time.perf_counter() - t_eval
+                row["val/loss"] = last_val
+                metrics.write(f"step {done:>6} | train loss {fmt(last_train.get('train/loss'))} | "
+                              f"val loss {fmt(last_val)} | unigram baseline {tokens.unigram_nats:.4f}")
+            hists = {}
+            if monitor.active(step):
+                scalars, hists = monitor.collect()  # collectives + one host sync, on monitored steps only
+                row.update(scalars)
+            if row:
+                metrics.log(done, row, hists)
+
+            # Stop here? A signal may reach ranks at different steps: they agree through
+            # a tiny all-reduce (a host sync per step, only in multi-rank runs).
+            if ctx.any_rank(stop.flag):
+                stopped_by = stop.name or "a signal on another rank"
+            elif tc.stop_after is not None and done >= tc.stop_after and done < tc.max_steps:
+                stopped_by = f"train.stop_after={tc.stop_after}"
+            every = cfg.checkpoint.every
+            if stopped_by or (every and done % every == 0) or (every and done == tc.max_steps):
+                t_save = time.perf_counter()
+                ckpt.save(done, model, optimizer, scaler, progress, {"spikes": spikes.state_dict()})
+                excluded += time.perf_counter() - t_save
+                last_saved = done
+                metrics.write(f"step {done:>6} | checkpoint saved: {ckpt.root / f'step-{done}'}")
+            if stopped_by:
+                metrics.write(f"step {done:>6} | stopping ({stopped_by}); resume with resume=auto "
+                              f"hydra.run.dir={run_dir}")
+                break
+            if "train/loss" in row:
+                steps_since = 0
+    except BaseException:
+        metrics.close()  # flush what was logged up to the failure (JSONL, TensorBoard, W&B)
+        raise
+    finally:
+        stop.restore()  # also when a step raises: never leave our handler installed
     metrics.console.close()
     if cfg.checkpoint.every and last_saved != progress.step and progress.step == tc.max_steps:
         ckpt.save(progress.step, model, optimizer, scaler, progress, {"spikes": spikes.state_dict()})
@@ -594,7 +619,7 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         "baseline/unigram_val_loss": tokens.unigram_nats,
         "perf/tokens_per_s": (progress.step - start) * tokens_per_step / train_time if train_time else None,
         "wall_time_s": time.perf_counter() - t_start,
-        "params_non_embedding": n_params,
+        "params": n_params,  # excluding position embeddings: the N of 6N
         "flops_per_token": flops_tok,
         "mem/estimate_gib": mem_est.total / 2**30,
         "precision": cfg.precision.name,
@@ -628,7 +653,7 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
 def _banner(cfg, ctx, policy, dtypes, info, tokens, tokens_per_step, run_dir) -> str:
     m = cfg.model
     lines = [
-        f"mptrain | {m.name} ({info['params_non_embedding'] / 1e6:.2f}M non-embedding params, "
+        f"mptrain | {m.name} ({info['params'] / 1e6:.2f}M params, "
         f"{m.n_layer}x{m.d_model}, {m.n_head} heads, block {m.block_size}, vocab {info['vocab_size']})",
         f"  device {ctx.device} | world size {ctx.world} | parallel={cfg.parallel.name.value}"
         + (f" ({ctx.backend})" if ctx.backend else ""),

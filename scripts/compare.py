@@ -135,10 +135,11 @@ def figure(runs: list[Run], out: Path) -> list[str]:
     rows = max(1, math.ceil(len(panels) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False)
     for ax, (title, metric, x, scale) in zip(axes.flat, panels):
-        for r in runs:
+        for i, r in enumerate(runs):
             xs, ys = r.series(metric, x)
-            if xs:
-                ax.plot(xs, ys, label=r.label, marker="." if len(xs) < 30 else None, linewidth=1.2)
+            if xs:  # a run keeps its colour in every panel, also where others are missing
+                ax.plot(xs, ys, label=r.label, color=f"C{i % 10}", marker="." if len(xs) < 30 else None,
+                        linewidth=1.2)
         ax.set_title(title)
         ax.set_xlabel("tokens" if x == "train/tokens" else "step")
         if scale == "log2":
@@ -148,7 +149,10 @@ def figure(runs: list[Run], out: Path) -> list[str]:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=f"C{i % 10}") for i in range(len(runs))]
+    labels = [r.label for r in runs]
     fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=9, frameon=False)
     note = f"not logged by any run: {', '.join(missing)}" if missing else ""
     fig.suptitle(f"{len(runs)} run(s)" + (f" — {note}" if note else ""), fontsize=10)

@@ -36,7 +36,7 @@ from mptrain.model import GPT, GPTShape  # noqa: E402
 from mptrain.parallel import setup, wrap  # noqa: E402
 from mptrain.perf import flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
 from mptrain.precision import PrecisionPolicy, dtype_name  # noqa: E402
-from mptrain.trainer import _peak_memory, build_optimizer, decay_names, lr_at, run  # noqa: E402
+from mptrain.trainer import _peak_memory, _reset_peak_memory, build_optimizer, decay_names, lr_at, run  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.eval_every=0", "log.progress=false"]
@@ -60,6 +60,7 @@ def bare(overrides: list[str], steps: int) -> dict:
     """The hand-written loop: no logging, no monitor, no checks."""
     cfg = compose_cfg([*overrides, f"train.max_steps={steps}"])
     ctx = setup(cfg.parallel, cfg.train.device)
+    _reset_peak_memory(ctx.device)
     try:
         tc, m = cfg.train, cfg.model
         mbs, accum = micro_steps(cfg, ctx.world)
@@ -141,7 +142,7 @@ def main() -> None:
         print(f"  {k:<26} {r['tokens_per_s']:>10,.0f} {1e3 * r['step_time_s']:>9.1f} {u:>7} "
               f"{r['mem']:>9.2f} {r['tokens_per_s'] / base:>8.3f}")
     if device == "cpu":
-        print("  * CPU: the process's peak resident memory so far (it only grows across the settings)")
+        print("  * CPU: peak resident memory of the process during that run (Linux VmHWM, reset per run)")
 
 
 if __name__ == "__main__":

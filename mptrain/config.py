@@ -56,6 +56,11 @@ class Fp8GradDtype(Enum):
     e4m3 = "float8_e4m3fn"
 
 
+class ActCheckpoint(Enum):
+    none = "none"
+    block = "block"
+
+
 class NonFinite(Enum):
     abort = "abort"
     skip = "skip"
@@ -292,6 +297,16 @@ class TrainConfig:
     saved) or ``skip`` (do not apply that step; counted in
     ``train/nonfinite_skipped``). Checking reads one value back from the
     device each step. With a loss scaler, skipping is the scaler's job."""
+    compile: Optional[bool] = None
+    """``torch.compile`` each transformer block (regional compilation: one
+    compile serves every block, and it composes with FSDP). ``null``: on for
+    CUDA, off on CPU (where the first step pays ~20 s of compilation)."""
+    activation_checkpointing: ActCheckpoint = ActCheckpoint.none
+    """``block``: recompute each block's activations in the backward pass
+    instead of keeping them (less memory, ~1/3 more compute). ``none``: keep them."""
+    tf32: bool = True
+    """Let fp32 matmuls and convolutions use TF32 tensor cores on CUDA (10-bit
+    mantissa inputs, fp32 accumulation). No effect on CPU."""
     peak_tflops: Optional[float] = None
     """Dense peak TFLOPS of one device for this run's matmul dtype, for
     ``perf/mfu``. ``null`` looks the device up in ``mptrain/perf.py``'s table
@@ -323,6 +338,9 @@ class OptimConfig:
     """Adam second-moment decay."""
     eps: float = 1e-8
     """Adam epsilon."""
+    fused: Optional[bool] = None
+    """Fused AdamW kernel (one launch for all parameters). ``null``: on for CUDA,
+    off on CPU (where the multi-tensor ``foreach`` path is used)."""
 
 
 # ----------------------------------------------------------------------------- log

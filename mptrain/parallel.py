@@ -252,15 +252,26 @@ def setup(pcfg, device_spec: str) -> DistContext:
     return ctx
 
 
-def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext) -> nn.Module:
+def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation_checkpointing: bool = False,
+         compile_blocks: bool = False) -> nn.Module:
     """Wrap ``model`` for ``ctx.mode`` and record the dtypes the wrapper uses.
 
     Order (the one place it is decided): move to device -> float8 conversion
-    -> (activation checkpointing, compile: not yet) -> data-parallel wrapper
-    last, so the wrapper sees the final module tree.
+    -> activation checkpointing -> torch.compile per block -> data-parallel
+    wrapper last, so the wrapper sees the final module tree.
     """
     model = model.to(ctx.device, dtype=policy.param_dtype)  # fp32 unless master_weights=false
     model = policy.convert_model(model)  # float8 linears first: FSDP must shard the converted weights
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+        # Non-reentrant checkpointing: works with FSDP, autocast and float8; the
+        # wrapper hides its own name from state_dict keys, so checkpoints do not change.
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(blk, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if compile_blocks:
+        for blk in model.blocks:
+            blk.compile()  # in place: module names (and checkpoints) stay as they are
     mode = ctx.mode
     if mode == ParallelMode.none:
         ctx.wrapper_dtypes = {"wrapper": "none"}
@@ -337,8 +348,6 @@ def _wrap_fsdp2(model, policy, ctx):
         raise ConfigError(f"parallel=fsdp needs FSDP2 (torch>=2.6); this torch is {torch.__version__}. Use parallel=fsdp1.") from e
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .model import Block
-
     _cast_buffers(model, policy.buffer_dtype)
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     # Explicit on every field: FSDP2 defaults have changed between releases.
@@ -348,9 +357,8 @@ def _wrap_fsdp2(model, policy, ctx):
         output_dtype=None,
         cast_forward_inputs=True,
     )
-    for mod in model.modules():
-        if isinstance(mod, Block):
-            fully_shard(mod, mesh=mesh, mp_policy=mp)
+    for blk in model.blocks:  # each block (possibly checkpoint-wrapped) is one FSDP unit
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     ctx.wrapper_dtypes = _sharded_dtypes("FSDP2 fully_shard (per block + root)", "sharded", policy)
     return model

@@ -73,9 +73,10 @@ def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.devic
         {"params": params_decay, "weight_decay": ocfg.weight_decay},
         {"params": params_other, "weight_decay": 0.0},
     ]
-    # AdamW keeps its moments in the parameters' dtype: fp32 here, always.
-    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps,
-                             foreach=device.type == "cuda" or None)
+    # AdamW keeps its moments in the parameters' dtype (fp32 unless master_weights=false).
+    fused = ocfg.fused if ocfg.get("fused") is not None else device.type == "cuda"
+    kernel = {"fused": True} if fused else {"foreach": device.type == "cuda" or None}
+    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, **kernel)
 
 
 def _inject_inf(model: nn.Module) -> None:
@@ -406,7 +407,12 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
     model = GPT(shape)
     n_params = model.num_params()
     decay = decay_names(model)
-    model = wrap(model, policy, ctx)
+    if ctx.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tc.tf32
+        torch.backends.cudnn.allow_tf32 = tc.tf32
+    compile_blocks = tc.compile if tc.compile is not None else ctx.device.type == "cuda"
+    model = wrap(model, policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
+                 compile_blocks=compile_blocks)
     optimizer = build_optimizer(model, decay, cfg.optim, ctx.device)
     scaler = policy.make_scaler(distributed=ctx.has_group and ctx.world > 1)
 
@@ -421,7 +427,9 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
             "tokenizer": tokens.tokenizer.name, "tokenizer_path": tokens.tokenizer.path, "corpus": tokens.source,
             "train_tokens": int(len(tokens.train)), "val_tokens": int(len(tokens.val)),
             "params": n_params, "git_commit": _git_commit(), "versions": _versions(),
-            "argv": sys.argv}
+            "argv": sys.argv, "compile": compile_blocks,
+            "activation_checkpointing": tc.activation_checkpointing.value,
+            "fused_adamw": any(g.get("fused") for g in optimizer.param_groups)}
     if fp8_report:
         info["fp8"] = fp8_report
     run_name = f"{m.name}-{cfg.precision.name}-{cfg.parallel.name.value}"

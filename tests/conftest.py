@@ -61,3 +61,15 @@ def run_cli(*args: str, timeout: int = 300, env: dict | None = None, cwd: Path |
     """``python train.py ...`` as a user types it."""
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd or ROOT, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """parallel=none on the distributed tests' global batch, one run per precision (shared)."""
+    from .test_distributed import COMMON
+
+    out = {}
+    for p in ("fp32", "bf16", "fp16"):
+        _, rows = train(tmp_path_factory.mktemp(f"ref-{p}") / "run", *COMMON, f"precision={p}", tiny=False)
+        out[p] = rows
+    return out

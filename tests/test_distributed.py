@@ -47,16 +47,6 @@ def only_run_dir(cwd: Path) -> Path:
     return runs[0]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """parallel=none on the same global batch, one run per precision."""
-    out = {}
-    for p in ("fp32", "bf16", "fp16"):
-        _, rows = train(tmp_path_factory.mktemp(f"ref-{p}") / "run", *COMMON, f"precision={p}", tiny=False)
-        out[p] = rows
-    return out
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
 def test_two_ranks_match_single_process(tmp_path, reference, parallel, precision):

@@ -29,7 +29,7 @@ from .config import ConfigError, ParallelMode, micro_steps, validate
 from .doctor import check_precision
 from .memory import estimate as memory_estimate
 from .metrics import Metrics, fmt
-from .numerics import NumericsMonitor
+from .numerics import NumericsMonitor, canonical_name
 from .model import GPT, GPTShape
 from .parallel import DistContext, setup, wrap
 from .perf import flops_per_token, matmul_kind, mfu, peak_flops
@@ -52,12 +52,6 @@ def lr_at(step: int, ocfg, max_steps: int) -> float:
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def _clean_name(name: str) -> str:
-    for prefix in ("_fsdp_wrapped_module.", "module.", "_orig_mod.", "_checkpoint_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
-
-
 def decay_names(model: nn.Module) -> set[str]:
     """Parameters that get weight decay: matrices (embeddings, linears), not
     biases or norm gains. Taken before wrapping, since FSDP1 flattens shapes."""
@@ -68,7 +62,7 @@ def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.devic
     params_decay, params_other = [], []
     for n, p in model.named_parameters():
         if p.requires_grad:
-            (params_decay if _clean_name(n) in decay else params_other).append(p)
+            (params_decay if canonical_name(n) in decay else params_other).append(p)
     groups = [
         {"params": params_decay, "weight_decay": ocfg.weight_decay},
         {"params": params_other, "weight_decay": 0.0},
@@ -105,7 +99,6 @@ def _plant_nan(model: nn.Module, name: Optional[str], steps) -> dict:
     state = {"step": -1}
     if not name:
         return state
-    from .numerics import canonical_name
 
     mods = {canonical_name(n): m for n, m in model.named_modules()}
     if name not in mods:
@@ -174,7 +167,6 @@ def locate_nonfinite(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext
     """Replay a step's forward and backward with hooks and name the first module
     whose output (in forward order) or output gradient (in backward order) holds
     inf/nan. The weights are those the bad step started from: it was not applied."""
-    from .numerics import canonical_name
 
     found: list[str] = []
 

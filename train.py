@@ -5,7 +5,7 @@ import hydra
 from omegaconf import DictConfig
 
 from mptrain.config import ConfigError, check_override_keys
-from mptrain.launch import rank_overrides
+from mptrain.launch import exit_process, rank_overrides
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
@@ -32,4 +32,11 @@ if __name__ == "__main__":
         print(f"mptrain: configuration error: {e}", file=sys.stderr)
         sys.exit(2)
     sys.argv += rank_overrides()
-    main()
+    try:
+        main()
+        code = 0
+    except SystemExit as e:  # hydra and the handlers above exit through here
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    exit_process(code)

@@ -295,8 +295,11 @@ class TrainConfig:
     loss scaler: ``abort`` (stop with the step and the first module whose
     forward output or gradient was non-finite; nothing of the broken state is
     saved) or ``skip`` (do not apply that step; counted in
-    ``train/nonfinite_skipped``). Checking reads one value back from the
-    device each step. With a loss scaler, skipping is the scaler's job."""
+    ``train/nonfinite_skipped``). With fused AdamW the bad step is skipped on
+    the device and, under ``abort``, so is every later one until the next
+    logging step, where the run stops naming the bad step: no host sync per
+    step. A foreach optimizer needs one read-back per step to decide. With a
+    loss scaler, skipping is the scaler's job."""
     compile: Optional[bool] = None
     """``torch.compile`` each transformer block (regional compilation: one
     compile serves every block, and it composes with FSDP). ``null``: on for
@@ -389,7 +392,9 @@ class CheckpointConfig:
     """Keep this many most recent complete checkpoints; older ones are deleted. 0 keeps all."""
     on_signal: bool = True
     """On SIGTERM/SIGINT (a preempted job, Ctrl-C), finish the current step,
-    save a checkpoint and exit with code 0. A second SIGINT stops at once."""
+    save a checkpoint and exit with code 0. A second SIGINT stops at once.
+    Several ranks agree on the stop through an all-reduce (a host sync), so
+    they look at the logging steps (``train.log_every``) only."""
 
 
 @dataclass

@@ -74,3 +74,52 @@ def peak_flops(device_name: str, kind: str, override_tflops: Optional[float] = N
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_per_device: float, world_size: int) -> float:
     """Model FLOPs utilisation of the whole job (all ranks' tokens over all ranks' peak)."""
     return tokens_per_s * flops_per_tok / (peak_per_device * world_size)
+
+
+class HostSyncCounter:
+    """Counts the calls that copy a device value to the host (``.item()``,
+    ``bool(t)``, ``float(t)``, ``.tolist()``, ``.cpu()``, ...) made through
+    torch's Python API while active: on a GPU each one waits for every queued
+    kernel. A check that works on CPU too, where nothing actually waits;
+    ``torch.cuda.set_sync_debug_mode`` is the GPU-only counterpart (it also sees
+    syncs inside C++ code, which this cannot).
+
+    ``calls`` lists ``(name, where)`` with ``where`` the innermost mptrain
+    frame that made the call, so a failing check says which line synced.
+    """
+
+    NAMES = frozenset({"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy",
+                       "__format__", "nonzero"})
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+
+        counter = self
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                if name in counter.NAMES:
+                    counter.calls.append((name, counter._where()))
+                return func(*args, **(kwargs or {}))
+
+        self.calls: list[tuple[str, str]] = []
+        self._mode = _Mode()
+
+    @staticmethod
+    def _where() -> str:
+        import os
+        import sys
+
+        f = sys._getframe(2)
+        pkg = os.path.dirname(os.path.abspath(__file__))
+        while f is not None and not f.f_code.co_filename.startswith(pkg):
+            f = f.f_back
+        return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" if f else "?"
+
+    def __enter__(self) -> "HostSyncCounter":
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)

@@ -115,19 +115,63 @@ def _plant_nan(model: nn.Module, name: Optional[str], steps) -> dict:
     return state
 
 
+class NonFiniteGuard:
+    """Watches each step's gradient norm for inf/nan in runs without a loss scaler.
+
+    When the optimizer can skip a step on the device (fused AdamW reads a
+    ``found_inf`` flag, as it does for ``GradScaler``), nothing is read back per
+    step: a bad step is skipped on the device, and under ``abort`` every step
+    after it is skipped too, so the weights stay those the bad step started
+    from until the loop looks (at the logging cadence, before a checkpoint and
+    at the end) and raises. Other optimizers cannot skip without knowing, so
+    the check then reads one flag back per step.
+    """
+
+    def __init__(self, mode: str, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.mode = mode
+        self.on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self.bad_step = torch.full((), -1, dtype=torch.int64, device=device)  # first bad 0-based step
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+
+    def gate(self, grad_norm: torch.Tensor, step: int) -> tuple[torch.Tensor, Optional[bool]]:
+        """Whether this step must not be applied: a 0-d bool device tensor, and
+        the same as a Python bool when it had to be read back (non-fused
+        optimizer: one host sync), else None. Raises :class:`NonFiniteStep`
+        under ``abort`` when it was read back and is True."""
+        bad = ~torch.isfinite(grad_norm.float())
+        if self.mode == "abort":
+            self.bad_step = torch.where(bad & (self.bad_step < 0), step, self.bad_step)
+            stop = self.bad_step >= 0  # sticky: nothing after the first bad step is applied
+        else:
+            stop = bad
+        self.skipped += stop.to(self.skipped.dtype)
+        if self.on_device:
+            return stop, None
+        host = bool(stop)  # host sync (non-fused optimizer only)
+        if host and self.mode == "abort":
+            raise NonFiniteStep()
+        return stop, host
+
+    def first_bad_step(self) -> Optional[int]:
+        """The first bad 0-based step under ``abort`` (a host sync), or None."""
+        at = int(self.bad_step)
+        return at if at >= 0 else None
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler,
                policy: PrecisionPolicy, ctx: DistContext, micro_batches: list, grad_clip: float,
-               inject_inf: bool = False, monitor=None, on_nonfinite: Optional[str] = None) -> dict[str, torch.Tensor]:
+               inject_inf: bool = False, monitor=None, guard: Optional[NonFiniteGuard] = None,
+               step: int = 0) -> dict[str, torch.Tensor]:
     """One optimizer step over this rank's micro-batches.
 
-    Returns device tensors (no host sync here beyond the one inside the fp16
-    scaler, or the finiteness check of ``on_nonfinite``): ``loss`` (mean over
-    micro-batches, this rank), ``grad_norm`` (global, unscaled, before
-    clipping), ``skipped`` (1 if the step was not applied).
+    Returns device tensors: ``loss`` (mean over micro-batches, this rank),
+    ``grad_norm`` (global, unscaled, before clipping), ``skipped`` (1 if the
+    step was not applied). Host syncs: none with a fused optimizer; with a
+    foreach/for-loop optimizer, one inside ``GradScaler.step`` (fp16 loss
+    scaling) or one in ``guard`` (inf/nan check without a scaler).
 
-    ``on_nonfinite`` (runs without a loss scaler): ``"abort"`` raises
-    :class:`NonFiniteStep` before the optimizer touches the weights, ``"skip"``
-    leaves the weights as they are; ``None`` does not look.
+    ``guard`` (runs without a loss scaler) decides whether a step with inf/nan
+    gradients is applied; see :class:`NonFiniteGuard`. ``None`` does not look.
     """
     optimizer.zero_grad(set_to_none=True)
     n = len(micro_batches)
@@ -147,15 +191,26 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
         monitor.after_backward(model, scaler.scale_tensor())  # gradients as held: still scaled
     scaler.unscale_(optimizer)  # clipping and the norm must see true gradients
     grad_norm = ctx.clip_grad_norm(model, grad_clip)
-    if on_nonfinite is not None and not bool(torch.isfinite(grad_norm)):  # host sync (documented)
-        if on_nonfinite == "abort":
-            raise NonFiniteStep()
+    stop, host_stop = guard.gate(grad_norm, step) if guard is not None else (None, None)
+    if host_stop:  # read back already (non-fused optimizer): skip on the host
         optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_sum / n, "grad_norm": grad_norm.detach(),
                 "skipped": torch.ones((), device=ctx.device)}
+    if host_stop is not None:
+        stop = None  # a good step, known on the host: the plain optimizer step
     if monitor is not None:
         monitor.before_optimizer(model)
-    skipped = scaler.step(optimizer)
+    if stop is not None:
+        # The fused kernel reads found_inf on the device: 1 leaves weights, moments
+        # and the step count as they were (GradScaler drives it the same way).
+        optimizer.found_inf = stop.float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        skipped = stop.float()
+    else:
+        skipped = scaler.step(optimizer)
     if monitor is not None:
         monitor.after_optimizer(model, skipped)
     policy.after_optimizer_step(model)  # float8 all-gather scales follow the new weights
@@ -470,8 +525,24 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
     if resume_path is not None:
         spikes.load_state_dict(ckpt.loaded_extra.get("spikes", {}))
     # With a loss scaler the scaler skips bad steps; without one we look ourselves.
-    on_nonfinite = None if scaler.enabled else cfg.train.on_nonfinite.value
-    nonfinite_skipped = torch.zeros((), dtype=torch.int64, device=ctx.device)
+    guard = None if scaler.enabled else NonFiniteGuard(cfg.train.on_nonfinite.value, optimizer, ctx.device)
+
+    def abort_on_nonfinite(bad_step: int, detected: Optional[int] = None):
+        nan_fault["step"] = bad_step  # replay the bad step exactly (debug.nan_in_module included)
+        where = locate_nonfinite(model, policy, ctx, batches.batch(bad_step))
+        later = (f" (seen at step {detected}, the next point the loop looks: the steps in between were "
+                 "not applied either)" if detected is not None and detected != bad_step + 1 else "")
+        return NonFiniteError(
+            f"step {bad_step + 1}: the gradients hold inf/nan; first non-finite value: {where}. "
+            f"Nothing of this step was applied or saved{later}. (train.on_nonfinite=skip skips such steps "
+            "instead; lowering optim.lr or checking the data are the usual fixes.)")
+
+    def check_deferred_abort(done: int) -> None:
+        # Fused optimizer under abort: bad steps were skipped on the device; look now.
+        if guard is not None and guard.on_device and guard.mode == "abort":
+            bad = guard.first_bad_step()
+            if bad is not None:
+                raise abort_on_nonfinite(bad, done)
     nan_fault = _plant_nan(model, cfg.debug.nan_in_module, cfg.debug.nan_at_steps)
     seen_compute, unhook = _observe_compute_dtype(model)
     inject_steps, inject_rank = set(cfg.debug.inject_inf_grad_steps), cfg.debug.inject_inf_grad_rank
@@ -495,16 +566,11 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
             monitor.start_step(step)
             try:
                 out = train_step(model, optimizer, scaler, policy, ctx, micro, tc.grad_clip, inject,
-                                 monitor, on_nonfinite)
+                                 monitor, guard, step)
             except NonFiniteStep:
-                where = locate_nonfinite(model, policy, ctx, micro)
-                raise NonFiniteError(
-                    f"step {step + 1}: the gradients hold inf/nan; first non-finite value: {where}. "
-                    "Nothing of this step was applied or saved. (train.on_nonfinite=skip skips such steps "
-                    "instead; lowering optim.lr or checking the data are the usual fixes.)") from None
-            if on_nonfinite == "skip":
-                nonfinite_skipped += out["skipped"].to(nonfinite_skipped.dtype)
+                raise abort_on_nonfinite(step) from None
             done = step + 1
+            log_now = done == 1 or done % tc.log_every == 0 or done == tc.max_steps
             progress.step, progress.tokens = done, progress.tokens + tokens_per_step
             steps_since += 1
             metrics.console.advance()
@@ -516,8 +582,9 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
                     _write_config(run_dir, cfg, info)
 
             row: dict = {}
-            if done == 1 or done % tc.log_every == 0 or done == tc.max_steps:
+            if log_now:
                 # Host sync: the loss/norm/scale are read back only at this cadence.
+                check_deferred_abort(done)
                 loss = float(ctx.all_reduce_mean(out["loss"].float()))
                 now = time.perf_counter()
                 # Throughput counts everything a training step costs (logging and the
@@ -547,8 +614,8 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
                             f"precision.loss_scale.min_loss_scale={cfg.precision.loss_scale.min_loss_scale:g}: the gradients "
                             f"overflow at every scale. First non-finite value: {where}. Nothing of the broken state "
                             "was saved. Consider bf16, a lower optim.lr, or checking the data.")
-                if on_nonfinite == "skip":
-                    row["train/nonfinite_skipped"] = int(nonfinite_skipped)
+                if guard is not None and guard.mode == "skip":
+                    row["train/nonfinite_skipped"] = int(guard.skipped)
                 if spikes.update(loss):
                     row["events/loss_spike"] = loss / spikes.median
                     metrics.write(f"step {done:>6} | loss spike: {loss:.4f} is {loss / spikes.median:.1f}x "
@@ -575,13 +642,14 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
                 metrics.log(done, row, hists)
 
             # Stop here? A signal may reach ranks at different steps: they agree through
-            # a tiny all-reduce (a host sync per step, only in multi-rank runs).
-            if ctx.any_rank(stop.flag):
+            # a tiny all-reduce, a host sync, so several ranks look only when they log.
+            if (ctx.world == 1 or log_now) and ctx.any_rank(stop.flag):
                 stopped_by = stop.name or "a signal on another rank"
             elif tc.stop_after is not None and done >= tc.stop_after and done < tc.max_steps:
                 stopped_by = f"train.stop_after={tc.stop_after}"
             every = cfg.checkpoint.every
             if stopped_by or (every and done % every == 0) or (every and done == tc.max_steps):
+                check_deferred_abort(done)  # never save after a bad step
                 t_save = time.perf_counter()
                 ckpt.save(done, model, optimizer, scaler, progress, {"spikes": spikes.state_dict()})
                 excluded += time.perf_counter() - t_save

@@ -1,10 +1,19 @@
-"""Step time of one GPU in bf16 vs fp8 (torchao float8 linears), on random tokens.
+"""The GPU checks CPU CI cannot make, in one run that prints figures.
 
-    python scripts/gpu_check.py [--model gpt-xl] [--steps 20] [--batch 8] [--seq 1024]
+    python scripts/gpu_check.py [--only mfu,fp8,syncs] [--steps 20]
 
-Builds the model, policy, wrapper and optimizer exactly as a run does (through
-mptrain's own functions), then times ``train_step`` after a warm-up. Prints
-ms/step, tokens/s and the fp8/bf16 speed-up.
+- ``mfu``: ``gpt-small`` in bf16 with compiled blocks and fused AdamW, on one
+  GPU: tokens/s and MFU against the device's dense bf16 peak (target on an
+  H100/H200: >= 40%).
+- ``fp8``: ``gpt-xl`` with compiled blocks, bf16 against fp8 (torchao float8
+  linears, tensorwise): step time and the speed-up (target >= 1.15x).
+- ``syncs``: a few steps in fp32, bf16 and fp16 under
+  ``torch.cuda.set_sync_debug_mode("warn")``, which reports every
+  device-to-host synchronisation, C++ ones included: expected 0 per step.
+
+Every case builds the model, policy, wrapper and optimizer the way a run does
+(mptrain's own functions) and times ``train_step`` after a warm-up, on random
+tokens (the data pipeline is not what is measured).
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -22,53 +32,112 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 import mptrain.config  # noqa: E402,F401
 from mptrain.model import GPT, GPTShape  # noqa: E402
 from mptrain.parallel import setup, wrap  # noqa: E402
-from mptrain.precision import PrecisionPolicy  # noqa: E402
-from mptrain.trainer import build_optimizer, decay_names, train_step  # noqa: E402
+from mptrain.perf import flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
+from mptrain.precision import PrecisionPolicy, dtype_name  # noqa: E402
+from mptrain.trainer import NonFiniteGuard, build_optimizer, decay_names, train_step  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+VOCAB = 50304  # GPT-2's vocabulary rounded up to a multiple of 64
 
 
-def time_precision(model_name: str, precision: str, steps: int, batch: int, seq: int, vocab: int) -> float:
+def build(model_name: str, precision: str, seq: int, compile_blocks: bool):
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        cfg = compose("config", overrides=[f"model={model_name}", f"precision={precision}", f"model.block_size={seq}"])
+        cfg = compose("config", overrides=[f"model={model_name}", f"precision={precision}",
+                                           f"model.block_size={seq}"])
     ctx = setup(cfg.parallel, "cuda")
     policy = PrecisionPolicy(cfg.precision, ctx.device)
     torch.manual_seed(0)
     m = cfg.model
-    model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, seq))
+    model = GPT(GPTShape(VOCAB, m.n_layer, m.n_head, m.d_model, seq))
+    n_params = model.num_params()
     decay = decay_names(model)
-    model = wrap(model, policy, ctx)
-    opt = build_optimizer(model, decay, cfg.optim, ctx.device)
+    model = wrap(model, policy, ctx, compile_blocks=compile_blocks)
+    opt = build_optimizer(model, decay, cfg.optim, ctx.device)  # fused on CUDA by default
     scaler = policy.make_scaler()
-    x = torch.randint(0, vocab, (batch, seq + 1), device=ctx.device)
+    guard = None if scaler.enabled else NonFiniteGuard("abort", opt, ctx.device)
+    return cfg, ctx, policy, model, opt, scaler, guard, n_params
+
+
+def time_steps(model_name: str, precision: str, steps: int, batch: int, seq: int, compile_blocks: bool) -> dict:
+    cfg, ctx, policy, model, opt, scaler, guard, n_params = build(model_name, precision, seq, compile_blocks)
+    x = torch.randint(0, VOCAB, (batch, seq + 1), device=ctx.device)
     mb = [(x[:, :-1], x[:, 1:])]
-    for _ in range(3):  # warm-up: kernel selection, allocator
-        train_step(model, opt, scaler, policy, ctx, mb, 1.0)
+    for i in range(5):  # warm-up: compilation, kernel selection, allocator
+        train_step(model, opt, scaler, policy, ctx, mb, 1.0, guard=guard, step=i)
     torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    for _ in range(steps):
-        train_step(model, opt, scaler, policy, ctx, mb, 1.0)
+    for i in range(steps):
+        train_step(model, opt, scaler, policy, ctx, mb, 1.0, guard=guard, step=5 + i)
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / steps
+    tok_s = batch * seq / dt
+    m = cfg.model
+    kind = matmul_kind(dtype_name(policy.compute_dtype), policy.fp8_enabled, torch.backends.cuda.matmul.allow_tf32)
+    peak = peak_flops(torch.cuda.get_device_name(0), kind)
+    out = {"ms": dt * 1e3, "tok_s": tok_s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "mfu": mfu(tok_s, flops_per_token(n_params, m.n_layer, m.d_model, seq), peak, 1) if peak else None,
+           "kind": kind}
     del model, opt
     torch.cuda.empty_cache()
-    return dt
+    return out
+
+
+def line(name: str, r: dict) -> str:
+    mfu_s = f"MFU {r['mfu'] * 100:5.1f}% (vs {r['kind']} peak)" if r["mfu"] is not None else "MFU n/a (peak unknown)"
+    return f"  {name:<22} {r['ms']:9.1f} ms/step {r['tok_s']:12,.0f} tokens/s  {mfu_s}  peak {r['peak_gib']:.1f} GiB"
+
+
+def check_mfu(a) -> None:
+    r = time_steps("gpt-small", "bf16", a.steps, a.batch_small, a.seq, compile_blocks=True)
+    print(line("gpt-small bf16 compile", r))
+    if r["mfu"] is not None:
+        print(f"  -> MFU {r['mfu'] * 100:.1f}% (target on H100/H200: >= 40%): "
+              f"{'met' if r['mfu'] >= 0.40 else 'NOT met'}")
+
+
+def check_fp8(a) -> None:
+    res = {}
+    for p in ("bf16", "fp8"):
+        res[p] = time_steps("gpt-xl", p, a.steps, a.batch_xl, a.seq, compile_blocks=True)
+        print(line(f"gpt-xl {p} compile", res[p]))
+    speedup = res["bf16"]["ms"] / res["fp8"]["ms"]
+    print(f"  -> fp8 speed-up over bf16 (both compiled): {speedup:.3f}x (target >= 1.15x): "
+          f"{'met' if speedup >= 1.15 else 'NOT met'}")
+
+
+def check_syncs(a) -> None:
+    for p in ("fp32", "bf16", "fp16"):
+        cfg, ctx, policy, model, opt, scaler, guard, _ = build("gpt-nano", p, 64, compile_blocks=False)
+        x = torch.randint(0, VOCAB, (4, 65), device=ctx.device)
+        mb = [(x[:, :-1], x[:, 1:])]
+        train_step(model, opt, scaler, policy, ctx, mb, 1.0, guard=guard, step=0)  # lazy state
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for i in range(1, 6):
+                    train_step(model, opt, scaler, policy, ctx, mb, 1.0, guard=guard, step=i)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message).lower()]
+        print(f"  {p:<5} fused={opt.param_groups[0].get('fused')}: {len(syncs) / 5:.1f} host syncs per step"
+              + (f" (first: {syncs[0]})" if syncs else ""))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="gpt-xl")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="syncs,mfu,fp8", help="comma-separated: syncs, mfu, fp8")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--batch-small", type=int, default=16)
+    ap.add_argument("--batch-xl", type=int, default=8)
     a = ap.parse_args()
-    print(f"gpu_check: {torch.cuda.get_device_name(0)} | {a.model} | batch {a.batch} x {a.seq} | vocab {a.vocab}")
-    res = {}
-    for p in ("bf16", "fp8"):
-        res[p] = time_precision(a.model, p, a.steps, a.batch, a.seq, a.vocab)
-        print(f"  {p:<5} {res[p] * 1e3:9.1f} ms/step  {a.batch * a.seq / res[p]:12,.0f} tokens/s")
-    print(f"  fp8 speed-up over bf16: {res['bf16'] / res['fp8']:.3f}x (no torch.compile yet)")
+    print(f"gpu_check: {torch.cuda.get_device_name(0)} | torch {torch.__version__} | seq {a.seq}")
+    for case in a.only.split(","):
+        print(f"[{case}]", flush=True)
+        {"syncs": check_syncs, "mfu": check_mfu, "fp8": check_fp8}[case.strip()](a)
 
 
 if __name__ == "__main__":

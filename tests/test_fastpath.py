@@ -60,3 +60,36 @@ def test_fsdp_with_activation_checkpointing_two_ranks(tmp_path, reference):
     rows = [r for r in read_rows(only_run_dir(tmp_path)) if "train/loss" in r]
     ref = [r for r in reference["fp32"] if "train/loss" in r]
     assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref)) < TOL["fp32"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_no_host_sync_between_logging_steps(tmp_path, precision):
+    """10 more steps between the same logging points add no device-to-host read.
+
+    Counted through torch's Python API (``item``, ``bool``, ``float``, ``tolist``,
+    ``cpu``, ...), which sees every read mptrain makes; with fused AdamW (the CUDA
+    default) neither the inf/nan guard nor fp16's GradScaler reads back per step."""
+    from mptrain.perf import HostSyncCounter
+
+    counts = {}
+    for steps in (10, 20):
+        with HostSyncCounter() as c:
+            train(tmp_path / str(steps), f"precision={precision}", f"train.max_steps={steps}",
+                  f"train.log_every={steps}", "optim.fused=true", "monitor.enabled=false")
+        counts[steps] = c.calls
+    extra = list(counts[20])
+    for call in counts[10]:
+        extra.remove(call) if call in extra else None
+    assert counts[10] and not extra, f"per-step host syncs: {extra}"
+
+
+def test_host_sync_counter_sees_the_per_step_check_of_a_foreach_optimizer(tmp_path):
+    """The counter is not blind: without the fused kernel, the inf/nan guard reads its
+    flag back every step, and the counter attributes it to the guard's line."""
+    from mptrain.perf import HostSyncCounter
+
+    with HostSyncCounter() as c:
+        train(tmp_path / "run", "train.max_steps=6", "train.log_every=6", "optim.fused=false",
+              "monitor.enabled=false")
+    guard_reads = [w for name, w in c.calls if name == "__bool__" and w.startswith("trainer.py")]
+    assert len(guard_reads) >= 6

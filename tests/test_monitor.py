@@ -37,12 +37,16 @@ def test_monitor_metrics_in_jsonl_and_tensorboard(tmp_path):
     assert "numerics/grad_underflow/e4m3" in acc.Tags()["scalars"]
 
 
-def test_planted_nan_aborts_with_module_and_step(tmp_path):
+@pytest.mark.parametrize("fused", ["false", "true"])
+def test_planted_nan_aborts_with_module_and_step(tmp_path, fused):
+    # fused AdamW skips on the device and the loop looks at the logging cadence (every 3
+    # steps here): the bad step 5 is seen at step 6, and steps 5-6 were not applied
     with pytest.raises(NonFiniteError) as e:
-        train(tmp_path / "run", "train.max_steps=10", "checkpoint.every=2",
-              "debug.nan_in_module=blocks.1.mlp.fc", "debug.nan_at_steps=[4]")
+        train(tmp_path / "run", "train.max_steps=10", "checkpoint.every=2", f"optim.fused={fused}",
+              "train.log_every=3", "debug.nan_in_module=blocks.1.mlp.fc", "debug.nan_at_steps=[4]")
     msg = str(e.value)
     assert msg.startswith("step 5:") and "forward output of 'blocks.1.mlp.fc'" in msg
+    assert ("seen at step 6" in msg) == (fused == "true")
     # checkpoints of the good steps exist; nothing at or after the broken one
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert saved == ["step-2", "step-4"]
@@ -56,8 +60,9 @@ def test_planted_nan_from_the_cli_is_one_clear_line(tmp_path):
     assert "step 2:" in r.stderr and "'blocks.0.attn'" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_skip_mode_skips_the_bad_step(tmp_path):
-    s, rows = train(tmp_path / "run", "train.max_steps=6", "train.on_nonfinite=skip",
+@pytest.mark.parametrize("fused", ["false", "true"])
+def test_skip_mode_skips_the_bad_step(tmp_path, fused):
+    s, rows = train(tmp_path / "run", "train.max_steps=6", "train.on_nonfinite=skip", f"optim.fused={fused}",
                     "debug.nan_in_module=blocks.0.mlp", "debug.nan_at_steps=[2]")
     assert [r["train/nonfinite_skipped"] for r in rows] == [0, 0, 1, 1, 1, 1]
     assert rows[-1]["train/loss"] == rows[-1]["train/loss"]  # finite: the NaN step was not applied

@@ -37,6 +37,8 @@ def _state(model, opt):
 
 
 def _same(a, b):
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if torch.is_tensor(a):
@@ -106,3 +108,27 @@ def test_skip_metrics_in_a_run(tmp_path):
 def test_fp16_without_scaling_warns(tmp_path, capsys):
     train(tmp_path / "run", "precision=fp16", "precision.loss_scale.enabled=false", "train.max_steps=2")
     assert "loss scaling off" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["skip", "abort"])
+def test_device_side_skip_leaves_weights_and_optimizer_untouched(mode):
+    """Fused AdamW skips a bad step on the device (no host sync): weights, moments and
+    the step count stay exactly as they were; under abort every later step is skipped too."""
+    from mptrain.trainer import NonFiniteGuard
+
+    model, opt, _, _, ctx = _setup("precision=fp32", "optim.fused=true")
+    policy = PrecisionPolicy(make_cfg("precision=fp32").precision, CPU)
+    scaler = policy.make_scaler()
+    guard = NonFiniteGuard(mode, opt, CPU)
+    assert guard.on_device
+    train_step(model, opt, scaler, policy, ctx, _batch(0), 1.0, guard=guard, step=0)
+    before = _state(model, opt)
+    out = train_step(model, opt, scaler, policy, ctx, _batch(1), 1.0, inject_inf=True, guard=guard, step=1)
+    assert bool(out["skipped"]) and _same(_state(model, opt), before)
+    out = train_step(model, opt, scaler, policy, ctx, _batch(2), 1.0, guard=guard, step=2)  # a clean step
+    if mode == "abort":
+        assert bool(out["skipped"]) and _same(_state(model, opt), before) and guard.first_bad_step() == 1
+    else:
+        assert not bool(out["skipped"]) and not _same(_state(model, opt), before)
+        assert int(opt.state[next(iter(model.parameters()))]["step"]) == 2  # the skipped step did not count
+    assert int(guard.skipped) == (2 if mode == "abort" else 1)

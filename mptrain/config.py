@@ -135,6 +135,13 @@ class LossScaleConfig:
     """Abort when the dynamic scale falls below this: gradients overflow at
     every scale, so the run produces inf/nan whatever the scaling (the error
     names the first module that does)."""
+    warn_skip_rate: float = 0.05
+    """Warn once when the share of skipped steps so far exceeds this (0 turns
+    the warning off). A few skips while a dynamic scale settles are normal;
+    a steady stream means the gradients overflow for another reason."""
+    warn_after_steps: int = 50
+    """Look at the skip rate only from this step on: the first steps of a
+    dynamic scale, which start high on purpose, are expected to skip."""
 
 
 @dataclass
@@ -319,6 +326,14 @@ class TrainConfig:
     from step 0, so it is the same across resumes), writing a checkpoint to
     resume from. The learning-rate schedule still runs to
     ``max_steps``: this is a time slice of the run, not a shorter run."""
+    audit: bool = False
+    """Audit the first step: record every operator with its module and its
+    input/output dtypes, print a per-module table, write ``audit.json`` into the
+    run directory and flag dtype mistakes (``mptrain/audit.py``). The audited
+    step runs eagerly (``train.compile`` is ignored for it) and is slower."""
+    audit_only: bool = False
+    """Stop after the audited step, writing no checkpoint (what
+    ``python -m mptrain.audit`` sets)."""
 
 
 @dataclass
@@ -417,6 +432,11 @@ class MonitorConfig:
     logged losses is reported as a spike event."""
     spike_window: int = 20
     """How many recent losses the spike median looks at."""
+    comm: bool = True
+    """On monitored steps, count the payload bytes of every collective the step
+    issues (all-gather, reduce-scatter, all-reduce, broadcast), by dtype, as
+    ``comm/<kind>/<dtype>_bytes`` (``mptrain/comm.py``). Only runs with a
+    process group (``parallel`` other than ``none``) have any."""
 
 
 @dataclass

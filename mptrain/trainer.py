@@ -32,6 +32,7 @@ from .metrics import Metrics, fmt
 from .numerics import NumericsMonitor, canonical_name
 from .model import GPT, GPTShape
 from .parallel import DistContext, setup, wrap
+from .comm import counting
 from .perf import flops_per_token, matmul_kind, mfu, peak_flops
 from .precision import LossScaler, PrecisionPolicy, dtype_name
 
@@ -215,6 +216,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
         monitor.after_optimizer(model, skipped)
     policy.after_optimizer_step(model)  # float8 all-gather scales follow the new weights
     return {"loss": loss_sum / n, "grad_norm": grad_norm.detach(), "skipped": skipped}
+
+
+@contextlib.contextmanager
+def _audit(enabled: bool, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy):
+    """The dtype audit of one step (``mptrain/audit.py``), or None when not auditing.
+    Compiled blocks run eagerly for it: a dispatch mode cannot look inside a graph."""
+    if not enabled:
+        yield None
+        return
+    from .audit import DtypeAudit
+
+    with torch.compiler.set_stance("force_eager"), DtypeAudit(model, optimizer, policy) as audit:
+        yield audit
 
 
 def locate_nonfinite(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, micro_batches: list,
@@ -524,6 +538,14 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
     spikes = SpikeDetector(cfg.monitor.spike_factor, cfg.monitor.spike_window)
     if resume_path is not None:
         spikes.load_state_dict(ckpt.loaded_extra.get("spikes", {}))
+    ls_cfg = cfg.precision.loss_scale
+    # Warned about the skip rate already (kept across resumes: once per run).
+    skip_warned = bool(ckpt.loaded_extra.get("skip_warned", False)) if resume_path is not None else False
+    count_comm = cfg.monitor.comm and ctx.mode != ParallelMode.none
+
+    def loop_state() -> dict:  # the loop's own resumable state, saved beside the checkpoint's
+        return {"spikes": spikes.state_dict(), "skip_warned": skip_warned}
+    last_comm: dict = {}
     # With a loss scaler the scaler skips bad steps; without one we look ourselves.
     guard = None if scaler.enabled else NonFiniteGuard(cfg.train.on_nonfinite.value, optimizer, ctx.device)
 
@@ -564,9 +586,12 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
             micro = batches.batch(step)
             nan_fault["step"] = step
             monitor.start_step(step)
+            auditing = tc.audit and step == start
             try:
-                out = train_step(model, optimizer, scaler, policy, ctx, micro, tc.grad_clip, inject,
-                                 monitor, guard, step)
+                with counting(count_comm and monitor.active(step)) as comm, _audit(auditing, model, optimizer,
+                                                                                    policy) as audit:
+                    out = train_step(model, optimizer, scaler, policy, ctx, micro, tc.grad_clip, inject,
+                                     monitor, guard, step)
             except NonFiniteStep:
                 raise abort_on_nonfinite(step) from None
             done = step + 1
@@ -607,6 +632,16 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
                     scale_now = scaler.get_scale()
                     row.update({"amp/loss_scale": scale_now, "amp/skipped_steps": skipped,
                                 "amp/skip_rate": skipped / done})
+                    if (not skip_warned and ls_cfg.warn_skip_rate > 0 and done >= ls_cfg.warn_after_steps
+                            and skipped / done > ls_cfg.warn_skip_rate):
+                        skip_warned = True
+                        row["events/skip_rate_warning"] = skipped / done
+                        metrics.write(
+                            f"WARNING step {done}: the loss scaler skipped {skipped} of {done} steps "
+                            f"({skipped / done:.1%}, above precision.loss_scale.warn_skip_rate="
+                            f"{ls_cfg.warn_skip_rate:g}); skipped steps train nothing. Usual fixes: a lower "
+                            f"precision.loss_scale.init_scale (now {ls_cfg.init_scale:g}), checking the data for "
+                            "bad batches, or precision=bf16 on hardware that has it (python -m mptrain.doctor).")
                     if scale_now < cfg.precision.loss_scale.min_loss_scale:
                         where = locate_nonfinite(model, policy, ctx, micro, scale=scale_now)
                         raise NonFiniteError(
@@ -638,8 +673,24 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
             if monitor.active(step):
                 scalars, hists = monitor.collect()  # collectives + one host sync, on monitored steps only
                 row.update(scalars)
+            if comm is not None:
+                last_comm = comm.metrics()
+                row.update(last_comm)
+                if step == start:
+                    metrics.write(f"step {done:>6} | collectives of one step on this rank: {comm.text()}")
+            if audit is not None:
+                report = audit.report()
+                report["comm"] = comm.metrics() if comm is not None else {}
+                if ctx.is_main:
+                    _write_json(run_dir / "audit.json", report)
+                metrics.write(audit.table())
+                metrics.write(f"step {done:>6} | dtype audit written to {run_dir / 'audit.json'}")
+                row["audit/flags"] = len(report["flags"])
             if row:
                 metrics.log(done, row, hists)
+            if tc.audit_only:
+                stopped_by = "train.audit_only"
+                break  # the audit was the point: no checkpoint of a one-step run
 
             # Stop here? A signal may reach ranks at different steps: they agree through
             # a tiny all-reduce, a host sync, so several ranks look only when they log.
@@ -651,7 +702,7 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
             if stopped_by or (every and done % every == 0) or (every and done == tc.max_steps):
                 check_deferred_abort(done)  # never save after a bad step
                 t_save = time.perf_counter()
-                ckpt.save(done, model, optimizer, scaler, progress, {"spikes": spikes.state_dict()})
+                ckpt.save(done, model, optimizer, scaler, progress, loop_state())
                 excluded += time.perf_counter() - t_save
                 last_saved = done
                 metrics.write(f"step {done:>6} | checkpoint saved: {ckpt.root / f'step-{done}'}")
@@ -668,7 +719,7 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         stop.restore()  # also when a step raises: never leave our handler installed
     metrics.console.close()
     if cfg.checkpoint.every and last_saved != progress.step and progress.step == tc.max_steps:
-        ckpt.save(progress.step, model, optimizer, scaler, progress, {"spikes": spikes.state_dict()})
+        ckpt.save(progress.step, model, optimizer, scaler, progress, loop_state())
     dtypes.update(observed_dtypes(model, optimizer))  # what the objects hold at the end, not just at step 1
 
     skipped = int(scaler.skipped)
@@ -700,6 +751,7 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         **({"fp8": fp8_report} if fp8_report else {}),
         **({"resumed_from": str(resume_path)} if resume_path is not None else {}),
         **({"stopped_early": stopped_by} if stopped_by else {}),
+        **last_comm,
     }
     if peak and summary["perf/tokens_per_s"]:
         summary["perf/mfu"] = mfu(summary["perf/tokens_per_s"], flops_tok, peak, ctx.world)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from .conftest import ROOT, TINY, read_rows, train
 
@@ -114,17 +115,61 @@ def test_one_run_directory_only_rank0_files(tmp_path):
     assert len(read_rows(run_dir)) == 3  # rows not doubled by a second rank
 
 
-def test_multirun_under_torchrun(tmp_path):
-    torchrun(tmp_path, "-m", *TINY, "train.max_steps=3", "parallel=ddp", "precision=fp32,bf16", timeout=400)
-    sweeps = [p for p in (tmp_path / "multirun").glob("*/*") if p.is_dir()]
+def _sweep_jobs(cwd: Path) -> list[Path]:
+    sweeps = [p for p in (cwd / "multirun").glob("*/*") if p.is_dir()]
     assert len(sweeps) == 1, sweeps
-    jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir())
+    return sorted((p for p in sweeps[0].iterdir() if p.is_dir()), key=lambda p: int(p.name))
+
+
+def test_multirun_under_torchrun_and_ddp_gradient_bytes(tmp_path):
+    """A sweep under torchrun (one directory per job, every rank in step); the jobs
+    differ in the gradient all-reduce dtype, which the comm counter must see:
+    DDP's fp32 reduction comes from its C++ reducer, the bf16 one from the comm hook."""
+    torchrun(tmp_path, "-m", *TINY, "train.max_steps=3", "parallel=ddp", "precision=fp32",
+             "precision.reduce_dtype=fp32,bf16", timeout=400)
+    jobs = _sweep_jobs(tmp_path)
     assert [j.name for j in jobs] == ["0", "1"]
-    for job, precision in zip(jobs, ["fp32", "bf16"]):
+    summaries = []
+    for job in jobs:
         for name in ("config.yaml", "metrics.jsonl", "summary.json"):
             assert (job / name).exists(), (job, name)
         s = json.loads((job / "summary.json").read_text())
-        assert s["precision"] == precision and s["world_size"] == 2 and s["steps"] == 3
+        assert s["precision"] == "fp32" and s["world_size"] == 2 and s["steps"] == 3
+        summaries.append(s)
+    fp32, bf16 = (s["comm/all_reduce/fp32_bytes"] for s in summaries[:1]), summaries[1]
+    fp32 = next(fp32)
+    assert "comm/all_reduce/fp32_bytes" not in bf16  # nothing left in fp32 when reducing in bf16
+    assert bf16["comm/all_reduce/bf16_bytes"] * 2 == fp32
+    # one fp32 all-reduce of every gradient: 4 bytes per parameter, in DDP's buckets
+    total_params = summaries[0]["params"] + 64 * 64  # + the position embedding (left out of N)
+    assert fp32 == 4 * total_params
+
+
+def test_fsdp_collective_bytes_follow_param_and_reduce_dtypes(tmp_path):
+    """2-rank FSDP2: gradients reduce-scattered in bf16 move half the bytes of fp32;
+    parameters all-gathered in bf16 half those of fp32; float8 all-gather less than bf16."""
+    torchrun(tmp_path, "-m", *TINY, "train.max_steps=2", "parallel=fsdp", "precision=fp32,bf16,fp8",
+             "precision.reduce_dtype=fp32,bf16", timeout=500)
+    comm = {}
+    for job in _sweep_jobs(tmp_path):
+        s = json.loads((job / "summary.json").read_text())
+        cfg = yaml.safe_load((job / "config.yaml").read_text())
+        comm[(s["precision"], cfg["precision"]["reduce_dtype"])] = {
+            k[len("comm/"):-len("_bytes")]: v for k, v in s.items() if k.startswith("comm/") and k != "comm/total_bytes"}
+    assert len(comm) == 6, comm.keys()
+    for p in ("fp32", "bf16", "fp8"):
+        assert comm[(p, "bf16")]["reduce_scatter/bf16"] * 2 == comm[(p, "fp32")]["reduce_scatter/fp32"]
+        assert "reduce_scatter/fp32" not in comm[(p, "bf16")]
+    assert comm[("bf16", "fp32")]["all_gather/bf16"] * 2 == comm[("fp32", "fp32")]["all_gather/fp32"]
+
+    def gathered(c):
+        return sum(v for k, v in c.items() if k.startswith("all_gather/"))
+
+    fp8, bf16 = comm[("fp8", "fp32")], comm[("bf16", "fp32")]
+    # the float8 weights travel as raw bytes: FSDP2 gathers a group whose shards differ in
+    # dtype (float8 data beside bf16 norms) as one uint8 buffer
+    assert fp8.get("all_gather/uint8", 0) > 0, fp8
+    assert gathered(fp8) < 0.8 * gathered(bf16), (fp8, bf16)
 
 
 def test_parallel_none_under_torchrun_is_refused(tmp_path):

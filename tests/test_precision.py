@@ -132,3 +132,21 @@ def test_device_side_skip_leaves_weights_and_optimizer_untouched(mode):
         assert not bool(out["skipped"]) and not _same(_state(model, opt), before)
         assert int(opt.state[next(iter(model.parameters()))]["step"]) == 2  # the skipped step did not count
     assert int(guard.skipped) == (2 if mode == "abort" else 1)
+
+
+@pytest.mark.parametrize("inject", [True, False])
+def test_skip_rate_warning_fires_once(tmp_path, capsys, inject):
+    faults = ["debug.inject_inf_grad_steps=[1,2,3,4,5,6,7]"] if inject else []
+    s, rows = train(tmp_path / "run", "precision=fp16", "train.max_steps=10", "precision.loss_scale.warn_after_steps=4",
+                    "precision.loss_scale.warn_skip_rate=0.2", *faults)
+    out = capsys.readouterr().out
+    warned = [r["step"] for r in rows if "events/skip_rate_warning" in r]
+    if inject:
+        # step 4: 3 of 4 skipped; every later logging step is above the threshold too
+        assert warned == [4] and out.count("the loss scaler skipped") == 1
+        assert "WARNING step 4: the loss scaler skipped 3 of 4 steps (75.0%" in out
+        assert "precision.loss_scale.init_scale" in out and "bf16" in out
+        assert s["amp/skipped_steps"] == 7
+    else:
+        assert warned == [] and "the loss scaler skipped" not in out
+        assert s["amp/skipped_steps"] == 0

@@ -176,7 +176,14 @@ class DistContext:
             return model.clip_grad_norm_(limit)
         params = [p for p in model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+        if all(g.dtype == torch.float32 for g in grads):
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+        else:
+            # Half-precision gradients (master_weights=false): accumulate *and* return
+            # each norm in fp32; torch's foreach norm would hand back a bf16/fp16 value,
+            # rounding the clip factor (and overflowing fp16 past 65504).
+            norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]), 2.0)
         if self.mode == ParallelMode.fsdp and hasattr(norm, "full_tensor"):
             # FSDP2 gradients are DTensor shards: the norm is a partial value
             # until it is reduced over ranks.

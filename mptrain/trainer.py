@@ -531,6 +531,9 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
         say(f"WARNING: {w}")
     if resume_path is not None:
         say(f"resumed from {resume_path} at step {start} ({progress.tokens:,} tokens seen)")
+    if tc.audit:
+        say(f"dtype audit of step {start + 1}: every operator's dtypes into {run_dir / 'audit.json'}"
+            + ("; the run stops after it (train.audit_only)" if tc.audit_only else ""))
     metrics.text("config", "```\n" + OmegaConf.to_yaml(cfg) + "\n```")
 
     monitor = NumericsMonitor(cfg.monitor, model, reduce_sum=ctx.shard_sum, reduce_max=ctx.shard_max,

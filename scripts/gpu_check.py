@@ -11,6 +11,10 @@
   ``torch.cuda.set_sync_debug_mode("warn")``, which reports every
   device-to-host synchronisation, C++ ones included: expected 0 per step.
 
+``--device cpu`` (with small ``--small``/``--xl`` models and ``--no-compile``)
+runs the same code on CPU, so the script is exercised by the test suite
+before a GPU session spends its minutes on it; its figures mean nothing there.
+
 Every case builds the model, policy, wrapper and optimizer the way a run does
 (mptrain's own functions) and times ``train_step`` after a warm-up, on random
 tokens (the data pipeline is not what is measured).
@@ -40,15 +44,24 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VOCAB = 50304  # GPT-2's vocabulary rounded up to a multiple of 64
 
 
-def build(model_name: str, precision: str, seq: int, compile_blocks: bool):
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def build(model_name: str, precision: str, seq: int, compile_blocks: bool, device: str, vocab: int = VOCAB):
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("config", overrides=[f"model={model_name}", f"precision={precision}",
                                            f"model.block_size={seq}"])
-    ctx = setup(cfg.parallel, "cuda")
+    ctx = setup(cfg.parallel, device)
     policy = PrecisionPolicy(cfg.precision, ctx.device)
     torch.manual_seed(0)
     m = cfg.model
-    model = GPT(GPTShape(VOCAB, m.n_layer, m.n_head, m.d_model, seq))
+    model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, seq))
     n_params = model.num_params()
     decay = decay_names(model)
     model = wrap(model, policy, ctx, compile_blocks=compile_blocks)
@@ -58,28 +71,32 @@ def build(model_name: str, precision: str, seq: int, compile_blocks: bool):
     return cfg, ctx, policy, model, opt, scaler, guard, n_params
 
 
-def time_steps(model_name: str, precision: str, steps: int, batch: int, seq: int, compile_blocks: bool) -> dict:
-    cfg, ctx, policy, model, opt, scaler, guard, n_params = build(model_name, precision, seq, compile_blocks)
+def time_steps(model_name: str, precision: str, a, batch: int, compile_blocks: bool) -> dict:
+    seq, steps = a.seq, a.steps
+    cfg, ctx, policy, model, opt, scaler, guard, n_params = build(model_name, precision, seq, compile_blocks, a.device)
     x = torch.randint(0, VOCAB, (batch, seq + 1), device=ctx.device)
     mb = [(x[:, :-1], x[:, 1:])]
-    for i in range(5):  # warm-up: compilation, kernel selection, allocator
+    for i in range(a.warmup):  # compilation, kernel selection, allocator
         train_step(model, opt, scaler, policy, ctx, mb, 1.0, guard=guard, step=i)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    _sync(ctx.device)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     for i in range(steps):
-        train_step(model, opt, scaler, policy, ctx, mb, 1.0, guard=guard, step=5 + i)
-    torch.cuda.synchronize()
+        train_step(model, opt, scaler, policy, ctx, mb, 1.0, guard=guard, step=a.warmup + i)
+    _sync(ctx.device)
     dt = (time.perf_counter() - t) / steps
     tok_s = batch * seq / dt
     m = cfg.model
     kind = matmul_kind(dtype_name(policy.compute_dtype), policy.fp8_enabled, torch.backends.cuda.matmul.allow_tf32)
-    peak = peak_flops(torch.cuda.get_device_name(0), kind)
-    out = {"ms": dt * 1e3, "tok_s": tok_s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    peak = peak_flops(_device_name(ctx.device), kind)
+    peak_mem = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
+    out = {"ms": dt * 1e3, "tok_s": tok_s, "peak_gib": peak_mem / 2**30,
            "mfu": mfu(tok_s, flops_per_token(n_params, m.n_layer, m.d_model, seq), peak, 1) if peak else None,
            "kind": kind}
     del model, opt
-    torch.cuda.empty_cache()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -89,8 +106,8 @@ def line(name: str, r: dict) -> str:
 
 
 def check_mfu(a) -> None:
-    r = time_steps("gpt-small", "bf16", a.steps, a.batch_small, a.seq, compile_blocks=True)
-    print(line("gpt-small bf16 compile", r))
+    r = time_steps(a.small, "bf16", a, a.batch_small, compile_blocks=a.compile)
+    print(line(f"{a.small} bf16" + (" compile" if a.compile else ""), r))
     if r["mfu"] is not None:
         print(f"  -> MFU {r['mfu'] * 100:.1f}% (target on H100/H200: >= 40%): "
               f"{'met' if r['mfu'] >= 0.40 else 'NOT met'}")
@@ -99,17 +116,20 @@ def check_mfu(a) -> None:
 def check_fp8(a) -> None:
     res = {}
     for p in ("bf16", "fp8"):
-        res[p] = time_steps("gpt-xl", p, a.steps, a.batch_xl, a.seq, compile_blocks=True)
-        print(line(f"gpt-xl {p} compile", res[p]))
+        res[p] = time_steps(a.xl, p, a, a.batch_xl, compile_blocks=a.compile)
+        print(line(f"{a.xl} {p}" + (" compile" if a.compile else ""), res[p]))
     speedup = res["bf16"]["ms"] / res["fp8"]["ms"]
-    print(f"  -> fp8 speed-up over bf16 (both compiled): {speedup:.3f}x (target >= 1.15x): "
+    print(f"  -> fp8 speed-up over bf16{' (both compiled)' if a.compile else ''}: {speedup:.3f}x (target >= 1.15x): "
           f"{'met' if speedup >= 1.15 else 'NOT met'}")
 
 
 def check_syncs(a) -> None:
+    if a.device != "cuda":
+        print("  skipped: torch.cuda.set_sync_debug_mode needs CUDA (tests/test_fastpath.py counts syncs on CPU)")
+        return
     for p in ("fp32", "bf16", "fp16"):
-        cfg, ctx, policy, model, opt, scaler, guard, _ = build("gpt-nano", p, 64, compile_blocks=False)
-        x = torch.randint(0, VOCAB, (4, 65), device=ctx.device)
+        cfg, ctx, policy, model, opt, scaler, guard, _ = build("gpt-nano", p, 64, False, a.device, vocab=320)
+        x = torch.randint(0, 320, (4, 65), device=ctx.device)
         mb = [(x[:, :-1], x[:, 1:])]
         train_step(model, opt, scaler, policy, ctx, mb, 1.0, guard=guard, step=0)  # lazy state
         torch.cuda.synchronize()
@@ -133,8 +153,13 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch-small", type=int, default=16)
     ap.add_argument("--batch-xl", type=int, default=8)
+    ap.add_argument("--small", default="gpt-small", help="model of the MFU case")
+    ap.add_argument("--xl", default="gpt-xl", help="model of the fp8 case")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="eager blocks (CPU smoke runs)")
+    ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
-    print(f"gpu_check: {torch.cuda.get_device_name(0)} | torch {torch.__version__} | seq {a.seq}")
+    print(f"gpu_check: {_device_name(torch.device(a.device))} | torch {torch.__version__} | seq {a.seq}")
     for case in a.only.split(","):
         print(f"[{case}]", flush=True)
         {"syncs": check_syncs, "mfu": check_mfu, "fp8": check_fp8}[case.strip()](a)

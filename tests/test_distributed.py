@@ -149,11 +149,19 @@ def test_fsdp_collective_bytes_follow_param_and_reduce_dtypes(tmp_path):
     """2-rank FSDP2: gradients reduce-scattered in bf16 move half the bytes of fp32;
     parameters all-gathered in bf16 half those of fp32; float8 all-gather less than bf16."""
     torchrun(tmp_path, "-m", *TINY, "train.max_steps=2", "parallel=fsdp", "precision=fp32,bf16,fp8",
-             "precision.reduce_dtype=fp32,bf16", timeout=500)
+             "precision.reduce_dtype=fp32,bf16", "train.audit=true", timeout=500)
     comm = {}
     for job in _sweep_jobs(tmp_path):
         s = json.loads((job / "summary.json").read_text())
         cfg = yaml.safe_load((job / "config.yaml").read_text())
+        # the dtype audit of step 1 under FSDP2 (DTensor shards, gathered weights): clean,
+        # fp32 gradients and updates whatever the reduce dtype, and the float8 linears seen
+        audit = json.loads((job / "audit.json").read_text())
+        assert audit["flags"] == [], audit["flags"]
+        mods = audit["modules"]
+        assert mods["blocks.0.mlp.fc"]["grad"] == mods["blocks.0.mlp.fc"]["update"] == "fp32"
+        assert mods["blocks.0.mlp.fc"]["matmul"] == {"fp32": "fp32", "bf16": "bf16", "fp8": "e4m3"}[s["precision"]]
+        assert audit["comm"] == {k: v for k, v in s.items() if k.startswith("comm/")}
         comm[(s["precision"], cfg["precision"]["reduce_dtype"])] = {
             k[len("comm/"):-len("_bytes")]: v for k, v in s.items() if k.startswith("comm/") and k != "comm/total_bytes"}
     assert len(comm) == 6, comm.keys()

@@ -121,3 +121,16 @@ def test_fsdp2_fp8_two_ranks(tmp_path):
 def test_gpu_check_script_skips_without_cuda():
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "no CUDA device" in r.stdout
+
+
+def test_gpu_check_code_runs_on_cpu():
+    """The GPU check script's code path (model, wrapper, timing, MFU and speed-up lines)
+    on CPU with a tiny model, so a GPU session does not find its bugs first."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--small", "gpt-nano",
+                        "--xl", "gpt-nano", "--steps", "1", "--warmup", "1", "--seq", "32", "--batch-small", "2",
+                        "--batch-xl", "2", "--no-compile"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "[syncs]" in out and "needs CUDA" in out
+    assert "gpt-nano bf16" in out and "gpt-nano fp8" in out and out.count("ms/step") == 3
+    assert "fp8 speed-up over bf16:" in out and "MFU n/a (peak unknown)" in out

@@ -88,10 +88,11 @@ class CommCounter(TorchDispatchMode):
         """One line: what one step moved, by kind and dtype."""
         if not self.bytes:
             return "no collectives"
-        def calls(n: int) -> str:
-            return f"{n} call" + ("s" if n != 1 else "")
-
-        return ", ".join(f"{k} {d} {_human(b)} ({calls(self.calls[(k, d)])})" for (k, d), b in sorted(self.bytes.items()))
+        parts = []
+        for (k, d), b in sorted(self.bytes.items()):
+            n = self.calls[(k, d)]
+            parts.append(f"{k} {d} {_human(b)} ({n} call{'s' if n != 1 else ''})")
+        return ", ".join(parts)
 
 
 def _human(n: float) -> str:

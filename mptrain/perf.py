@@ -14,7 +14,11 @@ device's dense peak for the run's matmul dtype.
 """
 from __future__ import annotations
 
+import os
+import sys
 from typing import Optional
+
+from torch.overrides import TorchFunctionMode
 
 # Dense (no sparsity) peak TFLOPS per device and matmul kind, from the vendors'
 # data sheets. "tf32" is what fp32 matmuls run at with TF32 allowed.
@@ -76,7 +80,7 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_per_device: float, world
     return tokens_per_s * flops_per_tok / (peak_per_device * world_size)
 
 
-class HostSyncCounter:
+class HostSyncCounter(TorchFunctionMode):
     """Counts the calls that copy a device value to the host (``.item()``,
     ``bool(t)``, ``float(t)``, ``.tolist()``, ``.cpu()``, ...) made through
     torch's Python API while active: on a GPU each one waits for every queued
@@ -92,34 +96,19 @@ class HostSyncCounter:
                        "__format__", "nonzero"})
 
     def __init__(self):
-        from torch.overrides import TorchFunctionMode
-
-        counter = self
-
-        class _Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                name = getattr(func, "__name__", "")
-                if name in counter.NAMES:
-                    counter.calls.append((name, counter._where()))
-                return func(*args, **(kwargs or {}))
-
+        super().__init__()
         self.calls: list[tuple[str, str]] = []
-        self._mode = _Mode()
 
-    @staticmethod
-    def _where() -> str:
-        import os
-        import sys
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            self.calls.append((func.__name__, _caller_in_package()))
+        return func(*args, **(kwargs or {}))
 
-        f = sys._getframe(2)
-        pkg = os.path.dirname(os.path.abspath(__file__))
-        while f is not None and not f.f_code.co_filename.startswith(pkg):
-            f = f.f_back
-        return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" if f else "?"
 
-    def __enter__(self) -> "HostSyncCounter":
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._mode.__exit__(*exc)
+def _caller_in_package() -> str:
+    """``file.py:line`` of the innermost mptrain frame on the stack, or "?"."""
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    f = sys._getframe(2)  # skip this function and __torch_function__ (which lives in the package)
+    while f is not None and not f.f_code.co_filename.startswith(pkg):
+        f = f.f_back
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" if f else "?"

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import data as data_mod
 from .checkpoint import Checkpointer, Progress, StopSignal, resolve_resume
+from .comm import counting
 from .config import ConfigError, ParallelMode, micro_steps, validate
 from .doctor import check_precision
 from .memory import estimate as memory_estimate
@@ -32,7 +33,6 @@ from .metrics import Metrics, fmt
 from .numerics import NumericsMonitor, canonical_name
 from .model import GPT, GPTShape
 from .parallel import DistContext, setup, wrap
-from .comm import counting
 from .perf import flops_per_token, matmul_kind, mfu, peak_flops
 from .precision import LossScaler, PrecisionPolicy, dtype_name
 
@@ -134,11 +134,12 @@ class NonFiniteGuard:
         self.bad_step = torch.full((), -1, dtype=torch.int64, device=device)  # first bad 0-based step
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)
 
-    def gate(self, grad_norm: torch.Tensor, step: int) -> tuple[torch.Tensor, Optional[bool]]:
-        """Whether this step must not be applied: a 0-d bool device tensor, and
-        the same as a Python bool when it had to be read back (non-fused
-        optimizer: one host sync), else None. Raises :class:`NonFiniteStep`
-        under ``abort`` when it was read back and is True."""
+    def gate(self, grad_norm: torch.Tensor, step: int) -> tuple[Optional[torch.Tensor], bool]:
+        """``(found_inf, skip_now)``. On the device path, ``found_inf`` is the 0-d
+        flag to hand the fused kernel (1: do not apply) and ``skip_now`` is False.
+        Otherwise the flag is read back (one host sync): ``found_inf`` is None and
+        ``skip_now`` says whether to skip; under ``abort`` a bad step raises
+        :class:`NonFiniteStep` instead."""
         bad = ~torch.isfinite(grad_norm.float())
         if self.mode == "abort":
             self.bad_step = torch.where(bad & (self.bad_step < 0), step, self.bad_step)
@@ -147,11 +148,11 @@ class NonFiniteGuard:
             stop = bad
         self.skipped += stop.to(self.skipped.dtype)
         if self.on_device:
-            return stop, None
-        host = bool(stop)  # host sync (non-fused optimizer only)
-        if host and self.mode == "abort":
+            return stop, False
+        skip_now = bool(stop)  # host sync (non-fused optimizer only)
+        if skip_now and self.mode == "abort":
             raise NonFiniteStep()
-        return stop, host
+        return None, skip_now
 
     def first_bad_step(self) -> Optional[int]:
         """The first bad 0-based step under ``abort`` (a host sync), or None."""
@@ -192,24 +193,22 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
         monitor.after_backward(model, scaler.scale_tensor())  # gradients as held: still scaled
     scaler.unscale_(optimizer)  # clipping and the norm must see true gradients
     grad_norm = ctx.clip_grad_norm(model, grad_clip)
-    stop, host_stop = guard.gate(grad_norm, step) if guard is not None else (None, None)
-    if host_stop:  # read back already (non-fused optimizer): skip on the host
+    found_inf, skip_now = guard.gate(grad_norm, step) if guard is not None else (None, False)
+    if skip_now:  # read back on the host (non-fused optimizer)
         optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_sum / n, "grad_norm": grad_norm.detach(),
                 "skipped": torch.ones((), device=ctx.device)}
-    if host_stop is not None:
-        stop = None  # a good step, known on the host: the plain optimizer step
     if monitor is not None:
         monitor.before_optimizer(model)
-    if stop is not None:
+    if found_inf is not None:
         # The fused kernel reads found_inf on the device: 1 leaves weights, moments
         # and the step count as they were (GradScaler drives it the same way).
-        optimizer.found_inf = stop.float()
+        optimizer.found_inf = found_inf.float()
         try:
             optimizer.step()
         finally:
             del optimizer.found_inf
-        skipped = stop.float()
+        skipped = found_inf.float()
     else:
         skipped = scaler.step(optimizer)
     if monitor is not None:
@@ -545,10 +544,11 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
     # Warned about the skip rate already (kept across resumes: once per run).
     skip_warned = bool(ckpt.loaded_extra.get("skip_warned", False)) if resume_path is not None else False
     count_comm = cfg.monitor.comm and ctx.mode != ParallelMode.none
+    last_comm: dict = {}
 
     def loop_state() -> dict:  # the loop's own resumable state, saved beside the checkpoint's
         return {"spikes": spikes.state_dict(), "skip_warned": skip_warned}
-    last_comm: dict = {}
+
     # With a loss scaler the scaler skips bad steps; without one we look ourselves.
     guard = None if scaler.enabled else NonFiniteGuard(cfg.train.on_nonfinite.value, optimizer, ctx.device)
 
@@ -645,11 +645,11 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
                             f"{ls_cfg.warn_skip_rate:g}); skipped steps train nothing. Usual fixes: a lower "
                             f"precision.loss_scale.init_scale (now {ls_cfg.init_scale:g}), checking the data for "
                             "bad batches, or precision=bf16 on hardware that has it (python -m mptrain.doctor).")
-                    if scale_now < cfg.precision.loss_scale.min_loss_scale:
+                    if scale_now < ls_cfg.min_loss_scale:
                         where = locate_nonfinite(model, policy, ctx, micro, scale=scale_now)
                         raise NonFiniteError(
                             f"step {done}: the loss scale fell to {scale_now:g}, below "
-                            f"precision.loss_scale.min_loss_scale={cfg.precision.loss_scale.min_loss_scale:g}: the gradients "
+                            f"precision.loss_scale.min_loss_scale={ls_cfg.min_loss_scale:g}: the gradients "
                             f"overflow at every scale. First non-finite value: {where}. Nothing of the broken state "
                             "was saved. Consider bf16, a lower optim.lr, or checking the data.")
                 if guard is not None and guard.mode == "skip":
@@ -683,7 +683,7 @@ def _run(cfg: DictConfig, ctx: DistContext, run_dir: Path) -> dict:
                     metrics.write(f"step {done:>6} | collectives of one step on this rank: {comm.text()}")
             if audit is not None:
                 report = audit.report()
-                report["comm"] = comm.metrics() if comm is not None else {}
+                report["comm"] = last_comm if comm is not None else {}
                 if ctx.is_main:
                     _write_json(run_dir / "audit.json", report)
                 metrics.write(audit.table())

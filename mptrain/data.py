@@ -15,6 +15,8 @@ Pipeline:
    ``[s*G, (s+1)*G)`` of an epoch-wise permutation seeded by ``seed``; rank
    ``r`` takes its contiguous ``G / world`` slice. A batch depends only on
    (seed, step, rank, world), so resuming needs nothing but the step.
+5. ``Prefetcher``: builds the next steps' batches on a background thread
+   (pinned and copied asynchronously on CUDA) while the current step runs.
 """
 from __future__ import annotations
 
@@ -23,14 +25,17 @@ import hashlib
 import json
 import math
 import os
+import queue
 import sysconfig
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
+from . import files
 from .config import ConfigError
 
 EOT = "<|endoftext|>"
@@ -143,19 +148,6 @@ class HFTokenizer:
         return self.tok.decode(list(ids))
 
 
-def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
-    """Build a directory under a temporary name, then rename it into place, so a
-    crash or a concurrent run never sees a half-written cache."""
-    tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
-    write(tmp)
-    try:
-        os.replace(tmp, final)
-    except OSError:  # another process won the race; its copy is as good as ours
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def build_tokenizer(data_cfg, corpus: Corpus, cache: Path, log=print):
     """The configured tokenizer; a BPE one is trained on first use and cached."""
     spec = data_cfg.tokenizer
@@ -181,7 +173,7 @@ def build_tokenizer(data_cfg, corpus: Corpus, cache: Path, log=print):
             )
             tok.train_from_iterator(corpus.docs, trainer)
             fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT)
-            _atomic_dir(path, lambda d: fast.save_pretrained(str(d)))
+            files.build_dir(path, lambda d: fast.save_pretrained(str(d)))
         return HFTokenizer(PreTrainedTokenizerFast.from_pretrained(str(path)), f"bpe{data_cfg.bpe_vocab_size}", str(path))
     from .tokens import load_hf_tokenizer
 
@@ -279,7 +271,7 @@ def prepare(data_cfg, log=print) -> TokenData:
         out = cache / "hf" / key
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_dir(out, lambda d: prepare_hf(data_cfg, d, log))
+            files.build_dir(out, lambda d: prepare_hf(data_cfg, d, log))
         return _prepare_tokens(out, f"{data_cfg.path}" + (f" ({data_cfg.name})" if data_cfg.name else ""))
     corpus = read_corpus(data_cfg)
     tok = build_tokenizer(data_cfg, corpus, cache, log)
@@ -297,7 +289,7 @@ def prepare(data_cfg, log=print) -> TokenData:
                                                       "source": corpus.source, "docs": len(corpus.docs)}))
 
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_dir(path, write)
+        files.build_dir(path, write)
     train = np.load(path / "train.npy", mmap_mode="r")
     val = np.load(path / "val.npy", mmap_mode="r")
     return TokenData(train, val, tok, tok.vocab_size, unigram_cross_entropy(train, val, tok.vocab_size), corpus.source)
@@ -336,14 +328,18 @@ class Batches:
     def __init__(self, windows: Windows, global_batch: int, micro_batch: int, rank: int, world: int, seed: int):
         self.w = windows
         self.G, self.mb, self.rank, self.world, self.seed = global_batch, micro_batch, rank, world, seed
-        self._perm_epoch = -1
-        self._perm: np.ndarray | None = None
+        self._perm_cache: tuple[int, np.ndarray] | None = None
 
     def _perm_for(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.w.n)
-            self._perm_epoch = epoch
-        return self._perm
+        # The Prefetcher's thread and the main thread (replaying a step) may both
+        # call this. Epoch and permutation are kept in one tuple, read once into a
+        # local, so a concurrent call can at worst recompute a permutation, never
+        # hand back another epoch's.
+        cached = self._perm_cache
+        if cached is None or cached[0] != epoch:
+            cached = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.w.n))
+            self._perm_cache = cached
+        return cached[1]
 
     def global_indices(self, step: int) -> np.ndarray:
         g = np.arange(step * self.G, (step + 1) * self.G, dtype=np.int64)
@@ -361,14 +357,137 @@ class Batches:
         idx = self.rank_indices(step)
         return [self.w.get(idx[i : i + self.mb]) for i in range(0, len(idx), self.mb)]
 
-    def epoch(self, step: int) -> float:
-        return step * self.G / self.w.n
+
+_DONE = object()  # end of the step range
+
+
+class _Failed:
+    """An exception from the producer thread, carried to the consumer."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class Prefetcher:
+    """The micro-batches of steps ``start .. stop-1``, built ahead of the
+    training loop on one background thread.
+
+    Why: building a batch (permutation lookup, gather from the memory-mapped
+    token stream, conversion to int64) is host work that would otherwise sit
+    between two steps. Torch releases the GIL while it computes, so the thread
+    builds the next batches while the current step runs. The bounded queue
+    (``depth`` steps) caps the memory this takes.
+
+    CUDA: the thread also pins each tensor (page-locked memory) and iteration
+    returns them copied to ``device`` with ``non_blocking=True``. From pinned
+    memory that copy is asynchronous, so the host does not wait for it before
+    launching the step. The copy is issued on the consuming thread's current
+    stream, which orders it before the step's kernels with no extra sync.
+    CPU: the CPU tensors are returned as built. Pinning needs CUDA and would buy
+    nothing here; the gain is building batches during compute.
+
+    What it returns for ``step`` is exactly ``batches.batch(step)``: batches
+    stay a pure function of (seed, step), so a resume just passes its step as
+    ``start``. To replay one step, call ``batches.batch(step)`` directly.
+
+    Iterating yields ``(step, micro_batches)`` in step order. An exception raised
+    while building a batch is raised again, the same object, by the ``next()``
+    that would have returned that batch. ``close()`` (or leaving the ``with``
+    block) stops the thread even when the loop ends early. The thread is a
+    daemon, so a run that crashes without closing still exits.
+    """
+
+    def __init__(self, batches: Batches, start: int, stop: int, device, depth: int = 2):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # The producer thread starts on GPU 0, whatever this thread set;
+            # name this rank's GPU here, on the caller's thread.
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._cuda = self.device.type == "cuda"
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._finished = False
+        self.thread = threading.Thread(target=self._produce, args=(batches, start, stop),
+                                       name="mptrain-prefetch", daemon=True)
+        self.thread.start()
+
+    def _put(self, item) -> bool:
+        """Wait for room and queue ``item``; False if close() was called meanwhile."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _produce(self, batches: Batches, start: int, stop: int) -> None:
+        try:
+            if self._cuda:
+                torch.cuda.set_device(self.device)  # pin through this rank's GPU, not GPU 0
+            for step in range(start, stop):
+                if self._stop.is_set():
+                    return
+                micro = batches.batch(step)
+                if self._cuda:
+                    micro = [(x.pin_memory(), y.pin_memory()) for x, y in micro]
+                if not self._put((step, micro)):
+                    return
+        except BaseException as exc:  # anything: the consumer must not wait forever
+            self._put(_Failed(exc))
+            return
+        self._put(_DONE)
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        if self._finished:
+            raise StopIteration
+        item = self._queue.get()
+        if item is _DONE or isinstance(item, _Failed):
+            self._finished = True
+            self.thread.join()
+            if item is _DONE:
+                raise StopIteration
+            raise item.exc
+        step, micro = item
+        if self._cuda:
+            micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                     for x, y in micro]
+        return step, micro
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread and drop the batches it built ahead. Waits at most
+        ``timeout`` seconds (the step it is building); idempotent."""
+        self._finished = True
+        self._stop.set()
+        self._drain()  # frees pinned memory now and wakes a producer blocked on a full queue
+        self.thread.join(timeout)
+        self._drain()  # what a producer woken by the first drain managed to queue
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def val_batches(windows: Windows, n_batches: int, global_batch: int, micro_batch: int,
                 rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first ``n_batches * global_batch`` val windows in order (fewer if val
-    is short), this rank's share, in micro-batches. The same every evaluation."""
+    is short), this rank's share, in micro-batches. The same every evaluation.
+
+    The last micro-batch is smaller than the others when this rank's share is
+    not a multiple of ``micro_batch``: a caller averaging losses must weight
+    each (x, y) by its number of tokens, ``y.numel()``, not count batches."""
     total = min(n_batches * global_batch, windows.n)
     total -= total % world
     if total == 0:

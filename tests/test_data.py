@@ -84,3 +84,11 @@ def test_no_window_twice_per_epoch_and_batches_depend_only_on_step():
     assert (x1 == x2).all()
     x, y = b.batch(0)[0]
     assert (x[:, 1:] == y[:, :-1]).all()  # targets are inputs shifted by one
+
+
+def test_val_batches_last_micro_batch_may_be_smaller():
+    # 2 ranks share 10 windows: 5 each, in micro-batches of 2 -> 2, 2, 1. Callers
+    # average by tokens, so the short one must come through as it is.
+    w = D.Windows(np.arange(10 * 8 + 1, dtype=np.uint16), 8)
+    sizes = [x.shape[0] for x, _ in D.val_batches(w, n_batches=5, global_batch=2, micro_batch=2, rank=1, world=2)]
+    assert sizes == [2, 2, 1]

@@ -170,13 +170,11 @@ class DistContext:
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the (unscaled) gradients before clipping, the same
         on every rank; clips to ``max_norm`` when it is > 0."""
-        limit = max_norm if max_norm > 0 else float("inf")
-        if self.mode == ParallelMode.fsdp1:
-            # FSDP1 knows which flat shards make up each parameter.
-            return model.clip_grad_norm_(limit)
         params = [p for p in model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
-        if all(g.dtype == torch.float32 for g in grads):
+        if self.mode == ParallelMode.fsdp1:
+            norm = self._fsdp1_grad_norm(grads)
+        elif all(g.dtype == torch.float32 for g in grads):
             norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
         else:
             # Half-precision gradients (master_weights=false): accumulate *and* return
@@ -191,6 +189,28 @@ class DistContext:
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
         return norm
+
+    def _fsdp1_grad_norm(self, grads: list) -> torch.Tensor:
+        """Global L2 norm of FSDP1 gradients, in fp32 whatever their dtype.
+
+        Not ``FSDP.clip_grad_norm_``: it accumulates in fp32 but returns the norm
+        cast to the gradients' dtype, so with bf16/fp16 gradients the logged norm
+        and the inf/nan guard would see a rounded value (an fp16 one overflowing
+        past 65504). With ``use_orig_params=True`` each parameter's ``.grad`` is its
+        slice of this rank's flat shard (empty or None where the rank holds none
+        of it, padding excluded), so the squares summed here over ranks are every
+        gradient value exactly once: the same sum FSDP1 forms, hence the same fp32
+        value for fp32 gradients."""
+        if grads:
+            local = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) for g in grads]),
+                2.0, dtype=torch.float32).to(self.device)
+        else:
+            local = torch.zeros((), device=self.device)
+        total = local ** 2
+        if self.has_group and self.world > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total ** 0.5
 
 
 def _destroy_at_exit() -> None:
@@ -293,11 +313,22 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
 
 
 def _sharded_dtypes(wrapper: str, storage: str, policy) -> dict:
-    """What an FSDP wrapper was given, for the banner and run_info."""
+    """What an FSDP wrapper was given, for the banner and run_info: which parts
+    are all-gathered in which dtype (see ``PrecisionPolicy.gather_dtype``)."""
+    linears = dtype_name(policy.wrapper_param_dtype)
+    kept = dtype_name(policy.param_dtype)
+    if policy.splits_gather:
+        gathered = {
+            "compute_params": f"{linears} (all-gathered: linear layers"
+                              + ("; inputs cast to it)" if policy.wrapper_casts_inputs else ")"),
+            "norm_emb_params": f"{kept} (all-gathered: embeddings + tied head, norms)",
+        }
+    else:
+        gathered = {"compute_params": f"{linears} (all-gathered: every parameter)"}
     return {
         "wrapper": wrapper,
         "param_storage": f"{dtype_name(policy.param_dtype)} ({storage})",
-        "compute_params": dtype_name(policy.wrapper_param_dtype) + " (all-gathered)",
+        **gathered,
         "grad_reduce": dtype_name(policy.reduce_dtype) + " (reduce-scatter)",
         "buffers": dtype_name(policy.buffer_dtype),
     }
@@ -357,17 +388,29 @@ def _wrap_fsdp2(model, policy, ctx):
 
     _cast_buffers(model, policy.buffer_dtype)
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-    # Explicit on every field: FSDP2 defaults have changed between releases.
-    mp = MixedPrecisionPolicy(
-        param_dtype=policy.wrapper_param_dtype,
-        reduce_dtype=policy.reduce_dtype,
-        output_dtype=None,
-        cast_forward_inputs=True,
-    )
-    for blk in model.blocks:  # each block (possibly checkpoint-wrapped) is one FSDP unit
-        fully_shard(blk, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    ctx.wrapper_dtypes = _sharded_dtypes("FSDP2 fully_shard (per block + root)", "sharded", policy)
+
+    def mp(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
+        # Explicit on every field: FSDP2 defaults have changed between releases.
+        # No input casting under autocast: casting a block's input to the gathered
+        # dtype would make the residual stream bf16/fp16 (see PrecisionPolicy).
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=policy.reduce_dtype, output_dtype=None,
+                                    cast_forward_inputs=policy.wrapper_casts_inputs)
+
+    # Units, bottom-up (a parameter belongs to the first unit that claims it):
+    # 1. per block, its norms, gathered in the storage dtype: one group for all of
+    #    a block's norms (fully_shard takes a list), so they cost one collective;
+    # 2. the block itself: what is left of it, the linear layers, in the compute dtype;
+    # 3. the root: embeddings, the head tied to the token embedding, the final norm,
+    #    in the storage dtype. The embedding output is then fp32 as autocast leaves
+    #    it, and autocast casts the tied weight per op for the head's matmul.
+    # When both dtypes are one (fp32, bf16-pure), step 1 is skipped: no split needed.
+    for blk in model.blocks:  # (possibly checkpoint-wrapped or compiled: modules() sees inside)
+        kept = [m for m in blk.modules() if policy.keeps_storage_dtype(m)]
+        if kept and policy.splits_gather:
+            fully_shard(kept, mesh=mesh, mp_policy=mp(policy.gather_dtype(kept[0])))
+        fully_shard(blk, mesh=mesh, mp_policy=mp(policy.wrapper_param_dtype))
+    fully_shard(model, mesh=mesh, mp_policy=mp(policy.param_dtype))
+    ctx.wrapper_dtypes = _sharded_dtypes("FSDP2 fully_shard (per block + its norms, root)", "sharded", policy)
     return model
 
 
@@ -375,20 +418,39 @@ def _wrap_fsdp1(model, policy, ctx):
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import MixedPrecision
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     except ImportError as e:
         raise ConfigError(f"parallel=fsdp1 is not available in torch {torch.__version__}; use parallel=fsdp.") from e
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
     from .model import Block
 
-    mp = MixedPrecision(
-        param_dtype=policy.wrapper_param_dtype,
-        reduce_dtype=policy.reduce_dtype,
-        buffer_dtype=policy.buffer_dtype,
-    )
+    def mp(param_dtype: torch.dtype) -> MixedPrecision:
+        # No input casting under autocast (root included): it would make the
+        # residual stream bf16/fp16 (see PrecisionPolicy.gather_dtype).
+        return MixedPrecision(param_dtype=param_dtype, reduce_dtype=policy.reduce_dtype,
+                              buffer_dtype=policy.buffer_dtype, cast_forward_inputs=policy.wrapper_casts_inputs,
+                              cast_root_forward_inputs=policy.wrapper_casts_inputs,
+                              _module_classes_to_ignore=())  # norms are handled below, not by FSDP1's fp32 override
+
+    # Blocks gather their linears in the compute dtype; each norm inside a block is
+    # its own unit in the storage dtype (FSDP1 flattens a unit into one flat
+    # parameter of one dtype, so a block's two norms cannot share a unit the way
+    # FSDP2's module list lets them). The root keeps the rest, in the storage
+    # dtype: embeddings, the tied head and the final norm.
+    kept = {m for blk in model.blocks for m in blk.modules() if policy.keeps_storage_dtype(m)} \
+        if policy.splits_gather else set()
+
+    def unit(module: nn.Module):
+        if isinstance(module, Block):
+            return {"mixed_precision": mp(policy.wrapper_param_dtype)}
+        if module in kept:
+            return {"mixed_precision": mp(policy.gather_dtype(module))}
+        return False
+
     wrapped = FSDP(
         model,
-        auto_wrap_policy=ModuleWrapPolicy({Block}),
-        mixed_precision=mp,
+        auto_wrap_policy=CustomPolicy(unit),
+        mixed_precision=mp(policy.param_dtype),
         device_id=ctx.device,  # explicit: FSDP1 otherwise refuses a CPU-only machine
         use_orig_params=True,
     )

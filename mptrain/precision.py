@@ -8,10 +8,30 @@ without asking which precision it is in.
   unconditionally.
 - ``policy.describe()`` is the table of dtypes printed at start-up and written
   to the run directory.
+- ``policy.gather_dtype(module)`` tells a sharding wrapper (FSDP) which dtype
+  to all-gather a module's parameters in, so that a preset computes the same
+  numbers under every wrapper (see "One preset, every wrapper" below).
+- ``policy.attach_optimizer(optimizer, model)``, once per run, keeps the
+  float8 all-gather scales in step with the weights (an optimizer post-step
+  hook; nothing without float8 all-gather); ``policy.refresh_fp8_scales``
+  does it by hand after a checkpoint load.
 
-Parameters, gradients and optimizer state are fp32 in every precision here
-("fp32 master weights"): autocast casts weights to the compute dtype on the
-fly, per op, and gradients flow back into the fp32 parameters.
+Storage. Parameters, gradients and optimizer state are stored in
+``policy.param_dtype``: fp32 ("fp32 master weights") in every preset except
+the ``master_weights=false`` study case (``precision=bf16-pure``), which
+stores all three in bf16. With master weights, autocast casts weights to the
+compute dtype on the fly, per op, and gradients flow back into the fp32
+parameters.
+
+One preset, every wrapper. Autocast decides what runs in half precision:
+matmuls (the tied output head included) run in the compute dtype; the
+embedding output and the residual stream (every block's output) stay in the
+storage dtype, fp32 with master weights; norms and the loss compute in fp32
+(the model upcasts them). A sharding wrapper must not change that, and FSDP
+casts whole parameter groups, so the policy hands it two dtypes: linear
+layers are gathered in ``wrapper_param_dtype`` (the very values autocast
+would cast them to, at half the bytes), embeddings and norms in the storage
+dtype; and under autocast the wrapper never casts a unit's inputs.
 """
 from __future__ import annotations
 
@@ -24,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from .config import ConfigError, DType, ScaleMode
+from .model import LayerNorm
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -182,14 +203,28 @@ class Fp8Linears:
         })
         return model
 
-    def after_optimizer_step(self, model: nn.Module) -> None:
+    def refresh_scales(self, model: nn.Module) -> None:
         """With float8 all-gather, each weight's scale is computed once per step for
-        all ranks; it must be recomputed after the weights change (and after a
-        checkpoint load)."""
+        all ranks (one all-reduce of every weight's amax) and stored on the weight;
+        the all-gather then casts with it. It must be recomputed whenever the
+        weights change: after every optimizer step and after a checkpoint load.
+        A stale scale does not fail, it silently saturates or wastes range."""
         if self.all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+class _NoHook:
+    """The handle of a hook that was not needed: removing it does nothing."""
+
+    def remove(self) -> None:
+        pass
+
+
+# Modules autocast never computes in half precision and whose parameters FSDP
+# must therefore not gather in it (the project's own LayerNorm and torch's).
+_STORAGE_DTYPE_MODULES = (nn.Embedding, nn.LayerNorm, LayerNorm)
 
 
 def _cast_input_to_autocast(mod, args):
@@ -231,9 +266,64 @@ class PrecisionPolicy:
         """Swap layers for their low-precision versions (float8 linears), before wrapping."""
         return self.fp8.convert(model) if self.fp8 else model
 
-    def after_optimizer_step(self, model: nn.Module) -> None:
+    # ------------------------------------------------------------ float8 all-gather scales
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module):
+        """Keep what depends on the weights in step with them, once per run: with
+        float8 all-gather, an optimizer post-step hook recomputes the weights'
+        float8 scales after every ``optimizer.step()``. Returns the hook's handle
+        (``.remove()`` detaches it); a handle that does nothing when there is
+        nothing to refresh, so callers never ask which precision they are in.
+
+        Skipped steps: ``GradScaler`` skips by not calling ``optimizer.step()``,
+        so the hook does not run and the scales still match the unchanged
+        weights. A fused optimizer told ``found_inf`` is stepped (and skips on
+        the device), so the hook runs and recomputes the same scales: harmless.
+        """
+        if not (self.fp8 and self.fp8.all_gather):
+            return _NoHook()
+        fp8 = self.fp8
+        return optimizer.register_step_post_hook(lambda opt, args, kwargs: fp8.refresh_scales(model))
+
+    def refresh_fp8_scales(self, model: nn.Module) -> None:
+        """Recompute the float8 all-gather scales now (after weights changed outside
+        an optimizer step, e.g. a checkpoint load). A no-op without float8 all-gather."""
         if self.fp8:
-            self.fp8.after_optimizer_step(model)
+            self.fp8.refresh_scales(model)
+
+    # ------------------------------------------------------------ what a sharding wrapper gathers
+    def keeps_storage_dtype(self, module: nn.Module) -> bool:
+        """Modules whose parameters a sharding wrapper must hand to compute in the
+        storage dtype: embeddings and norms. Autocast computes neither in half
+        precision, so under ``parallel=none``/``ddp`` their outputs (the embedding
+        output, hence the residual stream) are fp32; gathering them in bf16/fp16
+        would round the embedding table and the norm weights and make the
+        residual stream half precision. The output head tied to the token
+        embedding follows the embedding: gathered fp32, cast per op by autocast."""
+        return isinstance(module, _STORAGE_DTYPE_MODULES)
+
+    def gather_dtype(self, module: nn.Module) -> torch.dtype:
+        """The dtype a sharding wrapper all-gathers ``module``'s parameters in:
+        the storage dtype for embeddings and norms, ``wrapper_param_dtype`` for
+        the rest (linear layers, whose matmuls autocast runs in the compute
+        dtype anyway: gathering them in it moves half the bytes and computes
+        bit-identical products)."""
+        return self.param_dtype if self.keeps_storage_dtype(module) else self.wrapper_param_dtype
+
+    @property
+    def splits_gather(self) -> bool:
+        """True when the linears and the embeddings/norms are gathered in different
+        dtypes, so a sharding wrapper needs separate groups for them."""
+        return self.wrapper_param_dtype != self.param_dtype
+
+    @property
+    def wrapper_casts_inputs(self) -> bool:
+        """Whether a sharding wrapper should cast each unit's floating inputs to its
+        gathered dtype. Never under autocast (it would turn the fp32 residual stream
+        into bf16/fp16, which autocast does not do). Only when the linears are
+        gathered in a low dtype *without* autocast (e.g. ``precision=fp32
+        precision.param_dtype=bf16``, a study setting): then nothing else would make
+        an fp32 activation meet a bf16 weight, and the matmul would refuse."""
+        return self.splits_gather and not self.autocast_enabled
 
     def autocast(self):
         """The forward-pass context: autocast to the compute dtype, or nothing in fp32."""

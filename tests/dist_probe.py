@@ -1,4 +1,6 @@
-"""Launched by tests/test_distributed.py under torchrun (2 ranks, gloo).
+"""Launched by tests/test_distributed.py under torchrun (2 ranks, gloo); its
+``probe`` also runs in the test's own process (parallel=none, and each wrapper
+over a one-rank group).
 
 For each wrapper and precision setting it wraps a small GPT with
 ``mptrain.parallel.wrap``, runs one forward/backward and writes, per rank, one
@@ -7,6 +9,10 @@ JSON line (to ``<out_dir>/probe-rank<R>.jsonl``) with what was observed inside t
 - ``compute_weight``: dtype of a Linear's weight as the module sees it in forward
   (the all-gathered copy under FSDP);
 - ``compute_out``: dtype of that Linear's output;
+- ``gathered``: dtype of the weight each part sees in forward (embedding, a
+  norm, a linear, the tied head): what FSDP all-gathered it in;
+- ``acts``: dtype of the activations a preset fixes: the token embedding's
+  output, every block's output, every norm's input, the logits and the loss;
 - ``buffer``: dtype of a floating buffer as the model sees it in forward;
 - ``grads_in_bf16`` / ``grads_in_fp16``: whether every reduced gradient value
   is exactly representable in that format (true when the reduction ran in it).
@@ -24,12 +30,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import mptrain.config  # noqa: E402,F401
-from mptrain.model import GPT, GPTShape  # noqa: E402
+from mptrain.model import GPT, GPTShape, LayerNorm  # noqa: E402
 from mptrain.parallel import setup, wrap  # noqa: E402
 from mptrain.precision import PrecisionPolicy, dtype_name  # noqa: E402
 
 CASES = {
     "fp32": ["precision=fp32"],
+    "bf16": ["precision=bf16"],
+    "fp16": ["precision=fp16"],
     "fp32+reduce_bf16": ["precision=fp32", "precision.reduce_dtype=bf16"],
     "bf16+buffer_bf16": ["precision=bf16", "precision.buffer_dtype=bf16"],
     "fp16+reduce_fp16": ["precision=fp16", "precision.reduce_dtype=fp16"],
@@ -44,11 +52,33 @@ def probe(mode: str, case: str, overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
         cfg = compose("config", overrides=[f"parallel={mode}", *overrides])
     ctx = setup(cfg.parallel, "cpu")
+    try:
+        return _probe_wrapped(mode, case, cfg, ctx)
+    finally:
+        ctx.shutdown()  # a one-rank group this process made for the probe (nothing under torchrun)
+
+
+def _probe_wrapped(mode: str, case: str, cfg, ctx) -> dict:
     policy = PrecisionPolicy(cfg.precision, ctx.device)
     torch.manual_seed(0)
     model = GPT(GPTShape(vocab_size=128, n_layer=2, n_head=2, d_model=64, block_size=32))
     model.register_buffer("probe", torch.ones(4))  # the GPT has no float buffer of its own
     seen: dict = {}
+    acts: dict = {}
+    gathered: dict = {}
+    # Hooks go on the plain modules before wrapping: every wrapper keeps them and
+    # runs them with the activations and (gathered) weights the module really sees.
+    model.wte.register_forward_hook(lambda m, a, o: acts.setdefault("wte", dtype_name(o.dtype)) and None)
+    for i, blk in enumerate(model.blocks):
+        blk.register_forward_hook(lambda m, a, o, i=i: acts.setdefault(f"blocks.{i}", dtype_name(o.dtype)) and None)
+    for name, mod in model.named_modules():
+        if isinstance(mod, LayerNorm):
+            mod.register_forward_pre_hook(
+                lambda m, a, name=name: acts.setdefault(f"{name}.input", dtype_name(a[0].dtype)) and None)
+    model.lm_head.register_forward_hook(lambda m, a, o: acts.setdefault("logits", dtype_name(o.dtype)) and None)
+    for name in ("wte", "blocks.0.ln_1", "blocks.0.mlp.fc", "lm_head"):
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, name=name: gathered.setdefault(name, dtype_name(m.weight.dtype)) and None)
     fc = model.blocks[0].mlp.fc
     # (hooks must return None: a returned value would replace the module's inputs/output)
     fc.register_forward_pre_hook(lambda m, a: seen.setdefault("compute_weight", dtype_name(m.weight.dtype)) and None)
@@ -65,12 +95,14 @@ def probe(mode: str, case: str, overrides: list[str]) -> dict:
         if p.grad is not None:
             t = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             grads.append(t.detach().reshape(-1))
+    acts["loss"] = dtype_name(loss.dtype)
     flat = torch.cat(grads)
     storage = sorted({dtype_name(p.dtype) for p in wrapped.parameters()})
-    return {"mode": mode, "case": case, "rank": ctx.rank, "storage": ",".join(storage),
-            "grad_dtype": dtype_name(flat.dtype), "grads_in_bf16": representable(flat, torch.bfloat16),
-            "grads_in_fp16": representable(flat, torch.float16), **seen,
-            "declared": ctx.wrapper_dtypes}
+    rec = {"mode": mode, "case": case, "rank": ctx.rank, "world": ctx.world, "storage": ",".join(storage),
+           "grad_dtype": dtype_name(flat.dtype), "grads_in_bf16": representable(flat, torch.bfloat16),
+           "grads_in_fp16": representable(flat, torch.float16), **seen, "acts": acts, "gathered": gathered,
+           "declared": ctx.wrapper_dtypes}
+    return rec
 
 
 if __name__ == "__main__":

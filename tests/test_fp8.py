@@ -134,3 +134,75 @@ def test_gpu_check_code_runs_on_cpu():
     assert "[syncs]" in out and "needs CUDA" in out
     assert "gpt-nano bf16" in out and "gpt-nano fp8" in out and out.count("ms/step") == 3
     assert "fp8 speed-up over bf16:" in out and "MFU n/a (peak unknown)" in out
+
+
+def test_fsdp2_float8_scales_follow_every_optimizer_step():
+    """With float8 all-gather each float8 weight carries a precomputed scale, which
+    the all-gather casts with. torchao computes one itself only when none was ever
+    stored; a stale one is used silently (the 2-rank loss test above cannot tell).
+    The hook ``attach_optimizer`` registers recomputes it after every optimizer step:
+    it equals e4m3's max over the new weight's amax. Without the hook it goes stale.
+    (One rank, one in-process group: the hook's collective is the same call.)"""
+    from torchao.float8.float8_utils import EPS
+
+    from mptrain.model import GPT, GPTShape
+    from mptrain.parallel import setup, wrap
+    from mptrain.precision import PrecisionPolicy
+
+    cfg = make_cfg("parallel=fsdp", "precision=fp8")
+    ctx = setup(cfg.parallel, "cpu")
+    try:
+        policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=True)
+        assert policy.fp8.all_gather
+        torch.manual_seed(0)
+        model = wrap(GPT(GPTShape(vocab_size=64, n_layer=1, n_head=2, d_model=32, block_size=16)), policy, ctx)
+        f8 = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+        assert len(f8) == 4
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # large steps: every amax moves
+        hook = policy.attach_optimizer(opt, model)
+        x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+
+        def step():
+            with policy.autocast():
+                _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def stored():
+            return [m.weight._local_tensor._precomputed_scale for m in f8]  # where torchao stores it
+
+        def fresh():
+            # torchao's rule, on the weights as they are now: max finite e4m3 / amax, in fp64
+            amax = [m.weight._local_tensor._tensor.abs().max().clamp(min=EPS).double() for m in f8]
+            return [(torch.finfo(torch.float8_e4m3fn).max / a).float() for a in amax]
+
+        assert all(s is None for s in stored())  # nothing precomputed before the first step
+        step()
+        after_one = stored()
+        assert all(s is not None for s in after_one)
+        assert [float(s) for s in after_one] == [float(s) for s in fresh()]
+        step()  # a second step moves every weight: the hook follows
+        assert [float(s) for s in stored()] == [float(s) for s in fresh()]
+        assert [float(s) for s in stored()] != [float(s) for s in after_one]
+
+        hook.remove()
+        kept = [float(s) for s in stored()]
+        step()
+        assert [float(s) for s in stored()] == kept  # no hook: the scales are stale ...
+        assert kept != [float(s) for s in fresh()]  # ... for weights that moved
+        policy.refresh_fp8_scales(model)  # what a checkpoint load calls
+        assert [float(s) for s in stored()] == [float(s) for s in fresh()]
+    finally:
+        ctx.shutdown()
+
+
+def test_attach_optimizer_is_a_no_op_without_float8_all_gather():
+    from mptrain.precision import PrecisionPolicy
+
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for overrides in (["precision=bf16"], ["precision=fp8"]):  # fp8 without FSDP2: no all-gather
+        policy = PrecisionPolicy(make_cfg(*overrides).precision, torch.device("cpu"), fsdp2=False)
+        policy.attach_optimizer(opt, model).remove()  # a handle all the same
+    assert not opt._optimizer_step_post_hooks

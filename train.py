@@ -4,13 +4,15 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from mptrain.config import ConfigError, check_override_keys
+from mptrain.config import ConfigError
+from mptrain.config_checks import check_override_keys
 from mptrain.launch import exit_process, rank_overrides
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from mptrain.trainer import NonFiniteError, run
+    from mptrain.faults import NonFiniteError
+    from mptrain.trainer import run
 
     try:
         run(cfg)

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from .numerics import canonical_name
 from .precision import dtype_name
+from .shards import local_shard
 
 try:
     from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
@@ -121,16 +122,11 @@ def op_name(func) -> str:
     return packet if ns == "aten" else f"{ns}.{packet}"
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank's shard of a DTensor, the tensor itself otherwise."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
 def _storage_ptr(t: torch.Tensor) -> Optional[int]:
     """Identity of the memory a tensor lives in (views of a parameter share it); None
     when there is none to compare (empty, meta or fake tensors)."""
     try:
-        ptr = _local(t).untyped_storage().data_ptr()
+        ptr = local_shard(t).untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
     return ptr or None
@@ -322,7 +318,7 @@ class DtypeAudit:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                gdt = _local(p.grad).dtype
+                gdt = local_shard(p.grad).dtype
                 mods = self._owners.get(_storage_ptr(p), [UNATTRIBUTED])
                 for m in mods:
                     self._seen[m]["grad"].add(dtype_name(gdt))
@@ -330,7 +326,7 @@ class DtypeAudit:
                     self._flag(
                         "grad", mods[0], "optimizer", "grad", (dtype_name(gdt),),
                         f"gradient held in {dtype_name(gdt)}, expected {dtype_name(want)} "
-                        f"(the parameter is {dtype_name(_local(p).dtype)})",
+                        f"(the parameter is {dtype_name(local_shard(p).dtype)})",
                         "look for a .half()/.bfloat16()/.to(dtype) on the parameters after the policy "
                         "set their dtype, or a gradient hook that casts; gradients take the parameter's dtype",
                     )

@@ -7,7 +7,9 @@ Layout of one checkpoint (``<run>/checkpoints/step-N/``):
                             model's own parameter names, whatever the wrapper,
                             so a checkpoint saved under FSDP on 2 ranks loads
                             under ``parallel=none`` on 1 (DCP reshards on load)
-    train_state.pt          loss scaler, progress (step, tokens), monitor state
+    train_state.pt          the loop's resumable objects, one entry each (loss scaler,
+                            progress, spike detector, skip-rate warning): whatever
+                            the trainer hands ``save`` as ``states``
     rng-rank<R>.pt          each rank's RNG states
     meta.json               step, world size, parallel, precision, model shape, resolved config
 
@@ -27,7 +29,7 @@ import signal
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,11 +38,25 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .config import ConfigError
+from .faults import FaultInjector
 
 FORMAT = "mptrain-dcp-1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Shape fields a checkpoint must agree on with the run that loads it.
 _SHAPE_KEYS = ("n_layer", "n_head", "d_model", "block_size")
+
+
+class Stateful(Protocol):
+    """What ``Checkpointer`` saves besides model and optimizer: any object with these two."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, sd: dict) -> None: ...
+
+
+# States a checkpoint cannot be resumed without; the others start fresh when a
+# checkpoint from an older version lacks them.
+REQUIRED_STATES = ("scaler", "progress")
 
 
 class CheckpointError(ConfigError):
@@ -98,19 +114,20 @@ def resolve_resume(resume: str, run_dir: Path) -> Optional[Path]:
 class Checkpointer:
     """Saves and loads the whole training state of one run."""
 
-    def __init__(self, ccfg, run_dir: Path, ctx, cfg, kill_at_step: Optional[int] = None,
+    def __init__(self, ccfg, run_dir: Path, ctx, cfg, faults: Optional[FaultInjector] = None,
                  meta_extra: Optional[dict] = None):
         self.cfg = ccfg
         self.root = run_dir / "checkpoints"
         self.ctx = ctx
         self.run_cfg = cfg
-        self.kill_at_step = kill_at_step
-        self.loaded_extra: dict = {}
+        self.faults = faults or FaultInjector()
         self.meta_extra = meta_extra or {}
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, model, optimizer, scaler, progress: Progress, extra: dict | None = None) -> Path:
-        """Write ``step-N`` (a collective: every rank must call it)."""
+    def save(self, step: int, model, optimizer, states: dict[str, Stateful]) -> Path:
+        """Write ``step-N`` (a collective: every rank must call it). ``states``
+        names the loop's resumable objects; it must hold ``scaler`` and ``progress``."""
+        progress = states["progress"]
         ctx = self.ctx
         final = self.root / f"step-{step}"
         tmp = self.root / f"step-{step}.tmp"
@@ -124,8 +141,7 @@ class Checkpointer:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         torch.save(_rng_state(), tmp / f"rng-rank{ctx.rank}.pt")
         if ctx.is_main:
-            torch.save({"scaler": scaler.state_dict(), "progress": progress.state_dict(), **(extra or {})},
-                       tmp / "train_state.pt")
+            torch.save({name: obj.state_dict() for name, obj in states.items()}, tmp / "train_state.pt")
             m = self.run_cfg.model
             meta = {
                 "format": FORMAT,
@@ -142,8 +158,7 @@ class Checkpointer:
             # meta.json last: its presence is what marks the content complete.
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         ctx.barrier()
-        if self.kill_at_step == step:
-            os.kill(os.getpid(), signal.SIGKILL)  # debug: die with the shards written, nothing visible yet
+        self.faults.during_save(step)  # debug.kill_during_save_at_step: shards written, nothing visible yet
         if ctx.is_main:
             if final.exists():  # the same step saved again (e.g. a resumed run that ends where it began)
                 shutil.rmtree(final)
@@ -159,8 +174,8 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
-    def load(self, path: Path, model, optimizer, scaler, progress: Progress, policy) -> dict:
-        """Restore everything saved at ``path``; returns train_state extras."""
+    def load(self, path: Path, model, optimizer, states: dict[str, Stateful], policy) -> None:
+        """Restore everything saved at ``path`` into ``model``, ``optimizer`` and ``states``."""
         meta = read_meta(path)
         m = self.run_cfg.model
         diffs = [f"model.{k}: checkpoint {meta['model'][k]}, this run {m[k]}"
@@ -184,16 +199,18 @@ class Checkpointer:
             ts = torch.load(ts_file, weights_only=False)
         except Exception as e:
             raise CheckpointError(f"{ts_file} could not be read: {type(e).__name__}: {e}") from e
-        scaler.load_state_dict(ts["scaler"])
-        progress.load_state_dict(ts["progress"])
+        missing = [k for k in REQUIRED_STATES if k not in ts]
+        if missing:
+            raise CheckpointError(f"{ts_file} lacks {', '.join(missing)}: not a checkpoint this version can resume.")
+        for name, obj in states.items():
+            if name in ts:
+                obj.load_state_dict(ts[name])
         rng = path / f"rng-rank{self.ctx.rank}.pt"
         if meta["world_size"] == self.ctx.world and rng.is_file():
             _set_rng_state(torch.load(rng, weights_only=False))
         # (after a change of world size, ranks keep the seeds of this launch: only
         # dropout draws differ; data order depends on the step alone)
-        policy.after_optimizer_step(model)  # float8 all-gather scales must match the loaded weights
-        self.loaded_extra = ts
-        return ts
+        policy.refresh_fp8_scales(model)  # float8 all-gather scales must match the loaded weights
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """How much memory a configuration needs per rank: ``python -m mptrain.memory <overrides> [--world N]``.
 
 Exact for the tensors whose size is known in advance (parameters, gradients,
-optimizer state: what ``tests/test_memory.py`` checks against a real step),
+optimizer state: what ``tests/test_perf.py`` checks against a real step),
 an estimate for activations (the per-layer count of Korthikanti et al. 2022,
 "Reducing activation recomputation", scaled to the compute dtype's width) and
 for FSDP's gathered copies. ``summary.json`` puts the estimate beside the

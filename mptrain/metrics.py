@@ -1,6 +1,6 @@
 """Metric sinks: console progress bar, ``metrics.jsonl``, TensorBoard, W&B.
 
-Names follow DESIGN §4 (``train/loss``, ``amp/loss_scale``, ...) and are the
+Names follow the run-directory contract in docs/outputs.md (``train/loss``, ``amp/loss_scale``, ...) and are the
 same key in every sink. Only rank 0 builds sinks; other ranks get a
 ``Metrics`` with none, so the trainer calls ``metrics.log`` unconditionally.
 A metric that does not apply to a run is simply absent from the dict.
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Optional
 
 from tqdm import tqdm
+
+from . import files
 
 
 class JsonlSink:
@@ -27,9 +28,7 @@ class JsonlSink:
         if resume_step is not None and path.exists():
             keep = [ln for ln in path.read_text(encoding="utf-8").splitlines()
                     if ln.strip() and json.loads(ln)["step"] <= resume_step]
-            tmp = path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
-            os.replace(tmp, path)
+            files.write_text(path, "".join(ln + "\n" for ln in keep))
         self.f = open(path, "a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict, hists: Optional[dict] = None) -> None:

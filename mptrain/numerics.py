@@ -51,6 +51,7 @@ import torch
 import torch.nn as nn
 
 from . import formats
+from .shards import local_shard
 
 MONITORED: tuple[str, ...] = ("fp16", "bf16", "e4m3", "e5m2")
 """Formats whose underflow / subnormal / overflow counts are computed."""
@@ -232,12 +233,6 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2 parameters and gradients); a plain tensor as is."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
 def _first_tensor(out) -> Optional[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return out
@@ -332,7 +327,7 @@ class NumericsMonitor:
             if out is None or out.numel() == 0:
                 return
             key = f"act/{group}"
-            m = _local(out).detach().abs().amax().float()
+            m = local_shard(out).detach().abs().amax().float()
             # Several forwards per step (gradient accumulation): keep the largest.
             self._max_all[key] = torch.maximum(self._max_all[key], m)
         return hook
@@ -375,14 +370,14 @@ class NumericsMonitor:
             for _, p in params:
                 if p.grad is not None:
                     self._has_grad.add(group)
-                w = _local(p.detach())
+                w = local_shard(p.detach())
                 if w.numel() == 0:  # an FSDP rank may hold no shard of a small parameter
                     continue
                 wsq = wsq + torch.linalg.vector_norm(w, dtype=torch.float32).square()
                 wmax = torch.maximum(wmax, w.abs().amax().float())
                 if p.grad is None:
                     continue
-                g = _local(p.grad.detach())
+                g = local_shard(p.grad.detach())
                 gsq = gsq + (torch.linalg.vector_norm(g, dtype=torch.float32) * inv).square()
                 counts = counts + format_counts(g)
                 if self.histogram:
@@ -405,7 +400,7 @@ class NumericsMonitor:
     @staticmethod
     def _device(model: nn.Module) -> torch.device:
         for p in model.parameters():
-            return _local(p.detach()).device
+            return local_shard(p.detach()).device
         return torch.device("cpu")
 
     # -- updates
@@ -413,7 +408,7 @@ class NumericsMonitor:
         """Copy the local parameter shards (fp32), to see what the optimizer step changes."""
         if not self._on:
             return
-        self._snapshot = [_local(p.detach()).to(torch.float32, copy=True)
+        self._snapshot = [local_shard(p.detach()).to(torch.float32, copy=True)
                           for p in model.parameters() if p.requires_grad]
 
     def after_optimizer(self, model: nn.Module, skipped: Union[torch.Tensor, bool, None] = None) -> None:
@@ -428,7 +423,7 @@ class NumericsMonitor:
         params = [p for p in model.parameters() if p.requires_grad]
         counts = None
         for before, p in zip(self._snapshot, params, strict=True):
-            c = update_underflow_counts(before, _local(p.detach()))
+            c = update_underflow_counts(before, local_shard(p.detach()))
             counts = c if counts is None else counts + c
         self._snapshot = None
         if counts is None:

@@ -14,8 +14,10 @@ device's dense peak for the run's matmul dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
 from typing import Optional
 
 from torch.overrides import TorchFunctionMode
@@ -112,3 +114,46 @@ def _caller_in_package() -> str:
     while f is not None and not f.f_code.co_filename.startswith(pkg):
         f = f.f_back
     return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" if f else "?"
+
+
+class Throughput:
+    """Training time and steps between logging points, excluding evaluation and
+    checkpointing. Everything else a step costs (logging, the numerics monitor)
+    counts. Time and steps are counted over the same span, so the run's figure
+    (:meth:`tokens_per_s`) divides the steps that were timed by their time.
+    """
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.mark = time.perf_counter()
+        self.pending_steps = 0     # steps since the last lap
+        self.excluded = 0.0        # seconds of eval/checkpoint since the last lap
+        self.total_time = 0.0
+        self.total_steps = 0
+
+    def step(self) -> None:
+        self.pending_steps += 1
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside is not training time."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - t
+
+    def lap(self) -> tuple[float, int]:
+        """``(seconds, steps)`` of training since the previous lap."""
+        now = time.perf_counter()
+        elapsed, steps = now - self.mark - self.excluded, self.pending_steps
+        self.mark, self.excluded, self.pending_steps = now, 0.0, 0
+        self.total_time += elapsed
+        self.total_steps += steps
+        return elapsed, steps
+
+    def tokens_per_s(self) -> Optional[float]:
+        """Over every lap of the run; None before the first."""
+        if not self.total_time:
+            return None
+        return self.total_steps * self.tokens_per_step / self.total_time

@@ -8,7 +8,9 @@ Runs, for the given config (default: model=gpt-mini precision=fp32):
   progress bar off) with the numerics monitor off, and at its default cadence;
 - a bare, hand-written PyTorch loop: the same model object (built and wrapped
   by mptrain), the same batches, the same precision (autocast, loss scaler),
-  AdamW, clipping, and nothing else.
+  AdamW, clipping, and nothing else. Both use the same fast-path switches
+  (per-block compile and TF32 on CUDA by default, activation checkpointing as
+  configured); the header says which.
 
 Each setting runs ``--repeats`` times, interleaved, and the fastest run counts
 (a shared machine adds noise, never speed). Prints tokens/s, step time, MFU
@@ -31,12 +33,14 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 import mptrain.config  # noqa: E402,F401
 from mptrain import data as data_mod  # noqa: E402
-from mptrain.config import micro_steps  # noqa: E402
+from mptrain.config_checks import micro_steps  # noqa: E402
 from mptrain.model import GPT, GPTShape  # noqa: E402
 from mptrain.parallel import setup, wrap  # noqa: E402
 from mptrain.perf import flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
 from mptrain.precision import PrecisionPolicy, dtype_name  # noqa: E402
-from mptrain.trainer import _peak_memory, _reset_peak_memory, build_optimizer, decay_names, lr_at, run  # noqa: E402
+from mptrain.record import peak_memory, reset_peak_memory  # noqa: E402
+from mptrain.step import build_optimizer, decay_names, lr_at  # noqa: E402
+from mptrain.trainer import run  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.eval_every=0", "log.progress=false"]
@@ -56,11 +60,16 @@ def harness(overrides: list[str], steps: int) -> dict:
             if out["perf/tokens_per_s"] else None, "mem": out.get("mem/peak_gib", out.get("mem/peak_rss_gib"))}
 
 
+def compiled(cfg, device: torch.device) -> bool:
+    """Whether blocks are compiled: ``train.compile``, or by default on CUDA (as the trainer decides)."""
+    return cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
+
+
 def bare(overrides: list[str], steps: int) -> dict:
     """The hand-written loop: no logging, no monitor, no checks."""
     cfg = compose_cfg([*overrides, f"train.max_steps={steps}"])
     ctx = setup(cfg.parallel, cfg.train.device)
-    _reset_peak_memory(ctx.device)
+    reset_peak_memory(ctx.device)
     try:
         tc, m = cfg.train, cfg.model
         mbs, accum = micro_steps(cfg, ctx.world)
@@ -73,7 +82,13 @@ def bare(overrides: list[str], steps: int) -> dict:
         model_params = model.num_params()
         decay = decay_names(model)
         policy = PrecisionPolicy(cfg.precision, ctx.device)
-        model = wrap(model, policy, ctx)
+        if ctx.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = tc.tf32
+            torch.backends.cudnn.allow_tf32 = tc.tf32
+        # The same fast-path switches the harness resolves (compiled blocks and TF32
+        # by default on CUDA): the comparison is of the loops, not of compile vs eager.
+        model = wrap(model, policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
+                     compile_blocks=compiled(cfg, ctx.device))
         opt = build_optimizer(model, decay, cfg.optim, ctx.device)
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision.loss_scale.enabled)
         params = [p for p in model.parameters()]
@@ -100,7 +115,7 @@ def bare(overrides: list[str], steps: int) -> dict:
         dt = time.perf_counter() - t
         del params
         tps = steps * tc.global_batch_size * m.block_size / dt
-        return {"tokens_per_s": tps, "step_time_s": dt / steps, "mem": _peak_memory(ctx.device).popitem()[1],
+        return {"tokens_per_s": tps, "step_time_s": dt / steps, "mem": peak_memory(ctx.device).popitem()[1],
                 "flops_per_token": flops_per_token(model_params, m.n_layer, m.d_model, m.block_size)}
     finally:
         ctx.shutdown()
@@ -123,7 +138,6 @@ def main() -> None:
             if name not in best or r["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = r
     cfg = compose_cfg(overrides)
-    m = cfg.model
     device = "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     kind = matmul_kind(dtype_name(cfg.precision.compute_dtype.torch), cfg.precision.fp8.enabled,
@@ -134,7 +148,9 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")):
         return
     base = best["bare PyTorch loop"]["tokens_per_s"]
-    print(f"\nbench: {' '.join(DEFAULTS + overrides)} | {a.steps} steps, best of {a.repeats} | {name} | world {world}")
+    mode = "per-block torch.compile" if compiled(cfg, torch.device(device)) else "eager"
+    print(f"\nbench: {' '.join(DEFAULTS + overrides)} | {a.steps} steps, best of {a.repeats} | {name} | world {world}"
+          f" | every setting {mode}")
     mem_note = "peak GiB" if device == "cuda" else "RSS GiB*"
     print(f"  {'setting':<26} {'tokens/s':>10} {'step ms':>9} {'MFU':>7} {mem_note:>9} {'vs bare':>8}")
     for k, r in best.items():

@@ -38,7 +38,8 @@ from mptrain.model import GPT, GPTShape  # noqa: E402
 from mptrain.parallel import setup, wrap  # noqa: E402
 from mptrain.perf import flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
 from mptrain.precision import PrecisionPolicy, dtype_name  # noqa: E402
-from mptrain.trainer import NonFiniteGuard, build_optimizer, decay_names, train_step  # noqa: E402
+from mptrain.faults import NonFiniteGuard  # noqa: E402
+from mptrain.step import build_optimizer, decay_names, train_step  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 VOCAB = 50304  # GPT-2's vocabulary rounded up to a multiple of 64

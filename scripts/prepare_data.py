@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from mptrain.config import ConfigError, check_override_keys  # noqa: E402
+from mptrain.config import ConfigError  # noqa: E402
+from mptrain.config_checks import check_override_keys  # noqa: E402
 from mptrain.tokens import prepare_hf  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

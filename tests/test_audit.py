@@ -16,7 +16,7 @@ from mptrain.config import ParallelMode
 from mptrain.model import GPT, GPTShape
 from mptrain.parallel import DistContext, wrap
 from mptrain.precision import PrecisionPolicy
-from mptrain.trainer import build_optimizer, decay_names, train_step
+from mptrain.step import build_optimizer, decay_names, train_step
 
 from .conftest import make_cfg
 

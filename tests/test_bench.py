@@ -21,3 +21,4 @@ def test_bench_prints_the_table():
         cells = line.split()
         assert cells[-1].replace(".", "").isdigit() and cells[-3].endswith("%")  # ratio and MFU are numbers
     assert rows[-1].split()[-1] == "1.000"  # the bare loop is the reference
+    assert "every setting eager" in out  # like with like: no compiled harness against an eager bare loop

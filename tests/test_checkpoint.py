@@ -142,3 +142,12 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
 def test_cli_bad_resume_is_one_clear_line(tmp_path):
     r = run_cli(*TINY, "train.max_steps=2", f"resume={tmp_path}/missing", f"hydra.run.dir={tmp_path}/run")
     assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_nonfinite_skip_count_survives_a_resume(tmp_path):
+    """Every resumable part of the loop goes through the checkpoint, the guard's count included."""
+    args = ["train.max_steps=6", "train.on_nonfinite=skip", "checkpoint.every=2",
+            "debug.inject_inf_grad_steps=[1]"]
+    train(tmp_path / "run", *args, "train.stop_after=4")
+    _, rows = train(tmp_path / "run", *args)
+    assert [r["train/nonfinite_skipped"] for r in rows] == [0, 1, 1, 1, 1, 1]

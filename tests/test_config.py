@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from mptrain.config import Config, ConfigError, DType, check_override_keys, micro_steps, validate
+from mptrain.config import Config, ConfigError, DType
+from mptrain.config_checks import check_override_keys, micro_steps, validate
 
 from .conftest import CONFIGS, make_cfg, run_cli
 

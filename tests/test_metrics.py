@@ -7,7 +7,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from .conftest import read_rows, train
 
-DESIGN_KEYS = {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_time_s"}
+CONTRACT_KEYS = {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_time_s"}
 AMP_KEYS = {"amp/loss_scale", "amp/skipped_steps", "amp/skip_rate"}
 
 
@@ -16,18 +16,18 @@ def test_jsonl_tensorboard_and_wandb(tmp_path):
     summary, rows = train(run_dir, "precision=fp16", "train.max_steps=6", "train.log_every=2",
                           "train.eval_every=3", "log.tensorboard=true", "log.wandb.enabled=true",
                           "log.wandb.group=tests")
-    # metrics.jsonl: every line parses, carries the step and the DESIGN §4 names.
+    # metrics.jsonl: every line parses, carries the step and the documented metric names.
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 6]  # log at 1, every 2, last; eval at 3 and 6
     for r in rows:
         if "train/loss" in r:
-            assert DESIGN_KEYS | AMP_KEYS <= r.keys(), r.keys()
+            assert CONTRACT_KEYS | AMP_KEYS <= r.keys(), r.keys()
     assert "val/loss" in rows[2] and "train/loss" not in rows[2]
     assert "val/loss" in rows[-1] and "train/loss" in rows[-1]
 
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert DESIGN_KEYS | AMP_KEYS | {"val/loss"} <= tags
+    assert CONTRACT_KEYS | AMP_KEYS | {"val/loss"} <= tags
     tb_loss = [e.value for e in acc.Scalars("train/loss")]
     assert tb_loss == [float(f"{r['train/loss']:.7g}") or r["train/loss"] for r in rows if "train/loss" in r] \
         or all(abs(a - r["train/loss"]) < 1e-5 for a, r in zip(tb_loss, [r for r in rows if "train/loss" in r]))

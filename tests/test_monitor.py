@@ -6,7 +6,8 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mptrain.trainer import NonFiniteError, SpikeDetector
+from mptrain.alerts import SpikeDetector
+from mptrain.faults import NonFiniteError
 
 from .conftest import read_rows, run_cli, train
 

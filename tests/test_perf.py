@@ -65,7 +65,7 @@ def test_memory_estimate_is_exact_for_params_grads_optimizer(precision):
     from mptrain.config import ParallelMode
     from mptrain.parallel import DistContext, wrap
     from mptrain.precision import PrecisionPolicy
-    from mptrain.trainer import build_optimizer, decay_names, train_step
+    from mptrain.step import build_optimizer, decay_names, train_step
 
     cfg = make_cfg(f"precision={precision}", "model.vocab_size=320")
     cpu = torch.device("cpu")

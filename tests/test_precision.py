@@ -114,7 +114,7 @@ def test_fp16_without_scaling_warns(tmp_path, capsys):
 def test_device_side_skip_leaves_weights_and_optimizer_untouched(mode):
     """Fused AdamW skips a bad step on the device (no host sync): weights, moments and
     the step count stay exactly as they were; under abort every later step is skipped too."""
-    from mptrain.trainer import NonFiniteGuard
+    from mptrain.faults import NonFiniteGuard
 
     model, opt, _, _, ctx = _setup("precision=fp32", "optim.fused=true")
     policy = PrecisionPolicy(make_cfg("precision=fp32").precision, CPU)

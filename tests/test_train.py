@@ -1,4 +1,4 @@
-"""End-to-end runs: the loss falls in every precision and the dtypes stay what DESIGN §2 says."""
+"""End-to-end runs: the loss falls in every precision and the dtypes stay what each precision preset promises."""
 from __future__ import annotations
 
 import json
@@ -29,7 +29,7 @@ def test_30_steps_lower_the_loss_and_keep_fp32_state(tmp_path, precision):
 
 
 def test_default_run_dir_layout_and_learning(tmp_path):
-    """The user command, through Hydra, writes the DESIGN §4 run directory and beats the unigram baseline."""
+    """The user command, through Hydra, writes the documented run directory and beats the unigram baseline."""
     run_dir = tmp_path / "run"
     r = run_cli("model=gpt-nano", "train.max_steps=120", "train.eval_every=60", "train.log_every=20",
                 "data.max_chars=400000", "optim.warmup_steps=10", f"hydra.run.dir={run_dir}", timeout=600)

@@ -1,0 +1,107 @@
+"""The loop's parts on their own: schedule, weight-decay groups, validation
+weighting, throughput accounting, and the shape of the code itself."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mptrain.config import LRSchedule, ParallelMode
+from mptrain.model import GPT, GPTShape
+from mptrain.parallel import DistContext
+from mptrain.perf import Throughput
+from mptrain.precision import PrecisionPolicy
+from mptrain.step import build_optimizer, decay_names, evaluate, lr_at
+
+from .conftest import make_cfg, train
+
+
+def _ocfg(schedule: str, warmup: int, lr: float = 1e-3, min_ratio: float = 0.1):
+    return SimpleNamespace(lr=lr, warmup_steps=warmup, schedule=LRSchedule(schedule), min_lr_ratio=min_ratio)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+@pytest.mark.parametrize("warmup", [0, 1, 5])
+def test_lr_schedule_peaks_once_and_ends_at_the_floor(schedule, warmup):
+    steps = 50
+    o = _ocfg(schedule, warmup)
+    lrs = [lr_at(s, o, steps) for s in range(steps)]
+    peak_step = max(warmup - 1, 0)
+    assert lrs[peak_step] == pytest.approx(o.lr)  # warmup reaches the peak
+    assert sum(1 for v in lrs if v == pytest.approx(o.lr, rel=1e-12)) == 1  # no step repeats it
+    assert lrs[-1] == pytest.approx(o.lr * o.min_lr_ratio)  # the floor, at the last step
+    rising, falling = lrs[:peak_step + 1], lrs[peak_step:]
+    assert rising == sorted(rising) and falling == sorted(falling, reverse=True)
+    assert min(lrs) >= o.lr * o.min_lr_ratio - 1e-15
+
+
+def test_lr_constant_schedule_after_warmup():
+    o = _ocfg("constant", 3)
+    assert [lr_at(s, o, 10) for s in range(5)] == pytest.approx([o.lr / 3, 2 * o.lr / 3, o.lr, o.lr, o.lr])
+
+
+def test_weight_decay_groups_matrices_not_biases_or_norms():
+    model = GPT(GPTShape(vocab_size=64, n_layer=2, n_head=2, d_model=32, block_size=16))
+    decay = decay_names(model)
+    # matrices: embeddings (the head is tied to wte, so it is the same parameter) and linear weights
+    assert decay == {"wte.weight", "wpe.weight",
+                     *(f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"))}
+    opt = build_optimizer(model, decay, make_cfg().optim, torch.device("cpu"))
+    with_decay, without = opt.param_groups
+    assert with_decay["weight_decay"] > 0 and without["weight_decay"] == 0.0
+    named = {id(p): n for n, p in model.named_parameters()}
+    assert {named[id(p)] for p in with_decay["params"]} == decay
+    no_decay = {named[id(p)] for p in without["params"]}
+    assert no_decay and all(n.endswith("bias") or ".ln_" in n or n.startswith("ln_f") for n in no_decay)
+    assert len(with_decay["params"]) + len(without["params"]) == len(list(model.parameters()))  # tied head once
+
+
+def test_validation_loss_is_weighted_by_tokens():
+    """A short last micro-batch counts for the tokens it holds, not as a whole batch."""
+    torch.manual_seed(0)
+    model = GPT(GPTShape(vocab_size=64, n_layer=1, n_head=2, d_model=32, block_size=16))
+    ctx = DistContext(mode=ParallelMode.none)
+    policy = PrecisionPolicy(make_cfg("precision=fp32").precision, ctx.device)
+    x = torch.randint(0, 64, (5, 17))
+    batches = [(x[:4, :-1], x[:4, 1:]), (x[4:, :-1], x[4:, 1:])]  # 4 sequences, then 1
+    got = evaluate(model, policy, ctx, batches)
+    with torch.no_grad():
+        _, whole = model(x[:, :-1], x[:, 1:])  # the mean over all 5 x 16 tokens
+    assert got == pytest.approx(float(whole), rel=1e-6)
+
+
+def test_throughput_counts_the_steps_it_timed():
+    clock = Throughput(tokens_per_step=100)
+    for _ in range(3):
+        clock.step()
+    seconds, steps = clock.lap()
+    assert steps == 3
+    clock.step()  # a step after the last lap: not timed, so not counted
+    assert clock.tokens_per_s() == pytest.approx(300 / seconds)
+
+
+def test_summary_throughput_matches_the_logged_rows(tmp_path):
+    """Stopping between logging points: the summary divides the timed steps by their time."""
+    s, rows = train(tmp_path / "run", "train.max_steps=8", "train.log_every=3", "train.stop_after=5")
+    logged = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in logged] == [1, 3]  # steps 4-5 ran after the last logging point
+    tokens = [b["train/tokens"] - a for a, b in zip([0] + [r["train/tokens"] for r in logged], logged)]
+    seconds = sum(t / r["perf/tokens_per_s"] for t, r in zip(tokens, logged))
+    assert s["perf/tokens_per_s"] == pytest.approx(sum(tokens) / seconds, rel=1e-9)
+
+
+def _functions(root: Path):
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield f"{path.name}:{node.name}", node.end_lineno - node.lineno + 1
+
+
+def test_no_function_in_the_package_is_longer_than_80_lines():
+    """A function past ~60 lines usually holds two concerns; 80 is the hard limit."""
+    root = Path(__file__).resolve().parents[1] / "mptrain"
+    long = sorted(((n, length) for n, length in _functions(root) if length > 80), key=lambda t: -t[1])
+    assert not long, f"functions over 80 lines: {long}"

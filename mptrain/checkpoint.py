@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from .config import ConfigError
 from .faults import FaultInjector
+from .safeload import RefusedFile, SafeFullLoadPlanner, SafeLoadPlanner, SafeReader, check_metadata, load_plain
 
 FORMAT = "mptrain-dcp-1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -188,17 +189,13 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} does not fit this model ({'; '.join(diffs)}). "
                                   "Resume with the model and data settings it was saved with, or resume=none.")
         state = {"model": model_sd, "optim": optim_sd}
-        try:
-            with _single_process_ok(self.ctx):
-                dcp.load(state, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as e:  # (DCP's CheckpointException is a BaseException)
-            raise CheckpointError(f"checkpoint {path} could not be read: {type(e).__name__}: {e}") from e
+        with _single_process_ok(self.ctx), _read_errors(path):
+            check_metadata(path)
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         ts_file = path / "train_state.pt"
-        try:
-            ts = torch.load(ts_file, weights_only=False)
-        except Exception as e:
-            raise CheckpointError(f"{ts_file} could not be read: {type(e).__name__}: {e}") from e
+        with _read_errors(ts_file):
+            ts = load_plain(ts_file)
         missing = [k for k in REQUIRED_STATES if k not in ts]
         if missing:
             raise CheckpointError(f"{ts_file} lacks {', '.join(missing)}: not a checkpoint this version can resume.")
@@ -207,10 +204,37 @@ class Checkpointer:
                 obj.load_state_dict(ts[name])
         rng = path / f"rng-rank{self.ctx.rank}.pt"
         if meta["world_size"] == self.ctx.world and rng.is_file():
-            _set_rng_state(torch.load(rng, weights_only=False))
+            with _read_errors(rng):
+                _set_rng_state(load_plain(rng))
         # (after a change of world size, ranks keep the seeds of this launch: only
         # dropout draws differ; data order depends on the step alone)
         policy.refresh_fp8_scales(model)  # float8 all-gather scales must match the loaded weights
+
+
+@contextlib.contextmanager
+def _read_errors(path: Path):
+    """Any failure to read ``path`` as one CheckpointError that names it; a refused
+    (unsafe) file says so in one sentence, whichever rank or DCP layer saw it."""
+    try:
+        yield
+    except RefusedFile as e:
+        raise CheckpointError(str(e)) from None
+    except (Exception, CheckpointException) as e:  # (DCP's CheckpointException is a BaseException)
+        refused = _find_refusal(e)
+        if refused is not None:
+            raise CheckpointError(refused) from None
+        raise CheckpointError(f"{path} could not be read: {type(e).__name__}: {e}") from e
+
+
+def _find_refusal(e: BaseException):
+    """The RefusedFile message inside an exception DCP wrapped (its CheckpointException
+    carries each rank's failure as text), or None."""
+    text = str(e)
+    at = text.find("refused to load ")
+    if at < 0:
+        return None
+    end = text.find("you trust the origin of.", at)
+    return text[at:end + len("you trust the origin of.")] if end > 0 else text[at:].splitlines()[0]
 
 
 @contextlib.contextmanager
@@ -240,15 +264,15 @@ def load_full_state(path: Path) -> dict[str, torch.Tensor]:
     """Model and optimizer state of a checkpoint as flat ``model.*`` / ``optim.*``
     keys, unsharded, in one process and without building the model (for export,
     inspection and tests)."""
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     read_meta(path)
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "full.pt"
-        dcp_to_torch_save(str(path), str(out))
-        return flatten(torch.load(out, weights_only=False))
+    sd: dict = {}
+    # What DCP's own dcp_to_torch_save does, minus its unrestricted unpickling.
+    with _read_errors(path):
+        check_metadata(path)
+        _load_state_dict(sd, storage_reader=SafeReader(str(path)), planner=SafeFullLoadPlanner(), no_dist=True)
+    return flatten(sd)
 
 
 def load_full_model_state(path: Path) -> dict[str, torch.Tensor]:

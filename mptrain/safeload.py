@@ -1,0 +1,131 @@
+"""Reading a checkpoint without running code from it.
+
+Pickle files can hold instructions to call any Python function, and loading
+one runs them: a crafted file in a run directory would execute the moment a
+user resumes or exports. Everything a checkpoint holds is therefore read as
+plain data only:
+
+- the files mptrain writes itself (``train_state.pt``, ``rng-rank<R>.pt``) with
+  ``torch.load(weights_only=True)``: tensors, numbers, strings, lists, tuples,
+  dicts;
+- DCP's shards: DCP itself loads tensors with ``weights_only=True``, but it
+  unpickles two things unrestricted: the ``.metadata`` file (plain
+  ``pickle.load``) and every non-tensor value (``torch.load(weights_only=False)``
+  in its default load planner; here the optimizer's param-group scalars).
+  :class:`SafeReader` reads ``.metadata`` through an unpickler that admits only
+  DCP's own metadata classes, and the planners below read non-tensor values
+  with ``weights_only=True``.
+
+A file that holds anything else is refused (:class:`RefusedFile`) before any of
+its code runs.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+_METADATA_FILE = ".metadata"  # DCP's file name for the global plan
+
+
+class RefusedFile(pickle.UnpicklingError):
+    """A checkpoint file holds more than plain data; nothing of it was executed."""
+
+    def __init__(self, path, what: str):
+        self.path = str(path)
+        super().__init__(f"refused to load {self.path}: it holds {what}, which loading would run as code. "
+                         "Resume or export only checkpoints you trust the origin of.")
+
+
+def load_plain(path: Path):
+    """``torch.load`` of a file mptrain wrote, as plain data only."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise RefusedFile(path, f"Python objects beyond tensors, numbers, strings, lists and dicts "
+                                f"({str(e).splitlines()[-1][:160]})") from None
+
+
+# Globals DCP's .metadata names (read off its pickles on torch 2.11-2.13): its
+# dataclasses and enums, torch.Size, dtypes, a layout lookup and a path class.
+# Constructing any of them runs no code of the file's choosing.
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f, path):
+        super().__init__(f)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == dcp_metadata.__name__:
+            obj = getattr(dcp_metadata, name, None)
+            if isinstance(obj, type) and obj.__module__ == module:  # its dataclasses and enums, no functions
+                return obj
+        raise RefusedFile(self.path, f"a reference to {module}.{name}, which is not DCP metadata")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader, with ``.metadata`` read through :class:`_MetadataUnpickler`."""
+
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")  # newer DCP also looks for per-rank metadata files
+        name = _METADATA_FILE if rank is None else f"__{rank}{_METADATA_FILE}"
+        path = os.path.join(str(self.path), name)
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f, path).load()
+        if not isinstance(md, dcp_metadata.Metadata):
+            raise RefusedFile(path, f"a {type(md).__name__}, not DCP metadata")
+        # What FileSystemReader.read_metadata does after unpickling.
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = dcp_metadata.StorageMeta()
+        md.storage_meta.load_id = getattr(self, "load_id", None)
+        return md
+
+
+def check_metadata(path: Path) -> None:
+    """Read a checkpoint's ``.metadata`` safely before DCP does: a refused file then
+    fails here, in one sentence, instead of inside DCP's retries (which log
+    their tracebacks to the root logger)."""
+    SafeReader(str(path)).read_metadata()
+
+
+class _PlainBytes:
+    """Non-tensor values (saved by DCP as pickled bytes) read as plain data only."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise RefusedFile(f"the value '{read_item.dest_index.fqn}' in a shard",
+                              f"Python objects beyond plain data ({str(e).splitlines()[-1][:160]})") from None
+        # Hand DCP the same plain value through its own code path.
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        super().load_bytes(read_item, buf)
+
+
+class SafeLoadPlanner(_PlainBytes, DefaultLoadPlanner):
+    """DCP's default load planner (load into existing state dicts), plain data only."""
+
+
+class SafeFullLoadPlanner(_PlainBytes, _EmptyStateDictLoadPlanner):
+    """DCP's planner for loading a whole checkpoint without a model, plain data only."""

@@ -256,6 +256,11 @@ class DataConfig:
     ``data=hf``). ``byte``: raw UTF-8 bytes (256 symbols + end of text).
     Anything else: a ``transformers`` tokenizer, by hub name (e.g. ``gpt2``;
     offline it must be in the Hugging Face cache) or local directory."""
+    trust_remote_code: bool = False
+    """Let a ``transformers`` tokenizer (or a Hugging Face dataset) run Python
+    code that ships with it. Off: such a tokenizer or dataset is refused with
+    an error naming this key. Turn it on only for sources you trust: the code
+    runs with your permissions. Never taken from a checkpoint."""
     bpe_vocab_size: int = 4096
     """Vocabulary size of the trained BPE tokenizer."""
     max_chars: int = 4_000_000

@@ -177,7 +177,8 @@ def build_tokenizer(data_cfg, corpus: Corpus, cache: Path, log=print):
         return HFTokenizer(PreTrainedTokenizerFast.from_pretrained(str(path)), f"bpe{data_cfg.bpe_vocab_size}", str(path))
     from .tokens import load_hf_tokenizer
 
-    tok = load_hf_tokenizer(spec)  # a local directory or a hub name (from the HF cache when offline)
+    # a local directory or a hub name (from the HF cache when offline)
+    tok = load_hf_tokenizer(spec, trust_remote_code=data_cfg.trust_remote_code)
     p = Path(os.path.expanduser(spec))
     return HFTokenizer(tok, p.name if p.is_dir() else spec, str(p.resolve()) if p.is_dir() else spec)
 

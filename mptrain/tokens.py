@@ -129,15 +129,30 @@ def open_token_dir(path: Path) -> tuple[ShardedTokens, ShardedTokens, dict]:
 
 
 # ------------------------------------------------------------------ HF datasets
-def load_hf_tokenizer(spec: str):
+def load_hf_tokenizer(spec: str, *, trust_remote_code: bool):
     """A ``transformers`` fast tokenizer by local directory or hub name (offline:
-    from the Hugging Face cache)."""
+    from the Hugging Face cache).
+
+    ``trust_remote_code`` is ``data.trust_remote_code`` and has no default, so
+    every caller states it. It is always passed to transformers: left unset,
+    transformers would ask on the terminal (or fail after a timeout) whenever a
+    tokenizer ships its own Python code, and an interactive "y" must never be
+    what lets such code run."""
     from transformers import AutoTokenizer
 
+    if not isinstance(trust_remote_code, bool):
+        raise TypeError(f"trust_remote_code must be a bool, not {trust_remote_code!r}")
     p = Path(os.path.expanduser(spec))
     try:
-        tok = AutoTokenizer.from_pretrained(str(p) if p.is_dir() else spec)
+        tok = AutoTokenizer.from_pretrained(str(p) if p.is_dir() else spec, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises OSError/ValueError/HF errors for "not found"
+        if not trust_remote_code and needs_remote_code(e):
+            raise ConfigError(
+                f"data.tokenizer='{spec}' ships its own Python code (an auto_map in its tokenizer_config.json) "
+                "that transformers would have to run to load it, with your permissions. It was not run. "
+                "If you trust its source, read the code and set data.trust_remote_code=true; "
+                "otherwise use a tokenizer without custom code."
+            ) from e
         raise ConfigError(
             f"data.tokenizer='{spec}' could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
             "Offline, a hub tokenizer must already be in the Hugging Face cache: load it once with network, "
@@ -148,7 +163,54 @@ def load_hf_tokenizer(spec: str):
     return tok
 
 
+def needs_remote_code(e: BaseException) -> bool:
+    """Whether ``e`` is transformers refusing custom code for lack of
+    ``trust_remote_code``: a plain ValueError whose text names the argument
+    (looked for along the exception's chain, in case it was wrapped)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if "trust_remote_code" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
+
+
+def _loading_script(spec: str, files: list[str]):
+    """The dataset loading script ``data.path`` names, or None.
+
+    A script is Python that ``datasets`` would import to build the dataset: a
+    ``.py`` file given as data.path, or ``<dir>/<dir name>.py`` in a local
+    directory (how datasets recognises a script dataset, whatever else the
+    directory holds). A directory written by ``save_to_disk`` is read by
+    ``load_from_disk``, which runs nothing, so it is not a script dataset."""
+    py = [f for f in files if f.endswith(".py")]
+    if py:
+        return py[0]
+    d = Path(os.path.expanduser(spec.strip()))
+    if d.is_dir() and not (d / "dataset_info.json").exists():
+        for name in (d.name, d.resolve().name):  # as named, and behind a symlink or "."
+            if name and (d / f"{name}.py").is_file():
+                return str(d / f"{name}.py")
+    return None
+
+
+def _script_refusal(spec: str, script: str, trust_remote_code: bool) -> str:
+    import datasets
+
+    head = (f"data.path={spec} is a dataset loading script ({script}), and loading scripts run arbitrary "
+            "Python code with your permissions.")
+    cannot = f"datasets {datasets.__version__} cannot run loading scripts at all"
+    convert = ("Convert the data to *.jsonl or *.parquet files, or a directory saved with save_to_disk, and point "
+               "data.path at that (if the directory already holds such files, point data.path at them, e.g. "
+               "'dir/*.jsonl').")
+    if not trust_remote_code:
+        return (f"{head} It was not run: data.trust_remote_code is false (the default). Setting it would not "
+                f"help here: {cannot}. {convert}")
+    return f"{head} data.trust_remote_code=true would allow that, but {cannot}, so it was not run. {convert}"
 
 
 def load_hf_dataset(data_cfg, split: str):
@@ -161,6 +223,9 @@ def load_hf_dataset(data_cfg, split: str):
     if not spec:
         raise ConfigError("data=hf needs data.path: a hub dataset name, a local dataset directory or data files.")
     files = [f for part in spec.split(",") for f in sorted(glob.glob(os.path.expanduser(part.strip())))]
+    script = _loading_script(spec, files)
+    if script is not None:
+        raise ConfigError(_script_refusal(spec, script, data_cfg.trust_remote_code))
     try:
         if files and all(Path(f).is_file() for f in files):
             exts = {Path(f).suffix for f in files}
@@ -177,6 +242,10 @@ def load_hf_dataset(data_cfg, split: str):
     except ConfigError:
         raise
     except Exception as e:  # DatasetNotFoundError, FileNotFoundError, ConnectionError, ValueError (bad split), ...
+        # A hub dataset that turns out to be a loading script is only found out by
+        # datasets itself (5.x refuses it without running it): say why, as above.
+        if isinstance(e, RuntimeError) and "scripts are no longer supported" in str(e):
+            raise ConfigError(_script_refusal(spec, str(e).rsplit(" ", 1)[-1], data_cfg.trust_remote_code)) from e
         raise ConfigError(
             f"data.path={spec} (name={data_cfg.name}, split={split}) could not be loaded: "
             f"{type(e).__name__}: {str(e).splitlines()[0][:300]}. Check the name/split, or, offline, pass local "
@@ -189,7 +258,7 @@ def prepare_hf(data_cfg, out_dir: Path, log=print, progress: bool = True) -> dic
     from tqdm import tqdm
 
     t0 = time.perf_counter()
-    tok = load_hf_tokenizer(data_cfg.tokenizer)
+    tok = load_hf_tokenizer(data_cfg.tokenizer, trust_remote_code=data_cfg.trust_remote_code)
     eos = tok.eos_token_id
     if eos is None:
         raise ConfigError(f"data.tokenizer='{data_cfg.tokenizer}' has no end-of-text token to separate documents.")

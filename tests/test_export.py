@@ -1,6 +1,9 @@
 """scripts/export_hf.py: the checkpoint as a transformers GPT-2, logits equal to mptrain's."""
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 import subprocess
 import sys
 
@@ -11,6 +14,13 @@ from mptrain.checkpoint import complete_checkpoints, load_full_model_state, read
 from mptrain.model import GPT, GPTShape
 
 from .conftest import ROOT, TINY, train
+from .test_tokens import make_remote_code_tokenizer
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
@@ -25,6 +35,10 @@ def test_export_round_trip(tmp_path, tokenizer):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "logits max" in r.stdout
+    # every file of the export (model.safetensors included) has an ordinary file's mode under the umask
+    want = 0o666 & ~_umask()
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.rglob("*") if f.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(want)}, modes
 
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
@@ -52,3 +66,48 @@ def test_export_of_a_dir_without_checkpoints_fails_clearly(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_hf.py"), str(tmp_path), str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "export_hf:" in r.stderr and "Traceback" not in r.stderr
+
+
+def _export_module():
+    spec = importlib.util.spec_from_file_location("export_hf", ROOT / "scripts" / "export_hf.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_export_refuses_a_tokenizer_with_custom_code(tmp_path, monkeypatch):
+    """The checkpoint names a tokenizer that ships Python code: the export stops
+    with one line naming --trust-remote-code before it reads any weights (the
+    checkpoint here is a meta.json alone), and the code never runs."""
+    from mptrain.checkpoint import FORMAT
+
+    tok_dir, marker = make_remote_code_tokenizer(tmp_path)
+    ckpt = tmp_path / "step-1"
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text(json.dumps({
+        "format": FORMAT, "step": 1, "vocab_size": 320,
+        "config": {"model": {"n_layer": 1, "n_head": 1, "d_model": 8, "block_size": 8, "bias": True}},
+        "tokenizer": {"name": tok_dir.name, "path": str(tok_dir)}}))
+    export_hf = _export_module()
+    monkeypatch.setattr(sys, "argv", ["export_hf.py", str(ckpt), str(tmp_path / "hf")])
+    with pytest.raises(SystemExit) as e:
+        export_hf.main()
+    msg = str(e.value.code)
+    assert msg.startswith("export_hf: ") and "--trust-remote-code" in msg and "\n" not in msg, msg
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+    # the flag, and only the flag, reaches transformers as trust_remote_code=True
+    import transformers
+
+    seen = []
+
+    def fake(path, **kw):
+        seen.append(kw["trust_remote_code"])
+        raise OSError("stop here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake)
+    for argv in ([], ["--trust-remote-code"]):
+        monkeypatch.setattr(sys, "argv", ["export_hf.py", str(ckpt), str(tmp_path / "hf"), *argv])
+        with pytest.raises(OSError, match="stop here"):
+            export_hf.main()
+    assert seen == [False, True]

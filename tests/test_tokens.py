@@ -139,3 +139,91 @@ def test_prepare_data_refuses_a_used_directory(tmp_path, saved_tokenizer):
                         f"data.tokenizer={saved_tokenizer}", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not empty" in r.stderr and (tmp_path / "out" / "keep.txt").exists()
+
+
+# ------------------------------------------------------------ code that ships with data
+def make_remote_code_tokenizer(root):
+    """The smallest tokenizer directory transformers 5.x treats as custom code:
+    a tokenizer_config.json whose auto_map points AutoTokenizer at a class in a
+    .py file beside it (no config.json needed). Importing that file creates
+    ``MARKER``, an absolute path, since transformers runs a copy of the file
+    from its modules cache. Returns (directory, marker)."""
+    d, marker = root / "custom-tok", root / "MARKER"
+    d.mkdir()
+    (d / "custom_tok.py").write_text(
+        "import pathlib\n"
+        f"pathlib.Path({str(marker)!r}).write_text('the custom code ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n"
+        "    pass\n")
+    auto_map = {"AutoTokenizer": [None, "custom_tok.CustomTokenizer"]}  # [slow class, fast class]
+    (d / "tokenizer_config.json").write_text(json.dumps({"auto_map": auto_map}))
+    return d, marker
+
+
+def test_a_tokenizer_with_custom_code_is_refused(tmp_path):
+    from mptrain.tokens import load_hf_tokenizer
+
+    tok_dir, marker = make_remote_code_tokenizer(tmp_path)
+    with pytest.raises(ConfigError, match=r"data.trust_remote_code=true") as e:
+        load_hf_tokenizer(str(tok_dir), trust_remote_code=False)
+    assert "with your permissions" in str(e.value) and "Offline" not in str(e.value)
+    # both callers pass the config's (default) value: data=hf preparation and data=embedded/text
+    src = _write(tmp_path / "d.jsonl", "jsonl")
+    for cfg in (make_cfg("data=hf", f"data.path={src}", f"data.tokenizer={tok_dir}").data,
+                make_cfg(f"data.tokenizer={tok_dir}").data):
+        assert cfg.trust_remote_code is False
+        with pytest.raises(ConfigError, match=r"data.trust_remote_code=true"):
+            D.prepare(cfg)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("setting", [False, True])
+def test_trust_remote_code_reaches_transformers_explicitly(monkeypatch, setting):
+    """transformers gets the config's value every time, never its own default
+    (None: which prompts on a terminal)."""
+    import transformers
+
+    seen = []
+
+    def fake(path, **kw):
+        seen.append(kw)
+        raise OSError("not a tokenizer")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake)
+    with pytest.raises(ConfigError, match="could not be loaded"):
+        D.prepare(make_cfg("data=hf", "data.path=unused.jsonl", "data.tokenizer=nobody/no-such-tokenizer",
+                           f"data.trust_remote_code={setting}").data)
+    assert seen and seen[0]["trust_remote_code"] is setting
+
+
+def _script_dataset(root, name="myds"):
+    """A directory holding a dataset loading script (``<dir>/<dir name>.py``)
+    that, if ever imported, creates ``MARKER``."""
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    marker = root / "MARKER"
+    (d / f"{name}.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('the script ran')\n")
+    return d, marker
+
+
+def test_dataset_loading_scripts_are_refused(tmp_path):
+    import datasets
+
+    from mptrain.tokens import load_hf_dataset
+
+    d, marker = _script_dataset(tmp_path)
+    for path in (d, d / "myds.py"):
+        with pytest.raises(ConfigError, match=r"run arbitrary Python code.*data.trust_remote_code is false") as e:
+            load_hf_dataset(make_cfg("data=hf", f"data.path={path}").data, "train")
+        assert "jsonl" in str(e.value)
+    with pytest.raises(ConfigError, match=rf"datasets {datasets.__version__} cannot run loading scripts at all"):
+        load_hf_dataset(make_cfg("data=hf", f"data.path={d}", "data.trust_remote_code=true").data, "train")
+    assert not marker.exists()
+
+    # a save_to_disk directory is read by load_from_disk, which runs nothing: a .py beside it is no script
+    saved = tmp_path / "s" / "saved"
+    datasets.Dataset.from_dict({"text": TEXTS}).save_to_disk(str(saved))
+    saved, marker = _script_dataset(tmp_path / "s", "saved")
+    ds = load_hf_dataset(make_cfg("data=hf", f"data.path={saved}").data, "train")
+    assert ds["text"] == TEXTS and not marker.exists()

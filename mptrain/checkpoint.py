@@ -267,6 +267,11 @@ def load_full_state(path: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     read_meta(path)
+    for f in [path / "train_state.pt", *sorted(path.glob("rng-rank*.pt"))]:
+        # Not needed for the weights, but a checkpoint holding code anywhere is refused whole.
+        if f.is_file():
+            with _read_errors(f):
+                load_plain(f)
     sd: dict = {}
     # What DCP's own dcp_to_torch_save does, minus its unrestricted unpickling.
     with _read_errors(path):

@@ -74,6 +74,15 @@ def test_resume_refuses_a_crafted_file(checkpoint, tmp_path, name):
     assert _ran_when_loaded_unsafely(ckpt / name, marker)
 
 
+@pytest.mark.parametrize("name", ["train_state.pt", "rng-rank0.pt"])
+def test_export_path_refuses_a_checkpoint_holding_code_anywhere(checkpoint, tmp_path, name):
+    """The export reads the weights through load_full_state, which checks the other files too."""
+    ckpt, marker = _craft(checkpoint, tmp_path, name)
+    with pytest.raises(CheckpointError, match=f"^refused to load {ckpt / name}"):
+        load_full_state(ckpt)
+    assert not marker.exists()
+
+
 def test_export_refuses_crafted_metadata(checkpoint, tmp_path):
     ckpt, marker = _craft(checkpoint, tmp_path, ".metadata")
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_hf.py"), str(ckpt), str(tmp_path / "hf")],

@@ -205,10 +205,15 @@ class NonFiniteHandler:
         self.model, self.policy, self.ctx, self.batches, self.faults = model, policy, ctx, batches, faults
         self.min_loss_scale = min_loss_scale
 
+    def _replay(self, step: int, scale: float = 1.0) -> str:
+        """Where 0-based ``step`` first went non-finite: replayed exactly, from the
+        same batch (a function of the step) and the same planted faults."""
+        self.faults.begin_step(step)
+        return locate_nonfinite(self.model, self.policy, self.ctx, self.batches.batch(step), scale=scale)
+
     def error(self, bad_step: int, detected: Optional[int] = None) -> NonFiniteError:
         """The error for 0-based ``bad_step``, after replaying it to find the module."""
-        self.faults.begin_step(bad_step)  # replay exactly (a planted NaN included)
-        where = locate_nonfinite(self.model, self.policy, self.ctx, self.batches.batch(bad_step))
+        where = self._replay(bad_step)
         later = (f" (seen at step {detected}, the next point the loop looks: the steps in between were "
                  "not applied either)" if detected is not None and detected != bad_step + 1 else "")
         return NonFiniteError(
@@ -229,8 +234,7 @@ class NonFiniteHandler:
         """A loss scale below ``min_loss_scale`` means every scale overflows: stop."""
         if scale >= self.min_loss_scale:
             return
-        self.faults.begin_step(done - 1)
-        where = locate_nonfinite(self.model, self.policy, self.ctx, self.batches.batch(done - 1), scale=scale)
+        where = self._replay(done - 1, scale)
         raise NonFiniteError(
             f"step {done}: the loss scale fell to {scale:g}, below "
             f"precision.loss_scale.min_loss_scale={self.min_loss_scale:g}: the gradients "

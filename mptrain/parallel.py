@@ -168,21 +168,25 @@ class DistContext:
                     mod.reshard()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Global L2 norm of the (unscaled) gradients before clipping, the same
-        on every rank; clips to ``max_norm`` when it is > 0."""
+        """Global L2 norm of the (unscaled) gradients before clipping, in fp32, the
+        same on every rank; clips to ``max_norm`` when it is > 0."""
         params = [p for p in model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
-        if self.mode == ParallelMode.fsdp1:
-            norm = self._fsdp1_grad_norm(grads)
-        elif all(g.dtype == torch.float32 for g in grads):
+        if self.mode != ParallelMode.fsdp1 and all(g.dtype == torch.float32 for g in grads):
             norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
         else:
-            # Half-precision gradients (master_weights=false): accumulate *and* return
-            # each norm in fp32; torch's foreach norm would hand back a bf16/fp16 value,
-            # rounding the clip factor (and overflowing fp16 past 65504).
-            norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]), 2.0)
-        if self.mode == ParallelMode.fsdp and hasattr(norm, "full_tensor"):
+            norm = _fp32_norm(grads, self.device)
+        if self.mode == ParallelMode.fsdp1:
+            # Not FSDP.clip_grad_norm_: it returns the norm cast to the gradients'
+            # dtype, rounding what the log and the inf/nan guard see (an fp16 norm
+            # overflows past 65504). With use_orig_params=True each .grad is this
+            # rank's slice of the flat shard (padding excluded), so summing the
+            # squares over ranks counts every gradient value once, as FSDP1 does.
+            if self.has_group and self.world > 1:
+                norm = norm ** 2
+                dist.all_reduce(norm, op=dist.ReduceOp.SUM)
+                norm = norm ** 0.5
+        elif self.mode == ParallelMode.fsdp and hasattr(norm, "full_tensor"):
             # FSDP2 gradients are DTensor shards: the norm is a partial value
             # until it is reduced over ranks.
             norm = norm.full_tensor()
@@ -190,27 +194,15 @@ class DistContext:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
         return norm
 
-    def _fsdp1_grad_norm(self, grads: list) -> torch.Tensor:
-        """Global L2 norm of FSDP1 gradients, in fp32 whatever their dtype.
 
-        Not ``FSDP.clip_grad_norm_``: it accumulates in fp32 but returns the norm
-        cast to the gradients' dtype, so with bf16/fp16 gradients the logged norm
-        and the inf/nan guard would see a rounded value (an fp16 one overflowing
-        past 65504). With ``use_orig_params=True`` each parameter's ``.grad`` is its
-        slice of this rank's flat shard (empty or None where the rank holds none
-        of it, padding excluded), so the squares summed here over ranks are every
-        gradient value exactly once: the same sum FSDP1 forms, hence the same fp32
-        value for fp32 gradients."""
-        if grads:
-            local = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) for g in grads]),
-                2.0, dtype=torch.float32).to(self.device)
-        else:
-            local = torch.zeros((), device=self.device)
-        total = local ** 2
-        if self.has_group and self.world > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return total ** 0.5
+def _fp32_norm(grads: list, device: torch.device) -> torch.Tensor:
+    """L2 norm of ``grads`` accumulated *and* returned in fp32. torch's foreach norm
+    hands back half-precision gradients' norm in their dtype, rounding the clip
+    factor (and overflowing fp16 past 65504). Zero for a rank that holds no gradient."""
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]), 2.0)
 
 
 def _destroy_at_exit() -> None:

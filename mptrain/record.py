@@ -121,7 +121,6 @@ class RunRecord:
     def __init__(self, cfg: DictConfig, run_dir: Path, is_main: bool):
         self.cfg, self.run_dir, self.is_main = cfg, run_dir, is_main
         self.info: dict = {"git_commit": git_commit(), "versions": versions(), "argv": sys.argv}
-        self.dtypes: dict = {}
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
 

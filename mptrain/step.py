@@ -135,14 +135,15 @@ def evaluate(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, batche
     only at the eval cadence). Each micro-batch's mean loss is weighted by its
     token count, so a short last micro-batch counts for what it holds."""
     model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # (loss x tokens, tokens)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)  # sum over tokens
+    tokens = 0
     for x, y in batches:
         with policy.autocast():
             _, loss = model(x.to(ctx.device), y.to(ctx.device))
-        sums += torch.stack([loss.double() * y.numel(), torch.tensor(float(y.numel()), dtype=torch.float64,
-                                                                      device=ctx.device)])
+        loss_sum += loss.double() * y.numel()
+        tokens += y.numel()
     model.train()
     ctx.reshard(model)
     # The mean over ranks scales both sums alike, so their ratio is the global per-token mean.
-    sums = ctx.all_reduce_mean(sums)
+    sums = ctx.all_reduce_mean(torch.stack([loss_sum, loss_sum.new_tensor(float(tokens))]))
     return float(sums[0] / sums[1].clamp(min=1))

@@ -253,59 +253,63 @@ def load_hf_dataset(data_cfg, split: str):
         ) from e
 
 
-def prepare_hf(data_cfg, out_dir: Path, log=print, progress: bool = True) -> dict:
-    """Tokenize an HF dataset into ``out_dir`` (created). Returns the meta dict."""
-    from tqdm import tqdm
-
-    t0 = time.perf_counter()
-    tok = load_hf_tokenizer(data_cfg.tokenizer, trust_remote_code=data_cfg.trust_remote_code)
-    eos = tok.eos_token_id
-    if eos is None:
-        raise ConfigError(f"data.tokenizer='{data_cfg.tokenizer}' has no end-of-text token to separate documents.")
+def _tokenized(data_cfg, split: str, tok, eos: int):
+    """One split of the dataset as documents of token ids, each closed by ``eos``
+    (lazily, when streaming; in ``num_proc`` processes otherwise)."""
     field_ = data_cfg.text_field
-    vocab = len(tok)
-    dtype = token_dtype(vocab)
-    every = max(2, round(1 / data_cfg.val_fraction))
     procs = data_cfg.num_proc or os.cpu_count() or 1
 
     def encode(batch):
         ids = tok(batch[field_], add_special_tokens=False)["input_ids"]
         return {"ids": [x + [eos] for x in ids]}
 
-    def tokenized(split: str):
-        ds = load_hf_dataset(data_cfg, split)
-        cols = getattr(ds, "column_names", None) or []
-        if cols and field_ not in cols:
-            raise ConfigError(f"data.text_field='{field_}' is not a column of {data_cfg.path}; columns: {cols}.")
-        if data_cfg.max_documents:
-            ds = ds.take(data_cfg.max_documents)
-        if data_cfg.streaming:
-            return ds.map(encode, batched=True, remove_columns=cols or None)
-        return ds.map(encode, batched=True, num_proc=procs if len(ds) >= 2 * procs else None,
-                      remove_columns=cols, desc=f"tokenizing {split} ({procs} processes)")
+    ds = load_hf_dataset(data_cfg, split)
+    cols = getattr(ds, "column_names", None) or []
+    if cols and field_ not in cols:
+        raise ConfigError(f"data.text_field='{field_}' is not a column of {data_cfg.path}; columns: {cols}.")
+    if data_cfg.max_documents:
+        ds = ds.take(data_cfg.max_documents)
+    if data_cfg.streaming:
+        return ds.map(encode, batched=True, remove_columns=cols or None)
+    return ds.map(encode, batched=True, num_proc=procs if len(ds) >= 2 * procs else None,
+                  remove_columns=cols, desc=f"tokenizing {split} ({procs} processes)")
 
+
+def _drain(ds, writers: dict, docs: dict, route, progress: bool) -> None:
+    """Write every document of ``ds`` to the split ``route(i)`` names, counting documents."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc="writing shards", unit=" docs", disable=not progress, mininterval=1.0)
+    for i, row in enumerate(ds):
+        split = route(i)
+        writers[split].write(row["ids"])
+        docs[split] += 1
+        bar.update()
+    bar.close()
+
+
+def prepare_hf(data_cfg, out_dir: Path, log=print, progress: bool = True) -> dict:
+    """Tokenize an HF dataset into ``out_dir`` (created). Returns the meta dict."""
+    t0 = time.perf_counter()
+    tok = load_hf_tokenizer(data_cfg.tokenizer, trust_remote_code=data_cfg.trust_remote_code)
+    eos = tok.eos_token_id
+    if eos is None:
+        raise ConfigError(f"data.tokenizer='{data_cfg.tokenizer}' has no end-of-text token to separate documents.")
+    vocab = len(tok)
+    dtype = token_dtype(vocab)
     out_dir.mkdir(parents=True)
-    train_w = ShardWriter(out_dir, "train", dtype, data_cfg.shard_tokens)
-    val_w = ShardWriter(out_dir, "val", dtype, data_cfg.shard_tokens)
+    writers = {s: ShardWriter(out_dir, s, dtype, data_cfg.shard_tokens) for s in ("train", "val")}
     docs = {"train": 0, "val": 0}
-
-    def drain(ds, route):
-        bar = tqdm(desc="writing shards", unit=" docs", disable=not progress, mininterval=1.0)
-        for i, row in enumerate(ds):
-            split = route(i)
-            (train_w if split == "train" else val_w).write(row["ids"])
-            docs[split] += 1
-            bar.update()
-        bar.close()
-
     log(f"preparing {data_cfg.path} ({data_cfg.name or 'default'}, split {data_cfg.split}) with "
         f"tokenizer {data_cfg.tokenizer} (vocab {vocab}, {dtype.name}) into {out_dir}")
     if data_cfg.val_split:
-        drain(tokenized(data_cfg.split), lambda i: "train")
-        drain(tokenized(data_cfg.val_split), lambda i: "val")
+        _drain(_tokenized(data_cfg, data_cfg.split, tok, eos), writers, docs, lambda i: "train", progress)
+        _drain(_tokenized(data_cfg, data_cfg.val_split, tok, eos), writers, docs, lambda i: "val", progress)
     else:
         # every k-th document is held out: the same documents on every run and machine
-        drain(tokenized(data_cfg.split), lambda i: "val" if i % every == every - 1 else "train")
+        every = max(2, round(1 / data_cfg.val_fraction))
+        _drain(_tokenized(data_cfg, data_cfg.split, tok, eos), writers, docs,
+               lambda i: "val" if i % every == every - 1 else "train", progress)
     meta = {
         "format": FORMAT,
         "source": f"{data_cfg.path}" + (f" ({data_cfg.name})" if data_cfg.name else ""),
@@ -314,12 +318,11 @@ def prepare_hf(data_cfg, out_dir: Path, log=print, progress: bool = True) -> dic
         "vocab_size": vocab,
         "eos_id": eos,
         "dtype": dtype.name,
-        "train": {"shards": train_w.close(), "tokens": train_w.total, "documents": docs["train"]},
-        "val": {"shards": val_w.close(), "tokens": val_w.total, "documents": docs["val"]},
+        **{s: {"shards": w.close(), "tokens": w.total, "documents": docs[s]} for s, w in writers.items()},
     }
     dt = time.perf_counter() - t0
     meta["prepare_seconds"] = dt
-    meta["prepare_tokens_per_s"] = (train_w.total + val_w.total) / dt if dt else None
+    meta["prepare_tokens_per_s"] = (meta["train"]["tokens"] + meta["val"]["tokens"]) / dt if dt else None
     if not meta["train"]["tokens"] or not meta["val"]["tokens"]:
         raise ConfigError(f"{data_cfg.path}: preparation produced {meta['train']['tokens']} train and "
                           f"{meta['val']['tokens']} val tokens; the dataset is too small or the text column empty.")

@@ -171,7 +171,6 @@ class Trainer:
         """run_info and the dtype table: what the banner prints and config.yaml records."""
         cfg, ctx, tc, tokens = self.cfg, self.ctx, self.tc, self.tokens
         self.dtypes = {**self.policy.describe(), **ctx.wrapper_dtypes}
-        self.record.dtypes = self.dtypes
         info = self.record.info
         info.update({
             "dtypes": self.dtypes, "world_size": ctx.world, "device": str(ctx.device), "backend": ctx.backend,

@@ -49,7 +49,15 @@ def load_plain(path: Path):
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise RefusedFile(path, f"Python objects beyond tensors, numbers, strings, lists and dicts "
-                                f"({str(e).splitlines()[-1][:160]})") from None
+                                f"({_what_was_refused(e)})") from None
+
+
+def _what_was_refused(e: Exception) -> str:
+    """The line of torch's weights_only refusal that names the global (e.g.
+    ``GLOBAL posix.mkdir``), not its advice to load unsafely."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    named = [ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln]
+    return (named or lines[-1:] or ["unknown"])[0][:160]
 
 
 # Globals DCP's .metadata names (read off its pickles on torch 2.11-2.13): its
@@ -115,7 +123,7 @@ class _PlainBytes:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             raise RefusedFile(f"the value '{read_item.dest_index.fqn}' in a shard",
-                              f"Python objects beyond plain data ({str(e).splitlines()[-1][:160]})") from None
+                              f"Python objects beyond plain data ({_what_was_refused(e)})") from None
         # Hand DCP the same plain value through its own code path.
         buf = io.BytesIO()
         torch.save(obj, buf)

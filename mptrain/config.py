@@ -132,7 +132,7 @@ class LossScaleConfig:
     min_loss_scale: float = 1.0
     """Abort when the dynamic scale falls below this: gradients overflow at
     every scale, so the run produces inf/nan whatever the scaling (the error
-    names the first module that does)."""
+    names the cause, e.g. a non-finite forward loss, and the first module)."""
     warn_skip_rate: float = 0.05
     """Warn once when the share of skipped steps so far exceeds this (0 turns
     the warning off). A few skips while a dynamic scale settles are normal;
@@ -309,7 +309,11 @@ class TrainConfig:
     the device and, under ``abort``, so is every later one until the next
     logging step, where the run stops naming the bad step: no host sync per
     step. A foreach optimizer needs one read-back per step to decide. With a
-    loss scaler, skipping is the scaler's job."""
+    loss scaler, skipping overflowing gradients is the scaler's job, but under
+    ``abort`` a non-finite *forward* loss (which no scale can fix) still stops
+    the run at the next logging step. The error says which of the three it was:
+    a non-finite forward loss, non-finite gradients from a finite loss, or
+    finite gradients whose global norm overflowed."""
     compile: Optional[bool] = None
     """``torch.compile`` each transformer block (regional compilation: one
     compile serves every block, and it composes with FSDP). ``null``: on for
@@ -451,6 +455,10 @@ class DebugConfig:
     after backward (before unscaling), as an fp16 overflow would."""
     inject_inf_grad_rank: int = -1
     """Rank that gets the inf; -1 means every rank."""
+    inject_grad_value: float = float("inf")
+    """The value ``inject_inf_grad_steps`` writes. A huge finite one (e.g.
+    ``1e20``) rehearses gradients that are all finite but whose global norm
+    overflows fp32 (the squares of values above ~1.8e19 exceed its max)."""
     nan_in_module: Optional[str] = None
     """Name of a module (as in ``model.named_modules()``, e.g. ``blocks.1.mlp.fc``)
     whose forward output is replaced by NaN at ``nan_at_steps``."""

@@ -115,7 +115,7 @@ class WandbSink:
 
 
 class Console:
-    """tqdm progress bar on stderr; loss, lr, tokens/s and loss scale in its postfix."""
+    """tqdm progress bar on stderr; loss, lr, tokens/s, loss scale and skipped steps in its postfix."""
 
     def __init__(self, total: int, enabled: bool):
         self.total, self.enabled = total, enabled
@@ -134,12 +134,14 @@ class Console:
     def log(self, step: int, metrics: dict) -> None:
         if self.bar is None:
             return
-        post = {"loss": f"{metrics['train/loss']:.4f}", "lr": f"{metrics['train/lr']:.2e}"}
+        post = {"loss": fmt(metrics["train/loss"]), "lr": f"{metrics['train/lr']:.2e}"}
         if "perf/tokens_per_s" in metrics:
             post["tok/s"] = f"{metrics['perf/tokens_per_s']:,.0f}"
         if "amp/loss_scale" in metrics:
             post["scale"] = f"{metrics['amp/loss_scale']:g}"
             post["skipped"] = int(metrics["amp/skipped_steps"])
+        if "train/nonfinite_skipped" in metrics:
+            post["skipped"] = int(metrics["train/nonfinite_skipped"])
         self.bar.set_postfix(post, refresh=False)
 
     def write(self, msg: str) -> None:
@@ -199,4 +201,7 @@ class Metrics:
 
 
 def fmt(x: Optional[float], spec: str = ".4f") -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+    """``x`` in ``spec``; ``n/a`` only for None (nothing measured). A non-finite
+    value keeps its name (``nan``, ``inf``, ``-inf``): a NaN loss is a result to
+    see, not a missing one."""
+    return "n/a" if x is None else format(x, spec)

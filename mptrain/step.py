@@ -70,7 +70,7 @@ def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.devic
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler,
                policy: PrecisionPolicy, ctx: DistContext, micro_batches: list, grad_clip: float,
                inject_inf: bool = False, monitor=None, guard: Optional[NonFiniteGuard] = None,
-               step: int = 0) -> dict[str, torch.Tensor]:
+               step: int = 0, inject_value: float = math.inf) -> dict[str, torch.Tensor]:
     """One optimizer step over this rank's micro-batches.
 
     Returns device tensors: ``loss`` (mean over micro-batches, this rank),
@@ -82,7 +82,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
     ``guard`` (runs without a loss scaler) decides whether a step with inf/nan
     gradients is applied; ``None`` does not look. ``monitor`` is the numerics
     monitor (its calls return at once on unmonitored steps). ``inject_inf`` is
-    the test aid behind ``debug.inject_inf_grad_steps``.
+    the test aid behind ``debug.inject_inf_grad_steps``: it writes
+    ``inject_value`` (``debug.inject_grad_value``) into one gradient.
     """
     optimizer.zero_grad(set_to_none=True)
     n = len(micro_batches)
@@ -97,7 +98,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
             scaler.scale(loss / n).backward()
         loss_sum += loss.detach()
     if inject_inf:
-        inject_inf_grad(model)
+        inject_inf_grad(model, inject_value)
     if monitor is not None:
         monitor.after_backward(model, scaler.scale_tensor())  # gradients as held: still scaled
     scaler.unscale_(optimizer)  # clipping and the norm must see true gradients

@@ -274,9 +274,10 @@ class Trainer:
                     _audit(auditing, self.model, self.optimizer, self.policy) as audit:
                 out = train_step(self.model, self.optimizer, self.scaler, self.policy, self.ctx, micro,
                                  self.tc.grad_clip, self.faults.inject_inf(step), self.monitor, self.nonfinite.guard,
-                                 step)
+                                 step, inject_value=self.faults.grad_value)
         except NonFiniteStep:
             raise self.nonfinite.error(step) from None
+        self.nonfinite.watch_loss(out["loss"], step)  # on the device: read back with the loss when logging
         self.progress.step = step + 1
         self.progress.tokens += self.tokens_per_step
         self.clock.step()
@@ -294,8 +295,11 @@ class Trainer:
     def log(self, done: int, out: dict) -> dict:
         """The training metrics of step ``done``: the host syncs of the logging cadence."""
         ctx = self.ctx
-        self.nonfinite.check_deferred(done)
-        loss = float(ctx.all_reduce_mean(out["loss"].float()))  # host sync: read back only at this cadence
+        self.nonfinite.check_guard(done)
+        flag = self.nonfinite.loss_flag()  # fp16 under abort: was any loss since the last look non-finite?
+        read = torch.stack([out["loss"].float()] + ([flag] if flag is not None else []))
+        loss, *flagged = ctx.all_reduce_mean(read).tolist()  # host sync: read back only at this cadence
+        self.nonfinite.check_loss(done, loss, bool(flagged and flagged[0] > 0))  # before the scale: the cause
         elapsed, steps = self.clock.lap()
         tps = steps * self.tokens_per_step / elapsed
         row = {"train/loss": loss, "train/lr": out["lr"], "train/grad_norm": float(out["grad_norm"]),
@@ -397,7 +401,7 @@ class Trainer:
         self.metrics.close()
         self.say(f"done in {summary['wall_time_s']:.1f}s | train loss {fmt(summary['final/train_loss'])} | "
                  f"val loss {fmt(self.last_val)} | unigram baseline {self.tokens.unigram_nats:.4f} nats/token"
-                 + (f" | skipped steps {summary['amp/skipped_steps']}" if self.scaler.enabled else ""))
+                 + self._skip_text(summary))
         self.say(f"run directory: {self.run_dir}")
         self.ctx.barrier()  # leave together: the next multirun job starts on every rank at once
         return summary
@@ -427,7 +431,21 @@ class Trainer:
             skipped = int(self.scaler.skipped)
             summary.update({"amp/skipped_steps": skipped, "amp/skip_rate": skipped / max(p.step, 1),
                             "amp/final_loss_scale": self.scaler.get_scale()})
+        if self.nonfinite.skipped is not None:
+            summary["train/nonfinite_skipped"] = int(self.nonfinite.skipped)
         return summary
+
+    def _skip_text(self, summary: dict) -> str:
+        """The final line's skip counts, each with its cause; empty when nothing can be skipped."""
+        if "amp/skipped_steps" in summary:
+            # Under skip a non-finite forward also reaches the scaler (its gradients are inf/nan too).
+            cause = ("loss-scale overflow" if self.tc.on_nonfinite.value == "abort"
+                     else "loss-scale overflow or non-finite loss, train.on_nonfinite=skip")
+            return f" | skipped steps {summary['amp/skipped_steps']} ({cause})"
+        if "train/nonfinite_skipped" in summary:
+            return (f" | skipped steps {summary['train/nonfinite_skipped']} "
+                    "(non-finite loss or gradients, train.on_nonfinite=skip)")
+        return ""
 
     def _dist_summary(self) -> dict:
         """Whether the replicas ended identical, and each rank's skip count (collectives)."""

@@ -128,7 +128,19 @@ class LossScaler:
         return {"scaler": self.scaler.state_dict(), "skipped": int(self.skipped)}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.scaler.load_state_dict(sd["scaler"])
+        """Restore the scale, its growth tracker and the skip counter from :meth:`state_dict`.
+
+        A resume that changes precision (``resume.allow_changes=[precision]``)
+        can hand over the other kind of state. A disabled scaler (fp32/bf16)
+        saved an empty GradScaler state, which GradScaler refuses to load:
+        there is no scale to continue from, so an enabled scaler keeps its
+        fresh ``init_scale``, as a new fp16 run starts. Saved fp16 state is
+        ignored by a disabled scaler: without loss scaling there is no scale
+        to use, and no skipped steps to count."""
+        if not self.enabled:
+            return
+        if sd["scaler"]:
+            self.scaler.load_state_dict(sd["scaler"])
         self.skipped.fill_(sd["skipped"])
 
 

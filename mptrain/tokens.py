@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -259,8 +260,15 @@ def _tokenized(data_cfg, split: str, tok, eos: int):
     field_ = data_cfg.text_field
     procs = data_cfg.num_proc or os.cpu_count() or 1
 
-    def encode(batch):
-        ids = tok(batch[field_], add_special_tokens=False)["input_ids"]
+    def encode(batch, rows):
+        texts = batch[field_]
+        for text, row in zip(texts, rows):
+            if not isinstance(text, str):  # the tokenizer's own TypeError names neither the row nor the column
+                raise ConfigError(
+                    f"row {row} (0-based) of {data_cfg.path}, split {split}, holds {repr(text)[:60]} instead of "
+                    f"text in data.text_field='{field_}'; fill or drop such rows, or point data.text_field at "
+                    "the column that holds the text.")
+        ids = tok(texts, add_special_tokens=False)["input_ids"]
         return {"ids": [x + [eos] for x in ids]}
 
     ds = load_hf_dataset(data_cfg, split)
@@ -270,8 +278,8 @@ def _tokenized(data_cfg, split: str, tok, eos: int):
     if data_cfg.max_documents:
         ds = ds.take(data_cfg.max_documents)
     if data_cfg.streaming:
-        return ds.map(encode, batched=True, remove_columns=cols or None)
-    return ds.map(encode, batched=True, num_proc=procs if len(ds) >= 2 * procs else None,
+        return ds.map(encode, batched=True, with_indices=True, remove_columns=cols or None)
+    return ds.map(encode, batched=True, with_indices=True, num_proc=procs if len(ds) >= 2 * procs else None,
                   remove_columns=cols, desc=f"tokenizing {split} ({procs} processes)")
 
 
@@ -289,27 +297,50 @@ def _drain(ds, writers: dict, docs: dict, route, progress: bool) -> None:
 
 
 def prepare_hf(data_cfg, out_dir: Path, log=print, progress: bool = True) -> dict:
-    """Tokenize an HF dataset into ``out_dir`` (created). Returns the meta dict."""
+    """Tokenize an HF dataset into ``out_dir`` (created). Returns the meta dict.
+
+    On failure ``out_dir`` is removed again: shards of a preparation that did
+    not finish are no use, and ``scripts/prepare_data.py`` would refuse the
+    directory they were left in."""
     t0 = time.perf_counter()
     tok = load_hf_tokenizer(data_cfg.tokenizer, trust_remote_code=data_cfg.trust_remote_code)
-    eos = tok.eos_token_id
-    if eos is None:
+    if tok.eos_token_id is None:
         raise ConfigError(f"data.tokenizer='{data_cfg.tokenizer}' has no end-of-text token to separate documents.")
-    vocab = len(tok)
+    out_dir.mkdir(parents=True)  # not exist_ok: what is removed on failure is ours alone
+    try:
+        meta = _write_shards(data_cfg, out_dir, tok, log, progress)
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    dt = time.perf_counter() - t0
+    meta["prepare_seconds"] = dt
+    meta["prepare_tokens_per_s"] = (meta["train"]["tokens"] + meta["val"]["tokens"]) / dt if dt else None
+    (out_dir / META).write_text(json.dumps(meta, indent=2))
+    log(f"wrote {meta['train']['tokens']:,} train / {meta['val']['tokens']:,} val tokens from "
+        f"{meta['train']['documents'] + meta['val']['documents']:,} documents in {dt:.1f}s "
+        f"({meta['prepare_tokens_per_s']:,.0f} tokens/s)")
+    return meta
+
+
+def _write_shards(data_cfg, out_dir: Path, tok, log, progress: bool) -> dict:
+    """Tokenize the split(s) into shard files in ``out_dir``; returns the meta dict (not yet written)."""
+    eos, vocab = tok.eos_token_id, len(tok)
     dtype = token_dtype(vocab)
-    out_dir.mkdir(parents=True)
     writers = {s: ShardWriter(out_dir, s, dtype, data_cfg.shard_tokens) for s in ("train", "val")}
     docs = {"train": 0, "val": 0}
     log(f"preparing {data_cfg.path} ({data_cfg.name or 'default'}, split {data_cfg.split}) with "
         f"tokenizer {data_cfg.tokenizer} (vocab {vocab}, {dtype.name}) into {out_dir}")
-    if data_cfg.val_split:
-        _drain(_tokenized(data_cfg, data_cfg.split, tok, eos), writers, docs, lambda i: "train", progress)
-        _drain(_tokenized(data_cfg, data_cfg.val_split, tok, eos), writers, docs, lambda i: "val", progress)
-    else:
-        # every k-th document is held out: the same documents on every run and machine
-        every = max(2, round(1 / data_cfg.val_fraction))
-        _drain(_tokenized(data_cfg, data_cfg.split, tok, eos), writers, docs,
-               lambda i: "val" if i % every == every - 1 else "train", progress)
+    try:
+        if data_cfg.val_split:
+            _drain(_tokenized(data_cfg, data_cfg.split, tok, eos), writers, docs, lambda i: "train", progress)
+            _drain(_tokenized(data_cfg, data_cfg.val_split, tok, eos), writers, docs, lambda i: "val", progress)
+        else:
+            # every k-th document is held out: the same documents on every run and machine
+            every = max(2, round(1 / data_cfg.val_fraction))
+            _drain(_tokenized(data_cfg, data_cfg.split, tok, eos), writers, docs,
+                   lambda i: "val" if i % every == every - 1 else "train", progress)
+    finally:
+        shards = {s: w.close() for s, w in writers.items()}  # closed before a failed directory is removed
     meta = {
         "format": FORMAT,
         "source": f"{data_cfg.path}" + (f" ({data_cfg.name})" if data_cfg.name else ""),
@@ -318,17 +349,11 @@ def prepare_hf(data_cfg, out_dir: Path, log=print, progress: bool = True) -> dic
         "vocab_size": vocab,
         "eos_id": eos,
         "dtype": dtype.name,
-        **{s: {"shards": w.close(), "tokens": w.total, "documents": docs[s]} for s, w in writers.items()},
+        **{s: {"shards": shards[s], "tokens": w.total, "documents": docs[s]} for s, w in writers.items()},
     }
-    dt = time.perf_counter() - t0
-    meta["prepare_seconds"] = dt
-    meta["prepare_tokens_per_s"] = (meta["train"]["tokens"] + meta["val"]["tokens"]) / dt if dt else None
     if not meta["train"]["tokens"] or not meta["val"]["tokens"]:
         raise ConfigError(f"{data_cfg.path}: preparation produced {meta['train']['tokens']} train and "
                           f"{meta['val']['tokens']} val tokens; the dataset is too small or the text column empty.")
-    (out_dir / META).write_text(json.dumps(meta, indent=2))
-    log(f"wrote {meta['train']['tokens']:,} train / {meta['val']['tokens']:,} val tokens from "
-        f"{docs['train'] + docs['val']:,} documents in {dt:.1f}s ({meta['prepare_tokens_per_s']:,.0f} tokens/s)")
     return meta
 
 

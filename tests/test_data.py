@@ -51,6 +51,22 @@ def test_prepare_caches_and_beats_nothing_baseline():
     D.prepare(cfg, log=lambda *a: pytest.fail("re-tokenized"))
 
 
+def test_an_interrupted_cache_build_leaves_no_temporary_directory(tmp_path):
+    """Whatever stops a builder midway (an error, Ctrl-C) takes its half-written directory with it."""
+    from mptrain import files
+
+    def write(d):
+        d.mkdir()
+        (d / "train.npy").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        files.build_dir(tmp_path / "tokens", write)
+    assert list(tmp_path.iterdir()) == []
+    files.build_dir(tmp_path / "tokens", lambda d: (d.mkdir(), (d / "train.npy").write_bytes(b"whole")))
+    assert [p.name for p in tmp_path.iterdir()] == ["tokens"] and (tmp_path / "tokens" / "train.npy").exists()
+
+
 def test_text_data_errors(tmp_path):
     with pytest.raises(ConfigError, match="does-not-exist"):
         D.read_corpus(make_cfg("data=text", f"data.paths=[{tmp_path}/does-not-exist.txt]").data)

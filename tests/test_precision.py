@@ -5,11 +5,12 @@ import copy
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from mptrain.model import GPT, GPTShape
 from mptrain.parallel import DistContext
 from mptrain.config import ParallelMode
-from mptrain.precision import PrecisionPolicy
+from mptrain.precision import LossScaler, PrecisionPolicy
 from mptrain.trainer import build_optimizer, decay_names, train_step
 
 from .conftest import make_cfg, train
@@ -89,6 +90,30 @@ def test_disabled_scaler_is_identity():
     scaler = PrecisionPolicy(cfg.precision, CPU).make_scaler()
     loss = torch.tensor(3.0)
     assert scaler.scale(loss) is loss and scaler.get_scale() is None
+
+
+def test_scaler_state_across_a_precision_change():
+    """A resume that changes precision (resume.allow_changes=[precision]) hands the scaler the
+    other kind's state. fp32/bf16 saved an empty GradScaler state, which GradScaler itself
+    refuses: fp16 scaling starts fresh at init_scale. fp16 state means nothing without scaling."""
+    model, opt, used, policy, ctx = _setup("precision.loss_scale.init_scale=1024")
+    on = policy.cfg.loss_scale  # one composed config serves all four scalers
+    off = OmegaConf.merge(on, {"enabled": False})  # what fp32/bf16 have
+
+    fp16 = LossScaler(on, CPU)
+    fp16.load_state_dict(LossScaler(off, CPU).state_dict())
+    assert fp16.get_scale() == 1024.0 and int(fp16.skipped) == 0
+    assert fp16.scale(torch.tensor(2.0)).item() == 2048.0
+
+    train_step(model, opt, used, policy, ctx, _batch(0), 1.0, inject_inf=True)  # backs off to 512, one skip
+    saved = used.state_dict()
+    bf16 = LossScaler(off, CPU)
+    bf16.load_state_dict(saved)
+    loss = torch.tensor(3.0)
+    assert bf16.get_scale() is None and int(bf16.skipped) == 0 and bf16.scale(loss) is loss
+    same_kind = LossScaler(on, CPU)
+    same_kind.load_state_dict(saved)  # fp16 to fp16: restored, as before
+    assert same_kind.get_scale() == 512.0 and int(same_kind.skipped) == 1
 
 
 def test_skip_metrics_in_a_run(tmp_path):

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,6 +124,40 @@ def test_hf_data_errors(tmp_path, saved_tokenizer):
                            "data.text_field=body").data)
     with pytest.raises(ConfigError, match="no meta.json"):
         D.prepare(make_cfg("data=tokens", f"data.path={tmp_path}").data)
+
+
+def test_a_failed_hf_preparation_leaves_nothing_and_cleans_up_after_killed_builders(
+        tmp_path, saved_tokenizer, monkeypatch):
+    """A streamed load that fails partway (a row without text after the first 1,000 documents
+    were written to shards) is one sentence naming the row, and leaves no temporary directory.
+    The next build of that cache removes what killed builders left (a dead pid on this machine),
+    never what a live builder or another machine's builder may still be writing."""
+    monkeypatch.setenv("MPTRAIN_CACHE", str(tmp_path / "cache"))
+    rows = [{"text": t} for t in TEXTS] * 20  # 1,200 documents; the stream is encoded 1,000 at a time
+    rows[1100] = {"id": 1100}
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = make_cfg("data=hf", f"data.path={src}", f"data.tokenizer={saved_tokenizer}", "data.streaming=true").data
+    said = []
+    with pytest.raises(ConfigError, match=r"^row 1100 \(0-based\) of .*docs.jsonl, split train, holds None instead "
+                                          r"of text in data.text_field='text'; fill or drop such rows"):
+        D.prepare(cfg, log=said.append)
+    building = Path(said[-1].rsplit(" into ", 1)[1])  # the log names the temporary directory
+    cache = building.parent
+    assert list(cache.iterdir()) == []
+    name, pid_host = building.name.split(".tmp")
+    host = pid_host.split(".", 1)[1]
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    stale = [cache / f"{name}.tmp{dead.pid}", cache / f"{name}.tmp{dead.pid}.{host}"]  # old and new naming
+    kept = [cache / f"{name}.tmp{os.getppid()}.{host}",  # a live process: perhaps a concurrent builder
+            cache / f"{name}.tmp{dead.pid}.another-machine"]  # a pid of another machine says nothing here
+    for d in stale + kept:
+        d.mkdir()
+        (d / "train-00000.bin").write_bytes(b"partial")
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))  # the data fixed, the same cache key
+    D.prepare(cfg, log=lambda *a: None)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([name] + [d.name for d in kept])
 
 
 def test_vocabulary_larger_than_the_model(tmp_path, saved_tokenizer):

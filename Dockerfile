@@ -14,5 +14,5 @@ COPY configs configs
 COPY train.py ./
 
 ENV NPROC=auto
-ENTRYPOINT ["sh", "-c", "n=${NPROC}; [ \"$n\" = auto ] && n=$(python -c 'import torch; print(max(1, torch.cuda.device_count()))'); exec torchrun --standalone --nproc_per_node=$n train.py \"$@\"", "--"]
+ENTRYPOINT ["sh", "-c", "n=${NPROC}; [ \"$n\" = auto ] && n=$(python -c 'import torch; print(max(1, torch.cuda.device_count()))'); exec python -m mptrain.torchrun --standalone --nproc_per_node=$n train.py \"$@\"", "--"]
 CMD ["parallel=fsdp", "precision=bf16"]

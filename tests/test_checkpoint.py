@@ -43,19 +43,6 @@ def test_resume_is_exact(tmp_path, extra):
         assert len(set(scales)) > 2 and straight[-1]["amp/skipped_steps"] >= 2
 
 
-def test_two_rank_fsdp_resume_is_exact(tmp_path):
-    from .test_distributed import only_run_dir, torchrun
-
-    torchrun(tmp_path / "a", *BASE, "parallel=fsdp")
-    straight = read_rows(only_run_dir(tmp_path / "a"))
-    run_dir = tmp_path / "b" / "run"
-    torchrun(tmp_path / "b", *BASE, "parallel=fsdp", "train.stop_after=10", f"hydra.run.dir={run_dir}")
-    torchrun(tmp_path / "b", *BASE, "parallel=fsdp", f"hydra.run.dir={run_dir}")
-    s = json.loads((run_dir / "summary.json").read_text())
-    assert s["resumed_from"].endswith("step-10") and s["dist/replicas_identical"]
-    assert _values(read_rows(run_dir)) == _values(straight)
-
-
 def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     args = [*BASE, "checkpoint.every=5", f"hydra.run.dir={run_dir}"]

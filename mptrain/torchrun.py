@@ -1,0 +1,98 @@
+"""torchrun that reports a preempted-and-saved job as a success.
+
+Why: a SIGTERM or SIGINT makes every mptrain rank finish its step, save a
+checkpoint and exit 0, but plain ``torchrun`` turns the signal reaching *it*
+into a ``SignalException``: its agent shuts the workers down (SIGTERM, then
+SIGKILL after ``--shutdown-timeout``) and the launcher exits 1 with a
+traceback, so a scheduler records a cleanly saved job as failed.
+
+Use it exactly like torchrun, with the same arguments::
+
+    python -m mptrain.torchrun --standalone --nproc_per_node=8 train.py parallel=fsdp
+
+What changes, and only while workers are running:
+
+- The first SIGTERM, SIGINT or SIGHUP reaching the launcher is forwarded to its
+  own worker processes (SIGHUP as SIGTERM: the workers stop gracefully on
+  SIGTERM/SIGINT only). torch starts the workers in their own sessions, so a
+  terminal's Ctrl-C or a ``kill <launcher pid>`` would not reach them otherwise.
+  The launcher keeps monitoring; its exit code is then the workers' outcome:
+  0 when every rank saved and exited 0, torchrun's usual failure report
+  otherwise. The workers take as long as their save needs (the agent's
+  shutdown timeout does not apply); a scheduler bounds that with its grace
+  period, and if it then SIGKILLs the launcher, the workers, already told to
+  stop, still save and exit on their own.
+- A second signal, or one arriving while no workers exist (during the
+  rendezvous or while they are being spawned), gets torch's own behaviour:
+  the agent sends it to the workers, SIGKILLs those still running after
+  ``--shutdown-timeout`` and the launcher exits non-zero. So a second Ctrl-C
+  (which interrupts a worker mid-step) still stops everything.
+- Several nodes: each node's launcher forwards to its own workers; the ranks
+  agree on stopping at the next step boundary, so one signalled node suffices.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+from torch.distributed.elastic.multiprocessing import api as _elastic
+from torch.distributed.run import main as _torch_main
+
+# Signal received -> signal sent to the workers.
+FORWARD = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGTERM}
+
+
+class Forwarder:
+    """Stands in for torch's signal handler: forwards the first stop signal to the running workers."""
+
+    def __init__(self):
+        self.context = None  # the PContext whose workers are running (None until they are spawned)
+        self.forwarded = False
+        self._torch_handler = _elastic._terminate_process_handler
+        self._torch_start = _elastic.PContext.start
+
+    def install(self) -> None:
+        """Route torch's elastic signal handling and worker start-up through this object."""
+        # PContext.start() looks the handler up by name each time it installs it,
+        # so replacing the module attribute is enough; start() itself is wrapped
+        # to learn which workers are running.
+        _elastic._terminate_process_handler = self.handle
+        forwarder = self
+
+        def start(context) -> None:
+            # None while spawning: a signal then gets torch's behaviour, whose
+            # clean-up also stops a half-spawned group (and on a restart the old workers are gone).
+            forwarder.context = None
+            forwarder._torch_start(context)
+            forwarder.context = context
+
+        _elastic.PContext.start = start
+
+    def handle(self, signum: int, frame) -> None:
+        """Forward the first stop signal to the workers; anything else raises as torch does."""
+        if self.forwarded or self.context is None or signum not in FORWARD:
+            self._torch_handler(signum, frame)  # raises SignalException
+            return
+        self.forwarded = True
+        pids = sorted(self.context.pids().values())
+        for pid in pids:
+            try:
+                # The worker only, not its process group: it stops at a step boundary,
+                # and helpers it may have started must live until it has saved.
+                os.kill(pid, FORWARD[signum])
+            except ProcessLookupError:  # already exited
+                pass
+        name = signal.Signals(signum).name
+        # os.write, not print: a handler may interrupt a print on this thread.
+        os.write(2, f"mptrain.torchrun: {name} forwarded to workers {pids}; they finish the step, "
+                    f"save and exit (a second signal shuts them down)\n".encode())
+
+
+def main(args=None) -> None:
+    """``torch.distributed.run.main`` with the first stop signal forwarded to the workers."""
+    Forwarder().install()
+    _torch_main(args)
+
+
+if __name__ == "__main__":
+    main()

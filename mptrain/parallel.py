@@ -135,6 +135,15 @@ class DistContext:
                 add(p.full_tensor() if hasattr(p, "full_tensor") else p)
         return acc
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj`` (small, picklable), in rank order; ``[obj]`` alone.
+        A collective: every rank must call it, so it also serves as a barrier."""
+        if not (self.has_group and self.world > 1):
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def broadcast_object(self, obj):
         if self.has_group and self.world > 1:
             box = [obj]
@@ -210,7 +219,7 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
 
 
-def _export_submitit_env() -> None:
+def export_submitit_env() -> None:
     """Under a submitit (Slurm or local) job with several tasks and no torchrun,
     turn the task layout into the env:// variables torch.distributed reads."""
     if "RANK" in os.environ or not any(k in os.environ for k in ("SUBMITIT_EXECUTOR", "SUBMITIT_LOCAL_JOB_ID")):
@@ -227,7 +236,7 @@ def _export_submitit_env() -> None:
 def setup(pcfg, device_spec: str) -> DistContext:
     """Join (or create) the process group and pick this rank's device."""
     mode = pcfg.name
-    _export_submitit_env()
+    export_submitit_env()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

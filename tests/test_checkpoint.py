@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
+import resource
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -11,9 +13,9 @@ import time
 import pytest
 import torch
 
-from mptrain.checkpoint import CheckpointError, complete_checkpoints, load_full_state
+from mptrain.checkpoint import CheckpointError, complete_checkpoints, load_full_state, resolve_resume, verify
 
-from .conftest import ROOT, TINY, read_rows, run_cli, train
+from .conftest import ROOT, TINY, make_cfg, read_rows, run_cli, train
 
 BASE = [*TINY, "train.max_steps=20", "train.eval_every=5", "train.eval_batches=2"]
 VOLATILE = ("perf/", "mem/")  # wall-clock figures: the only keys allowed to differ
@@ -91,9 +93,22 @@ def test_reshard_fsdp_two_ranks_to_one(tmp_path):
     torchrun(tmp_path, *BASE, "parallel=fsdp", "train.stop_after=10", f"hydra.run.dir={src}")
     ckpt = src / "checkpoints" / "step-10"
     dst = tmp_path / "dst"
-    # one process, no wrapper: load the 2-rank sharded checkpoint and write it again
-    s, _ = train(dst, *BASE, "parallel=none", f"resume={ckpt}", "train.max_steps=10", "checkpoint.every=1")
-    assert s["resumed_from"] == str(ckpt) and s["steps"] == 10
+    # One process, no wrapper: load the 2-rank sharded checkpoint and write it again.
+    # (A run resumed at its last step has nothing to train, so the Trainer is built
+    # and saved directly: the same load and save a resumed run goes through.)
+    from mptrain.parallel import setup
+    from mptrain.resume import ResumePlan
+    from mptrain.trainer import Trainer
+
+    cfg = make_cfg(*BASE, "parallel=none")
+    ctx = setup(cfg.parallel, cfg.train.device)
+    try:
+        t = Trainer(cfg, ctx, dst, ResumePlan(path=ckpt, step=10))
+        assert t.start == 10 and t.resumed_from == ckpt
+        t.ckpt.save(10, t.model, t.optimizer, t.states)
+        t.metrics.close()
+    finally:
+        ctx.shutdown()
     a, b = load_full_state(ckpt), load_full_state(dst / "checkpoints" / "step-10")
     model_keys = [k for k in a if k.startswith("model.")]
     optim_keys = [k for k in a if k.startswith("optim.state.")]
@@ -110,20 +125,118 @@ def test_keep_last(tmp_path):
     assert [p.name for p in complete_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-8", "step-10"]
 
 
-def test_bad_checkpoints_give_clear_errors(tmp_path):
-    train(tmp_path / "run", *TINY, "train.max_steps=4", "checkpoint.every=4")
-    ckpt = tmp_path / "run" / "checkpoints" / "step-4"
-    with pytest.raises(CheckpointError, match=r"model.d_model: checkpoint 64, this run 128"):
-        train(tmp_path / "other", *TINY, f"resume={ckpt}", "model.d_model=128", "train.max_steps=5")
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """One run with two checkpoints (step-2, step-4) for the tests below to copy and damage."""
+    run = tmp_path_factory.mktemp("saved") / "run"
+    train(run, *TINY, "train.max_steps=4", "checkpoint.every=2")
+    return run
+
+
+def _copy_run(saved_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    return run, run / "checkpoints" / "step-2", run / "checkpoints" / "step-4"
+
+
+def _overwrite(path, offset: int, data: bytes) -> None:
+    """Replace bytes in place: the size stays, the content changes."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+HALVES = struct.pack("<1024f", *[0.5] * 1024)  # plausible floats: 1,024 values of 0.5
+
+
+def test_bad_checkpoints_give_clear_errors(saved_run, tmp_path, capsys):
+    """Damage is refused before DCP reads anything, naming the file and offering step-2."""
+    run, step2, ckpt = _copy_run(saved_run, tmp_path)
     with pytest.raises(CheckpointError, match="no such file"):
         train(tmp_path / "other", *TINY, f"resume={tmp_path}/nope", "train.max_steps=5")
-    shard = next(ckpt.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:100])  # truncated shard
-    with pytest.raises(CheckpointError, match=r"step-4 could not be read"):
-        train(tmp_path / "other", *TINY, f"resume={ckpt}", "train.max_steps=5")
-    (ckpt / "meta.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="meta.json is corrupt"):
-        train(tmp_path / "other", *TINY, f"resume={ckpt}", "train.max_steps=5")
+    shard = ckpt / "__0_0.distcp"
+    intact = {f: f.read_bytes() for f in (shard, ckpt / "rng-rank0.pt", ckpt / "meta.json")}
+    middle = len(intact[shard]) // 2
+    damage = [  # (what, how, file named, reason)
+        ("truncated", lambda: shard.write_bytes(intact[shard][:100]), shard, "truncated or replaced"),
+        ("0.5s", lambda: _overwrite(shard, middle, HALVES), shard, "fails its checksum"),
+        ("0xFF", lambda: _overwrite(shard, middle, b"\xff" * len(HALVES)), shard, "fails its checksum"),
+        ("missing", lambda: (ckpt / "rng-rank0.pt").unlink(), ckpt / "rng-rank0.pt", "is missing"),
+        ("extra", lambda: (ckpt / "notes.txt").write_text("hi"), ckpt / "notes.txt", "is not listed"),
+        ("meta.json", lambda: (ckpt / "meta.json").write_text("{not json"), ckpt / "meta.json", "is corrupt"),
+    ]
+    for what, spoil, named, reason in damage:
+        spoil()
+        with pytest.raises(CheckpointError) as e:
+            train(tmp_path / "other", *TINY, f"resume={ckpt}", "train.max_steps=5")
+        msg = str(e.value)
+        assert f"damaged: {named} " in msg and reason in msg and f"resume={step2}" in msg, (what, msg)
+        assert "\n" not in msg and "could not be read" not in msg, (what, msg)  # refused before DCP read it
+        if what == "0xFF":  # the export path verifies too
+            with pytest.raises(CheckpointError, match=f"{shard} fails its checksum"):
+                load_full_state(ckpt)
+        (ckpt / "notes.txt").unlink(missing_ok=True)
+        for f, data in intact.items():
+            f.write_bytes(data)
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()  # nothing was trained from a damaged one
+    assert resolve_resume(str(ckpt), run) == ckpt  # restored: intact again
+
+    # Both damaged: resume=auto has nothing to fall back to.
+    _overwrite(shard, middle, HALVES)
+    _overwrite(step2 / "__0_0.distcp", middle, HALVES)
+    with pytest.raises(CheckpointError, match=r"resume=auto: every checkpoint in .* is damaged \(step-4: __0_0"):
+        resolve_resume("auto", run)
+
+    # A checkpoint from before manifests: loads, with one line saying it was not verified.
+    for f, data in intact.items():
+        f.write_bytes(data)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["manifest"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    (ckpt / "manifest.json").unlink()
+    capsys.readouterr()
+    assert "model.wte.weight" in load_full_state(ckpt)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and f"checkpoint {ckpt} has no manifest.json" in out and "not be verified" in out
+
+
+def test_resume_auto_falls_back_to_the_previous_intact_checkpoint(saved_run, tmp_path, capsys):
+    run, step2, ckpt = _copy_run(saved_run, tmp_path)
+    _overwrite(ckpt / "__0_0.distcp", 1000, b"\xff" * 4096)
+    capsys.readouterr()
+    s, rows = train(run, *TINY, "train.max_steps=4", "checkpoint.every=2")
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "damaged" in ln]
+    assert len(said) == 1 and said[0].startswith(
+        f"resume=auto: checkpoint step-4 is damaged ({ckpt / '__0_0.distcp'} fails its checksum (CRC-32 "), said
+    assert said[0].endswith("its bytes changed after the save); falling back to step-2"), said
+    assert s["resumed_from"] == str(step2) and s["steps"] == 4
+    assert _values(rows) == _values(read_rows(saved_run))  # the same steps 3-4 as the first time
+    assert verify(ckpt) is True  # step-4 saved again over the damaged one, intact
+
+
+def _small_files_only():
+    """In the child: files may not grow past 256 KiB (the metrics rows fit, a 1.7 MB
+    shard does not). CPython ignores SIGXFSZ, so the write fails with EFBIG."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY))
+
+
+def test_save_error_keeps_the_last_checkpoint(saved_run, tmp_path):
+    """A real OS error during a save: one line, exit code 2, step-4 intact, no step-6.tmp."""
+    run, _, step4 = _copy_run(saved_run, tmp_path)
+    before = {f.name: f.read_bytes() for f in step4.iterdir()}
+    # the data caches exist already (built by saved_run), so the child writes only small files
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "train.max_steps=6", "checkpoint.every=2",
+                        f"hydra.run.dir={run}"], capture_output=True, text=True, timeout=300,
+                       preexec_fn=_small_files_only)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    assert r.stderr.startswith(f"mptrain: configuration error: checkpoint step-6 was not saved: "
+                               f"{run / 'checkpoints' / 'step-6.tmp'}/__0_0.distcp: File too large (EFBIG); "
+                               f"the last complete checkpoint, {step4}, is intact"), r.stderr
+    assert "ulimit -f" in r.stderr and "resumed from" in r.stdout  # the fix; it did train steps 5-6
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]  # no step-6.tmp
+    assert {f.name: f.read_bytes() for f in step4.iterdir()} == before
+    assert resolve_resume("auto", run) == step4 and verify(step4)  # still what a resume picks, and intact
 
 
 def test_cli_bad_resume_is_one_clear_line(tmp_path):

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from mptrain.checkpoint import CheckpointError, load_full_state
+from mptrain.checkpoint import CheckpointError, load_full_state, reseal
 from mptrain.safeload import load_plain
 
 from .conftest import ROOT, train
@@ -42,6 +42,7 @@ def _craft(src, tmp_path, name: str):
             pickle.dump(Plant(str(marker)), f)
     else:
         torch.save({"scaler": Plant(str(marker))}, ckpt / name)
+    reseal(ckpt)  # a crafted checkpoint whose manifest matches: the loader, not the checksum, must refuse it
     return ckpt, marker
 
 

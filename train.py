@@ -6,7 +6,7 @@ from omegaconf import DictConfig
 
 from mptrain.config import ConfigError
 from mptrain.config_checks import check_override_keys
-from mptrain.launch import exit_process, rank_overrides
+from mptrain.launch import exit_process, expand_shorthands, rank_overrides
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
@@ -28,6 +28,7 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     import os
 
+    sys.argv[1:] = expand_shorthands(sys.argv[1:])
     try:
         check_override_keys(sys.argv[1:], os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"))
     except ConfigError as e:

@@ -447,6 +447,24 @@ class MonitorConfig:
 
 
 @dataclass
+class ResumeConfig:
+    """Continuing a run from a checkpoint (``mptrain/resume.py``)."""
+
+    source: str = "auto"
+    """``auto``: continue from the newest intact checkpoint in this run directory,
+    if there is one (a fresh run directory starts from scratch). ``none``: start
+    from scratch (refused in a directory that holds checkpoints, which a new run
+    would mix with). Anything else: a checkpoint directory
+    (``.../checkpoints/step-N``) or a run directory whose newest checkpoint is used."""
+    allow_changes: list[str] = field(default_factory=list)
+    """Config keys or sections (``precision``, ``optim.lr``, ``train.seed``) whose
+    value may differ from the checkpoint's. A resume that changes the training
+    math (model, precision, data, optimizer, seed, batch sizes, clipping) is
+    refused unless each changed key is named here; accepted changes are recorded
+    as a history in config.yaml and summary.json, from the step they apply to."""
+
+
+@dataclass
 class DebugConfig:
     """Fault injection, for tests and for rehearsing what a bad step looks like."""
 
@@ -487,11 +505,9 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    resume: str = "auto"
-    """``auto``: continue from the newest complete checkpoint in this run
-    directory, if there is one (a fresh run directory starts from scratch).
-    ``none``: always start from scratch. Anything else: a checkpoint directory
-    (``.../checkpoints/step-N``) or a run directory whose newest checkpoint is used."""
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
+    """Where to continue from; see :class:`ResumeConfig`. ``resume=<source>`` on the
+    command line is short for ``resume.source=<source>``."""
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 

@@ -3,63 +3,113 @@
 
 Hydra's ``${now:...}`` is evaluated in each process at its own start-up, so two
 ranks started a second apart would pick two directories. ``${mptrain_now:...}``
-(used by ``configs/config.yaml`` for ``hydra.run.dir`` and
-``hydra.sweep.dir``) is rank 0's clock, shared through torchrun's own
-rendezvous store before any process group exists. Jobs that submitit starts
-(``hydra/launcher=slurm``) inherit the launching process's time through the
-environment.
+is rank 0's clock, and ``${mptrain_new_dir:<path>}`` (used by
+``configs/config.yaml`` for the default ``hydra.run.dir`` and
+``hydra.sweep.dir``) is a directory rank 0 has just created for this launch
+alone: ``<path>``, or ``<path>-2``, ``-3``, ... when another launch created that
+one first, so two launches in the same second never share a directory. Both are
+shared with the other ranks through torchrun's own rendezvous store before any
+process group exists. Jobs that submitit starts (``hydra/launcher=slurm``)
+inherit the launching process's values through the environment.
 """
 from __future__ import annotations
 
 import datetime
+import json
 import os
-from typing import Optional
+from pathlib import Path
+from typing import Callable
 
 from omegaconf import OmegaConf
 
-_STAMP: Optional[datetime.datetime] = None
-_ENV = "MPTRAIN_RUN_STAMP"
+_ENV = "MPTRAIN_LAUNCH"  # the values this launch agreed on, for submitit jobs it starts
+_AGREED: dict[str, str] = {}
+_STORE = None
 
 
 def _torchrun_store():
     """A client of the key-value store torchrun's agent hosts, or None when not under torchrun."""
+    global _STORE
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None  # not launched by torchrun: nobody hosts a store yet
-    from torch.distributed import TCPStore
+    if _STORE is None:
+        from torch.distributed import TCPStore
 
-    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                    int(os.environ["WORLD_SIZE"]), is_master=False,
-                    timeout=datetime.timedelta(minutes=5))
+        _STORE = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False,
+                          timeout=datetime.timedelta(minutes=5))
+    return _STORE
+
+
+def _agree(key: str, compute: Callable[[], str]) -> str:
+    """``compute()`` evaluated once, by rank 0, and the same string in every
+    process of this launch. The value outlives torchrun's elastic restarts (the
+    store does): a restarted job continues in the same directory, where
+    ``resume=auto`` finds its checkpoints."""
+    if key in _AGREED:
+        return _AGREED[key]
+    inherited = json.loads(os.environ.get(_ENV, "{}"))
+    in_submitit = any(k in os.environ for k in ("SUBMITIT_EXECUTOR", "SUBMITIT_LOCAL_JOB_ID"))
+    store = _torchrun_store()
+    if in_submitit and key in inherited:
+        # A submitit job re-resolves the directories the launching process printed;
+        # it must get the launcher's values, not its own.
+        value = inherited[key]
+    elif store is not None:
+        name = f"mptrain/{key}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+        if int(os.environ.get("RANK", "0")) == 0 and not store.check([name]):
+            store.set(name, compute())
+        value = store.get(name).decode()  # get() waits for rank 0
+    else:
+        value = compute()
+    _AGREED[key] = value
+    os.environ[_ENV] = json.dumps({**inherited, **_AGREED})  # for submitit jobs launched from this process
+    return value
 
 
 def run_stamp() -> datetime.datetime:
-    """Rank 0's start time, the same in every process of this launch (and restart)."""
-    global _STAMP
-    if _STAMP is None:
-        inherited = os.environ.get(_ENV)
-        in_submitit = any(k in os.environ for k in ("SUBMITIT_EXECUTOR", "SUBMITIT_LOCAL_JOB_ID"))
-        store = _torchrun_store()
-        if inherited and in_submitit:
-            # A submitit job re-resolves the sweep dir the launching process printed;
-            # it must get the launcher's time, not its own.
-            _STAMP = datetime.datetime.fromisoformat(inherited)
-        elif store is not None:
-            key = (f"mptrain/run_stamp/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-                   f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
-            if int(os.environ.get("RANK", "0")) == 0:
-                store.set(key, datetime.datetime.now().isoformat())
-            _STAMP = datetime.datetime.fromisoformat(store.get(key).decode())  # get() waits for rank 0
-        else:
-            _STAMP = datetime.datetime.now()
-        os.environ[_ENV] = _STAMP.isoformat()  # for submitit jobs launched from this process
-    return _STAMP
+    """Rank 0's start time, the same in every process of this launch (and its restarts)."""
+    return datetime.datetime.fromisoformat(_agree("stamp", lambda: datetime.datetime.now().isoformat()))
+
+
+def new_dir(path: str) -> str:
+    """A directory created for this launch alone: ``path`` or, if it exists,
+    the first free ``path-2``, ``path-3``, ... (``mkdir`` without ``exist_ok`` is
+    the atomic claim). Rank 0 creates it; every rank gets its name."""
+
+    def claim() -> str:
+        base = Path(path)
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 10_000):
+            candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            try:
+                candidate.mkdir()
+                return str(candidate)
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"{path}: no free name among 10,000 suffixes")
+
+    return _agree(f"dir:{path}", claim)
 
 
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("mptrain_now"):
         OmegaConf.register_new_resolver("mptrain_now", lambda fmt: run_stamp().strftime(fmt))
+    if not OmegaConf.has_resolver("mptrain_new_dir"):
+        OmegaConf.register_new_resolver("mptrain_new_dir", new_dir)
+
+
+def expand_shorthands(overrides: list[str]) -> list[str]:
+    """Command-line shorthands that are not Hydra syntax: ``resume=<source>``
+    means ``resume.source=<source>`` (``resume`` is a section)."""
+    out = []
+    for ov in overrides:
+        if ov.startswith("resume="):
+            ov = "resume.source=" + ov[len("resume="):]
+        out.append(ov)
+    return out
 
 
 def rank_overrides() -> list[str]:

@@ -21,13 +21,14 @@ from . import files
 class JsonlSink:
     """One JSON object per logged step, flushed every row so a crash loses nothing.
 
-    On resume from step N, rows after N (logged before the interruption, by
-    steps that are now run again) are dropped first, so every step has one row."""
+    A run (re)starting from step N (0 when it starts fresh) first drops the rows
+    after N: they were logged by a launch whose later state was lost (killed, or
+    never saved), and the steps are about to run again, so every step has one row."""
 
-    def __init__(self, path: Path, resume_step: Optional[int] = None):
-        if resume_step is not None and path.exists():
+    def __init__(self, path: Path, start_step: int = 0):
+        if path.exists():
             keep = [ln for ln in path.read_text(encoding="utf-8").splitlines()
-                    if ln.strip() and json.loads(ln)["step"] <= resume_step]
+                    if ln.strip() and json.loads(ln)["step"] <= start_step]
             files.write_text(path, "".join(ln + "\n" for ln in keep))
         self.f = open(path, "a", encoding="utf-8")
 
@@ -47,12 +48,12 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    def __init__(self, logdir: Path, resume_step: Optional[int] = None):
+    def __init__(self, logdir: Path, start_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step: TensorBoard hides events at or after it from earlier files,
-        # so steps redone after a resume are not drawn twice.
-        self.w = SummaryWriter(log_dir=str(logdir), purge_step=None if resume_step is None else resume_step + 1)
+        # so steps run again after a restart are not drawn twice.
+        self.w = SummaryWriter(log_dir=str(logdir), purge_step=start_step + 1)
 
     def log(self, step: int, metrics: dict, hists: Optional[dict] = None) -> None:
         for k, v in metrics.items():
@@ -157,15 +158,15 @@ class Metrics:
 
     def __init__(self, run_dir: Optional[Path], log_cfg, total_steps: int, enabled: bool,
                  wandb_config: Optional[dict] = None, run_name: str = "", tags: Optional[list[str]] = None,
-                 resume_step: Optional[int] = None):
+                 start_step: int = 0):
         self.enabled = enabled
         self.sinks: list = []
         self.console = Console(total_steps, enabled and log_cfg.progress)  # bar starts at console.start()
         if not enabled:
             return
         if log_cfg.jsonl:
-            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step))
-        self.tb = TensorBoardSink(run_dir / "tensorboard", resume_step) if log_cfg.tensorboard else None
+            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl", start_step))
+        self.tb = TensorBoardSink(run_dir / "tensorboard", start_step) if log_cfg.tensorboard else None
         if self.tb:
             self.sinks.append(self.tb)
         self.wandb = None

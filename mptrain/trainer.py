@@ -24,8 +24,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import data as data_mod
+from . import rundir
 from .alerts import SkipRateWarning, SpikeDetector
-from .checkpoint import Checkpointer, Progress, StopSignal, resolve_resume
+from .checkpoint import Checkpointer, Progress, StopSignal
 from .comm import counting
 from .config import ConfigError, ParallelMode
 from .config_checks import micro_steps, validate
@@ -35,9 +36,11 @@ from .memory import estimate as memory_estimate
 from .metrics import Metrics, fmt
 from .model import GPT, GPTShape
 from .numerics import NumericsMonitor
-from .parallel import DistContext, setup, wrap
+from .parallel import DistContext, export_submitit_env, setup, wrap
 from .perf import Throughput, flops_per_token, matmul_kind, mfu, peak_flops
 from .precision import PrecisionPolicy, dtype_name
+from .resume import ResumePlan, finished_summary
+from .resume import plan as resume_plan
 from .record import ComputeDtypeProbe, RunRecord, banner, observed_dtypes, peak_memory, reset_peak_memory
 from .shards import local_shard
 from .step import build_optimizer, decay_names, evaluate, lr_at, train_step
@@ -46,13 +49,24 @@ __all__ = ["run", "Trainer", "NonFiniteError"]
 
 
 def run(cfg: DictConfig, run_dir: Optional[str | Path] = None) -> dict:
-    """Train as configured; returns the summary (also written to summary.json)."""
-    validate(cfg)
-    ctx = setup(cfg.parallel, cfg.train.device)
-    try:
-        return Trainer(cfg, ctx, Path(run_dir) if run_dir else _hydra_run_dir()).train()
-    finally:
-        ctx.shutdown()
+    """Train as configured; returns the summary (also written to summary.json).
+
+    The run holds its directory's lock throughout (``rundir.py``); a user error
+    raised before training starts leaves the directory as it found it."""
+    run_dir = Path(run_dir) if run_dir else _hydra_run_dir()
+    export_submitit_env()  # a submitit task learns its rank here; only rank 0 locks the directory
+    with rundir.held(run_dir) as claim:
+        validate(cfg)
+        ctx = setup(cfg.parallel, cfg.train.device)
+        try:
+            say = print if ctx.is_main else _quiet
+            plan = resume_plan(cfg, run_dir, ctx, say)
+            if plan.finished:
+                say(plan.finished)
+                return finished_summary(run_dir)
+            return Trainer(cfg, ctx, run_dir, plan, claim).train()
+        finally:
+            ctx.shutdown()
 
 
 def _hydra_run_dir() -> Path:
@@ -84,11 +98,13 @@ class Trainer:
     """One run: built in ``__init__``, trained by :meth:`train`."""
 
     # ------------------------------------------------------------------ build
-    def __init__(self, cfg: DictConfig, ctx: DistContext, run_dir: Path):
+    def __init__(self, cfg: DictConfig, ctx: DistContext, run_dir: Path, plan: Optional[ResumePlan] = None,
+                 claim: Optional[rundir.Claim] = None):
         self.t_start = time.perf_counter()
         reset_peak_memory(ctx.device)
         validate(cfg, ctx.world)
         self.cfg, self.ctx, self.run_dir, self.tc = cfg, ctx, run_dir, cfg.train
+        self.plan, self.claim = plan or ResumePlan(), claim
         self.say = print if ctx.is_main else _quiet
         self.record = RunRecord(cfg, run_dir, ctx.is_main)
         self.policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=ctx.mode == ParallelMode.fsdp)
@@ -158,7 +174,8 @@ class Trainer:
             self.states["nonfinite_guard"] = self.nonfinite.guard
         self.ckpt = Checkpointer(cfg.checkpoint, self.run_dir, self.ctx, cfg, self.faults,
                                  meta_extra={"tokenizer": {"name": self.tokens.tokenizer.name,
-                                                           "path": self.tokens.tokenizer.path}})
+                                                           "path": self.tokens.tokenizer.path},
+                                             "history": self.plan.history})
         self.clock = Throughput(self.tokens_per_step)
         self.count_comm = cfg.monitor.comm and self.ctx.mode != ParallelMode.none
         self.last_train: dict = {}
@@ -196,21 +213,29 @@ class Trainer:
         info["memory_estimate_gib"] = {k: round(v / 2**30, 4) for k, v in self.mem_est.rows()}
 
     def _resume(self) -> None:
-        """Rank 0 picks the checkpoint (one listing of the directory); every rank loads it."""
-        ctx = self.ctx
-        path = ctx.broadcast_object(resolve_resume(self.cfg.resume, self.run_dir) if ctx.is_main else None)
-        self.resumed_from = Path(path) if path is not None else None
+        """Load the checkpoint the plan picked (``resume.py``: chosen, verified and
+        compared with this config by rank 0 before anything was built)."""
+        self.resumed_from = self.plan.path
         if self.resumed_from is not None:
             self.ckpt.load(self.resumed_from, self.model, self.optimizer, self.states, self.policy)
-            self.record.info["resumed_from"] = str(path)
+            self.record.info["resumed_from"] = str(self.resumed_from)
+        if self.plan.history:
+            self.record.info["config_history"] = self.plan.history
         self.start = self.progress.step
 
     def _open_outputs(self) -> None:
+        """From here on the run writes its records. Every (re)start first drops what
+        the model's current state did not go through: metric rows after the step it
+        starts from (all of them on a fresh start) and the summary of an earlier launch."""
         cfg, tc, run_dir = self.cfg, self.tc, self.run_dir
+        if self.claim is not None:
+            self.claim.started = True  # an error from now on keeps what this launch wrote
+        if self.ctx.is_main:
+            (run_dir / "summary.json").unlink(missing_ok=True)
         name, tags = self.record.names()
         self.record.write_config()
         self.metrics = Metrics(run_dir, cfg.log, tc.max_steps, self.ctx.is_main, self.record.resolved(), name, tags,
-                               resume_step=self.start if self.resumed_from is not None else None)
+                               start_step=self.start)
         self.say(banner(cfg, self.ctx, self.record.info, self.dtypes, self.tokens, self.tokens_per_step, run_dir))
         for w in ([self.policy.warning] if self.policy.warning else []) + self.hw_warnings:
             self.say(f"WARNING: {w}")
@@ -422,6 +447,7 @@ class Trainer:
             **self._dist_summary(),
             **({"fp8": self.fp8_report} if self.fp8_report else {}),
             **({"resumed_from": str(self.resumed_from)} if self.resumed_from is not None else {}),
+            **({"config_history": self.plan.history} if self.plan.history else {}),
             **({"stopped_early": self.stopped_by} if self.stopped_by else {}),
             **self.last_comm,
         }

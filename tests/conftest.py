@@ -41,8 +41,10 @@ def _hermetic_cache(tmp_path_factory):
 
 
 def make_cfg(*overrides: str, tiny: bool = True):
+    from mptrain.launch import expand_shorthands
+
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose(config_name="config", overrides=[*(TINY if tiny else []), *overrides])
+        return compose(config_name="config", overrides=expand_shorthands([*(TINY if tiny else []), *overrides]))
 
 
 def read_rows(run_dir: Path) -> list[dict]:

@@ -120,7 +120,7 @@ def test_one_run_directory_only_rank0_files(tmp_path):
     torchrun(tmp_path, *TINY, "train.max_steps=3", "parallel=ddp", "log.tensorboard=true")
     run_dir = only_run_dir(tmp_path)
     names = sorted(p.name for p in run_dir.iterdir())
-    assert names == [".hydra", "config.yaml", "metrics.jsonl", "summary.json", "tensorboard", "train.log"]
+    assert names == [".hydra", ".lock", "config.yaml", "metrics.jsonl", "summary.json", "tensorboard", "train.log"]
     assert len(list((run_dir / "tensorboard").iterdir())) == 1  # one writer: rank 0's
     assert len(read_rows(run_dir)) == 3  # rows not doubled by a second rank
 

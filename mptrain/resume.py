@@ -1,0 +1,159 @@
+"""Whether, and from where, a run continues: decided before anything is built or written.
+
+:func:`plan` picks the checkpoint (``resume.source``), compares the config it
+was saved with against this launch's, and tells the trainer one of three things:
+
+- start fresh (no checkpoint; ``resume=none`` is refused in a directory that
+  holds checkpoints, which a new run would interleave with);
+- continue from a checkpoint, with the history of accepted config changes;
+- nothing to do: the run already reached ``train.max_steps``. Its records stay
+  as they are; raising ``train.max_steps`` continues it.
+
+A config change that alters the training math is refused with the list of
+differences unless the user names it in ``resume.allow_changes``; then it is
+recorded (``history``: from step N, key: [before, after]) in config.yaml,
+summary.json and every later checkpoint, so that no record says the whole run
+used a setting that only its later steps did.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from omegaconf import OmegaConf
+
+from .checkpoint import complete_checkpoints, flatten, read_meta, resolve_resume
+from .config import ConfigError
+
+# Keys whose change alters what the model computes or learns.
+MATH = ("model.", "precision.", "optim.", "data.", "train.seed", "train.global_batch_size",
+        "train.micro_batch_size", "train.grad_clip", "train.tf32")
+# Inside ``data.``: where the tokens are cached and how fast they are read, not which tokens.
+NOT_MATH = ("data.cache_dir", "data.num_proc", "data.trust_remote_code", "data.shard_tokens")
+# Changes that are always allowed but worth a line in the history: more (or fewer)
+# steps move the learning-rate schedule; another wrapper or world size reshards.
+RECORDED = ("train.max_steps", "parallel.name", "world_size")
+
+
+class ResumeRefused(ConfigError):
+    """The checkpoint cannot be continued under this config."""
+
+
+@dataclass
+class ResumePlan:
+    path: Optional[Path] = None  # checkpoint to load; None: start from step 0
+    step: int = 0
+    history: list = field(default_factory=list)  # [{"from_step": N, "changes": {key: [before, after]}}]
+    finished: Optional[str] = None  # set when there is nothing to train: the message to print
+
+
+def plan(cfg, run_dir: Path, ctx, say: Callable[[str], None]) -> ResumePlan:
+    """Rank 0 decides (one listing of the directory, one verification of the
+    checkpoint) and every rank gets the same plan, or the same error."""
+    decided: tuple = (None, None)
+    if ctx.is_main:
+        try:
+            decided = (_decide(cfg, Path(run_dir), ctx.world, say), None)
+        except ConfigError as e:
+            decided = (None, e)
+    result, error = ctx.broadcast_object(decided)
+    if error is not None:
+        raise error
+    return result
+
+
+def _decide(cfg, run_dir: Path, world: int, say) -> ResumePlan:
+    source = cfg.resume.source
+    path = resolve_resume(source, run_dir, log=say)
+    if path is None:
+        return _fresh(cfg, run_dir, source)
+    meta = read_meta(path)
+    now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    changes, refused = compare({**meta.get("config", {}), "world_size": meta.get("world_size")},
+                               {**now, "world_size": world}, list(cfg.resume.allow_changes))
+    step = int(meta["step"])
+    if refused:
+        raise ResumeRefused(
+            f"resume from {path}: this launch's config differs from the checkpoint's where it changes the "
+            f"training math ({'; '.join(refused)}). Resume with the settings it was saved with, or accept "
+            f"the change with resume.allow_changes=[{','.join(_suggest(refused))}] (recorded as a history "
+            f"from step {step}).")
+    history = list(meta.get("history", []))
+    if changes:
+        history.append({"from_step": step, "changes": changes})
+    finished = None
+    if step >= cfg.train.max_steps:
+        finished = (f"{path} is at step {step} and train.max_steps={cfg.train.max_steps}: nothing to train; "
+                    "the run's records are left as they are. Raise train.max_steps to continue it.")
+    return ResumePlan(path=path, step=step, history=history, finished=finished)
+
+
+def _fresh(cfg, run_dir: Path, source: str) -> ResumePlan:
+    """Start from step 0, unless that would mix with or replace a run already here."""
+    found = complete_checkpoints(run_dir / "checkpoints")
+    if source == "none" and found:
+        raise ResumeRefused(
+            f"resume=none, but {run_dir} holds checkpoints of a run (newest {found[-1].name}) that a new run "
+            "would be mixed with. Pick a new hydra.run.dir, or delete its checkpoints/ to start over here.")
+    summary = _read_summary(run_dir)
+    if source == "auto" and summary and "stopped_early" not in summary:
+        steps = summary.get("steps", 0)
+        if steps >= cfg.train.max_steps:
+            return ResumePlan(finished=(
+                f"{run_dir} holds a finished run ({steps} steps, summary.json): nothing to train; its records "
+                "are left as they are."))
+        raise ResumeRefused(
+            f"{run_dir} holds a finished run of {steps} steps that saved no checkpoint "
+            "(checkpoint.every=0), so it cannot continue to "
+            f"train.max_steps={cfg.train.max_steps}. Pick a new hydra.run.dir, or pass resume=none to train "
+            "again from scratch here (replacing its records).")
+    return ResumePlan()
+
+
+def _read_summary(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def finished_summary(run_dir: Path) -> dict:
+    """The summary a finished run left (returned again by a no-op rerun)."""
+    return _read_summary(run_dir)
+
+
+def compare(saved: dict, now: dict, allow: list[str]) -> tuple[dict, list[str]]:
+    """(accepted changes ``{key: [before, after]}``, refused changes as text).
+    Keys absent on one side (a checkpoint from an older version) are not compared."""
+    old, new = flatten(saved), flatten(now)
+    for entry in allow:
+        if not any(k == entry or k.startswith(entry + ".") for k in new):
+            raise ConfigError(f"resume.allow_changes: '{entry}' is not a config key or section "
+                              "(e.g. precision, optim.lr, train.seed).")
+    accepted, refused = {}, []
+    for key in sorted(old.keys() & new.keys()):
+        if old[key] == new[key]:
+            continue
+        math = key.startswith(MATH) and not key.startswith(NOT_MATH)
+        allowed = any(key == a or key.startswith(a + ".") for a in allow)
+        if math and not allowed:
+            refused.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+        elif math or key in RECORDED:
+            accepted[key] = [old[key], new[key]]
+    return accepted, refused
+
+
+def _suggest(refused: list[str]) -> list[str]:
+    """The shortest allow list that covers the refused keys: whole sections for
+    a preset (precision, model, data), the key itself otherwise."""
+    out: list[str] = []
+    for item in refused:
+        key = item.split(":", 1)[0]
+        section = key.split(".", 1)[0]
+        name = section if section in ("precision", "model", "data") else key
+        if name not in out:
+            out.append(name)
+    return out
+

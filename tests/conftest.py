@@ -75,3 +75,26 @@ def reference(tmp_path_factory):
         _, rows = train(tmp_path_factory.mktemp(f"ref-{p}") / "run", *COMMON, f"precision={p}", tiny=False)
         out[p] = rows
     return out
+
+
+@pytest.fixture(scope="session")
+def two_rank_jobs(tmp_path_factory):
+    """``two_rank_jobs(wrapper)`` -> {case: job directory}: every 2-rank case of
+    ``test_distributed.CASES`` (and that wrapper's extra ones) as jobs of ONE torchrun
+    launch, started on first use and shared by test_distributed, test_fastpath and
+    test_fp8. A failed launch fails every test that reads it, without relaunching."""
+    from .test_distributed import launch_wrapper_cases
+
+    launches: dict = {}
+
+    def jobs(wrapper: str) -> dict:
+        if wrapper not in launches:
+            try:
+                launches[wrapper] = launch_wrapper_cases(tmp_path_factory.mktemp(f"two-ranks-{wrapper}"), wrapper)
+            except Exception as e:  # remembered: the next test of this wrapper fails at once, with the same cause
+                launches[wrapper] = e
+        if isinstance(launches[wrapper], Exception):
+            raise launches[wrapper]
+        return launches[wrapper]
+
+    return jobs

@@ -19,6 +19,7 @@ JSON line (to ``<out_dir>/probe-rank<R>.jsonl``) with what was observed inside t
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -48,18 +49,26 @@ def representable(g: torch.Tensor, dt: torch.dtype) -> bool:
     return bool(torch.equal(g, g.to(dt).to(g.dtype)))
 
 
-def probe(mode: str, case: str, overrides: list[str]) -> dict:
+@functools.lru_cache(maxsize=None)
+def _compose(*overrides: str):
     with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"parallel={mode}", *overrides])
-    ctx = setup(cfg.parallel, "cpu")
+        return compose("config", overrides=list(overrides))
+
+
+def probe(mode: str, case: str, overrides: list[str]) -> dict:
+    # The parallel group and the precision settings are independent config groups, so
+    # each case and each wrapper is composed once, not once per (wrapper, case) pair:
+    # composing costs more than the probe itself.
+    precision = _compose(*overrides).precision
+    ctx = setup(_compose(f"parallel={mode}").parallel, "cpu")
     try:
-        return _probe_wrapped(mode, case, cfg, ctx)
+        return _probe_wrapped(mode, case, precision, ctx)
     finally:
         ctx.shutdown()  # a one-rank group this process made for the probe (nothing under torchrun)
 
 
-def _probe_wrapped(mode: str, case: str, cfg, ctx) -> dict:
-    policy = PrecisionPolicy(cfg.precision, ctx.device)
+def _probe_wrapped(mode: str, case: str, precision_cfg, ctx) -> dict:
+    policy = PrecisionPolicy(precision_cfg, ctx.device)
     torch.manual_seed(0)
     model = GPT(GPTShape(vocab_size=128, n_layer=2, n_head=2, d_model=64, block_size=32))
     model.register_buffer("probe", torch.ones(4))  # the GPT has no float buffer of its own

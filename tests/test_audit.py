@@ -296,7 +296,7 @@ def test_report_is_json():
 
 
 # ------------------------------------------------------------- in runs and from the CLI
-def test_audit_cli_writes_audit_json_and_stops(tmp_path):
+def test_audit_cli_writes_audit_json_and_stops(tmp_path, monkeypatch, capsys):
     from .conftest import TINY
 
     run = tmp_path / "run"
@@ -310,10 +310,16 @@ def test_audit_cli_writes_audit_json_and_stops(tmp_path):
     s = json.loads((run / "summary.json").read_text())
     assert s["steps"] == 1 and s["stopped_early"] == "train.audit_only"
     assert not (run / "checkpoints").exists()
-    # a typo is caught the same way as by train.py
-    bad = subprocess.run([sys.executable, "-m", "mptrain.audit", "precison=bf16"], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
-    assert bad.returncode == 2 and "Did you mean 'precision'" in bad.stderr
+    # A typo is caught the same way as by train.py: before Hydra or torch does any work,
+    # so the CLI's own code path runs here, in this process (a second launch would only
+    # add its start-up).
+    from mptrain.audit import main
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # main() points sys.argv at train.py
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as bad:
+        main(["precison=bf16"])
+    assert bad.value.code == 2 and "Did you mean 'precision'" in capsys.readouterr().err
 
 
 def test_audit_of_a_real_run_then_training_goes_on(tmp_path):

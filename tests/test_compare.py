@@ -1,6 +1,8 @@
 """scripts/compare.py on real run directories, and W&B grouping of a sweep."""
 from __future__ import annotations
 
+import functools
+import importlib.util
 import subprocess
 import sys
 
@@ -10,8 +12,28 @@ from .conftest import ROOT, TINY, run_cli, train
 
 
 def _compare(*args):
+    """``python scripts/compare.py ...`` as a user runs it."""
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "compare.py"), *map(str, args)],
                           capture_output=True, text=True, timeout=300)
+
+
+@functools.cache
+def _compare_module():
+    spec = importlib.util.spec_from_file_location("compare_script", ROOT / "scripts" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compare_here(capsys, *args) -> tuple[int, str, str]:
+    """compare.py's ``main`` in this process: (exit status, stdout, stderr). The CLI
+    itself is run by test_compare_a_sweep; here a new process would only add its
+    start-up (torch, imported through mptrain) to the same code."""
+    main = _compare_module().main
+    capsys.readouterr()  # only what main prints
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_compare_a_sweep(tmp_path):
@@ -31,20 +53,20 @@ def test_compare_a_sweep(tmp_path):
     assert "Not logged" not in text  # every panel had data (fp16 brings the loss scale)
 
 
-def test_compare_single_run_with_missing_metrics(tmp_path):
+def test_compare_single_run_with_missing_metrics(tmp_path, capsys):
     train(tmp_path / "run", "train.max_steps=3", "monitor.enabled=false")
-    r = _compare(tmp_path / "run", "--out", tmp_path / "report")
-    assert r.returncode == 0, r.stderr
+    code, _, err = _compare_here(capsys, tmp_path / "run", "--out", tmp_path / "report")
+    assert code == 0, err
     assert (tmp_path / "report" / "comparison.png").exists()
     note = (tmp_path / "report" / "comparison.md").read_text()
     assert "Not logged by any run (panels left out)" in note and "amp/loss_scale" in note and "val/loss" in note
 
 
-def test_compare_without_runs_fails_clearly(tmp_path):
-    r = _compare(tmp_path)
-    assert r.returncode == 2 and "no runs (no metrics.jsonl)" in r.stderr
-    r = _compare(tmp_path / "nope")
-    assert r.returncode == 2 and "does not exist" in r.stderr
+def test_compare_without_runs_fails_clearly(tmp_path, capsys):
+    code, _, err = _compare_here(capsys, tmp_path)
+    assert code == 2 and "no runs (no metrics.jsonl)" in err
+    code, _, err = _compare_here(capsys, tmp_path / "nope")
+    assert code == 2 and "does not exist" in err
 
 
 def test_sweep_is_one_wandb_group_named_by_overrides(tmp_path):

@@ -1,7 +1,10 @@
 """Real 2-rank runs: torchrun + gloo process groups, for ddp, fsdp (FSDP2) and fsdp1.
 
-Each run is launched exactly as a user would (``torchrun --standalone
---nproc_per_node=2 train.py ...``) and read back from its run directory.
+Each run is launched as a user would (``torchrun --standalone
+--nproc_per_node=2 train.py ...``) and read back from its run directory. The
+runs that only differ in configuration share a launch per wrapper, as the jobs
+of one Hydra multirun (``sweep``): starting torchrun's 3 processes costs several
+times more than a tiny run, and multirun under torchrun is itself under test.
 """
 from __future__ import annotations
 
@@ -58,11 +61,85 @@ def only_run_dir(cwd: Path) -> Path:
     return runs[0]
 
 
+def _sweep_jobs(cwd: Path) -> list[Path]:
+    sweeps = [p for p in (cwd / "multirun").glob("*/*") if p.is_dir()]
+    assert len(sweeps) == 1, sweeps
+    return sorted((p for p in sweeps[0].iterdir() if p.is_dir()), key=lambda p: int(p.name))
+
+
+def experiment_yaml(overrides: list[str]) -> str:
+    """An experiment file (``configs/experiment/``-style, ``# @package _global_``)
+    that sets what ``overrides`` set on the command line: a group choice
+    (``precision=fp16``) becomes a defaults override, a dotted key a nested value."""
+    groups: list[dict] = []
+    body: dict = {}
+    for ov in overrides:
+        key, value = ov.split("=", 1)
+        if "." not in key:
+            groups.append({f"override /{key}": value})
+            continue
+        *path, leaf = key.split(".")
+        node = body
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)  # the value as Hydra would type it (int, bool, list, ...)
+    return "# @package _global_\n" + yaml.safe_dump({"defaults": groups, **body}, sort_keys=False)
+
+
+def sweep(cwd: Path, cases: dict[str, list[str]], timeout: int = 900) -> dict[str, Path]:
+    """Every case (name -> overrides) as one job of a single torchrun launch: a Hydra
+    multirun over experiment files written for the purpose, so the 3 processes start
+    (and import torch) once for all of them. Returns name -> job directory."""
+    exp = cwd / "experiments"
+    (exp / "experiment").mkdir(parents=True)
+    for name, overrides in cases.items():
+        (exp / "experiment" / f"{name}.yaml").write_text(experiment_yaml(overrides))
+    torchrun(cwd, "-m", f"hydra.searchpath=[file://{exp}]", f"experiment={','.join(cases)}", timeout=timeout)
+    jobs = _sweep_jobs(cwd)
+    assert [j.name for j in jobs] == [str(i) for i in range(len(cases))]  # one directory per job
+    for name, job in zip(cases, jobs):
+        assert f"experiment={name}" in (job / ".hydra" / "overrides.yaml").read_text(), (name, job)
+    return dict(zip(cases, jobs))
+
+
+# What every wrapper runs on 2 ranks. Each list is the command line a user would type
+# for that run; all of a wrapper's cases are jobs of one launch (``two_rank_jobs`` in
+# conftest.py), since starting 3 processes costs far more than a 20-step tiny run.
+CASES = {
+    **{p: [*COMMON, f"precision={p}"] for p in ("fp32", "bf16", "fp16")},
+    # 2 ranks x 2 micro-batches of 2 = the single-process batch of 8
+    "accum": [*COMMON, "precision=fp32", "train.micro_batch_size=2"],
+    # (not named "inf": Hydra would read that sweep value as a float)
+    "inf-on-rank1": [*TINY, "train.max_steps=6", "precision=fp16", "debug.inject_inf_grad_steps=[2]",
+                     "debug.inject_inf_grad_rank=1"],
+}
+# Cases only one wrapper runs, each for the test named beside it.
+BYTES = [(p, r) for p in ("fp32", "bf16", "fp8") for r in ("fp32", "bf16")]
+EXTRA_CASES = {
+    "ddp": {  # test_multirun_under_torchrun_and_ddp_gradient_bytes
+        f"reduce-{r}": [*TINY, "train.max_steps=3", "precision=fp32", f"precision.reduce_dtype={r}"]
+        for r in ("fp32", "bf16")},
+    "fsdp": {
+        **{f"bytes-{p}-{r}": [*TINY, "train.max_steps=2", f"precision={p}", f"precision.reduce_dtype={r}",
+                              "train.audit=true"]  # test_fsdp_collective_bytes_follow_param_and_reduce_dtypes
+           for p, r in BYTES},
+        # test_fastpath.py::test_fsdp_with_activation_checkpointing_two_ranks
+        "ckpt": [*COMMON, "precision=fp32", "train.activation_checkpointing=block"],
+        "fp8": [*COMMON, "precision=fp8"],  # test_fp8.py::test_fsdp2_fp8_two_ranks
+    },
+}
+
+
+def launch_wrapper_cases(cwd: Path, parallel: str) -> dict[str, Path]:
+    """One launch: every case in CASES and the wrapper's EXTRA_CASES under ``parallel``."""
+    cases = {**CASES, **EXTRA_CASES.get(parallel, {})}
+    return sweep(cwd, {name: [*ov, f"parallel={parallel}"] for name, ov in cases.items()})
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
-def test_two_ranks_match_single_process(tmp_path, reference, parallel, precision):
-    torchrun(tmp_path, *COMMON, f"parallel={parallel}", f"precision={precision}")
-    run_dir = only_run_dir(tmp_path)
+def test_two_ranks_match_single_process(two_rank_jobs, reference, parallel, precision):
+    run_dir = two_rank_jobs(parallel)[precision]
     rows = [r for r in read_rows(run_dir) if "train/loss" in r]
     ref = [r for r in reference[precision] if "train/loss" in r]
     assert len(rows) == len(ref) == STEPS
@@ -86,11 +163,10 @@ def test_two_ranks_match_single_process(tmp_path, reference, parallel, precision
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
-def test_gradient_accumulation_across_ranks(tmp_path, reference, parallel):
+def test_gradient_accumulation_across_ranks(two_rank_jobs, reference, parallel):
     """2 ranks x 2 micro-batches of 2 (gradients reduced once, on the last
     micro-batch) = the single-process batch of 8."""
-    torchrun(tmp_path, *COMMON, f"parallel={parallel}", "precision=fp32", "train.micro_batch_size=2")
-    run_dir = only_run_dir(tmp_path)
+    run_dir = two_rank_jobs(parallel)["accum"]
     cfg = (run_dir / "config.yaml").read_text()
     assert "grad_accum_steps: 2" in cfg
     rows = [r for r in read_rows(run_dir) if "train/loss" in r]
@@ -99,10 +175,8 @@ def test_gradient_accumulation_across_ranks(tmp_path, reference, parallel):
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
-def test_inf_on_one_rank_makes_every_rank_skip(tmp_path, parallel):
-    torchrun(tmp_path, *TINY, "train.max_steps=6", "precision=fp16", f"parallel={parallel}",
-             "debug.inject_inf_grad_steps=[2]", "debug.inject_inf_grad_rank=1")
-    run_dir = only_run_dir(tmp_path)
+def test_inf_on_one_rank_makes_every_rank_skip(two_rank_jobs, parallel):
+    run_dir = two_rank_jobs(parallel)["inf-on-rank1"]
     rows = read_rows(run_dir)
     assert [r["amp/skipped_steps"] for r in rows] == [0, 0, 1, 1, 1, 1]
     assert [r["amp/loss_scale"] for r in rows] == [65536, 65536, 32768, 32768, 32768, 32768]
@@ -125,33 +199,29 @@ def test_one_run_directory_only_rank0_files(tmp_path):
     assert len(read_rows(run_dir)) == 3  # rows not doubled by a second rank
 
 
-def _sweep_jobs(cwd: Path) -> list[Path]:
-    sweeps = [p for p in (cwd / "multirun").glob("*/*") if p.is_dir()]
-    assert len(sweeps) == 1, sweeps
-    return sorted((p for p in sweeps[0].iterdir() if p.is_dir()), key=lambda p: int(p.name))
-
-
-def test_multirun_under_torchrun_and_ddp_gradient_bytes(tmp_path):
-    """A sweep under torchrun (one directory per job, every rank in step); the jobs
-    differ in the gradient all-reduce dtype, which the comm counter must see:
-    DDP's fp32 reduction comes from its C++ reducer, the bf16 one from the comm hook."""
-    torchrun(tmp_path, "-m", *TINY, "train.max_steps=3", "parallel=ddp", "precision=fp32",
-             "precision.reduce_dtype=fp32,bf16", timeout=400)
-    jobs = _sweep_jobs(tmp_path)
-    assert [j.name for j in jobs] == ["0", "1"]
-    summaries = []
-    for job in jobs:
+def test_multirun_under_torchrun_and_ddp_gradient_bytes(two_rank_jobs):
+    """A sweep under torchrun (one directory per job, every rank in step: the ddp
+    launch of ``two_rank_jobs`` is one); two jobs differ in the gradient all-reduce
+    dtype, which the comm counter must see: DDP's fp32 reduction comes from its C++
+    reducer, the bf16 one from the comm hook."""
+    by_case = two_rank_jobs("ddp")
+    jobs = _sweep_jobs(by_case["reduce-fp32"].parents[3])
+    assert jobs == list(by_case.values()) and len(jobs) == len(CASES) + 2
+    summaries = {}
+    for case, job in by_case.items():
         for name in ("config.yaml", "metrics.jsonl", "summary.json"):
             assert (job / name).exists(), (job, name)
         s = json.loads((job / "summary.json").read_text())
-        assert s["precision"] == "fp32" and s["world_size"] == 2 and s["steps"] == 3
-        summaries.append(s)
-    fp32, bf16 = (s["comm/all_reduce/fp32_bytes"] for s in summaries[:1]), summaries[1]
-    fp32 = next(fp32)
+        steps = yaml.safe_load((job / "config.yaml").read_text())["train"]["max_steps"]
+        assert s["world_size"] == 2 and s["steps"] == steps, (case, s["steps"], steps)
+        summaries[case] = s
+    fp32, bf16 = summaries["reduce-fp32"], summaries["reduce-bf16"]
+    assert fp32["precision"] == bf16["precision"] == "fp32" and fp32["steps"] == bf16["steps"] == 3
+    fp32 = fp32["comm/all_reduce/fp32_bytes"]
     assert "comm/all_reduce/fp32_bytes" not in bf16  # nothing left in fp32 when reducing in bf16
     assert bf16["comm/all_reduce/bf16_bytes"] * 2 == fp32
     # one fp32 all-reduce of every gradient: 4 bytes per parameter, in DDP's buckets
-    total_params = summaries[0]["params"] + 64 * 64  # + the position embedding (left out of N)
+    total_params = summaries["reduce-fp32"]["params"] + 64 * 64  # + the position embedding (left out of N)
     assert fp32 == 4 * total_params
 
 
@@ -179,14 +249,13 @@ def _fsdp2_gathered_numel(model_cfg: dict, vocab_size: int, world: int) -> tuple
     return linear, kept
 
 
-def test_fsdp_collective_bytes_follow_param_and_reduce_dtypes(tmp_path):
+def test_fsdp_collective_bytes_follow_param_and_reduce_dtypes(two_rank_jobs):
     """2-rank FSDP2: gradients reduce-scattered in bf16 move half the bytes of fp32;
     under bf16 the linear layers are all-gathered in bf16 (half the bytes of fp32) while
     embeddings and norms stay fp32, to the byte; float8 all-gather less than bf16."""
-    torchrun(tmp_path, "-m", *TINY, "train.max_steps=2", "parallel=fsdp", "precision=fp32,bf16,fp8",
-             "precision.reduce_dtype=fp32,bf16", "train.audit=true", timeout=500)
+    by_case = two_rank_jobs("fsdp")
     comm = {}
-    for job in _sweep_jobs(tmp_path):
+    for job in (by_case[f"bytes-{p}-{r}"] for p, r in BYTES):
         s = json.loads((job / "summary.json").read_text())
         cfg = yaml.safe_load((job / "config.yaml").read_text())
         # the dtype audit of step 1 under FSDP2 (DTensor shards, gathered weights): clean,

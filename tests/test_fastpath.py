@@ -52,12 +52,13 @@ def test_fused_adamw(tmp_path, plain):
     assert max(abs(a - b) for a, b in zip(_losses(fused), _losses(plain))) < 1e-5  # plain = foreach AdamW
 
 
-def test_fsdp_with_activation_checkpointing_two_ranks(tmp_path, reference):
-    from .test_distributed import COMMON, TOL, only_run_dir, torchrun
+def test_fsdp_with_activation_checkpointing_two_ranks(two_rank_jobs, reference):
+    """2-rank FSDP2 with checkpointed blocks (a job of the fsdp launch, case "ckpt")
+    follows the single-process fp32 curve."""
     from .conftest import read_rows
+    from .test_distributed import TOL
 
-    torchrun(tmp_path, *COMMON, "parallel=fsdp", "precision=fp32", "train.activation_checkpointing=block")
-    rows = [r for r in read_rows(only_run_dir(tmp_path)) if "train/loss" in r]
+    rows = [r for r in read_rows(two_rank_jobs("fsdp")["ckpt"]) if "train/loss" in r]
     ref = [r for r in reference["fp32"] if "train/loss" in r]
     assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref)) < TOL["fp32"]
 

@@ -81,18 +81,21 @@ def test_fp8_refused_without_float8_dtypes(monkeypatch):
     assert "no float8 dtypes" in fp8_software_problem()
 
 
-def test_doctor_on_this_machine():
-    r = subprocess.run([sys.executable, "-m", "mptrain.doctor"], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert r.returncode == 0, r.stderr
-    out = {line.split()[0]: line.split()[1] for line in r.stdout.splitlines()
+def test_doctor_on_this_machine(capsys):
+    # main() is all ``python -m mptrain.doctor`` runs; called here, without the start-up of a launch
+    from mptrain.doctor import main
+
+    main()
+    stdout = capsys.readouterr().out
+    out = {line.split()[0]: line.split()[1] for line in stdout.splitlines()
            if line.startswith("  ") and line.split()[1] in ("native", "emulated", "unavailable")}
     flags = {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split(":", 1)[1].split()}
     # The verdict follows the CPU's own instruction-set flags, read independently here.
     assert out["bf16"] == ("native" if flags & {"avx512_bf16", "amx_bf16"} else "emulated")
     assert out["fp16"] == ("native" if flags & {"avx512_fp16", "amx_fp16"} else "emulated")
     assert out["fp8"] == "emulated"  # torchao is installed; no CPU has float8 matmul
-    assert f"torch        {torch.__version__}" in r.stdout and "device       cpu" in r.stdout
-    assert "recommended  precision=" in r.stdout and "measured 512x512 matmul" in r.stdout
+    assert f"torch        {torch.__version__}" in stdout and "device       cpu" in stdout
+    assert "recommended  precision=" in stdout and "measured 512x512 matmul" in stdout
 
 
 def test_emulated_precision_warns(tmp_path, capsys):
@@ -100,15 +103,15 @@ def test_emulated_precision_warns(tmp_path, capsys):
     assert "fp8 is emulated on this cpu" in capsys.readouterr().out
 
 
-def test_fsdp2_fp8_two_ranks(tmp_path):
-    """2-rank FSDP2 with tensorwise float8 all-gather: same loss curve as one
-    process (the all-gather scales are recomputed after every step; stale scales
-    would drift), identical and finite parameters on both ranks after gathering."""
-    from .test_distributed import COMMON, only_run_dir, torchrun
+def test_fsdp2_fp8_two_ranks(tmp_path, two_rank_jobs):
+    """2-rank FSDP2 with tensorwise float8 all-gather (a job of the fsdp launch, case
+    "fp8"): same loss curve as one process (the all-gather scales are recomputed after
+    every step; stale scales would drift), identical and finite parameters on both
+    ranks after gathering."""
+    from .test_distributed import COMMON
 
     _, ref = train(tmp_path / "ref", *COMMON, "precision=fp8", tiny=False)
-    torchrun(tmp_path / "dist", *COMMON, "precision=fp8", "parallel=fsdp")
-    run_dir = only_run_dir(tmp_path / "dist")
+    run_dir = two_rank_jobs("fsdp")["fp8"]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["dist/replicas_identical"] is True
     assert s["fp8"]["fsdp_float8_all_gather"] is True and s["fp8"]["float8_all_gather_weights"] == 8
@@ -123,14 +126,21 @@ def test_gpu_check_script_skips_without_cuda():
     assert r.returncode == 0 and "no CUDA device" in r.stdout
 
 
-def test_gpu_check_code_runs_on_cpu():
+def test_gpu_check_code_runs_on_cpu(monkeypatch, capsys):
     """The GPU check script's code path (model, wrapper, timing, MFU and speed-up lines)
-    on CPU with a tiny model, so a GPU session does not find its bugs first."""
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--small", "gpt-nano",
-                        "--xl", "gpt-nano", "--steps", "1", "--warmup", "1", "--seq", "32", "--batch-small", "2",
-                        "--batch-xl", "2", "--no-compile"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = r.stdout
+    on CPU with a tiny model, so a GPU session does not find its bugs first. Its main()
+    runs in this process: the code path is the point, not a launch."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--device", "cpu", "--small", "gpt-nano", "--xl", "gpt-nano",
+                                      "--steps", "1", "--warmup", "1", "--seq", "32", "--batch-small", "2",
+                                      "--batch-xl", "2", "--no-compile"])
+    capsys.readouterr()
+    gpu_check.main()
+    out = capsys.readouterr().out
     assert "[syncs]" in out and "needs CUDA" in out
     assert "gpt-nano bf16" in out and "gpt-nano fp8" in out and out.count("ms/step") == 3
     assert "fp8 speed-up over bf16:" in out and "MFU n/a (peak unknown)" in out

@@ -293,6 +293,13 @@ class TrainConfig:
     """Validation loss every this many steps (and at the last step). 0 turns it off."""
     eval_batches: int = 8
     """Validation batches (of ``global_batch_size`` sequences) per evaluation."""
+    sample_tokens: int = 32
+    """After each evaluation, continue ``sample_prompt`` by this many tokens
+    (greedy, so the text changes only when the model does) and show it on the
+    console, in train.log, TensorBoard (text) and W&B. 0 turns it off."""
+    sample_prompt: str = "def "
+    """The fixed prompt of those samples. The default suits the embedded corpus
+    (Python source); pick one that suits your data."""
     log_every: int = 10
     """Metrics are written every this many steps (and at the first and last).
     Values are read back to the host only then."""
@@ -351,10 +358,20 @@ class OptimConfig:
     """Peak learning rate, reached at the end of warmup."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr``."""
-    warmup_steps: int = 50
-    """Linear warmup from 0 to ``lr``."""
+    warmup_fraction: float = 0.1
+    """Linear warmup from 0 to ``lr`` over this share of ``train.max_steps``
+    (rounded to whole steps), so a short run gets a real warmup too. The
+    default run (500 steps) warms up over 50."""
+    warmup_steps: Optional[int] = None
+    """Warmup length in steps instead; when set it overrides ``warmup_fraction``."""
     schedule: LRSchedule = LRSchedule.cosine
     """Decay after warmup: ``cosine``, ``linear`` or ``constant``."""
+    decay_fraction: float = 1.0
+    """Share of the steps after warmup over which ``schedule`` decays to the
+    floor, at the end of the run. 1.0: decay starts right after warmup; 0.2:
+    hold the peak, then decay over the last 20% (warmup-stable-decay)."""
+    decay_steps: Optional[int] = None
+    """Decay length in steps instead; when set it overrides ``decay_fraction``."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not biases, norms)."""
     beta1: float = 0.9
@@ -394,7 +411,12 @@ class LogConfig:
     """Metric sinks (``mptrain/metrics.py``). Only rank 0 writes."""
 
     progress: bool = True
-    """Progress bar with loss, lr, tokens/s and loss scale on the console."""
+    """Progress on the console with loss, lr, tokens/s and loss scale: a bar on
+    a terminal, plain lines when the output goes to a file or a pipe."""
+    plain_every: Optional[int] = None
+    """When the console is not a terminal, one plain progress line every this
+    many steps (rounded up to a multiple of ``train.log_every``, when the loss
+    is read). ``null``: about 20 lines per run."""
     jsonl: bool = True
     """``<run>/metrics.jsonl``: one JSON object per logged step."""
     tensorboard: bool = True
@@ -408,8 +430,12 @@ class CheckpointConfig:
     """Distributed checkpoints in ``<run>/checkpoints/step-N/`` (``mptrain/checkpoint.py``)."""
 
     every: int = 0
-    """Save every this many optimizer steps, and at the end of the run. 0: only
-    when stopped by a signal or ``train.stop_after``."""
+    """Save every this many optimizer steps, and at the end of the run. 0: no
+    periodic saves (see ``at_end``); a signal or ``train.stop_after`` still saves."""
+    at_end: bool = True
+    """Save once when the run reaches ``train.max_steps``, so a finished run can
+    be sampled (``python -m mptrain.sample``), exported or extended. Cheap at
+    small sizes; turn it off for throwaway runs of large models."""
     keep_last: int = 2
     """Keep this many most recent complete checkpoints; older ones are deleted. 0 keeps all."""
     on_signal: bool = True

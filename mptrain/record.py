@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import files
 from .precision import dtype_name
+from .step import describe_schedule
 
 
 def git_commit() -> str:
@@ -158,6 +159,12 @@ class RunRecord:
         return path
 
 
+def _steps_text(tc) -> str:
+    if tc.audit_only:
+        return f"1 step (train.audit_only: the audit ends the run; the schedule is that of {tc.max_steps} steps)"
+    return f"{tc.max_steps} steps"
+
+
 def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run_dir: Path) -> str:
     """The start-up lines: model, device, data, batch, and every dtype in use."""
     m = cfg.model
@@ -169,7 +176,8 @@ def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run
         f"  data {info['corpus']} | tokenizer {tokens.tokenizer.name} | {info['train_tokens']:,} train / "
         f"{info['val_tokens']:,} val tokens | unigram baseline {tokens.unigram_nats:.4f} nats/token",
         f"  batch {cfg.train.global_batch_size} seqs = {tokens_per_step:,} tokens/step | micro-batch "
-        f"{info['micro_batch_size']} x {info['grad_accum_steps']} accumulation | {cfg.train.max_steps} steps",
+        f"{info['micro_batch_size']} x {info['grad_accum_steps']} accumulation | " + _steps_text(cfg.train),
+        f"  AdamW lr {cfg.optim.lr:.1e} | {describe_schedule(cfg.optim, cfg.train.max_steps)}",
         f"  precision={cfg.precision.name}:",
     ]
     lines += [f"    {k:<16} {v}" for k, v in dtypes.items()]

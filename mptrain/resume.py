@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from .checkpoint import complete_checkpoints, flatten, read_meta, resolve_resume
 from .config import ConfigError
+from .step import describe_schedule, lr_at
 
 # Keys whose change alters what the model computes or learns.
 MATH = ("model.", "precision.", "optim.", "data.", "train.seed", "train.global_batch_size",
@@ -81,6 +82,8 @@ def _decide(cfg, run_dir: Path, world: int, say) -> ResumePlan:
             f"the change with resume.allow_changes=[{','.join(_suggest(refused))}] (recorded as a history "
             f"from step {step}).")
     history = list(meta.get("history", []))
+    if "train.max_steps" in changes:
+        say(schedule_change(cfg, meta.get("config", {}).get("optim", {}), changes["train.max_steps"][0], step))
     if changes:
         history.append({"from_step": step, "changes": changes})
     finished = None
@@ -88,6 +91,18 @@ def _decide(cfg, run_dir: Path, world: int, say) -> ResumePlan:
         finished = (f"{path} is at step {step} and train.max_steps={cfg.train.max_steps}: nothing to train; "
                     "the run's records are left as they are. Raise train.max_steps to continue it.")
     return ResumePlan(path=path, step=step, history=history, finished=finished)
+
+
+def schedule_change(cfg, saved_optim: dict, old_max: int, step: int) -> str:
+    """What a new ``train.max_steps`` does to the learning-rate schedule from
+    ``step`` on: warmup and decay lengths follow the run's length."""
+    schema = OmegaConf.structured(OmegaConf.get_type(cfg.optim))
+    old = OmegaConf.merge(schema, {k: v for k, v in saved_optim.items() if k in schema})  # keys it knew
+    new, new_max = cfg.optim, cfg.train.max_steps
+    before, after = lr_at(step, old, old_max), lr_at(step, new, new_max)
+    return (f"train.max_steps {old_max} -> {new_max} stretches the learning-rate schedule: it was "
+            f"{describe_schedule(old, old_max)}; it is now {describe_schedule(new, new_max)}. "
+            f"The learning rate at step {step + 1} is {after:.2e} (the saved run would have used {before:.2e}).")
 
 
 def _fresh(cfg, run_dir: Path, source: str) -> ResumePlan:
@@ -106,7 +121,7 @@ def _fresh(cfg, run_dir: Path, source: str) -> ResumePlan:
                 "are left as they are."))
         raise ResumeRefused(
             f"{run_dir} holds a finished run of {steps} steps that saved no checkpoint "
-            "(checkpoint.every=0), so it cannot continue to "
+            "(checkpoint.at_end=false, checkpoint.every=0), so it cannot continue to "
             f"train.max_steps={cfg.train.max_steps}. Pick a new hydra.run.dir, or pass resume=none to train "
             "again from scratch here (replacing its records).")
     return ResumePlan()

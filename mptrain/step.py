@@ -20,26 +20,47 @@ from .parallel import DistContext
 from .precision import LossScaler, PrecisionPolicy
 
 
+def schedule_lengths(ocfg, max_steps: int) -> tuple[int, int]:
+    """(warmup steps, decay steps) of a ``max_steps`` run: the ``*_steps`` keys
+    when set, else the fractions. The decay is clamped to what follows warmup."""
+    warm = ocfg.warmup_steps if ocfg.warmup_steps is not None else round(ocfg.warmup_fraction * max_steps)
+    after = max(1, max_steps - 1 - max(warm - 1, 0))  # steps from the peak to the last step
+    decay = ocfg.decay_steps if ocfg.decay_steps is not None else round(ocfg.decay_fraction * after)
+    return warm, min(decay, after)
+
+
 def lr_at(step: int, ocfg, max_steps: int) -> float:
     """Learning rate for 0-based ``step``.
 
-    Linear warmup over ``warmup_steps`` ends at the peak on step
-    ``warmup_steps - 1`` (step 0 with no warmup); that is the only step at the
-    peak. The decay then runs so that the last step, ``max_steps - 1``, is at
-    the floor ``lr * min_lr_ratio``.
+    Linear warmup ends at the peak on step ``warm - 1`` (step 0 with no
+    warmup). The peak holds until the decay's last ``decay`` steps, which end at
+    the floor ``lr * min_lr_ratio`` on the last step, ``max_steps - 1``; with
+    the whole run decaying (``decay_fraction=1``) the peak is a single step.
     """
-    peak, warm = ocfg.lr, ocfg.warmup_steps
+    peak = ocfg.lr
+    warm, decay = schedule_lengths(ocfg, max_steps)
     if step < warm:
         return peak * (step + 1) / warm
     sched = ocfg.schedule.value
-    if sched == "constant":
+    if sched == "constant" or decay == 0:
         return peak
     floor = peak * ocfg.min_lr_ratio
-    top = max(warm - 1, 0)  # the step at the peak
-    progress = min(1.0, (step - top) / max(1, max_steps - 1 - top))
+    start = max(warm - 1, 0, max_steps - 1 - decay)  # the last step at the peak
+    progress = min(1.0, max(0.0, (step - start) / decay))
     if sched == "linear":
         return peak - (peak - floor) * progress
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def describe_schedule(ocfg, max_steps: int) -> str:
+    """The schedule in words, for the banner: ``warmup 50 steps (10%), cosine decay over 449 steps to 2.0e-04``."""
+    warm, decay = schedule_lengths(ocfg, max_steps)
+    how = "steps" if ocfg.warmup_steps is not None else f"{ocfg.warmup_fraction * 100:g}% of the run"
+    text = f"warmup {warm} steps ({how})"
+    if ocfg.schedule.value == "constant" or decay == 0:
+        return text + f", then constant at {ocfg.lr:.1e}"
+    return text + (f", {ocfg.schedule.value} decay over the last {decay} steps "
+                   f"to {ocfg.lr * ocfg.min_lr_ratio:.1e}")
 
 
 def decay_names(model: nn.Module) -> set[str]:

@@ -26,6 +26,7 @@ TINY = [
     "log.progress=false",
     "log.tensorboard=false",
     "optim.warmup_steps=5",
+    "checkpoint.at_end=false",  # the default saves at the end; tests that need it ask for it
 ]
 
 

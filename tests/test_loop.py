@@ -14,13 +14,15 @@ from mptrain.model import GPT, GPTShape
 from mptrain.parallel import DistContext
 from mptrain.perf import Throughput
 from mptrain.precision import PrecisionPolicy
-from mptrain.step import build_optimizer, decay_names, evaluate, lr_at
+from mptrain.step import build_optimizer, decay_names, describe_schedule, evaluate, lr_at, schedule_lengths
 
 from .conftest import make_cfg, train
 
 
-def _ocfg(schedule: str, warmup: int, lr: float = 1e-3, min_ratio: float = 0.1):
-    return SimpleNamespace(lr=lr, warmup_steps=warmup, schedule=LRSchedule(schedule), min_lr_ratio=min_ratio)
+def _ocfg(schedule: str, warmup, lr: float = 1e-3, min_ratio: float = 0.1, warmup_fraction: float = 0.1,
+          decay_fraction: float = 1.0, decay_steps=None):
+    return SimpleNamespace(lr=lr, warmup_steps=warmup, schedule=LRSchedule(schedule), min_lr_ratio=min_ratio,
+                           warmup_fraction=warmup_fraction, decay_fraction=decay_fraction, decay_steps=decay_steps)
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
@@ -41,6 +43,29 @@ def test_lr_schedule_peaks_once_and_ends_at_the_floor(schedule, warmup):
 def test_lr_constant_schedule_after_warmup():
     o = _ocfg("constant", 3)
     assert [lr_at(s, o, 10) for s in range(5)] == pytest.approx([o.lr / 3, 2 * o.lr / 3, o.lr, o.lr, o.lr])
+
+
+def test_lr_schedule_as_fractions_of_the_run():
+    """Fractions scale with train.max_steps, so a 50-step run warms up over 5
+    steps, not 50; *_steps keys override them; a partial decay holds the peak first."""
+    o = _ocfg("linear", None, warmup_fraction=0.1)
+    for steps in (50, 500):
+        lrs = [lr_at(s, o, steps) for s in range(steps)]
+        assert lrs.index(max(lrs)) == steps // 10 - 1  # the peak ends a warmup of 10% of the run
+        assert lrs[-1] == pytest.approx(o.lr * o.min_lr_ratio)
+    assert schedule_lengths(o, 50) == (5, 45)
+    assert schedule_lengths(_ocfg("linear", 7, warmup_fraction=0.5), 50)[0] == 7  # steps win
+    # warmup-stable-decay: peak held, then the last 20% of the post-warmup steps decay
+    wsd = _ocfg("cosine", None, warmup_fraction=0.1, decay_fraction=0.2)
+    warm, decay = schedule_lengths(wsd, 100)
+    lrs = [lr_at(s, wsd, 100) for s in range(100)]
+    assert (warm, decay) == (10, 18)
+    assert lrs[9:100 - decay] == pytest.approx([wsd.lr] * (91 - decay))  # the plateau
+    assert lrs[-1] == pytest.approx(wsd.lr * wsd.min_lr_ratio) and lrs[-decay] < wsd.lr
+    assert schedule_lengths(_ocfg("cosine", 10, decay_steps=500), 100)[1] == 90  # clamped to what is left
+    assert "warmup 10 steps (10% of the run), cosine decay over the last 18 steps" in describe_schedule(wsd, 100)
+    flat = _ocfg("cosine", 0, decay_fraction=0.0)
+    assert {lr_at(s, flat, 20) for s in range(20)} == {flat.lr}
 
 
 def test_weight_decay_groups_matrices_not_biases_or_norms():

@@ -103,6 +103,11 @@ def test_restarts_and_reruns_keep_each_step_once(tmp_path, capsys):
     assert again["steps"] == 5 and again["final/train_loss"] is not None
     more, rows = train(run_dir, "train.max_steps=7", "checkpoint.every=3")  # asks for more: continues
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7] and more["steps"] == 7
+    # ... and says what the longer run does to the schedule: step 6 was past the end of the old decay
+    said = capsys.readouterr().out
+    assert "train.max_steps 5 -> 7 stretches the learning-rate schedule" in said, said
+    lr6 = next(r["train/lr"] for r in rows if r["step"] == 6)
+    assert f"The learning rate at step 6 is {lr6:.2e}" in said
     assert more["config_history"] == [{"from_step": 5, "changes": {"train.max_steps": [5, 7]}}]
 
 

@@ -70,10 +70,72 @@ def test_an_interrupted_cache_build_leaves_no_temporary_directory(tmp_path):
 def test_text_data_errors(tmp_path):
     with pytest.raises(ConfigError, match="does-not-exist"):
         D.read_corpus(make_cfg("data=text", f"data.paths=[{tmp_path}/does-not-exist.txt]").data)
+    cfg = make_cfg("data=text").data
     with pytest.raises(ConfigError, match="needs files"):
-        D.read_corpus(make_cfg("data=text").data)
+        D.read_corpus(cfg)
     with pytest.raises(ConfigError, match="could not be loaded.*save_pretrained"):
         D.build_tokenizer(make_cfg(f"data.tokenizer={tmp_path}/nope").data, None, tmp_path)
+    # Entries with no text file left after skipping binaries: one line naming the entry and its files.
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("a.png", "b.png"):
+        (images / name).write_bytes(PNG)
+    (tmp_path / "notes.txt").write_text("enough text\n" * 20)
+    cfg.paths = [str(tmp_path / "notes.txt"), str(images)]
+    with pytest.raises(ConfigError) as e:
+        D.read_corpus(cfg)
+    assert str(e.value) == (f"data.paths: '{images}' holds no UTF-8 text file, only binary or otherwise encoded "
+                            f"ones ({images}/a.png, {images}/b.png); point data.paths at text files.")
+    cfg.paths = [str(tmp_path / "notes.txt"), str(images / "a.png")]
+    with pytest.raises(ConfigError, match=r"'.*/a.png' is not UTF-8 text \(it is binary"):
+        D.read_corpus(cfg)
+
+
+# The first bytes of a PNG file: a NUL among them, as in every binary format that stores lengths.
+PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256))
+
+
+def test_text_folder_skips_binary_files_by_content_and_caches_by_the_text(tmp_path, monkeypatch):
+    """The issue's case: a folder with an image in it. Files are judged by content (a .txt in
+    Latin-1 is skipped, whatever its name), the skipped ones are named in the data line
+    (``source``), and the token cache follows the text read: a new binary leaves it as it
+    is, a new or removed text file gives another one."""
+    monkeypatch.setenv("MPTRAIN_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.md").write_text("# alpha\n" * 40)
+    (corpus / "sub" / "b.txt").write_text("beta, ünïcode\r\n" * 40)
+    (corpus / "logo.png").write_bytes(PNG)
+    (corpus / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1") * 20)
+    cfg = make_cfg("data=text", f"data.paths=[{corpus}]").data
+    caches = lambda: len(list((tmp_path / "cache" / "tokens").iterdir()))  # noqa: E731
+
+    td = D.prepare(cfg, log=lambda *a: None)
+    assert td.source == f"text files (2 read, 2 skipped as not UTF-8 text: {corpus}/latin1.txt, {corpus}/logo.png)"
+    assert D.read_corpus(cfg).docs[1].startswith("beta, ünïcode\n")  # line endings as text mode reads them
+    (corpus / "data.bin").write_bytes(bytes(100))
+    D.prepare(cfg, log=lambda *a: pytest.fail("re-tokenized for a file that adds no text"))
+    (corpus / "c.txt").write_text("gamma\n" * 40)
+    D.prepare(cfg, log=lambda *a: None)
+    (corpus / "a.md").unlink()
+    assert "3 skipped" in D.prepare(cfg, log=lambda *a: None).source
+    assert caches() == 3
+
+
+def test_text_paths_are_relative_to_the_launch_directory(monkeypatch, tmp_path):
+    """From the root of a clone, ``data.paths=[docs/]`` reads the docs and skips the committed
+    figure (the issue's report), and the README's ``docs/*.md`` matches; from elsewhere the
+    error says which directory the glob was taken from."""
+    from .conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+    cfg = make_cfg("data=text", "data.paths=[docs/]", "data.max_chars=0").data
+    assert "skipped as not UTF-8 text: docs/precision_study/comparison.png" in D.read_corpus(cfg).source
+    cfg.paths = ["docs/*.md"]
+    assert D.read_corpus(cfg).source.startswith("text files (")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"taken from the directory you launched in, {tmp_path}"):
+        D.read_corpus(cfg)
 
 
 def _batches(n_windows, G, world, rank, seed=3):

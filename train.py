@@ -1,12 +1,54 @@
 """Entry point: ``python train.py [overrides]`` or ``torchrun ... train.py [overrides]``."""
+import os
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from mptrain.config import ConfigError
-from mptrain.config_checks import check_override_keys
+from mptrain.config_checks import check_overrides, composition_error
 from mptrain.launch import exit_process, expand_shorthands, rank_overrides
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+# Hydra prints a composition error itself (with its search path and a hint about
+# HYDRA_FULL_ERROR) and exits 1, unless HYDRA_FULL_ERROR is set, in which case it
+# raises. Setting it while Hydra composes lets train.py put the error in mptrain's
+# one-line form; it is unset as soon as the task starts, so errors of the run
+# itself are reported by Hydra as before.
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+_set_full_error = False  # whether this process set it (a user's own setting is left alone)
+
+
+def _raise_composition_errors() -> None:
+    """Make Hydra raise composition errors instead of printing them (see above)."""
+    global _set_full_error
+    if _FULL_ERROR not in os.environ:
+        os.environ[_FULL_ERROR] = "1"
+        _set_full_error = True
+
+
+def _report_run_errors() -> None:
+    """Give error reporting back to Hydra: composition is over."""
+    global _set_full_error
+    if _set_full_error:
+        os.environ.pop(_FULL_ERROR, None)
+        _set_full_error = False
+
+
+def _config_error(e: ConfigError) -> int:
+    """Print a command-line error as one line and return exit code 2. Under
+    torchrun every rank checks the same command line: rank 0 alone speaks."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"mptrain: configuration error: {e}", file=sys.stderr)
+    else:
+        import time
+
+        # torchrun stops the whole job when the first rank exits: leave rank 0,
+        # which finds the same error at about the same time, the moment it
+        # needs to print it.
+        time.sleep(2)
+    return 2
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
@@ -14,6 +56,7 @@ def main(cfg: DictConfig) -> None:
     from mptrain.faults import NonFiniteError
     from mptrain.trainer import run
 
+    _report_run_errors()
     try:
         run(cfg)
     except ConfigError as e:
@@ -25,21 +68,32 @@ def main(cfg: DictConfig) -> None:
         sys.exit(3)
 
 
-if __name__ == "__main__":
-    import os
+def _launch() -> int:
+    """Check the command line, run Hydra, and return the exit code."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     sys.argv[1:] = expand_shorthands(sys.argv[1:])
     try:
-        check_override_keys(sys.argv[1:], os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"))
+        check_overrides(sys.argv[1:], CONFIGS)
     except ConfigError as e:
-        print(f"mptrain: configuration error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return _config_error(e)
     sys.argv += rank_overrides()
+    _raise_composition_errors()
     try:
         main()
-        code = 0
+        return 0
     except SystemExit as e:  # hydra and the handlers above exit through here
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    exit_process(code)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except (HydraException, OmegaConfBaseException) as e:
+        if not _set_full_error:
+            raise  # the task had started, or the user asked for Hydra's full error
+        return _config_error(composition_error(e))
+    finally:
+        _report_run_errors()
+
+
+if __name__ == "__main__":
+    exit_process(_launch())  # (a refused command line never loads torch: exit_process does not either)

@@ -74,6 +74,9 @@ def run_stamp() -> datetime.datetime:
     return datetime.datetime.fromisoformat(_agree("stamp", lambda: datetime.datetime.now().isoformat()))
 
 
+CREATED_PARENTS: list[Path] = []  # folders new_dir created above run directories, outermost first
+
+
 def new_dir(path: str) -> str:
     """A directory created for this launch alone: ``path`` or, if it exists,
     the first free ``path-2``, ``path-3``, ... (``mkdir`` without ``exist_ok`` is
@@ -81,6 +84,9 @@ def new_dir(path: str) -> str:
 
     def claim() -> str:
         base = Path(path)
+        # Remembered so that a launch refused before training removes the empty
+        # outputs/<date>/ it made, not only its run directory (rundir.Claim.undo).
+        CREATED_PARENTS.extend(p for p in reversed(base.parents) if not p.exists())
         base.parent.mkdir(parents=True, exist_ok=True)
         for n in range(1, 10_000):
             candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
@@ -137,10 +143,12 @@ def exit_process(code: int) -> None:
     """
     import sys
 
+    under_torchrun = "MASTER_ADDR" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not under_torchrun or "torch.distributed" not in sys.modules:  # no group can exist: skip torch's import
+        sys.exit(code)
     import torch.distributed as dist
 
-    under_torchrun = "MASTER_ADDR" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if not (under_torchrun and dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()):
         sys.exit(code)
     import logging
 

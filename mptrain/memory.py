@@ -76,26 +76,38 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
     return Estimate(params, grads, optimizer, gathered, activations)
 
 
-def main(argv: list[str]) -> None:
-    import os
+def _parse_args(argv: list[str]) -> tuple[int, int | None, list[str]]:
+    """(``--world``, ``--vocab``, the Hydra overrides); a bad flag is a ConfigError."""
+    from .config import ConfigError
 
-    from hydra import compose, initialize_config_dir
-
-    import mptrain.config  # noqa: F401
-
-    world, vocab = 1, None
+    flags: dict[str, int] = {}
     rest = []
     it = iter(argv)
     for a in it:
-        if a == "--world":
-            world = int(next(it))
-        elif a == "--vocab":
-            vocab = int(next(it))
-        else:
+        name, eq, given = a.partition("=")
+        if name not in ("--world", "--vocab"):
             rest.append(a)
-    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-    with initialize_config_dir(config_dir=configs, version_base="1.3"):
-        cfg = compose("config", overrides=rest)
+            continue
+        value = given if eq else next(it, None)
+        if value is None or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"{name} needs a positive whole number (got {value!r}); "
+                              f"e.g. python -m mptrain.memory model=gpt-small {name} 8.")
+        flags[name] = int(value)
+    return flags.get("--world", 1), flags.get("--vocab"), rest
+
+
+def main(argv: list[str]) -> None:
+    """``python -m mptrain.memory <overrides> [--world N] [--vocab V]``: the
+    estimate as a table. A bad argument is one line on stderr and exit code 2."""
+    from .config import ConfigError
+    from .config_checks import compose_checked
+
+    try:
+        world, vocab, rest = _parse_args(argv)
+        cfg = compose_checked(rest)
+    except ConfigError as e:
+        print(f"mptrain: configuration error: {e}", file=sys.stderr)
+        sys.exit(2)
     vocab = vocab or cfg.model.vocab_size or 4096
     e = estimate(cfg, vocab, world)
     print(f"memory per rank: model={cfg.model.name} precision={cfg.precision.name} "

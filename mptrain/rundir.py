@@ -87,6 +87,11 @@ class Claim:
             return
         if not self.existed:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+            from .launch import CREATED_PARENTS
+
+            for parent in reversed(CREATED_PARENTS):  # innermost first; only while empty
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
             return
         for path in self.run_dir.iterdir():  # top-level entries this launch added (Hydra's log, .hydra/)
             if path.name in self.snapshot["entries"] or path.name == LOCK_NAME:

@@ -17,10 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 
 from mptrain.config import ConfigError  # noqa: E402
-from mptrain.config_checks import check_override_keys  # noqa: E402
+from mptrain.config_checks import compose_checked  # noqa: E402
 from mptrain.tokens import prepare_hf  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -33,9 +32,7 @@ def main(argv: list[str]) -> int:
         return 2
     out, overrides = Path(argv[-1]), argv[:-1]
     try:
-        check_override_keys(overrides, CONFIGS)
-        with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-            cfg = compose("config", overrides=["data=hf", *overrides])
+        cfg = compose_checked(["data=hf", *overrides], CONFIGS)
         if cfg.data.kind != "hf":
             raise ConfigError("prepare_data.py prepares data=hf datasets (data=embedded/text are cached by train.py).")
         if out.exists() and any(out.iterdir()):

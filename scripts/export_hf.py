@@ -19,6 +19,12 @@ from the checkpoint.
 
 Before it finishes, the script loads the export back and checks that its
 logits match mptrain's on random tokens (max abs difference < 1e-4, fp32).
+
+The checkpoint, its weights and its tokenizer are found by the functions
+``python -m mptrain.sample`` uses (``mptrain/sample.py``). A user error (no
+checkpoint there, a damaged one, a tokenizer refused or missing, an output
+directory that cannot be written or that holds the checkpoint) is one line,
+``export_hf: <problem>; <fix>``, naming the argument given, exit status 2.
 """
 from __future__ import annotations
 
@@ -32,23 +38,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mptrain.checkpoint import CheckpointError, load_full_model_state, read_meta, resolve_resume  # noqa: E402
+from mptrain.checkpoint import CheckpointError, read_meta  # noqa: E402
+from mptrain.config import ConfigError  # noqa: E402
 from mptrain.data import EOT  # noqa: E402
-from mptrain.model import GPT, GPTShape  # noqa: E402
-from mptrain.tokens import needs_remote_code  # noqa: E402
+from mptrain.sample import (OneLineParser, build_model, checkpoint_tokenizer, find_checkpoint,  # noqa: E402
+                            model_weights, one_line_errors)
 
 TOLERANCE = 1e-4
 
 
-class ExportError(Exception):
-    """An export that cannot proceed; main() prints it as one ``export_hf:`` line."""
-
-
-def find_checkpoint(path: Path) -> Path:
-    ckpt = resolve_resume(str(path), path)
-    if ckpt is None:
-        raise CheckpointError(f"{path} holds no complete checkpoint.")
-    return ckpt
+class ExportError(ConfigError):
+    """An export that cannot proceed; main() prints it as one ``export_hf:`` line (exit status 2)."""
 
 
 def gpt2_state_dict(sd: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
@@ -100,30 +100,6 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT)
 
 
-def load_tokenizer(ckpt: Path, tok_meta: dict, trust_remote_code: bool):
-    """The tokenizer ``meta.json`` names. ``trust_remote_code`` comes from the
-    command line and is passed explicitly: left unset, transformers would prompt
-    on the terminal for a tokenizer with custom code."""
-    from transformers import AutoTokenizer
-
-    if tok_meta.get("path"):
-        path = tok_meta["path"]
-        try:
-            return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        except Exception as e:
-            if not trust_remote_code and needs_remote_code(e):
-                raise ExportError(
-                    f"the checkpoint's tokenizer ({path}) ships its own Python code (an auto_map in its "
-                    "tokenizer_config.json), which loading it would run with your permissions; it was not run. "
-                    "If you trust where the checkpoint and the tokenizer come from, read that code and pass "
-                    "--trust-remote-code."
-                ) from e
-            raise
-    if tok_meta.get("name") == "byte":
-        return byte_tokenizer()
-    raise CheckpointError(f"{ckpt}/meta.json names no tokenizer to export ({tok_meta}).")
-
-
 def umask() -> int:
     """The process umask. The only way to read it is to set it: os.umask(0)
     returns the old value, which is put back at once."""
@@ -133,20 +109,59 @@ def umask() -> int:
 
 
 def export(src: Path, out: Path, trust_remote_code: bool = False) -> float:
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
-
+    """Write checkpoint ``src`` (a run directory or a checkpoint) as a transformers
+    GPT-2 with its tokenizer into ``out`` (replaced), check it, and return the
+    largest logit difference from mptrain's model."""
     ckpt = find_checkpoint(src)
     meta = read_meta(ckpt)
     m = meta["config"]["model"]
-    vocab = meta["vocab_size"]
+    _check_out(ckpt, out)
     # The tokenizer first: a refused one stops the export before the weights are read.
-    tokenizer = load_tokenizer(ckpt, meta.get("tokenizer", {}), trust_remote_code)
-    sd = {k: v.float() for k, v in load_full_model_state(ckpt).items()}
-    print(f"export_hf: {ckpt} (step {meta['step']}, {m['n_layer']}x{m['d_model']}, vocab {vocab})")
-    eos = tokenizer.eos_token_id
+    tokenizer = checkpoint_tokenizer(ckpt, meta, trust_remote_code, byte=byte_tokenizer)
+    sd = model_weights(ckpt)
+    print(f"export_hf: {ckpt} (step {meta['step']}, {m['n_layer']}x{m['d_model']}, vocab {meta['vocab_size']})")
+    write(gpt2_model(meta, sd, tokenizer.eos_token_id), tokenizer, out)
+    return self_check(out, build_model(meta, sd), meta)
 
+
+def write(hf, tokenizer, out: Path) -> None:
+    """Save the model and the tokenizer into ``out`` (replaced); an OS error
+    (no permission, no such parent) is one line naming ``out``."""
+    try:
+        if out.exists():
+            shutil.rmtree(out)
+        hf.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        # safetensors writes model.safetensors through a private temporary file and
+        # renames it, so it lands 0600 while its neighbours follow the umask (0644
+        # under 022): a group that can read the export would get the config but not
+        # the weights. Give every file the export wrote the mode an ordinary new
+        # file gets (0o666 & ~umask), as everything else mptrain writes does.
+        mode = 0o666 & ~umask()
+        for root, _, names in os.walk(out):
+            for name in names:
+                os.chmod(os.path.join(root, name), mode)
+    except OSError as e:
+        raise ExportError(f"the export could not be written to {out} ({e.strerror or e}); give an output "
+                          "directory you can write to.") from None
+
+
+def _check_out(ckpt: Path, out: Path) -> None:
+    """Refuse an output directory whose replacement would delete the checkpoint
+    (the run directory itself, or a folder above it)."""
+    if ckpt.resolve().is_relative_to(out.resolve()):
+        raise ExportError(f"the output directory {out} holds the checkpoint being exported ({ckpt}) and the "
+                          "export would replace it; give a directory that does not contain it, e.g. "
+                          f"{out.resolve().parent}/hf.")
+
+
+def gpt2_model(meta: dict, sd: dict[str, torch.Tensor], eos: int):
+    """A transformers ``GPT2LMHeadModel`` holding mptrain weights ``sd``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    m = meta["config"]["model"]
     config = GPT2Config(
-        vocab_size=vocab, n_positions=m["block_size"], n_embd=m["d_model"], n_layer=m["n_layer"],
+        vocab_size=meta["vocab_size"], n_positions=m["block_size"], n_embd=m["d_model"], n_layer=m["n_layer"],
         n_head=m["n_head"], n_inner=4 * m["d_model"], activation_function="gelu_new",  # = tanh GELU
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
         tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos,
@@ -156,27 +171,19 @@ def export(src: Path, out: Path, trust_remote_code: bool = False) -> float:
     # GPT-2 keeps a non-persistent causal-mask buffer on some versions; nothing else may be missing.
     missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias"))]
     if missing or unexpected:
-        raise CheckpointError(f"state dict does not map onto GPT-2: missing {missing}, unexpected {unexpected}")
-    if out.exists():
-        shutil.rmtree(out)
-    hf.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    # safetensors writes model.safetensors through a private temporary file and
-    # renames it, so it lands 0600 while its neighbours follow the umask (0644
-    # under 022): a group that can read the export would get the config but not
-    # the weights. Give every file the export wrote the mode an ordinary new
-    # file gets (0o666 & ~umask), as everything else mptrain writes does.
-    mode = 0o666 & ~umask()
-    for root, _, names in os.walk(out):
-        for name in names:
-            os.chmod(os.path.join(root, name), mode)
+        raise CheckpointError(f"the checkpoint's weights do not map onto GPT-2 (missing {missing}, unexpected "
+                              f"{unexpected}); only mptrain GPT checkpoints can be exported.")
+    return hf
 
-    # Self-check: the export, loaded back by transformers, computes mptrain's logits.
-    ours = GPT(GPTShape(vocab, m["n_layer"], m["n_head"], m["d_model"], m["block_size"], 0.0, m["bias"]))
-    ours.load_state_dict(sd)
-    ours.eval()
+
+def self_check(out: Path, ours, meta: dict) -> float:
+    """The export, loaded back by transformers, computes mptrain's logits (to
+    ``TOLERANCE``, fp32, on random tokens); returns the largest difference."""
+    from transformers import AutoModelForCausalLM
+
+    vocab, block = meta["vocab_size"], meta["config"]["model"]["block_size"]
     back = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False).eval()  # our own GPT-2 config
-    x = torch.randint(0, vocab, (2, min(32, m["block_size"])), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, vocab, (2, min(32, block)), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (back(x).logits - ours(x)).abs().max().item()
     print(f"export_hf: wrote {out}; logits max |transformers - mptrain| = {diff:.2e}")
@@ -185,18 +192,18 @@ def export(src: Path, out: Path, trust_remote_code: bool = False) -> float:
     return diff
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    """``python scripts/export_hf.py <src> <out>``; a user error is one line, exit status 2."""
+    ap = OneLineParser(prog="python scripts/export_hf.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path, help="run directory or checkpoints/step-N directory")
     ap.add_argument("out", type=Path, help="output directory (replaced)")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="allow a tokenizer that ships its own Python code to run it (off by default; "
                          "never taken from the checkpoint)")
-    a = ap.parse_args()
-    try:
+    with one_line_errors("export_hf"):
+        a = ap.parse_args(argv)
         export(a.src, a.out, trust_remote_code=a.trust_remote_code)
-    except (CheckpointError, ExportError) as e:
-        raise SystemExit(f"export_hf: {e}")
 
 
 if __name__ == "__main__":

@@ -69,15 +69,16 @@ def test_export_round_trip(tmp_path, tokenizer, monkeypatch, capsys):
     assert not torch.allclose(hf.transformer.h[0].mlp.c_fc.weight, torch.zeros(1))
 
 
-def test_export_of_a_dir_without_checkpoints_fails_clearly(tmp_path, monkeypatch):
-    """One line, no traceback: main() leaves through SystemExit with the message (what
-    the interpreter prints alone, exit status 1); any other exception would be a
-    traceback. In this process: a launch would only add its start-up."""
-    monkeypatch.setattr(sys, "argv", ["export_hf.py", str(tmp_path), str(tmp_path / "o")])
+def test_export_of_a_dir_without_checkpoints_fails_clearly(tmp_path, capsys):
+    """One line on stderr, exit status 2, no traceback, speaking of the export's own
+    argument and the fix (not of the trainer's resume=). In this process: a launch
+    would only add its start-up."""
     with pytest.raises(SystemExit) as e:
-        _export_module().main()
-    msg = e.value.code
-    assert isinstance(msg, str) and msg.startswith("export_hf:") and "\n" not in msg, msg
+        _export_module().main([str(tmp_path), str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"export_hf: {tmp_path} holds no checkpoint") and "checkpoint.every=" in err, err
+    assert "resume=" not in err, err
 
 
 def _export_module():
@@ -87,7 +88,7 @@ def _export_module():
     return mod
 
 
-def test_export_refuses_a_tokenizer_with_custom_code(tmp_path, monkeypatch):
+def test_export_refuses_a_tokenizer_with_custom_code(tmp_path, monkeypatch, capsys):
     """The checkpoint names a tokenizer that ships Python code: the export stops
     with one line naming --trust-remote-code before it reads any weights (the
     checkpoint here is a meta.json alone), and the code never runs."""
@@ -101,11 +102,11 @@ def test_export_refuses_a_tokenizer_with_custom_code(tmp_path, monkeypatch):
         "config": {"model": {"n_layer": 1, "n_head": 1, "d_model": 8, "block_size": 8, "bias": True}},
         "tokenizer": {"name": tok_dir.name, "path": str(tok_dir)}}))
     export_hf = _export_module()
-    monkeypatch.setattr(sys, "argv", ["export_hf.py", str(ckpt), str(tmp_path / "hf")])
     with pytest.raises(SystemExit) as e:
-        export_hf.main()
-    msg = str(e.value.code)
-    assert msg.startswith("export_hf: ") and "--trust-remote-code" in msg and "\n" not in msg, msg
+        export_hf.main([str(ckpt), str(tmp_path / "hf")])
+    msg = capsys.readouterr().err
+    assert e.value.code == 2 and msg.startswith("export_hf: ") and "--trust-remote-code" in msg, msg
+    assert msg.count("\n") == 1, msg
     assert not marker.exists() and not (tmp_path / "hf").exists()
 
     # the flag, and only the flag, reaches transformers as trust_remote_code=True
@@ -119,7 +120,7 @@ def test_export_refuses_a_tokenizer_with_custom_code(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake)
     for argv in ([], ["--trust-remote-code"]):
-        monkeypatch.setattr(sys, "argv", ["export_hf.py", str(ckpt), str(tmp_path / "hf"), *argv])
-        with pytest.raises(OSError, match="stop here"):
-            export_hf.main()
+        with pytest.raises(SystemExit):  # a tokenizer that cannot be loaded is one line too
+            export_hf.main([str(ckpt), str(tmp_path / "hf"), *argv])
+        assert "could not be loaded (OSError: stop here)" in capsys.readouterr().err
     assert seen == [False, True]

@@ -1,0 +1,311 @@
+"""Text from a trained run: the prompt, then what the model writes after it.
+
+    python -m mptrain.sample <run dir | checkpoint dir> --prompt "def fib(n):"
+        [--tokens 100] [--temperature 0.8] [--top-k 50] [--seed 0]
+        [--precision run|fp32] [--device auto|cpu|cuda] [--trust-remote-code]
+
+The checkpoint is found as ``scripts/export_hf.py`` finds it (the newest intact
+checkpoint of a run directory, or a ``checkpoints/step-N`` directory itself,
+verified against its manifest), and the text goes through the run's own
+tokenizer (the one ``meta.json`` names). Only the text goes to stdout; notes
+(a damaged checkpoint passed over) go to stderr. A user error is one line,
+``sample: <problem>; <fix>``, exit status 2.
+
+Decoding: ``--temperature 0`` is greedy (argmax); otherwise the logits are
+divided by the temperature, cut to the ``--top-k`` most likely tokens (0 keeps
+all) and sampled with a generator seeded by ``--seed``, so the same seed gives
+the same text. The context is the last ``block_size`` tokens, as in training;
+generation stops early at the end-of-text token. ``--precision run`` computes
+as the run trained (autocast to its ``precision.compute_dtype``; float8
+linears are not rebuilt, their matmuls run in that dtype), ``fp32`` computes
+everything in fp32.
+
+This module also holds what ``scripts/export_hf.py`` shares with it (finding
+the checkpoint, its weights and its tokenizer) and :func:`generate`, which the
+trainer calls on the live, possibly wrapped, model for its validation samples.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from .checkpoint import (CheckpointDamaged, CheckpointError, complete_checkpoints, load_full_model_state, read_meta,
+                         resolve_resume)
+from .config import ConfigError, DType
+from .model import GPT, GPTShape
+
+
+class SampleError(ConfigError):
+    """A sampling request that cannot run; main() prints it as one ``sample:`` line."""
+
+
+# ------------------------------------------------------------------ user errors
+@contextlib.contextmanager
+def one_line_errors(prog: str) -> Iterator[None]:
+    """User errors (:class:`ConfigError` and its subclasses) leave as one line
+    ``<prog>: <message>`` on stderr and exit status 2, as ``train.py``'s do; a
+    traceback would say the code failed when the request did."""
+    try:
+        yield
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+# ------------------------------------------------------------- the checkpoint
+def find_checkpoint(path: Path, log: Callable[[str], None] = print) -> Path:
+    """The checkpoint ``path`` names, verified: the directory itself when it holds
+    a ``meta.json``, else the newest intact checkpoint of a run directory (a
+    damaged one is passed over with a line through ``log``).
+
+    Errors speak of ``path`` as the user gave it: resolve_resume words its own
+    for the trainer's ``resume=``, so its label is swapped for the path here."""
+    path = Path(os.path.expanduser(str(path)))
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; give a run directory or one of its checkpoints/step-N "
+                              "directories.")
+    if path.name.endswith(".tmp") and not (path / "meta.json").is_file():
+        raise CheckpointError(f"{path} is a checkpoint whose save was interrupted, so it is incomplete; give the "
+                              "run directory instead, which uses the newest complete checkpoint.")
+    if not (path / "meta.json").is_file() and not any(complete_checkpoints(d) for d in (path / "checkpoints", path)):
+        raise CheckpointError(
+            f"{path} holds no checkpoint because the run saved none; runs save one when they end by default "
+            "(checkpoint.at_end=true), so rerun an older run with checkpoint.every=N to get one.")
+    # "auto" and "none" mean something else to resolve_resume; "./auto" is the same directory.
+    spec = f"./{path}" if str(path) in ("auto", "none") else str(path)
+
+    def relabel(text: str) -> str:
+        return text.replace(f"resume={spec}", str(path))
+
+    try:
+        return resolve_resume(spec, path, log=lambda line: log(relabel(line)))
+    except CheckpointDamaged as e:  # a checkpoint named by its own path
+        raise CheckpointError(f"checkpoint {e.ckpt} is damaged ({e.ckpt / e.file} {e.reason}); give the run "
+                              "directory or an earlier checkpoints/step-N directory, or restore the file "
+                              "from a copy.") from None
+    except CheckpointError as e:
+        raise CheckpointError(relabel(str(e))) from None
+
+
+def model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's full model state dict in fp32 (a ``master_weights=false``
+    run stores bf16; its values are exact in fp32)."""
+    return {k: v.float() for k, v in load_full_model_state(ckpt).items()}
+
+
+def build_model(meta: dict, weights: dict[str, torch.Tensor]) -> GPT:
+    """The run's GPT (shape from ``meta.json``) holding ``weights``, in eval mode.
+    Dropout is built as 0: an exported or sampled model never drops."""
+    m = meta["config"]["model"]
+    model = GPT(GPTShape(meta["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["block_size"], 0.0,
+                         m["bias"]))
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+def checkpoint_tokenizer(ckpt: Path, meta: dict, trust_remote_code: bool, byte: Callable[[], object]):
+    """The tokenizer ``meta.json`` names: ``byte()`` for mptrain's byte tokenizer,
+    else the saved directory or hub name as a ``transformers`` tokenizer.
+
+    ``trust_remote_code`` comes from the command line (``--trust-remote-code``),
+    never from the checkpoint, which may come from someone else; it is always
+    passed, since left unset transformers would ask on the terminal."""
+    info = meta.get("tokenizer", {})
+    path = info.get("path")
+    if not path:
+        if info.get("name") == "byte":
+            return byte()
+        raise CheckpointError(f"{ckpt}/meta.json names no tokenizer ({info}), so it predates tokenizer records; "
+                              "resume its run for one more step with this version, which saves a checkpoint that "
+                              "records it.")
+    if os.path.isabs(path) and not os.path.isdir(path):
+        raise CheckpointError(f"the checkpoint's tokenizer directory {path} does not exist; put the tokenizer "
+                              "the run used back at that path (a trained BPE comes back there when a run with "
+                              "the same data settings and cache starts).")
+    from transformers import AutoTokenizer
+
+    from .tokens import needs_remote_code
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises OSError/ValueError/hub errors alike
+        if not trust_remote_code and needs_remote_code(e):
+            raise CheckpointError(
+                f"the checkpoint's tokenizer ({path}) ships its own Python code (an auto_map in its "
+                "tokenizer_config.json), which loading it would run with your permissions, so it was not run; "
+                "if you trust where the checkpoint and the tokenizer come from, read that code and pass "
+                "--trust-remote-code.") from None
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise CheckpointError(f"the checkpoint's tokenizer ({path}) could not be loaded ({type(e).__name__}: "
+                              f"{first}); put the tokenizer the run used back at that path (a hub name must be in "
+                              "the Hugging Face cache when offline).") from None
+
+
+# ------------------------------------------------------------------ decoding
+def _block_size(model) -> int:
+    """The context length of a bare or wrapped GPT. FSDP2 and FSDP1 answer
+    attribute lookups for the GPT; DDP keeps it in ``.module``."""
+    m = model
+    while not hasattr(m, "shape") and hasattr(m, "module"):
+        m = m.module
+    return m.shape.block_size
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_k: int, generator) -> int:
+    """One token from the last position's logits: argmax at temperature 0, else a
+    draw from the tempered, top-k-cut distribution. The draw happens on the
+    generator's device (CPU when none is given), so a CPU generator gives the
+    same tokens whatever device the model runs on."""
+    logits = logits.float()
+    if temperature == 0:
+        return int(logits.argmax())
+    # The largest logit becomes 0 before dividing, so a tiny temperature gives -inf
+    # for the others (an argmax) rather than inf - inf = nan.
+    logits = (logits - logits.max()) / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1).to(generator.device if generator is not None else "cpu")
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _eager():
+    """Compiled code off: compiled blocks would recompile for every new sequence
+    length. Without torch._dynamo imported nothing can have been compiled, and
+    importing it only to say so would cost seconds of the CLI's start-up."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
+def sample_ids(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+               generator: Optional[torch.Generator] = None, autocast=contextlib.nullcontext, device=None,
+               stop_id: Optional[int] = None) -> list[int]:
+    """:func:`generate`, stopping after ``stop_id`` when it is produced (kept as
+    the last token). Without ``stop_id`` it always returns ``max_new_tokens``."""
+    if not prompt_ids:
+        raise ValueError("generate needs at least one prompt token (the end-of-text token starts a document)")
+    if device is None:
+        device = next(model.parameters()).device
+    block = _block_size(model)
+    ids = list(prompt_ids)
+    new: list[int] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), _eager():
+            for _ in range(max_new_tokens):
+                idx = torch.tensor([ids[-block:]], dtype=torch.long, device=device)  # crop as GPT's context
+                with autocast():
+                    logits = model(idx)
+                tok = _next_token(logits[0, -1], temperature, top_k, generator)
+                ids.append(tok)
+                new.append(tok)
+                if tok == stop_id:
+                    break
+    finally:
+        model.train(was_training)
+    return new
+
+
+def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+             generator: torch.Generator | None = None, autocast=contextlib.nullcontext, device=None) -> list[int]:
+    """``max_new_tokens`` tokens that ``model`` writes after ``prompt_ids`` (the
+    new ones only), one forward pass each on the last ``block_size`` tokens.
+
+    ``model`` is a bare GPT or a wrapped one (DDP, FSDP2, FSDP1): only
+    ``model(idx)`` is called, under ``torch.no_grad()`` and in eval mode, and the
+    train/eval mode is restored. Under FSDP every rank must call this with the
+    same arguments: greedy decoding (``temperature=0``) or a generator seeded
+    alike on every rank gives every rank the same tokens, so the ranks run the
+    same number of forward passes (their all-gathers) in step; sampling without
+    a generator draws from the global RNG, which ranks need not share.
+    ``autocast`` is a zero-argument callable returning a context manager (the
+    trainer's ``policy.autocast``); ``device`` defaults to the parameters' device.
+    ``prompt_ids`` must hold at least one token (ValueError otherwise)."""
+    return sample_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                      generator=generator, autocast=autocast, device=device)
+
+
+# ----------------------------------------------------------------------- CLI
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are a :class:`ConfigError` (one line through
+    :func:`one_line_errors`, exit 2) rather than its usage text and message."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message}; see {self.prog} --help")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The command line, checked: every bad value is a :class:`SampleError`."""
+    ap = OneLineParser(prog="python -m mptrain.sample", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", type=Path, help="run directory or checkpoints/step-N directory")
+    ap.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
+    ap.add_argument("--tokens", type=int, default=100, help="tokens to write at most (default 100)")
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    ap.add_argument("--top-k", type=int, default=50, help="sample among the K likeliest tokens; 0 = all (default 50)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    ap.add_argument("--precision", choices=("run", "fp32"), default="run",
+                    help="run: the run's compute dtype under autocast (default); fp32: everything fp32")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if present")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="allow a tokenizer that ships its own Python code to run it (never taken from the checkpoint)")
+    a = ap.parse_args(argv)
+    if a.tokens < 1:
+        raise SampleError(f"--tokens {a.tokens} writes nothing; give a number of tokens of at least 1.")
+    if not (math.isfinite(a.temperature) and a.temperature >= 0):
+        raise SampleError(f"--temperature {a.temperature} is not a temperature; give 0 (greedy) or a positive "
+                          "number such as 0.8.")
+    if a.top_k < 0:
+        raise SampleError(f"--top-k {a.top_k} is negative; give 0 (all tokens) or a positive count such as 50.")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SampleError("--device cuda: this machine has no CUDA device; use --device cpu (or auto).")
+    return a
+
+
+def _autocast(meta: dict, precision: str, device: torch.device) -> Callable:
+    """The forward context: autocast to the run's compute dtype, or nothing (fp32)."""
+    dtype = DType[meta["config"]["precision"]["compute_dtype"]].torch
+    if precision == "fp32" or dtype == torch.float32:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def sample_text(a: argparse.Namespace, log: Callable[[str], None]) -> str:
+    """The prompt followed by the model's continuation, for parsed arguments ``a``."""
+    from .data import ByteTokenizer, HFTokenizer
+
+    ckpt = find_checkpoint(a.src, log)
+    meta = read_meta(ckpt)
+    tok = checkpoint_tokenizer(ckpt, meta, a.trust_remote_code, byte=ByteTokenizer)
+    if not isinstance(tok, ByteTokenizer):
+        tok = HFTokenizer(tok, meta["tokenizer"].get("name", ""), meta["tokenizer"]["path"])
+    device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = build_model(meta, model_weights(ckpt)).to(device)
+    # An empty prompt starts a new document: training put end-of-text before every one.
+    prompt_ids = tok.encode_batch([a.prompt])[0] if a.prompt else [tok.eos_id]
+    new = sample_ids(model, prompt_ids, a.tokens, temperature=a.temperature, top_k=a.top_k,
+                     generator=torch.Generator().manual_seed(a.seed), autocast=_autocast(meta, a.precision, device),
+                     device=device, stop_id=tok.eos_id)
+    if new and new[-1] == tok.eos_id:
+        new = new[:-1]
+    return a.prompt + tok.decode(new)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m mptrain.sample``: print the prompt and its continuation."""
+    with one_line_errors("sample"):
+        text = sample_text(parse_args(argv), log=lambda line: print(line, file=sys.stderr))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

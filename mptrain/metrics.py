@@ -7,15 +7,14 @@ A metric that does not apply to a run is simply absent from the dict.
 """
 from __future__ import annotations
 
+import html
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Optional
 
-from tqdm import tqdm
-
 from . import files
+from .console import Console, RunLog
 
 
 class JsonlSink:
@@ -72,8 +71,8 @@ class TensorBoardSink:
                 sum=sum(a * b for a, b in zip(centers, c)), sum_squares=sum(a * a * b for a, b in zip(centers, c)),
                 bucket_limits=[float(x + 1) for x in k], bucket_counts=c, global_step=step)
 
-    def text(self, tag: str, text: str) -> None:
-        self.w.add_text(tag, text, 0)
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        self.w.add_text(tag, text, step)
 
     def close(self) -> None:
         self.w.flush()
@@ -106,6 +105,10 @@ class WandbSink:
             data[name] = self.wandb.Histogram(np_histogram=([int(c) for c in counts], log2_edges))
         self.run.log(data, step=step)
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        # Shown as preformatted text in the run's media panel, one entry per step.
+        self.run.log({tag: self.wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
+
     def summary(self, summary: dict) -> None:
         for k, v in summary.items():
             if isinstance(v, (int, float, str)):
@@ -115,53 +118,17 @@ class WandbSink:
         self.run.finish()
 
 
-class Console:
-    """tqdm progress bar on stderr; loss, lr, tokens/s, loss scale and skipped steps in its postfix."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled
-        self.bar: Optional[tqdm] = None
-
-    def start(self, initial: int = 0) -> None:
-        """Show the bar (after the start-up banner, so the two do not interleave)."""
-        if self.enabled and self.bar is None:
-            self.bar = tqdm(total=self.total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stderr, mininterval=0.5)
-
-    def advance(self, n: int = 1) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def log(self, step: int, metrics: dict) -> None:
-        if self.bar is None:
-            return
-        post = {"loss": fmt(metrics["train/loss"]), "lr": f"{metrics['train/lr']:.2e}"}
-        if "perf/tokens_per_s" in metrics:
-            post["tok/s"] = f"{metrics['perf/tokens_per_s']:,.0f}"
-        if "amp/loss_scale" in metrics:
-            post["scale"] = f"{metrics['amp/loss_scale']:g}"
-            post["skipped"] = int(metrics["amp/skipped_steps"])
-        if "train/nonfinite_skipped" in metrics:
-            post["skipped"] = int(metrics["train/nonfinite_skipped"])
-        self.bar.set_postfix(post, refresh=False)
-
-    def write(self, msg: str) -> None:
-        (self.bar.write if self.bar is not None else print)(msg)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 class Metrics:
     """Fan-out to the configured sinks. ``enabled=False`` (ranks > 0) makes every call a no-op."""
 
     def __init__(self, run_dir: Optional[Path], log_cfg, total_steps: int, enabled: bool,
                  wandb_config: Optional[dict] = None, run_name: str = "", tags: Optional[list[str]] = None,
-                 start_step: int = 0):
+                 start_step: int = 0, runlog: Optional[RunLog] = None, plain_every: int = 1):
         self.enabled = enabled
         self.sinks: list = []
-        self.console = Console(total_steps, enabled and log_cfg.progress)  # bar starts at console.start()
+        self.runlog = runlog or RunLog(None, enabled)
+        # The bar starts at console.start(), after the banner.
+        self.console = Console(total_steps, enabled and log_cfg.progress, self.runlog, plain_every)
         if not enabled:
             return
         if log_cfg.jsonl:
@@ -181,15 +148,20 @@ class Metrics:
         for s in self.sinks:
             s.log(step, metrics, hists)
         if "train/loss" in metrics:
-            self.console.log(step, metrics)
+            self.console.update(step, metrics)
 
     def write(self, msg: str) -> None:
         if self.enabled:
             self.console.write(msg)
 
-    def text(self, tag: str, text: str) -> None:
-        if self.enabled and self.tb:
-            self.tb.text(tag, text)
+    def text(self, tag: str, text: str, step: int = 0, wandb: bool = True) -> None:
+        """Text for TensorBoard's text tab and W&B (the config, generated samples)."""
+        if not self.enabled:
+            return
+        if self.tb:
+            self.tb.text(tag, text, step)
+        if self.wandb and wandb:
+            self.wandb.text(tag, text, step)
 
     def summary(self, summary: dict) -> None:
         if self.enabled and self.wandb:
@@ -199,10 +171,3 @@ class Metrics:
         self.console.close()
         for s in self.sinks:
             s.close()
-
-
-def fmt(x: Optional[float], spec: str = ".4f") -> str:
-    """``x`` in ``spec``; ``n/a`` only for None (nothing measured). A non-finite
-    value keeps its name (``nan``, ``inf``, ``-inf``): a NaN loss is a result to
-    see, not a missing one."""
-    return "n/a" if x is None else format(x, spec)

@@ -33,7 +33,8 @@ from .config_checks import micro_steps, validate
 from .doctor import check_precision
 from .faults import FaultInjector, NonFiniteError, NonFiniteHandler, NonFiniteStep
 from .memory import estimate as memory_estimate
-from .metrics import Metrics, fmt
+from .console import LOG_NAME, RunLog, fmt, plain_cadence
+from .metrics import Metrics
 from .model import GPT, GPTShape
 from .numerics import NumericsMonitor
 from .parallel import DistContext, export_submitit_env, setup, wrap
@@ -43,6 +44,7 @@ from .resume import ResumePlan, finished_summary
 from .resume import plan as resume_plan
 from .record import ComputeDtypeProbe, RunRecord, banner, observed_dtypes, peak_memory, reset_peak_memory
 from .shards import local_shard
+from .sample import generate
 from .step import build_optimizer, decay_names, evaluate, lr_at, train_step
 
 __all__ = ["run", "Trainer", "NonFiniteError"]
@@ -58,14 +60,19 @@ def run(cfg: DictConfig, run_dir: Optional[str | Path] = None) -> dict:
     with rundir.held(run_dir) as claim:
         validate(cfg)
         ctx = setup(cfg.parallel, cfg.train.device)
+        log = RunLog(run_dir / LOG_NAME, enabled=ctx.is_main)  # the console, kept in <run>/train.log
         try:
-            say = print if ctx.is_main else _quiet
-            plan = resume_plan(cfg, run_dir, ctx, say)
-            if plan.finished:
-                say(plan.finished)
-                return finished_summary(run_dir)
-            return Trainer(cfg, ctx, run_dir, plan, claim).train()
+            with log.capturing():
+                plan = resume_plan(cfg, run_dir, ctx, log.say)
+                if plan.finished:
+                    log.say(plan.finished)
+                    return finished_summary(run_dir)
+                return Trainer(cfg, ctx, run_dir, plan, claim, log).train()
+        except BaseException as e:
+            log.failure(e)
+            raise
         finally:
+            log.close()
             ctx.shutdown()
 
 
@@ -99,13 +106,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ build
     def __init__(self, cfg: DictConfig, ctx: DistContext, run_dir: Path, plan: Optional[ResumePlan] = None,
-                 claim: Optional[rundir.Claim] = None):
+                 claim: Optional[rundir.Claim] = None, log: Optional[RunLog] = None):
         self.t_start = time.perf_counter()
         reset_peak_memory(ctx.device)
         validate(cfg, ctx.world)
         self.cfg, self.ctx, self.run_dir, self.tc = cfg, ctx, run_dir, cfg.train
         self.plan, self.claim = plan or ResumePlan(), claim
-        self.say = print if ctx.is_main else _quiet
+        self.runlog = log or RunLog(None, enabled=ctx.is_main)
+        self.say = self.runlog.say
         self.record = RunRecord(cfg, run_dir, ctx.is_main)
         self.policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=ctx.mode == ParallelMode.fsdp)
         self.hw_warnings = check_precision(self.policy, ctx.device)  # refuses the impossible before any work
@@ -230,12 +238,15 @@ class Trainer:
         cfg, tc, run_dir = self.cfg, self.tc, self.run_dir
         if self.claim is not None:
             self.claim.started = True  # an error from now on keeps what this launch wrote
+        self.runlog.keep()
         if self.ctx.is_main:
             (run_dir / "summary.json").unlink(missing_ok=True)
         name, tags = self.record.names()
         self.record.write_config()
-        self.metrics = Metrics(run_dir, cfg.log, tc.max_steps, self.ctx.is_main, self.record.resolved(), name, tags,
-                               start_step=self.start)
+        total = self.start + 1 if tc.audit_only else tc.max_steps  # the audit stops after one step
+        self.metrics = Metrics(run_dir, cfg.log, total, self.ctx.is_main, self.record.resolved(), name, tags,
+                               start_step=self.start, runlog=self.runlog,
+                               plain_every=plain_cadence(cfg.log.plain_every, tc.log_every, tc.max_steps))
         self.say(banner(cfg, self.ctx, self.record.info, self.dtypes, self.tokens, self.tokens_per_step, run_dir))
         for w in ([self.policy.warning] if self.policy.warning else []) + self.hw_warnings:
             self.say(f"WARNING: {w}")
@@ -244,7 +255,7 @@ class Trainer:
         if tc.audit:
             self.say(f"dtype audit of step {self.start + 1}: every operator's dtypes into {run_dir / 'audit.json'}"
                      + ("; the run stops after it (train.audit_only)" if tc.audit_only else ""))
-        self.metrics.text("config", "```\n" + OmegaConf.to_yaml(cfg) + "\n```")
+        self.metrics.text("config", "```\n" + OmegaConf.to_yaml(cfg) + "\n```", wandb=False)  # W&B has it
 
     # ------------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -367,9 +378,23 @@ class Trainer:
             val = data_mod.val_batches(self.val_windows, tc.eval_batches, tc.global_batch_size, self.mbs,
                                        self.ctx.rank, self.ctx.world)
             self.last_val = evaluate(self.model, self.policy, self.ctx, val)
-        self.metrics.write(f"step {done:>6} | train loss {fmt(self.last_train.get('train/loss'))} | "
-                           f"val loss {fmt(self.last_val)} | unigram baseline {self.tokens.unigram_nats:.4f}")
+            self.metrics.write(f"step {done:>6} | train loss {fmt(self.last_train.get('train/loss'))} | "
+                               f"val loss {fmt(self.last_val)} | unigram baseline {self.tokens.unigram_nats:.4f}")
+            self.sample(done)
         return {"val/loss": self.last_val}
+
+    def sample(self, done: int) -> None:
+        """Continue the fixed prompt (greedy, in the run's precision) so the model's
+        progress can be read, not only its loss. Every rank runs it: under FSDP each
+        forward gathers weights from all of them."""
+        tc, tok = self.tc, self.tokens.tokenizer
+        if not tc.sample_tokens or not hasattr(tok, "encode_batch"):
+            return  # token shards carry only the tokenizer's name: nothing to decode with
+        ids = tok.encode_batch([tc.sample_prompt])[0] or [tok.eos_id]  # no prompt: a new document
+        new = generate(self.model, ids, tc.sample_tokens, autocast=self.policy.autocast, device=self.ctx.device)
+        text = tok.decode(ids + new)
+        self.metrics.write(f"step {done:>6} | sample: {text!r}")
+        self.metrics.text("samples/text", text, done)
 
     def observe(self, step: int, out: dict, row: dict) -> dict:
         """Numerics monitor, collective bytes and the dtype audit of this step, into
@@ -417,7 +442,8 @@ class Trainer:
         """Final checkpoint if due, summary.json, the closing lines."""
         self.metrics.console.close()
         step = self.progress.step
-        if self.cfg.checkpoint.every and self.last_saved != step and step == self.tc.max_steps:
+        ck = self.cfg.checkpoint
+        if (ck.every or ck.at_end) and self.last_saved != step and step == self.tc.max_steps:
             self.checkpoint(step)
         self.dtypes.update(observed_dtypes(self.model, self.optimizer))  # at the end, not just after step 1
         summary = self._summary()

@@ -8,7 +8,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mptrain.alerts import SpikeDetector
 from mptrain.faults import NonFiniteError
-from mptrain.metrics import fmt
+from mptrain.console import fmt
 
 from .conftest import read_rows, run_cli, train
 

@@ -1,0 +1,45 @@
+"""Third-party messages that say nothing about a run, silenced where they are raised.
+
+Importing torchao on a machine without its optional CUDA kernels, or without
+Triton, logs warnings about kernels a CPU run never uses, and torch logs a
+deprecation about how torchao registers an enum. They filled the console
+and, in fp8 runs, were the only content of ``train.log``.
+
+Each entry names the logger that raises the message and a pattern of the
+message itself, and a filter is attached to that logger alone: the same
+logger's other messages, every other library's, and all of mptrain's own
+warnings pass untouched. ``python -m mptrain.doctor`` still reports whether
+torchao and its float8 path work, which is what those messages hinted at.
+"""
+from __future__ import annotations
+
+import logging
+import re
+
+# (logger name, message pattern): why each is noise.
+SILENCED: tuple[tuple[str, str], ...] = (
+    # torchao tries every bundled CUDA extension (_C_mxfp8, _C_cutlass_90a, ...) at import;
+    # one built for another GPU, CUDA or Python fails to load and only the kernels it holds are missing.
+    ("torchao", r"^Failed to load .*/torchao/_C\w*[.\w-]*\.so: "),
+    # torchao's int8 matmul kernels need Triton, which CPU-only installs lack; mptrain does not use them.
+    ("torchao.kernel.intmm", r"Detected no triton"),
+    # torchao registers an enum with torch's pytree, which newer torch deprecates: torchao's to fix.
+    ("torch.utils._pytree", r"is an Enum subclass and is now natively supported by torch.compile"),
+)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+def silence_import_noise() -> None:
+    """Attach the filters (once; before the libraries are imported, since they log at import)."""
+    for name, pattern in SILENCED:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_Drop(pattern))

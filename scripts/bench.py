@@ -13,17 +13,28 @@ Runs, for the given config (default: model=gpt-mini precision=fp32):
   configured); the header says which.
 
 Each setting runs ``--repeats`` times, interleaved, and the fastest run counts
-(a shared machine adds noise, never speed). Prints tokens/s, step time, MFU
-(where the device's peak is known or ``train.peak_tflops`` is given), peak
-memory and the harness/bare ratio.
+(a shared machine adds noise, never speed). Prints one banner first (machine,
+torch, model, dtypes), then each run's progress (which run of how many, steps
+done of the total with an ETA: a line redrawn in place on a terminal, a plain
+line every 30 s otherwise), then tokens/s, step time, MFU (where the device's
+peak is known or ``train.peak_tflops`` is given), peak memory and the
+harness/bare ratio. The harness's own start-up banner and messages are hidden
+(its warnings are passed on once); ``--verbose`` shows them.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import json
 import os
+import platform
 import sys
 import tempfile
+import threading
 import time
+from pathlib import Path
+from typing import Optional, TextIO
 
 import torch
 
@@ -43,7 +54,134 @@ from mptrain.step import build_optimizer, decay_names, lr_at  # noqa: E402
 from mptrain.trainer import run  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.eval_every=0", "log.progress=false"]
+# No checkpoint at the end: it is not part of the loop being compared (the bare loop has
+# none), and under torchrun each rank's harness runs in its own temporary directory.
+DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.eval_every=0", "log.progress=false", "checkpoint.at_end=false"]
+REDRAW_S = 0.5  # a terminal's progress line is redrawn at most this often (and the harness's log polled)
+PLAIN_EVERY_S = 30.0  # elsewhere (a file, a pipe, CI), one plain progress line at most this often
+
+
+def _fmt_s(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``1h02m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Progress:
+    """The console line of one run: ``[2/6] bare PyTorch loop   30/200 steps, eta 1m10s``.
+
+    On a terminal the line is redrawn in place; anywhere else (a file, a pipe)
+    it is printed as a plain line when the run starts, at most every
+    ``PLAIN_EVERY_S`` and when it ends. The ETA counts from the first step seen,
+    so start-up and compilation do not inflate it. Thread-safe: the harness's
+    steps are reported by a polling thread."""
+
+    def __init__(self, stream: Optional[TextIO], head: str, total: int, note: str = ""):
+        self.stream, self.head, self.total = stream, head, total
+        self.tty = stream is not None and getattr(stream, "isatty", lambda: False)()
+        self.done, self.first, self.shown_at = 0, None, 0.0
+        self.lock = threading.Lock()
+        self._show(self._text(time.monotonic()) + note, final=False)
+
+    def update(self, done: int) -> None:
+        """``done`` steps of ``total`` are finished; shows it when the line is due."""
+        now = time.monotonic()
+        with self.lock:
+            if done <= self.done:
+                return
+            self.done = done
+            if self.first is None:
+                self.first = (now, done)
+            if now - self.shown_at >= (REDRAW_S if self.tty else PLAIN_EVERY_S):
+                self._show(self._text(now), final=False)
+
+    def finish(self, tail: str) -> None:
+        """The run's last line: every step done, and what it measured."""
+        with self.lock:
+            self.done = self.total
+            self._show(f"{self.head} {self.total:>{len(str(self.total))}}/{self.total} steps | {tail}", final=True)
+
+    def abandon(self) -> None:
+        """The run failed: end a terminal's half-drawn line, so the error starts on its own."""
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _text(self, now: float) -> str:
+        text = f"{self.head} {self.done:>{len(str(self.total))}}/{self.total} steps"
+        if self.first is not None and self.done > self.first[1]:
+            rate = (self.done - self.first[1]) / max(now - self.first[0], 1e-9)
+            text += f", eta {_fmt_s((self.total - self.done) / rate)}"
+        return text
+
+    def _show(self, text: str, final: bool) -> None:
+        self.shown_at = time.monotonic()
+        if self.stream is None:  # a rank other than 0: nothing to show
+            return
+        if self.tty:  # carriage return and erase-to-end: one line, redrawn
+            self.stream.write("\r\x1b[K" + text + ("\n" if final else ""))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def _last_step(path: Path) -> int:
+    """The step of the last complete row of a ``metrics.jsonl`` being written (0 if none yet)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))  # a row, histograms included, is far shorter
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # the row being written, or the cut first line
+    return 0
+
+
+@contextlib.contextmanager
+def following(path: Path, progress: Progress):
+    """Report the steps the harness logs to ``path`` while the block runs: a thread
+    reads the file's tail every ``REDRAW_S`` (next to nothing beside a training
+    step), so the trainer is measured as it is, with no hook of bench's inside."""
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(REDRAW_S):
+            progress.update(_last_step(path))
+
+    t = threading.Thread(target=poll, name="bench-progress", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
+@contextlib.contextmanager
+def quiet_harness(show: bool):
+    """Hide what the harness prints on stdout (its banner, data messages and final
+    lines, the same in every run) unless ``show``. Yields a list that receives its
+    warning lines when the block ends, for the caller to pass on; if the run
+    fails, everything it printed goes to stderr before the error."""
+    warnings: list[str] = []
+    if show:
+        yield warnings
+        return
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            yield warnings
+    except BaseException:
+        sys.stderr.write(buf.getvalue())
+        raise
+    warnings += [line for line in buf.getvalue().splitlines() if line.startswith("WARNING")]
 
 
 def compose_cfg(overrides: list[str]):
@@ -51,13 +189,16 @@ def compose_cfg(overrides: list[str]):
         return compose("config", overrides=[*DEFAULTS, *overrides])
 
 
-def harness(overrides: list[str], steps: int) -> dict:
+def harness(overrides: list[str], steps: int, progress: Progress, show: bool = False) -> dict:
+    """One run of ``mptrain.trainer.run`` in a temporary directory; its progress read from its metrics.jsonl."""
     cfg = compose_cfg([*overrides, f"train.max_steps={steps}"])
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, following(Path(d) / "metrics.jsonl", progress), \
+            quiet_harness(show) as warnings:
         out = run(cfg, run_dir=d if rank0 else os.path.join(d, "unused"))
     return {"tokens_per_s": out["perf/tokens_per_s"], "step_time_s": out["tokens"] / out["perf/tokens_per_s"] / steps
-            if out["perf/tokens_per_s"] else None, "mem": out.get("mem/peak_gib", out.get("mem/peak_rss_gib"))}
+            if out["perf/tokens_per_s"] else None, "mem": out.get("mem/peak_gib", out.get("mem/peak_rss_gib")),
+            "warnings": warnings}
 
 
 def compiled(cfg, device: torch.device) -> bool:
@@ -65,15 +206,18 @@ def compiled(cfg, device: torch.device) -> bool:
     return cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
 
 
-def bare(overrides: list[str], steps: int) -> dict:
-    """The hand-written loop: no logging, no monitor, no checks."""
+def bare(overrides: list[str], steps: int, progress: Progress, tokens=None) -> dict:
+    """The hand-written loop: no logging, no monitor, no checks (the progress line
+    costs a clock read per step; it prints at most twice a second). ``tokens``: the
+    corpus already loaded for this config (else it is loaded here; untimed either way)."""
     cfg = compose_cfg([*overrides, f"train.max_steps={steps}"])
     ctx = setup(cfg.parallel, cfg.train.device)
     reset_peak_memory(ctx.device)
     try:
         tc, m = cfg.train, cfg.model
         mbs, accum = micro_steps(cfg, ctx.world)
-        tokens = data_mod.prepare(cfg.data, log=lambda *a: None)
+        if tokens is None:
+            tokens = data_mod.prepare(cfg.data, log=lambda *a: None)
         vocab = m.vocab_size or data_mod.padded_vocab(tokens.vocab_size)
         batches = data_mod.Batches(data_mod.Windows(tokens.train, m.block_size), tc.global_batch_size, mbs,
                                    ctx.rank, ctx.world, tc.seed)
@@ -110,6 +254,7 @@ def bare(overrides: list[str], steps: int) -> dict:
                 ctx.clip_grad_norm(model, tc.grad_clip)
             scaler.step(opt)
             scaler.update()
+            progress.update(step + 1)  # on CUDA: steps queued, a few ahead of the device at most
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t
@@ -121,44 +266,120 @@ def bare(overrides: list[str], steps: int) -> dict:
         ctx.shutdown()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=2)
-    a, overrides = ap.parse_known_args()
-    settings = {
-        "harness, monitor off": lambda: harness([*overrides, "monitor.enabled=false"], a.steps),
-        "harness, monitor default": lambda: harness(overrides, a.steps),
-        "bare PyTorch loop": lambda: bare(overrides, a.steps),
-    }
+SETTINGS = ("harness, monitor off", "harness, monitor default", "bare PyTorch loop")
+
+
+def machine(device: str) -> str:
+    """The device in words: the GPU's name, or the CPU's model, cores and torch threads."""
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
+    model = platform.processor() or "unknown model"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    return f"cpu: {model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def banner(cfg, overrides: list[str], a, device: str, world: int, tokens) -> str:
+    """One header for every run (the harness's own per-run banner is hidden): the
+    command, machine, torch, model, batch and dtypes."""
+    m, tc = cfg.model, cfg.train
+    vocab = m.vocab_size or data_mod.padded_vocab(tokens.vocab_size)
+    with torch.device("meta"):  # the shape's parameter count, without memory or initialisation
+        params = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias)).num_params()
+    dtypes = PrecisionPolicy(cfg.precision, torch.device(device)).describe()
+    mode = "per-block torch.compile" if compiled(cfg, torch.device(device)) else "eager"
+    return "\n".join([
+        f"bench: {' '.join(DEFAULTS + overrides)} | {a.steps} steps per run, best of {a.repeats} | world {world}",
+        f"  machine  {machine(device)} | torch {torch.__version__} | Python {platform.python_version()}",
+        f"  model    {m.name}: {params / 1e6:.2f}M params, {m.n_layer}x{m.d_model}, {m.n_head} heads, block "
+        f"{m.block_size}, vocab {vocab} | batch {tc.global_batch_size} seqs = "
+        f"{tc.global_batch_size * m.block_size:,} tokens/step",
+        f"  dtypes   precision={cfg.precision.name}: " + ", ".join(f"{k} {v}" for k, v in dtypes.items()),
+        f"  runs     {len(SETTINGS)} settings x {a.repeats}, interleaved | every setting {mode} | the harness's "
+        "own output hidden (--verbose shows it)",
+    ])
+
+
+def run_setting(name: str, overrides: list[str], a, progress: Progress, tokens=None) -> dict:
+    """One run of the setting ``name`` (one of SETTINGS)."""
+    if name == "bare PyTorch loop":
+        return bare(overrides, a.steps, progress, tokens)
+    monitor = ["monitor.enabled=false"] if name == "harness, monitor off" else []
+    return harness([*overrides, *monitor], a.steps, progress, a.verbose)
+
+
+def measure(overrides: list[str], a, stream: Optional[TextIO], tokens=None) -> dict[str, dict]:
+    """Every setting ``a.repeats`` times, interleaved, one progress line each (on
+    ``stream``; None on ranks other than 0); the fastest run of each setting."""
+    order = [name for _ in range(a.repeats) for name in SETTINGS]
     best: dict[str, dict] = {}
-    for _ in range(a.repeats):
-        for name, fn in settings.items():
-            r = fn()
-            if name not in best or r["tokens_per_s"] > best[name]["tokens_per_s"]:
-                best[name] = r
-    cfg = compose_cfg(overrides)
-    device = "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
+    walls: dict[str, float] = {}  # the last wall time of each setting, start-up included: the bench's ETA
+    seen: set[str] = set()
+    for k, name in enumerate(order, 1):
+        left = order[k - 1:]
+        note = f" (bench done in ~{_fmt_s(sum(walls[n] for n in left))})" if set(left) <= set(walls) else ""
+        progress = Progress(stream, f"  [{k}/{len(order)}] {name:<{max(map(len, SETTINGS))}}", a.steps, note)
+        t = time.perf_counter()
+        try:
+            r = run_setting(name, overrides, a, progress, tokens)
+        except BaseException:
+            progress.abandon()
+            raise
+        walls[name] = time.perf_counter() - t
+        tps = f"{r['tokens_per_s']:,.0f} tokens/s" if r["tokens_per_s"] else "no tokens/s"
+        progress.finish(f"{tps}, {walls[name]:.1f} s with start-up")
+        for w in r.get("warnings", []):
+            if w not in seen and stream is not None:
+                seen.add(w)
+                print(f"    harness {w}", file=stream)
+        if name not in best or r["tokens_per_s"] > best[name]["tokens_per_s"]:
+            best[name] = r
+    return best
+
+
+def results(best: dict[str, dict], cfg, device: str, world: int, repeats: int) -> str:
+    """The table: tokens/s, step time, MFU, memory and the ratio to the bare loop."""
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     kind = matmul_kind(dtype_name(cfg.precision.compute_dtype.torch), cfg.precision.fp8.enabled,
                        device == "cuda" and torch.backends.cuda.matmul.allow_tf32)
     peak = peak_flops(name, kind, cfg.train.peak_tflops)
     fpt = best["bare PyTorch loop"]["flops_per_token"]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if int(os.environ.get("RANK", "0")):
-        return
     base = best["bare PyTorch loop"]["tokens_per_s"]
-    mode = "per-block torch.compile" if compiled(cfg, torch.device(device)) else "eager"
-    print(f"\nbench: {' '.join(DEFAULTS + overrides)} | {a.steps} steps, best of {a.repeats} | {name} | world {world}"
-          f" | every setting {mode}")
     mem_note = "peak GiB" if device == "cuda" else "RSS GiB*"
-    print(f"  {'setting':<26} {'tokens/s':>10} {'step ms':>9} {'MFU':>7} {mem_note:>9} {'vs bare':>8}")
+    lines = [f"\nresults (the fastest of {repeats} run(s) of each setting):",
+             f"  {'setting':<26} {'tokens/s':>10} {'step ms':>9} {'MFU':>7} {mem_note:>9} {'vs bare':>8}"]
     for k, r in best.items():
         u = f"{100 * mfu(r['tokens_per_s'], fpt, peak, world):.1f}%" if peak else "n/a"
-        print(f"  {k:<26} {r['tokens_per_s']:>10,.0f} {1e3 * r['step_time_s']:>9.1f} {u:>7} "
-              f"{r['mem']:>9.2f} {r['tokens_per_s'] / base:>8.3f}")
+        lines.append(f"  {k:<26} {r['tokens_per_s']:>10,.0f} {1e3 * r['step_time_s']:>9.1f} {u:>7} "
+                     f"{r['mem']:>9.2f} {r['tokens_per_s'] / base:>8.3f}")
     if device == "cpu":
-        print("  * CPU: peak resident memory of the process during that run (Linux VmHWM, reset per run)")
+        lines.append("  * CPU: peak resident memory of the process during that run (Linux VmHWM, reset per run)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Banner, the runs with their progress, then the table (rank 0 prints; every rank trains)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--verbose", action="store_true", help="show the harness's own banner and messages for every run")
+    a, overrides = ap.parse_known_args()
+    cfg = compose_cfg(overrides)
+    device = "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    tokens = None
+    if rank0:
+        # The corpus, loaded once for the banner and the bare loop; a first use builds
+        # its cache here, where its messages show (the harness's are hidden).
+        tokens = data_mod.prepare(cfg.data, log=lambda msg: print(f"  data: {msg}", flush=True))
+        print(banner(cfg, overrides, a, device, world, tokens), flush=True)
+    best = measure(overrides, a, sys.stdout if rank0 else None, tokens)
+    if rank0:
+        print(results(best, cfg, device, world, a.repeats))
 
 
 if __name__ == "__main__":

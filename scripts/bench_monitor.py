@@ -5,41 +5,71 @@
 Prints training tokens/s (evaluation and checkpointing excluded; logging and
 the monitor's own work included) for each setting and the monitor's overhead.
 Each setting runs twice, interleaved, and the faster run counts, to damp
-noise from a shared machine.
+noise from a shared machine. One banner comes first and one progress line per
+run (as in ``scripts/bench.py``); the harness's own banner and messages are
+hidden, its warnings passed on once.
 """
 from __future__ import annotations
 
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py's progress line and quiet runs
 
+import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 import mptrain.config  # noqa: E402,F401
+from bench import Progress, following, machine, quiet_harness  # noqa: E402
 from mptrain.trainer import run  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.max_steps=300", "train.eval_every=0",
-            "log.progress=false", "log.tensorboard=false"]
+            "log.progress=false", "log.tensorboard=false", "checkpoint.at_end=false"]  # not what is measured
+SETTINGS = {"monitor off": ["monitor.enabled=false"], "monitor every 50 (default)": [],
+            "monitor every 10": ["monitor.every=10"]}
 
 
-def tokens_per_s(overrides: list[str]) -> float:
+def compose_cfg(overrides: list[str]):
+    """The run's config: DEFAULTS, then ``overrides``."""
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        cfg = compose("config", overrides=[*DEFAULTS, *overrides])
-    with tempfile.TemporaryDirectory() as d:
-        return run(cfg, run_dir=d)["perf/tokens_per_s"]
+        return compose("config", overrides=[*DEFAULTS, *overrides])
+
+
+def tokens_per_s(overrides: list[str], progress: Progress) -> tuple[float, list[str]]:
+    """One harness run, quiet, its steps reported to ``progress``: (tokens/s, its warning lines)."""
+    cfg = compose_cfg(overrides)
+    with tempfile.TemporaryDirectory() as d, following(Path(d) / "metrics.jsonl", progress), \
+            quiet_harness(False) as warnings:
+        tps = run(cfg, run_dir=d)["perf/tokens_per_s"]
+    return tps, warnings
 
 
 def main() -> None:
+    """Banner, each run with its progress line, then one line per setting."""
     user = sys.argv[1:]
-    settings = {"monitor off": ["monitor.enabled=false"], "monitor every 50 (default)": [],
-                "monitor every 10": ["monitor.every=10"]}
-    best = {k: 0.0 for k in settings}
-    for _ in range(2):
-        for name, ov in settings.items():
-            best[name] = max(best[name], tokens_per_s([*ov, *user]))
+    cfg = compose_cfg(user)
+    device = "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
+    print(f"bench_monitor: {' '.join(DEFAULTS + user)} | {len(SETTINGS)} settings x 2, interleaved\n"
+          f"  machine  {machine(device)} | torch {torch.__version__}", flush=True)
+    best = {k: 0.0 for k in SETTINGS}
+    order = [name for _ in range(2) for name in SETTINGS]
+    seen: set[str] = set()
+    for k, name in enumerate(order, 1):
+        progress = Progress(sys.stdout, f"  [{k}/{len(order)}] {name:<28}", cfg.train.max_steps)
+        try:
+            tps, warnings = tokens_per_s([*SETTINGS[name], *user], progress)
+        except BaseException:
+            progress.abandon()
+            raise
+        progress.finish(f"{tps:,.0f} tokens/s")
+        for w in [w for w in warnings if w not in seen]:
+            seen.add(w)
+            print(f"    harness {w}")
+        best[name] = max(best[name], tps)
     base = best["monitor off"]
     print(f"\nbench_monitor: {' '.join(DEFAULTS + user)}")
     for name, tps in best.items():

@@ -5,8 +5,14 @@
 
 Writes ``comparison.png`` and ``comparison.md`` (into the sweep directory, the
 runs' common parent, or ``--out``) and prints the table. Each line of the
-figure is one run, labelled by what differs between the runs' configs.
-Panels whose metric no run logged are left out (the figure says which).
+figure is one run, labelled by what differs between the runs' configs, with
+its own colour, line style and hollow marker (a lone point is a marker), so a
+curve drawn over an identical one leaves it visible. Runs whose curves
+coincide on a panel (equal within COINCIDE_RTOL at every common step) are
+named in that panel's title and in a note after the table. Tick labels are
+plain numbers (no offset or shared multiplier), and a linear y axis spans at
+least MIN_REL_SPAN of its values, so rounding-level differences never fill a
+panel. Panels whose metric no run logged are left out (the figure says which).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 import yaml
@@ -38,6 +45,15 @@ PANELS = [
     ("update underflow if stored in bf16", "numerics/update_underflow/bf16", "step", "linear"),
 ]
 IGNORED_KEYS = ("run_info", "log.", "debug.", "hydra")
+# Each run's look in every panel; runs differ in all three, so identical curves stay visible.
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
+# Curves equal within this at every common step are named as coinciding: same-seed
+# reruns and runs a setting does not affect are equal to the last bit; real
+# precision effects on a loss are 1e-5 relative and more.
+COINCIDE_RTOL, COINCIDE_ATOL = 1e-6, 1e-12
+# A linear y axis spans at least this fraction of its largest |value|.
+MIN_REL_SPAN = 1e-3
 
 
 class Run:
@@ -123,43 +139,167 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def figure(runs: list[Run], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def panels_with_data(runs: list[Run]) -> tuple[list[tuple], list[str]]:
+    """The panels some run has data for, and the metrics no run logged."""
     panels = [p for p in PANELS if any(r.series(p[1], p[2])[0] for r in runs)]
-    missing = sorted({p[1] for p in PANELS} - {p[1] for p in panels})
-    cols = 3
-    rows = max(1, math.ceil(len(panels) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False)
-    for ax, (title, metric, x, scale) in zip(axes.flat, panels):
-        for i, r in enumerate(runs):
-            xs, ys = r.series(metric, x)
-            if xs:  # a run keeps its colour in every panel, also where others are missing
-                ax.plot(xs, ys, label=r.label, color=f"C{i % 10}", marker="." if len(xs) < 30 else None,
-                        linewidth=1.2)
-        ax.set_title(title)
-        ax.set_xlabel("tokens" if x == "train/tokens" else "step")
-        if scale == "log2":
-            ax.set_yscale("log", base=2)
-        elif scale == "log":
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
+    return panels, sorted({p[1] for p in PANELS} - {p[1] for p in panels})
+
+
+def _equal(a: float, b: float) -> bool:
+    """Equal within COINCIDE_RTOL/ATOL; two NaNs (or two equal infinities) count as equal."""
+    return a == b or (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=COINCIDE_RTOL,
+                                                                         abs_tol=COINCIDE_ATOL)
+
+
+def coinciding(runs: list[Run], metric: str, x: str) -> list[list[Run]]:
+    """Groups of two or more runs whose curves of ``metric`` over ``x`` are equal
+    (within a tiny tolerance) at every x they share: drawn alone, the one on top
+    would hide the others. Runs sharing no x never coincide."""
+    groups: list[list[tuple[Run, dict]]] = []
+    for r in runs:
+        points = dict(zip(*r.series(metric, x)))
+        if not points:
+            continue
+        for g in groups:
+            first = g[0][1]
+            common = first.keys() & points.keys()
+            if common and all(_equal(first[k], points[k]) for k in common):
+                g.append((r, points))
+                break
+        else:
+            groups.append([(r, points)])
+    return [[r for r, _ in g] for g in groups if len(g) > 1]
+
+
+def coincidences(runs: list[Run], panels: list[tuple]) -> dict[str, list[list[str]]]:
+    """Panel title -> the labels of each group of coinciding curves on it (panels without any left out)."""
+    out = {}
+    for title, metric, x, _ in panels:
+        groups = coinciding(runs, metric, x)
+        if groups:
+            out[title] = [[r.label for r in g] for g in groups]
+    return out
+
+
+def coincide_note(same: dict[str, list[list[str]]]) -> str:
+    """The coinciding curves in words, one clause per group of runs with the panels where they coincide."""
+    by_group: dict[str, list[str]] = {}
+    for title, groups in same.items():
+        for g in groups:
+            by_group.setdefault(" = ".join(g), []).append(title)
+    if not by_group:
+        return ""
+    clauses = "; ".join(f"{g} (in: {', '.join(titles)})" for g, titles in by_group.items())
+    return (f"Curves that coincide (equal within {COINCIDE_RTOL:g} relative at every common step; "
+            f"told apart by line style and marker): {clauses}.")
+
+
+def style(i: int, n_points: int, n_runs: int) -> dict:
+    """Run ``i``'s look, the same in every panel: colour, line style and hollow marker
+    all vary with the run, so a curve drawn over an identical one leaves it visible
+    (the dashes show the line below; the markers sit at different points)."""
+    every = max(1, n_points // 8)
+    return dict(color=f"C{i % 10}", linestyle=LINESTYLES[i % len(LINESTYLES)], marker=MARKERS[i % len(MARKERS)],
+                markevery=((i * every) // max(1, n_runs), every), markersize=8 if n_points == 1 else 5,
+                markerfacecolor="none", markeredgewidth=1.2, linewidth=1.3)
+
+
+def plain_number(v: float, _pos=None) -> str:
+    """``v`` written out in positions, up to 6 significant digits: 0.00012, 3.6, 65536."""
+    if v == 0 or not math.isfinite(v):
+        return f"{v:g}"
+    digits = max(0, 5 - math.floor(math.log10(abs(v))))
+    return f"{v:.{digits}f}".rstrip("0").rstrip(".")
+
+
+def plain_axes(ax, x: str, scale: str) -> None:
+    """Tick labels that read as the values themselves: no offset ("+7.521"), no
+    shared multiplier ("1e-5") and no powers ("3.6x10^0"), which make rounding-level
+    differences look large or hide the value; whole steps on a step axis."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, ScalarFormatter
+
+    axes = [ax.xaxis] + ([ax.yaxis] if scale == "linear" else [])
+    for axis in axes:
+        f = ScalarFormatter(useOffset=False)
+        f.set_scientific(False)
+        axis.set_major_formatter(f)
+    if scale != "linear":
+        lo, hi = ax.get_ylim()
+        ax.yaxis.set_major_formatter(FuncFormatter(plain_number))
+        # Within one power of the base the major ticks are too few to read: label the minor ones too.
+        narrow = lo > 0 and hi / lo < (2 if scale == "log2" else 10)
+        ax.yaxis.set_minor_formatter(FuncFormatter(plain_number) if narrow else NullFormatter())
+    if x == "step":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # also for one step
+
+
+def min_span(ax, values: list[float]) -> None:
+    """Widen a linear y axis to at least MIN_REL_SPAN of its largest value, so that
+    differences at the level of rounding (one point per run, flat curves) do not
+    fill the panel."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return
+    lo, hi = min(finite), max(finite)
+    need = MIN_REL_SPAN * max(abs(lo), abs(hi))
+    if hi - lo < need:
+        mid = (lo + hi) / 2
+        ax.set_ylim(mid - need / 2, mid + need / 2)
+
+
+def _panel(ax, runs: list[Run], spec: tuple, same: list[list[str]]) -> None:
+    """One panel: every run with data in its own style, the axes plain, the coinciding runs named in the title."""
+    title, metric, x, scale = spec
+    values: list[float] = []
+    for i, r in enumerate(runs):
+        xs, ys = r.series(metric, x)
+        if xs:  # a run keeps its look in every panel, also where others are missing
+            ax.plot(xs, ys, label=r.label, zorder=2 + i, **style(i, len(xs), len(runs)))
+            values += ys
+    notes = [f"same curve: {' = '.join(g)}" for g in same]
+    ax.set_title("\n".join([title, *(textwrap.fill(n, 70) for n in notes)]), fontsize=10 if notes else None)
+    ax.set_xlabel("tokens" if x == "train/tokens" else "step")
+    if scale == "log2":
+        ax.set_yscale("log", base=2)
+    elif scale == "log":
+        ax.set_yscale("log")
+    else:
+        min_span(ax, values)
+    plain_axes(ax, x, scale)
+    ax.grid(alpha=0.3)
+
+
+def build_figure(runs: list[Run]):
+    """The comparison figure (a ``matplotlib.figure.Figure``, not yet saved): one
+    panel per metric some run logged, one line per run."""
+    from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], color=f"C{i % 10}") for i in range(len(runs))]
+    panels, missing = panels_with_data(runs)
+    same = coincidences(runs, panels)
+    cols = 3
+    rows = max(1, math.ceil(len(panels) / cols))
+    fig = Figure(figsize=(6 * cols, 3.8 * rows + 0.4))
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax, spec in zip(axes.flat, panels):
+        _panel(ax, runs, spec, same.get(spec[0], []))
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles = [Line2D([], [], **{k: v for k, v in style(i, 2, len(runs)).items() if k != "markevery"})
+               for i in range(len(runs))]
     labels = [r.label for r in runs]
     fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=9, frameon=False)
     note = f"not logged by any run: {', '.join(missing)}" if missing else ""
     fig.suptitle(f"{len(runs)} run(s)" + (f" — {note}" if note else ""), fontsize=10)
     fig.tight_layout(rect=(0, 0.04 + 0.02 * math.ceil(len(labels) / 3), 1, 0.97))
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return missing
+    return fig
+
+
+def figure(runs: list[Run], out: Path) -> tuple[list[str], str]:
+    """Write the figure to ``out``; returns the metrics no run logged and the note on coinciding curves."""
+    build_figure(runs).savefig(out, dpi=110)  # a bare Figure renders with Agg: no pyplot, no display
+    panels, missing = panels_with_data(runs)
+    return missing, coincide_note(coincidences(runs, panels))
 
 
 def main(argv: list[str]) -> int:
@@ -180,8 +320,9 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     label_runs(runs)
     md = table(runs)
-    missing = figure(runs, out / "comparison.png")
+    missing, same = figure(runs, out / "comparison.png")
     note = f"\n\nNot logged by any run (panels left out): {', '.join(missing)}." if missing else ""
+    note += f"\n\n{same}" if same else ""
     (out / "comparison.md").write_text(f"![comparison](comparison.png)\n\n{md}{note}\n")
     print(md + note)
     print(f"\nwrote {out / 'comparison.png'} and {out / 'comparison.md'}")

@@ -1,6 +1,8 @@
 """Shared test helpers: compose a real Hydra config, train in-process, read the run dir."""
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -58,6 +60,15 @@ def train(run_dir: Path, *overrides: str, tiny: bool = True):
 
     summary = run(make_cfg(*overrides, tiny=tiny), run_dir=run_dir)
     return summary, read_rows(run_dir)
+
+
+@functools.cache
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are not a package), loaded once."""
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_cli(*args: str, timeout: int = 300, env: dict | None = None, cwd: Path | None = None):

@@ -1,20 +1,22 @@
-"""scripts/bench.py runs and prints every column (no timing assertions: speed is a benchmark's job)."""
+"""scripts/bench.py runs and prints every column, one banner and each run's progress
+(no timing assertions: speed is a benchmark's job)."""
 from __future__ import annotations
 
-import importlib.util
+import io
+import os
 import sys
 
-from .conftest import ROOT
+import torch
+
+from .conftest import load_script
 
 
 def test_bench_prints_the_table(monkeypatch, capsys):
     """bench.py's ``main`` in this process, with the command line a user would type:
     nothing in it depends on being a fresh process (it trains through
     ``mptrain.trainer.run`` like the in-process tests), and a new one would only add
-    the start-up."""
-    spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    the start-up. Captured output is not a terminal: progress comes as plain lines."""
+    bench = load_script("bench")
     monkeypatch.setattr(sys, "argv", ["bench.py", "model=gpt-nano", "data.tokenizer=byte", "data.max_chars=300000",
                                       "train.global_batch_size=8", "train.peak_tflops=1.0", "--steps", "3",
                                       "--repeats", "1"])
@@ -29,3 +31,41 @@ def test_bench_prints_the_table(monkeypatch, capsys):
         assert cells[-1].replace(".", "").isdigit() and cells[-3].endswith("%")  # ratio and MFU are numbers
     assert rows[-1].split()[-1] == "1.000"  # the bare loop is the reference
     assert "every setting eager" in out  # like with like: no compiled harness against an eager bare loop
+    # One compact banner: machine, torch, model and dtypes once; the harness's own banner and lines hidden.
+    assert out.count("bench:") == 1 and f"torch {torch.__version__}" in out
+    assert "gpt-nano: " in out and "precision=fp32: parameters fp32, compute fp32" in out
+    assert "mptrain |" not in out and "run directory" not in out and "done in" not in out
+    # Each run: which of how many, steps done of the total; plain lines, no carriage returns.
+    assert "\r" not in out
+    progress = [line.split() for line in out.splitlines() if line.startswith("  [")]
+    for k, name in enumerate(bench.SETTINGS, 1):
+        mine = [" ".join(words) for words in progress if words[0] == f"[{k}/3]"]
+        assert mine[0] == f"[{k}/3] {name} 0/3 steps", mine
+        assert mine[-1].startswith(f"[{k}/3] {name} 3/3 steps | ") and "tokens/s" in mine[-1], mine
+    assert len(progress) == 6  # a start and an end line each: the runs are shorter than PLAIN_EVERY_S
+
+
+def test_progress_line_on_a_terminal_and_in_a_file(monkeypatch):
+    """The progress line itself: on a real terminal (a pseudo-terminal) redrawn in
+    place, elsewhere plain lines at the configured interval, with an ETA once
+    steps have a rate."""
+    bench = load_script("bench")
+    monkeypatch.setattr(bench, "PLAIN_EVERY_S", 0.0)  # every update is due
+    plain = io.StringIO()
+    p = bench.Progress(plain, "[1/2] bare", 10)
+    for done in (1, 4, 4, 2):  # repeats and stale counts (a slower poll) show nothing new
+        p.update(done)
+    p.finish("123 tokens/s")
+    assert plain.getvalue().splitlines()[0] == "[1/2] bare  0/10 steps"
+    assert plain.getvalue().splitlines()[1] == "[1/2] bare  1/10 steps"  # no rate yet: no ETA
+    assert plain.getvalue().splitlines()[2].startswith("[1/2] bare  4/10 steps, eta ")
+    assert plain.getvalue().splitlines()[3:] == ["[1/2] bare 10/10 steps | 123 tokens/s"]
+    master, slave = os.openpty()
+    with os.fdopen(slave, "w") as tty:
+        p = bench.Progress(tty, "[2/2] bare", 10)
+        p.update(5)
+        p.finish("done")
+    text = os.read(master, 4096).decode()
+    os.close(master)
+    assert text.startswith("\r\x1b[K[2/2] bare  0/10 steps") and text.count("\n") == 1  # one line, redrawn
+    assert "\r\x1b[K[2/2] bare 10/10 steps | done" in text

@@ -1,14 +1,15 @@
 """scripts/compare.py on real run directories, and W&B grouping of a sweep."""
 from __future__ import annotations
 
-import functools
-import importlib.util
+import re
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import yaml
 
-from .conftest import ROOT, TINY, run_cli, train
+from .conftest import ROOT, TINY, load_script, run_cli, train
 
 
 def _compare(*args):
@@ -17,19 +18,11 @@ def _compare(*args):
                           capture_output=True, text=True, timeout=300)
 
 
-@functools.cache
-def _compare_module():
-    spec = importlib.util.spec_from_file_location("compare_script", ROOT / "scripts" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _compare_here(capsys, *args) -> tuple[int, str, str]:
     """compare.py's ``main`` in this process: (exit status, stdout, stderr). The CLI
     itself is run by test_compare_a_sweep; here a new process would only add its
     start-up (torch, imported through mptrain) to the same code."""
-    main = _compare_module().main
+    main = load_script("compare").main
     capsys.readouterr()  # only what main prints
     code = main([str(a) for a in args])
     out, err = capsys.readouterr()
@@ -53,9 +46,20 @@ def test_compare_a_sweep(tmp_path):
     assert "Not logged" not in text  # every panel had data (fp16 brings the loss scale)
 
 
-def test_compare_single_run_with_missing_metrics(tmp_path, capsys):
-    train(tmp_path / "run", "train.max_steps=3", "monitor.enabled=false")
-    code, _, err = _compare_here(capsys, tmp_path / "run", "--out", tmp_path / "report")
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory) -> Path:
+    """Three runs without the monitor, shared by the tests below: ``a`` and ``b``
+    the same one-step run (one point per panel, identical curves), ``run`` three
+    steps from another seed (a curve that coincides with neither)."""
+    root = tmp_path_factory.mktemp("short-runs")
+    for name in ("a", "b"):
+        train(root / name, "train.max_steps=1", "monitor.enabled=false")
+    train(root / "run", "train.max_steps=3", "train.seed=1", "monitor.enabled=false")
+    return root
+
+
+def test_compare_single_run_with_missing_metrics(short_runs, tmp_path, capsys):
+    code, _, err = _compare_here(capsys, short_runs / "run", "--out", tmp_path / "report")
     assert code == 0, err
     assert (tmp_path / "report" / "comparison.png").exists()
     note = (tmp_path / "report" / "comparison.md").read_text()
@@ -80,3 +84,48 @@ def test_sweep_is_one_wandb_group_named_by_overrides(tmp_path):
     assert [c["run_info"]["run_name"].split("precision=")[1].split(",")[0] for c in cfgs] == ["fp32", "bf16"]
     for j in jobs:
         assert len(list((j / "wandb").glob("offline-run-*"))) == 1
+
+
+def _plain_labels(fig) -> dict:
+    """Panel title -> its axes, after checking that every tick label of every panel
+    is a number written out: no offset ("+7.521"), no multiplier ("1e-5"), no powers."""
+    fig.draw_without_rendering()  # tick labels and offsets are decided at draw time
+    panels = {ax.get_title().split("\n")[0]: ax for ax in fig.axes if ax.get_title()}
+    for title, ax in panels.items():
+        for axis in (ax.xaxis, ax.yaxis):
+            assert axis.get_major_formatter().get_offset() == "", title
+            labels = [t.get_text() for t in axis.get_ticklabels() + axis.get_ticklabels(minor=True) if t.get_text()]
+            assert labels and all(re.fullmatch(r"[-\u2212]?\d+(\.\d+)?", t) for t in labels), (title, labels)
+    return panels
+
+
+def test_figure_of_one_point_runs_and_identical_curves(short_runs, tmp_path, capsys):
+    """Two identical one-point runs and a third that differs: the axes read
+    plainly, a lone point is a visible marker, the identical pair is drawn in two
+    styles and named, on the figure and in the printed output; the third run is not."""
+    compare = load_script("compare")
+    runs = compare.find_runs([short_runs])
+    a, b, c = compare.label_runs(runs)
+    assert a.endswith("(a)") and b.endswith("(b)") and c.endswith("(run)")  # same config: named by directory
+    panels = _plain_labels(compare.build_figure(runs[:2]))  # only single points: matplotlib's offset case
+    assert {"train loss", "gradient norm (unscaled, before clipping)"} <= set(panels)
+    for title, ax in panels.items():
+        la, lb = ax.get_lines()
+        for line in (la, lb):  # a lone point is a marker one can see, not a pixel
+            assert len(line.get_xdata()) == 1, title
+            assert line.get_marker() not in ("", "None", None, ",", ".") and line.get_markersize() >= 6, title
+        assert la.get_linestyle() != lb.get_linestyle() and la.get_marker() != lb.get_marker(), title
+        assert f"same curve: {a} = {b}" in ax.get_title().replace("\n", " "), title
+    from matplotlib.figure import Figure
+
+    ax = Figure().subplots()  # two losses 1e-4 apart do not stretch over a whole panel
+    ax.plot([1, 1], [7.5213, 7.5214])
+    compare.min_span(ax, [7.5213, 7.5214])
+    assert ax.get_ylim()[1] - ax.get_ylim()[0] >= 0.99 * compare.MIN_REL_SPAN * 7.5214
+    title = _plain_labels(compare.build_figure(runs))["train loss"].get_title().replace("\n", " ")
+    assert f"same curve: {a} = {b}" in title and c not in title
+    code, out, err = _compare_here(capsys, short_runs, "--out", tmp_path / "report")
+    assert code == 0, err
+    note = next(line for line in out.splitlines() if line.startswith("Curves that coincide"))
+    assert f"{a} = {b} (in: train loss, train loss vs tokens, " in note and c not in note
+    assert note in (tmp_path / "report" / "comparison.md").read_text()

@@ -23,6 +23,8 @@ from .conftest import ROOT, TINY, read_rows, train
 STEPS = 20
 # The same global batch (8 sequences) as one process with no wrapper.
 COMMON = [*TINY, f"train.max_steps={STEPS}", "train.eval_every=10", "train.eval_batches=2"]
+# test_preempt.py's run (under parallel=fsdp). No checkpoint.every: the only checkpoint is the one the signal makes.
+PREEMPT = [*TINY, "train.max_steps=20", "train.eval_every=5", "train.eval_batches=2"]
 # Loss-curve tolerance against parallel=none, per precision (max abs difference in nats
 # over the 20 steps). Two ranks each compute a half-batch gradient; the wrapper reduces
 # them in fp32 and the mean equals the full-batch gradient up to summation order
@@ -126,6 +128,8 @@ EXTRA_CASES = {
         # test_fastpath.py::test_fsdp_with_activation_checkpointing_two_ranks
         "ckpt": [*COMMON, "precision=fp32", "train.activation_checkpointing=block"],
         "fp8": [*COMMON, "precision=fp8"],  # test_fp8.py::test_fsdp2_fp8_two_ranks
+        # test_preempt.py::test_two_rank_fsdp_sigterm_exits_0_and_resumes_exactly: the uninterrupted run
+        "preempt": PREEMPT,
     },
 }
 

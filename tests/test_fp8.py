@@ -13,7 +13,7 @@ import torch.nn as nn
 from mptrain.config import ConfigError
 from mptrain.doctor import fp8_software_problem
 
-from .conftest import ROOT, TINY, make_cfg, read_rows, train
+from .conftest import ROOT, make_cfg, read_rows, train
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 NANO_LINEARS = {f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}

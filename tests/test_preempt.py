@@ -14,6 +14,7 @@ from pathlib import Path
 from mptrain.checkpoint import complete_checkpoints, step_of
 
 from .conftest import ROOT, TINY, read_rows, train
+from .test_distributed import PREEMPT
 
 VOLATILE = ("perf/", "mem/")  # wall-clock figures: the only keys allowed to differ
 
@@ -60,19 +61,12 @@ def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, 
         time.sleep(0.05)
 
 
-# No checkpoint.every: the only checkpoint is the one the signal makes.
-PREEMPT = [*TINY, "train.max_steps=20", "train.eval_every=5", "train.eval_batches=2", "parallel=fsdp"]
-
-
-def test_two_rank_fsdp_sigterm_exits_0_and_resumes_exactly(tmp_path):
-    from .test_distributed import only_run_dir, torchrun
-
-    torchrun(tmp_path / "a", *PREEMPT)
-    straight = read_rows(only_run_dir(tmp_path / "a"))
+def test_two_rank_fsdp_sigterm_exits_0_and_resumes_exactly(tmp_path, two_rank_jobs):
+    straight = read_rows(two_rank_jobs("fsdp")["preempt"])  # the same run, uninterrupted (a job of a shared launch)
     run_dir, log = tmp_path / "b" / "run", tmp_path / "b" / "launch.log"
     run_dir.parent.mkdir()
     cmd = [sys.executable, "-m", "mptrain.torchrun", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
-           *PREEMPT, f"hydra.run.dir={run_dir}"]
+           *PREEMPT, "parallel=fsdp", f"hydra.run.dir={run_dir}"]
     proc = _start(cmd, log)
     _wait_for_step(proc, run_dir, 3, log)
     proc.send_signal(signal.SIGTERM)  # to the launcher only, as a scheduler or `kill <pid>` does

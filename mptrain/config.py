@@ -107,6 +107,10 @@ class ModelConfig:
     """Dropout on attention weights, residual branches and embeddings."""
     bias: bool = True
     """Biases in linears and LayerNorms, as GPT-2 has them."""
+    qk_norm: bool = False
+    """LayerNorm on each head's queries and keys before attention (QK-layernorm):
+    it bounds the attention logits, whose growth destabilises training at high
+    learning rates. A model with it cannot be exported as GPT-2."""
 
 
 # ----------------------------------------------------------------------- precision
@@ -293,6 +297,11 @@ class TrainConfig:
     """Validation loss every this many steps (and at the last step). 0 turns it off."""
     eval_batches: int = 8
     """Validation batches (of ``global_batch_size`` sequences) per evaluation."""
+    z_loss: float = 0.0
+    """Coefficient of the z-loss, ``z_loss * mean(log Z ^ 2)`` added to the
+    training loss (log Z: the log-partition of the output logits), which keeps
+    the output logits from drifting; 1e-4 is the usual value. Logged as
+    ``train/z_loss``; ``train/loss`` and validation stay the cross-entropy. 0: off."""
     sample_tokens: int = 32
     """After each evaluation, continue ``sample_prompt`` by this many tokens
     (greedy, so the text changes only when the model does) and show it on the
@@ -380,6 +389,14 @@ class OptimConfig:
     """Adam second-moment decay."""
     eps: float = 1e-8
     """Adam epsilon."""
+    update_clip: float = 0.0
+    """Clip each tensor's Adam update, as StableAdamW does: the tensor's
+    learning rate is divided by ``max(1, RMS(g^2 / v) / update_clip)``, where
+    ``v`` is its bias-corrected second moment including this step's gradient.
+    0 turns it off; 1.0 is StableAdamW's setting. Every parameter gets its own
+    optimizer group; with the foreach AdamW (the CPU default) the factors are
+    read back to the host once per step, fused AdamW takes them on the device.
+    A resume cannot turn it on or off (the optimizer state changes layout)."""
     fused: Optional[bool] = None
     """Fused AdamW kernel (one launch for all parameters). ``null``: on for CUDA,
     off on CPU (where the multi-tensor ``foreach`` path is used)."""
@@ -465,6 +482,21 @@ class MonitorConfig:
     logged losses is reported as a spike event."""
     spike_window: int = 20
     """How many recent losses the spike median looks at."""
+    stability: bool = True
+    """On monitored steps, also record what precedes a divergence
+    (``mptrain/stability.py``): each layer's largest attention logit and its
+    attention entropy, the output logits' largest value and mean log-partition,
+    each block's output RMS and max/RMS, and Adam's health per layer group
+    (update RMS before the learning rate; share of elements whose squared
+    gradient exceeds the second moment many times over), as ``stability/*``."""
+    warn_attn_logit: float = 100.0
+    """Early warning when a layer's largest attention logit passes this value
+    (and again each time it doubles): logits this large make the softmax
+    one-hot and precede the loss blow-ups of high learning rates."""
+    warn_update_rms: float = 2.0
+    """Early warning when a layer group's Adam update RMS (before the learning
+    rate) passes this value: a healthy Adam stays at or below 1; above it the
+    second moment lags a sudden gradient, which precedes loss spikes."""
     comm: bool = True
     """On monitored steps, count the payload bytes of every collective the step
     issues (all-gather, reduce-scatter, all-reduce, broadcast), by dtype, as

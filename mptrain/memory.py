@@ -38,23 +38,26 @@ class Estimate:
                 ("total", self.total)]
 
 
-def param_count(n_layer: int, d_model: int, vocab: int, block: int, bias: bool = True) -> int:
-    """Exact parameter count of mptrain's GPT (tied head counted once)."""
+def param_count(n_layer: int, d_model: int, vocab: int, block: int, bias: bool = True, qk_norm_dim: int = 0) -> int:
+    """Exact parameter count of mptrain's GPT (tied head counted once);
+    ``qk_norm_dim`` is the head size of a model with QK-layernorm, 0 without."""
     d = d_model
     per_block = 3 * d * d + d * d + 4 * d * d + 4 * d * d  # qkv, attn proj, mlp fc, mlp proj weights
+    norms = 2 * d + 2 * qk_norm_dim  # ln_1, ln_2, and the q/k norms (one per attention, shared by its heads)
     if bias:
-        per_block += 3 * d + d + 4 * d + d + 2 * d  # their biases + the two LayerNorm biases
+        per_block += 3 * d + d + 4 * d + d  # the linears' biases
         final_norm = 2 * d
     else:
         final_norm = d
-    per_block += 2 * d  # LayerNorm weights
+    per_block += norms * (2 if bias else 1)  # norm weights, and their biases
     return n_layer * per_block + vocab * d + block * d + final_norm
 
 
 def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) -> Estimate:
     """Bytes per rank for ``cfg`` (a composed mptrain config) with ``vocab`` rows."""
     m, p = cfg.model, cfg.precision
-    n = param_count(m.n_layer, m.d_model, vocab, m.block_size, m.bias)
+    qk = m.d_model // m.n_head if m.qk_norm else 0
+    n = param_count(m.n_layer, m.d_model, vocab, m.block_size, m.bias, qk)
     store = BYTES[p.compute_dtype.name] if not p.master_weights else 4
     sharded = cfg.parallel.name.value in ("fsdp", "fsdp1")
     shard = world if sharded else 1
@@ -65,7 +68,7 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
     gathered = 0
     if sharded and world > 1:
         # one block gathered for compute, one prefetched, in the gather dtype
-        blk = param_count(1, m.d_model, 0, 0, m.bias) - (2 * m.d_model if m.bias else m.d_model)
+        blk = param_count(1, m.d_model, 0, 0, m.bias, qk) - (2 * m.d_model if m.bias else m.d_model)
         gathered = 2 * blk * BYTES[(p.param_dtype or p.compute_dtype).name]
     b = micro_batch or cfg.train.micro_batch_size or max(1, cfg.train.global_batch_size // world)
     t, d, a = m.block_size, m.d_model, m.n_head

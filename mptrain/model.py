@@ -6,11 +6,18 @@ LayerNorm and the loss upcast their input explicitly, because CPU autocast
 (unlike CUDA autocast) leaves them in half precision. Attention softmax runs
 inside ``scaled_dot_product_attention``, whose fused kernels accumulate the
 softmax in fp32.
+
+Two pieces serve the stability monitor (``mptrain/stability.py``): the
+optional QK-layernorm (``GPTShape.qk_norm``: LayerNorm on each head's queries
+and keys, which bounds the attention logits), and the attention probe, which
+recomputes the logits the fused kernel hides, on the steps where a monitor
+switches it on (``CausalSelfAttention.probe``).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -28,6 +35,7 @@ class GPTShape:
     block_size: int
     dropout: float = 0.0
     bias: bool = True
+    qk_norm: bool = False  # last, so positional constructions from before it keep their meaning
 
 
 class LayerNorm(nn.Module):
@@ -52,7 +60,43 @@ class LayerNorm(nn.Module):
         return y.to(x.dtype)
 
 
+# Largest number of attention logits the probe holds at once (fp32, 64 MiB per intermediate):
+# it walks the (batch x head) rows in slices of this size so that a monitored
+# step of a long-context model does not need a (B, H, T, T) tensor.
+PROBE_ELEMENTS = 2**24
+
+
+def attention_logit_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(largest logit, mean entropy in nats) of causal attention with queries
+    ``q`` and keys ``k`` (B, H, T, head_dim): logits ``q.k / sqrt(head_dim)``
+    over the allowed (key <= query) positions only, entropy of each query's
+    softmax averaged over batch, heads and query positions. fp32 0-d tensors,
+    left on the device (no host sync)."""
+    B, H, T, hd = q.shape
+    q, k = q.float().reshape(B * H, T, hd), k.float().reshape(B * H, T, hd)
+    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    rows = max(1, PROBE_ELEMENTS // (T * T))
+    top = torch.full((), float("-inf"), device=q.device)
+    ent = torch.zeros((), device=q.device)
+    for i in range(0, B * H, rows):
+        s = (q[i:i + rows] @ k[i:i + rows].transpose(-2, -1)) / math.sqrt(hd)
+        s = s.masked_fill(~allowed, float("-inf"))
+        top = torch.maximum(top, s.amax())
+        logp = torch.log_softmax(s, dim=-1)
+        # masked positions have p = 0 and log p = -inf: their 0 * -inf is dropped, not summed as NaN
+        ent = ent - torch.where(allowed, logp.exp() * logp, 0.0).sum()
+    return top, ent / (B * H * T)
+
+
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``scaled_dot_product_attention``.
+
+    With ``qk_norm``, each head's queries and keys pass through a LayerNorm
+    over ``head_dim`` first, so a logit can only grow through the norms'
+    weights, not through the whole q/k projection. ``probe`` (off unless a
+    monitor sets it) makes each forward also fold the largest logit and the
+    mean entropy into ``probe_stats`` (see :meth:`_probe`)."""
+
     def __init__(self, s: GPTShape):
         super().__init__()
         self.n_head = s.n_head
@@ -60,17 +104,44 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(s.d_model, s.d_model, bias=s.bias)
         self.dropout = s.dropout
         self.resid_drop = nn.Dropout(s.dropout)
+        head_dim = s.d_model // s.n_head
+        self.q_norm = LayerNorm(head_dim, s.bias) if s.qk_norm else None
+        self.k_norm = LayerNorm(head_dim, s.bias) if s.qk_norm else None
+        self.probe: bool = False
+        self.probe_stats: Optional[dict[str, torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.probe:
+            self._probe(q, k)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.proj(y))
+
+    # Eager even inside a compiled block: the dict it mutates lives outside the
+    # graph, and the probe runs on monitored steps only.
+    @torch.compiler.disable
+    def _probe(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Fold this call's attention statistics into ``probe_stats``: the max of
+        the largest logits, the sum of the mean entropies, and the number of
+        calls (so ``entropy_sum / calls`` is the mean). Computed in fp32 from
+        detached q and k; the forward's own result is untouched."""
+        with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+            top, ent = attention_logit_stats(q.detach(), k.detach())
+        st = self.probe_stats
+        if st is None:
+            self.probe_stats = {"logit_max": top, "entropy_sum": ent, "calls": torch.ones((), device=top.device)}
+        else:
+            st["logit_max"] = torch.maximum(st["logit_max"], top)
+            st["entropy_sum"] = st["entropy_sum"] + ent
+            st["calls"] = st["calls"] + 1
 
 
 class MLP(nn.Module):
@@ -117,12 +188,15 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, 0.02), residual output projections scaled by
         1/sqrt(2 * n_layer) so the residual stream's variance does not grow
-        with depth; zero biases; unit norm weights."""
+        with depth; zero biases; unit norm weights (QK-layernorm's too)."""
         std = 0.02
+        # every norm weight, the QK-layernorm's included; ones draw no random
+        # numbers, so adding qk_norm leaves the other weights' initial values as they were
+        norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, LayerNorm)}
         for name, p in self.named_parameters():
             if name.endswith("bias"):
                 nn.init.zeros_(p)
-            elif ".ln_" in name or name.startswith("ln_"):
+            elif name in norms:
                 nn.init.ones_(p)
             elif name.endswith("proj.weight"):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.shape.n_layer))

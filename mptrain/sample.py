@@ -102,10 +102,11 @@ def model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def build_model(meta: dict, weights: dict[str, torch.Tensor]) -> GPT:
     """The run's GPT (shape from ``meta.json``) holding ``weights``, in eval mode.
-    Dropout is built as 0: an exported or sampled model never drops."""
+    Dropout is built as 0: an exported or sampled model never drops. A
+    checkpoint from before ``model.qk_norm`` existed has none."""
     m = meta["config"]["model"]
     model = GPT(GPTShape(meta["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["block_size"], 0.0,
-                         m["bias"]))
+                         m["bias"], m.get("qk_norm", False)))
     model.load_state_dict(weights)
     return model.eval()
 

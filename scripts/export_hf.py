@@ -9,7 +9,9 @@ architecture (pre-norm blocks, learned positions, tanh-GELU MLP, tied head), so
 the export is a renaming plus a transpose: GPT-2 stores its linears as
 ``Conv1D`` with (in, out) weights. A model trained without biases gets zero
 biases, which computes the same function. Every file written gets the mode an
-ordinary new file gets under your umask (0644 under umask 022).
+ordinary new file gets under your umask (0644 under umask 022). A model
+trained with ``model.qk_norm=true`` is refused: GPT-2 has no LayerNorm on
+queries and keys to hold it (``python -m mptrain.sample`` runs such a model).
 
 The tokenizer is the one the checkpoint's ``meta.json`` names. A tokenizer that
 ships its own Python code (an ``auto_map`` in its ``tokenizer_config.json``) is
@@ -115,6 +117,10 @@ def export(src: Path, out: Path, trust_remote_code: bool = False) -> float:
     ckpt = find_checkpoint(src)
     meta = read_meta(ckpt)
     m = meta["config"]["model"]
+    if m.get("qk_norm", False):
+        raise ExportError(f"{src} was trained with model.qk_norm=true, and GPT-2 has no layer for the LayerNorm on "
+                          f"each head's queries and keys, so it cannot be exported; "
+                          f"python -m mptrain.sample {src} runs it as it is.")
     _check_out(ckpt, out)
     # The tokenizer first: a refused one stops the export before the weights are read.
     tokenizer = checkpoint_tokenizer(ckpt, meta, trust_remote_code, byte=byte_tokenizer)

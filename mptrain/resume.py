@@ -36,6 +36,9 @@ NOT_MATH = ("data.cache_dir", "data.num_proc", "data.trust_remote_code", "data.s
 # Changes that are always allowed but worth a line in the history: more (or fewer)
 # steps move the learning-rate schedule; another wrapper or world size reshards.
 RECORDED = ("train.max_steps", "parallel.name", "world_size")
+# Changes no allow list can make: the checkpoint's state has another structure.
+# optim.update_clip > 0 gives every parameter its own optimizer param group.
+STRUCTURAL = {"optim.update_clip": lambda v: bool(v)}
 
 
 class ResumeRefused(ConfigError):
@@ -151,6 +154,10 @@ def compare(saved: dict, now: dict, allow: list[str]) -> tuple[dict, list[str]]:
     for key in sorted(old.keys() & new.keys()):
         if old[key] == new[key]:
             continue
+        if key in STRUCTURAL and STRUCTURAL[key](old[key]) != STRUCTURAL[key](new[key]):
+            raise ResumeRefused(f"{key}: {old[key]!r} -> {new[key]!r} changes the layout of the saved optimizer "
+                                "state, so this checkpoint cannot be loaded under it (even with "
+                                "resume.allow_changes); resume with the value it was saved with, or start a new run.")
         math = key.startswith(MATH) and not key.startswith(NOT_MATH)
         allowed = any(key == a or key.startswith(a + ".") for a in allow)
         if math and not allowed:

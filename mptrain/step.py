@@ -4,12 +4,14 @@
 objects and one step's micro-batches; it knows nothing about logging,
 checkpoints or which wrapper is in use beyond the ``DistContext`` calls it is
 handed. ``lr_at`` is the learning-rate schedule, ``build_optimizer`` the
-AdamW with its weight-decay groups, ``evaluate`` the validation loss.
+AdamW with its weight-decay groups, ``update_clipping`` the optional
+per-tensor update clipping (StableAdamW), ``evaluate`` the validation loss.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -18,6 +20,7 @@ from .faults import NonFiniteGuard, inject_inf_grad
 from .numerics import canonical_name
 from .parallel import DistContext
 from .precision import LossScaler, PrecisionPolicy
+from .shards import local_shard
 
 
 def schedule_lengths(ocfg, max_steps: int) -> tuple[int, int]:
@@ -70,35 +73,56 @@ def decay_names(model: nn.Module) -> set[str]:
 
 
 def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over two groups: ``decay`` (by canonical name) with ``weight_decay``, the rest without.
+    """AdamW over two groups: ``decay`` (by canonical name) with ``weight_decay``, the
+    rest without; with update clipping, one group per parameter instead.
 
     AdamW keeps its moments in the parameters' dtype (fp32 unless
     master_weights=false). Fused on CUDA by default: it takes the inf/nan flag
-    on the device, so a step needs no host sync (see :class:`NonFiniteGuard`)."""
-    params_decay, params_other = [], []
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            (params_decay if canonical_name(n) in decay else params_other).append(p)
-    groups = [
-        {"params": params_decay, "weight_decay": ocfg.weight_decay},
-        {"params": params_other, "weight_decay": 0.0},
-    ]
+    on the device, so a step needs no host sync (see :class:`NonFiniteGuard`).
+
+    With ``optim.update_clip > 0`` every parameter gets a group of its own
+    (with its weight decay), because torch's AdamW takes one learning rate per
+    group and the clipping sets one per tensor (:func:`update_clipping`). That
+    costs one foreach/fused launch per tensor instead of per group. The
+    threshold is kept as ``optimizer.update_clip``, an attribute rather than a
+    group entry: loading a checkpoint overwrites the groups' entries with the
+    saved ones, and the current config must decide. The layout itself is in
+    every checkpoint, so one saved with the switch off does not load with it
+    on, nor the other way round.
+    """
+    clip = float(ocfg.get("update_clip") or 0.0)
+    params = [(canonical_name(n) in decay, p) for n, p in model.named_parameters() if p.requires_grad]
+    if clip > 0:
+        groups = [{"params": [p], "weight_decay": ocfg.weight_decay if d else 0.0} for d, p in params]
+    else:
+        groups = [
+            {"params": [p for d, p in params if d], "weight_decay": ocfg.weight_decay},
+            {"params": [p for d, p in params if not d], "weight_decay": 0.0},
+        ]
     fused = ocfg.fused if ocfg.get("fused") is not None else device.type == "cuda"
     kernel = {"fused": True} if fused else {"foreach": device.type == "cuda" or None}
-    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, **kernel)
+    optimizer = torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, **kernel)
+    optimizer.update_clip = clip
+    return optimizer
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler,
                policy: PrecisionPolicy, ctx: DistContext, micro_batches: list, grad_clip: float,
                inject_inf: bool = False, monitor=None, guard: Optional[NonFiniteGuard] = None,
-               step: int = 0, inject_value: float = math.inf) -> dict[str, torch.Tensor]:
+               step: int = 0, inject_value: float = math.inf, z_loss: float = 0.0) -> dict[str, torch.Tensor]:
     """One optimizer step over this rank's micro-batches.
 
-    Returns device tensors: ``loss`` (mean over micro-batches, this rank),
-    ``grad_norm`` (global, unscaled, before clipping, fp32), ``skipped`` (1 if
-    the step was not applied). Host syncs: none with a fused optimizer; with a
-    foreach/for-loop optimizer, one inside ``GradScaler.step`` (fp16 loss
-    scaling) or one in ``guard`` (inf/nan check without a scaler).
+    Returns device tensors: ``loss`` (the cross-entropy, mean over
+    micro-batches, this rank), ``grad_norm`` (global, unscaled, before
+    clipping, fp32), ``skipped`` (1 if the step was not applied); with
+    ``z_loss > 0`` also ``z_loss`` (the term added to the loss, mean over
+    micro-batches); with ``optimizer.update_clip > 0`` (see
+    :func:`build_optimizer`) also ``update_clip_max`` (the largest
+    ``RMS / update_clip`` over tensors: above 1, that tensor's step was
+    shrunk; 0 on a skipped step). Host syncs: none with a fused optimizer;
+    with a foreach/for-loop optimizer, one inside ``GradScaler.step`` (fp16
+    loss scaling) or one in ``guard`` (inf/nan check without a scaler), and
+    one more with update clipping (the learning rates, see :func:`update_clipping`).
 
     ``guard`` (runs without a loss scaler) decides whether a step with inf/nan
     gradients is applied; ``None`` does not look. ``monitor`` is the numerics
@@ -107,33 +131,141 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
     ``inject_value`` (``debug.inject_grad_value``) into one gradient.
     """
     optimizer.zero_grad(set_to_none=True)
-    n = len(micro_batches)
-    loss_sum = torch.zeros((), device=ctx.device)
-    for i, (x, y) in enumerate(micro_batches):
-        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)  # no-op when prefetched
-        # Gradients cross ranks only on the last micro-batch.
-        with ctx.grad_sync(model, enabled=(i == n - 1)):
-            with policy.autocast():
-                _, loss = model(x, y)
-            # Dividing by n makes K micro-batches sum to the mean over the whole batch.
-            scaler.scale(loss / n).backward()
-        loss_sum += loss.detach()
+    out = _forward_backward(model, scaler, policy, ctx, micro_batches, z_loss)
     if inject_inf:
         inject_inf_grad(model, inject_value)
     if monitor is not None:
         monitor.after_backward(model, scaler.scale_tensor())  # gradients as held: still scaled
     scaler.unscale_(optimizer)  # clipping and the norm must see true gradients
-    grad_norm = ctx.clip_grad_norm(model, grad_clip).float()
-    found_inf, skip_now = guard.gate(grad_norm, step) if guard is not None else (None, False)
+    out["grad_norm"] = ctx.clip_grad_norm(model, grad_clip).float().detach()
+    found_inf, skip_now = guard.gate(out["grad_norm"], step) if guard is not None else (None, False)
+    clip = getattr(optimizer, "update_clip", 0.0)
     if skip_now:  # read back on the host (non-fused optimizer)
         optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_sum / n, "grad_norm": grad_norm.detach(), "skipped": torch.ones((), device=ctx.device)}
+        if clip > 0:
+            out["update_clip_max"] = torch.zeros((), device=ctx.device)
+        return {**out, "skipped": torch.ones((), device=ctx.device)}
     if monitor is not None:
         monitor.before_optimizer(model)
-    skipped = _apply(optimizer, scaler, found_inf)
+    with update_clipping(optimizer, ctx, clip) as clip_max:
+        out["skipped"] = _apply(optimizer, scaler, found_inf)
+    if clip_max is not None:
+        out["update_clip_max"] = clip_max
     if monitor is not None:
-        monitor.after_optimizer(model, skipped)
-    return {"loss": loss_sum / n, "grad_norm": grad_norm.detach(), "skipped": skipped}
+        monitor.after_optimizer(model, out["skipped"])
+    return out
+
+
+def _forward_backward(model: nn.Module, scaler: LossScaler, policy: PrecisionPolicy, ctx: DistContext,
+                      micro_batches: list, z_loss: float) -> dict[str, torch.Tensor]:
+    """Forward and backward over the micro-batches, gradients accumulated in
+    ``.grad``; returns ``loss`` (cross-entropy) and, with ``z_loss > 0``,
+    ``z_loss``, each the mean over micro-batches, on the device."""
+    n = len(micro_batches)
+    loss_sum = torch.zeros((), device=ctx.device)
+    z_sum = torch.zeros((), device=ctx.device) if z_loss > 0 else None
+    for i, (x, y) in enumerate(micro_batches):
+        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)  # no-op when prefetched
+        # Gradients cross ranks only on the last micro-batch.
+        with ctx.grad_sync(model, enabled=(i == n - 1)):
+            with policy.autocast():
+                logits, loss = model(x, y)
+            total = loss
+            if z_loss > 0:
+                # Outside autocast and in fp32, like the cross-entropy: log Z of
+                # half-precision logits would lose the digits the penalty acts on.
+                z = z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+                total = loss + z
+                z_sum += z.detach()
+            # Dividing by n makes K micro-batches sum to the mean over the whole batch.
+            scaler.scale(total / n).backward()
+        loss_sum += loss.detach()
+    out = {"loss": loss_sum / n}
+    if z_loss > 0:
+        out["z_loss"] = z_sum / n
+    return out
+
+
+@torch.no_grad()
+def update_rms(optimizer: torch.optim.Optimizer, ctx: DistContext) -> torch.Tensor:
+    """Per one-parameter group, StableAdamW's ``RMS = sqrt(mean(g^2 / max(v, eps^2)))``
+    (fp32, on the device), from the current (unscaled, clipped) gradient ``g``.
+
+    ``v`` is the second moment AdamW is about to form, this step's gradient
+    included and bias-corrected as AdamW's own update divides by it:
+    ``(beta2 * exp_avg_sq + (1 - beta2) * g^2) / (1 - beta2^t)``, ``t`` the
+    step being taken (``exp_avg_sq`` is zero before the first step). Without
+    the correction every tensor would be clipped on the early steps (by
+    ``sqrt(1 / (1 - beta2))`` on the first), which is not what the rule is for.
+
+    The mean is over the whole tensor under every wrapper: each rank sums its
+    local part (a DTensor shard under FSDP2; under FSDP1 with
+    ``use_orig_params`` this rank's slice of each original parameter, possibly
+    empty), and the sums and element counts of all tensors are added over the
+    shard group in one collective (``ctx.shard_sum``). A tensor without a
+    gradient gets 0.
+    """
+    sums, counts = [], []
+    for group in optimizer.param_groups:
+        (p,) = group["params"]  # update clipping builds one group per parameter
+        counts.append(local_shard(p).numel())  # with no gradient the sum is 0, and so is the RMS
+        if p.grad is None:
+            sums.append(torch.zeros((), device=ctx.device))
+            continue
+        g2 = local_shard(p.grad).float().square()
+        beta2 = group["betas"][1]
+        state = optimizer.state.get(p, {})
+        v = g2 * (1 - beta2)  # two temporaries of the tensor's size, updated in place
+        if "exp_avg_sq" in state:
+            v.add_(local_shard(state["exp_avg_sq"]), alpha=beta2)
+        t = state["step"] + 1 if "step" in state else 1.0  # a tensor (host or device): no sync
+        v.div_(1 - beta2 ** t).clamp_(min=group["eps"] ** 2)
+        sums.append(g2.div_(v).sum())
+    # Counts go up without waiting on the device (an asynchronous copy from a
+    # host list); sums and counts then cross the shard group in one collective.
+    count = torch.tensor(counts, dtype=torch.float64).to(ctx.device, non_blocking=True)
+    totals = ctx.shard_sum(torch.cat([torch.stack(sums).double(), count]))
+    s, c = totals.split(len(sums))
+    return (s / c.clamp(min=1)).sqrt().float()
+
+
+@contextlib.contextmanager
+def update_clipping(optimizer: torch.optim.Optimizer, ctx: DistContext,
+                    update_clip: float) -> Iterator[Optional[torch.Tensor]]:
+    """Around ``optimizer.step()``: each tensor's learning rate becomes
+    ``lr / max(1, RMS / update_clip)`` (:func:`update_rms`) for this step, and
+    the group's own value is put back afterwards (what the trainer set, and
+    what a checkpoint saves). Yields the step's largest ``RMS / update_clip``
+    (0-d, on the device), or None when ``update_clip`` is 0 (nothing happens).
+
+    A step whose gradients hold inf/nan has a non-finite RMS: every factor
+    is then 1, the yielded maximum 0, and the step is skipped as ever
+    (GradScaler or the guard's flag).
+
+    Host sync: a fused optimizer takes each learning rate as a 0-d device
+    tensor, so none; the foreach and for-loop optimizers need floats, read
+    back with one ``.tolist()`` per step: the price of the switch there.
+    """
+    if update_clip <= 0:
+        yield None
+        return
+    ratio = update_rms(optimizer, ctx) / update_clip
+    ratio = torch.where(torch.isfinite(ratio).all(), ratio, torch.zeros_like(ratio))  # a step to be skipped
+    factors = 1.0 / ratio.clamp(min=1.0)
+    groups = optimizer.param_groups
+    base = [g["lr"] for g in groups]
+    if any(g.get("fused") for g in groups):
+        # fp32 0-d tensors, as the fused kernel reads them (one copy up, one multiply).
+        lrs = (factors * torch.tensor(base, dtype=torch.float32).to(ctx.device, non_blocking=True)).unbind()
+    else:
+        lrs = [lr * f for lr, f in zip(base, factors.tolist())]  # host sync: the one the switch adds
+    try:
+        for g, lr in zip(groups, lrs):
+            g["lr"] = lr
+        yield ratio.max()
+    finally:
+        for g, lr in zip(groups, base):
+            g["lr"] = lr
 
 
 def _apply(optimizer: torch.optim.Optimizer, scaler: LossScaler, found_inf: Optional[torch.Tensor]) -> torch.Tensor:

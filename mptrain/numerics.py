@@ -265,19 +265,25 @@ class NumericsMonitor:
 
     ``reduce_sum`` / ``reduce_max`` combine over the ranks that *shard* the
     parameters (identity in one process or under DDP, where every rank holds
-    the same full gradients; an all-reduce under FSDP). ``reduce_max_all``
-    combines over every rank (activations come from different data on each
-    rank, whatever the wrapper).
+    the same full gradients; an all-reduce under FSDP). ``reduce_max_all`` and
+    ``reduce_sum_all`` combine over every rank (activations come from
+    different data on each rank, whatever the wrapper).
+
+    With ``monitor.stability`` the same calls also drive the ``stability/*``
+    figures of :class:`mptrain.stability.StabilityMonitor`; Adam's need
+    :meth:`attach_optimizer`.
     """
 
     def __init__(self, mcfg, model: nn.Module, reduce_sum: Reducer = _identity, reduce_max: Reducer = _identity,
-                 *, reduce_max_all: Reducer = _identity, hist_lo: int = -40, hist_hi: int = 16):
+                 *, reduce_max_all: Reducer = _identity, reduce_sum_all: Reducer = _identity,
+                 hist_lo: int = -40, hist_hi: int = 16):
         self.cfg = mcfg
         self.enabled = bool(mcfg.enabled)
         self.every = int(mcfg.every)
         self.histogram = bool(mcfg.histogram)
         self.activations = bool(mcfg.activations)
         self.reduce_sum, self.reduce_max, self.reduce_max_all = reduce_sum, reduce_max, reduce_max_all
+        self.reduce_sum_all = reduce_sum_all
         self.hist_lo, self.hist_hi = hist_lo, hist_hi
         # Outermost module per block name: with wrappers (FSDP1, checkpoint
         # wrappers) the same "blocks.N" appears at several depths after
@@ -287,9 +293,25 @@ class NumericsMonitor:
             parts = canonical_name(name).split(".")
             if len(parts) == 2 and parts[0] == "blocks" and parts[1].isdigit():
                 self._blocks.setdefault(group_of(name), mod)
+        self.stability = None
+        if self.enabled and getattr(mcfg, "stability", False):
+            from .stability import StabilityMonitor  # here: stability.py imports this module
+
+            self.stability = StabilityMonitor(model)
         self._on = False
         self._hooks: list = []
         self._reset()
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer whose state gives the ``stability/adam_*`` figures (none without it)."""
+        if self.stability is not None:
+            self.stability.attach_optimizer(optimizer)
+
+    def pause_probes(self) -> None:
+        """No attention probe in this step (the dtype audit records the step's own
+        ops; the probe's fp32 logits are monitoring). Its figures are left out."""
+        if self.stability is not None:
+            self.stability.disarm()
 
     # -- schedule
     def active(self, step: int) -> bool:
@@ -305,21 +327,29 @@ class NumericsMonitor:
         self._has_grad: set[str] = set()
         self._snapshot: Optional[list[torch.Tensor]] = None
         self._pending = False
+        if self.stability is not None:
+            self.stability.clear()
 
     def start_step(self, step: int) -> None:
         """Begin ``step``: if monitored, drop stale results and hook the blocks' outputs."""
         self._remove_hooks()  # left over only if a step died between forward and backward
+        if self.stability is not None:
+            self.stability.disarm()  # likewise
         self._on = self.active(step)
         if not self._on:
             return
         self._reset()
         self._pending = True
-        if self.activations:
+        if self.activations or self.stability is not None:
             for group, mod in self._blocks.items():
                 # Zeros up front (|x| >= 0), in a fixed order: every rank then
                 # packs the same layout for the collective in collect().
                 self._max_all[f"act/{group}"] = torch.zeros((), dtype=torch.float32, device=self._device(mod))
                 self._hooks.append(mod.register_forward_hook(self._make_hook(group)))
+        if self.stability is not None:
+            anchor = next(iter(self._blocks.values()), None)
+            dev = self._device(anchor) if anchor is not None else torch.device("cpu")
+            self._hooks += self.stability.start(dev, list(self._blocks))
 
     def _make_hook(self, group: str):
         def hook(module, args, output):
@@ -330,6 +360,8 @@ class NumericsMonitor:
             m = local_shard(out).detach().abs().amax().float()
             # Several forwards per step (gradient accumulation): keep the largest.
             self._max_all[key] = torch.maximum(self._max_all[key], m)
+            if self.stability is not None:
+                self.stability.block_output(group, local_shard(out))
         return hook
 
     def _remove_hooks(self) -> None:
@@ -348,6 +380,8 @@ class NumericsMonitor:
         if not self._on:
             return
         self._remove_hooks()
+        if self.stability is not None:
+            self.stability.read_probes()
         dev = self._device(model)
         # Norms of the held gradient times 1/scale: the true gradient's, without
         # an unscaled copy of each gradient. Scaled per parameter, before
@@ -408,6 +442,8 @@ class NumericsMonitor:
         """Copy the local parameter shards (fp32), to see what the optimizer step changes."""
         if not self._on:
             return
+        if self.stability is not None:
+            self.stability.before_optimizer(model, self._device(model))
         self._snapshot = [local_shard(p.detach()).to(torch.float32, copy=True)
                           for p in model.parameters() if p.requires_grad]
 
@@ -418,6 +454,8 @@ class NumericsMonitor:
         applied as a multiplier rather than read, so there is no host sync: a
         skipped step counts no updates, and :meth:`collect` leaves the
         update metrics out."""
+        if self._on and self.stability is not None:
+            self.stability.after_optimizer(model, self._device(model), skipped)
         if not self._on or self._snapshot is None:
             return
         params = [p for p in model.parameters() if p.requires_grad]
@@ -444,8 +482,12 @@ class NumericsMonitor:
         self._remove_hooks()
         self._pending = False
         vecs, layout = [], []
-        for store, reduce in ((self._sum, self.reduce_sum), (self._max, self.reduce_max),
-                              (self._max_all, self.reduce_max_all)):
+        stab = self.stability
+        sums, maxes_all, sums_all = self._sum, self._max_all, {}
+        if stab is not None:  # the same collectives carry the stability figures (and one more kind)
+            sums, maxes_all, sums_all = {**sums, **stab.sum}, {**maxes_all, **stab.max_all}, stab.sum_all
+        for store, reduce in ((sums, self.reduce_sum), (self._max, self.reduce_max),
+                              (maxes_all, self.reduce_max_all), (sums_all, self.reduce_sum_all)):
             if not store:
                 continue
             names = list(store)
@@ -464,6 +506,8 @@ class NumericsMonitor:
             vals[n] = host[i:i + size]
             i += size
         scalars = self._scalars(vals)
+        if stab is not None:
+            scalars.update(stab.scalars(vals))
         hists = {}
         if "hist" in vals:
             hists["numerics/grad_log2_hist"] = (vals["hist"].round().to(torch.int64),
@@ -495,7 +539,7 @@ class NumericsMonitor:
         if upd is not None and upd[0] > 0:
             for j, fmt in enumerate(UPDATE_FORMATS):
                 out[f"numerics/update_underflow/{fmt}"] = float(upd[1 + j] / upd[0])
-        acts = {n.split("/", 1)[1]: float(v) for n, v in vals.items() if n.startswith("act/")}
+        acts = {n.split("/", 1)[1]: float(v) for n, v in vals.items() if n.startswith("act/") and self.activations}
         for g, v in acts.items():
             out[f"numerics/act_absmax/{g}"] = v
         if acts:

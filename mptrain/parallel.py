@@ -72,6 +72,13 @@ class DistContext:
             t /= self.world
         return t
 
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over every rank (statistics of per-rank data, such as activations)."""
+        if self.has_group and self.world > 1:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
     def shard_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that *shard* the parameters (FSDP); identity where
         every rank holds full copies (none, DDP)."""

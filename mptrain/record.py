@@ -159,6 +159,10 @@ class RunRecord:
         return path
 
 
+def _switch(v) -> str:
+    return ("on" if v else "off") if isinstance(v, bool) else (f"{v:g}" if v else "off")
+
+
 def _steps_text(tc) -> str:
     if tc.audit_only:
         return f"1 step (train.audit_only: the audit ends the run; the schedule is that of {tc.max_steps} steps)"
@@ -178,6 +182,7 @@ def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run
         f"  batch {cfg.train.global_batch_size} seqs = {tokens_per_step:,} tokens/step | micro-batch "
         f"{info['micro_batch_size']} x {info['grad_accum_steps']} accumulation | " + _steps_text(cfg.train),
         f"  AdamW lr {cfg.optim.lr:.1e} | {describe_schedule(cfg.optim, cfg.train.max_steps)}",
+        "  stability switches: " + ", ".join(f"{k}={_switch(v)}" for k, v in info["stability"].items()),
         f"  precision={cfg.precision.name}:",
     ]
     lines += [f"    {k:<16} {v}" for k, v in dtypes.items()]

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import data as data_mod
 from . import rundir
 from .alerts import SkipRateWarning, SpikeDetector
+from .stability import StabilityWarnings
 from .checkpoint import Checkpointer, Progress, StopSignal
 from .comm import counting
 from .config import ConfigError, ParallelMode
@@ -149,7 +150,8 @@ class Trainer:
     def _build_model(self) -> None:
         cfg, ctx, tc, m = self.cfg, self.ctx, self.tc, self.cfg.model
         torch.manual_seed(tc.seed)  # the same seed on every rank gives the same initial weights
-        model = GPT(GPTShape(self.vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias))
+        model = GPT(GPTShape(self.vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
+                             qk_norm=m.qk_norm))
         self.n_params = model.num_params()
         decay = decay_names(model)  # before wrapping: FSDP1 flattens shapes
         if ctx.device.type == "cuda":
@@ -166,7 +168,8 @@ class Trainer:
                                           self.policy, ctx, self.batches, self.faults,
                                           cfg.precision.loss_scale.min_loss_scale)
         self.monitor = NumericsMonitor(cfg.monitor, self.model, reduce_sum=ctx.shard_sum, reduce_max=ctx.shard_max,
-                                       reduce_max_all=ctx.all_reduce_max)
+                                       reduce_max_all=ctx.all_reduce_max, reduce_sum_all=ctx.all_reduce_sum)
+        self.monitor.attach_optimizer(self.optimizer)  # Adam's health on monitored steps (stability.py)
         self.compute_probe = ComputeDtypeProbe(self.model)
 
     def _build_state(self) -> None:
@@ -175,9 +178,10 @@ class Trainer:
         cfg = self.cfg
         self.progress = Progress()
         self.spikes = SpikeDetector(cfg.monitor.spike_factor, cfg.monitor.spike_window)
+        self.stability_warnings = StabilityWarnings(cfg.monitor, dtype_name(self.policy.compute_dtype))
         self.skip_warning = SkipRateWarning(cfg.precision.loss_scale)
         self.states = {"scaler": self.scaler, "progress": self.progress, "spikes": self.spikes,
-                       "skip_warning": self.skip_warning}
+                       "skip_warning": self.skip_warning, "stability_warnings": self.stability_warnings}
         if self.nonfinite.guard is not None:
             self.states["nonfinite_guard"] = self.nonfinite.guard
         self.ckpt = Checkpointer(cfg.checkpoint, self.run_dir, self.ctx, cfg, self.faults,
@@ -218,6 +222,8 @@ class Trainer:
         self.peak = peak_flops(device_name, kind, tc.peak_tflops)
         self.mem_est = memory_estimate(cfg, self.vocab, ctx.world, self.mbs)
         info["flops_per_token"] = self.flops_tok
+        info["stability"] = {"model.qk_norm": m.qk_norm, "train.z_loss": tc.z_loss,
+                             "optim.update_clip": cfg.optim.update_clip}
         info["memory_estimate_gib"] = {k: round(v / 2**30, 4) for k, v in self.mem_est.rows()}
 
     def _resume(self) -> None:
@@ -283,6 +289,7 @@ class Trainer:
         row = self.log(done, out) if log_now else {}
         row.update(self.evaluate(done))
         hists = self.observe(step, out, row)
+        row.update(self._alert(*self.stability_warnings.check(done, row)))  # stability/* of a monitored step
         if row:
             self.metrics.log(done, row, hists)
         if self.tc.audit_only:
@@ -305,12 +312,14 @@ class Trainer:
         self.faults.begin_step(step)
         self.monitor.start_step(step)
         auditing = self.tc.audit and step == self.start
+        if auditing:  # the audit records the step's own ops: no attention probe (monitoring) inside them
+            self.monitor.pause_probes()
         try:
             with counting(self.count_comm and self.monitor.active(step)) as comm, \
                     _audit(auditing, self.model, self.optimizer, self.policy) as audit:
                 out = train_step(self.model, self.optimizer, self.scaler, self.policy, self.ctx, micro,
                                  self.tc.grad_clip, self.faults.inject_inf(step), self.monitor, self.nonfinite.guard,
-                                 step, inject_value=self.faults.grad_value)
+                                 step, inject_value=self.faults.grad_value, z_loss=self.tc.z_loss)
         except NonFiniteStep:
             raise self.nonfinite.error(step) from None
         self.nonfinite.watch_loss(out["loss"], step)  # on the device: read back with the loss when logging
@@ -333,15 +342,19 @@ class Trainer:
         ctx = self.ctx
         self.nonfinite.check_guard(done)
         flag = self.nonfinite.loss_flag()  # fp16 under abort: was any loss since the last look non-finite?
-        read = torch.stack([out["loss"].float()] + ([flag] if flag is not None else []))
-        loss, *flagged = ctx.all_reduce_mean(read).tolist()  # host sync: read back only at this cadence
+        # The switches' own figures ride along in the same read-back.
+        extra = {k: out[k] for k in ("z_loss", "update_clip_max") if out.get(k) is not None}
+        read = torch.stack([out["loss"].float(), *(v.float() for v in extra.values())]
+                           + ([flag] if flag is not None else []))
+        loss, *rest = ctx.all_reduce_mean(read).tolist()  # host sync: read back only at this cadence
+        extra, flagged = dict(zip(extra, rest)), rest[len(extra):]
         self.nonfinite.check_loss(done, loss, bool(flagged and flagged[0] > 0))  # before the scale: the cause
         elapsed, steps = self.clock.lap()
         tps = steps * self.tokens_per_step / elapsed
         row = {"train/loss": loss, "train/lr": out["lr"], "train/grad_norm": float(out["grad_norm"]),
                "train/tokens": self.progress.tokens, "perf/tokens_per_s": tps, "perf/step_time_s": elapsed / steps,
                **({"perf/mfu": mfu(tps, self.flops_tok, self.peak, ctx.world)} if self.peak else {}),
-               **peak_memory(ctx.device)}
+               **{f"train/{k}": v for k, v in extra.items()}, **peak_memory(ctx.device)}
         row.update(self._amp_metrics(done))
         if self.nonfinite.skipped is not None:
             row["train/nonfinite_skipped"] = int(self.nonfinite.skipped)

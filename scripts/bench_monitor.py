@@ -3,7 +3,9 @@
     python scripts/bench_monitor.py [overrides...]      (default: model=gpt-mini precision=fp32, 300 steps)
 
 Prints training tokens/s (evaluation and checkpointing excluded; logging and
-the monitor's own work included) for each setting and the monitor's overhead.
+the monitor's own work included) for each setting and the monitor's overhead;
+one setting turns off only ``monitor.stability`` (the attention probe, the
+output-logit hook and Adam's figures), to show what those add.
 Each setting runs twice, interleaved, and the faster run counts, to damp
 noise from a shared machine. One banner comes first and one progress line per
 run (as in ``scripts/bench.py``); the harness's own banner and messages are
@@ -30,6 +32,7 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.max_steps=300", "train.eval_every=0",
             "log.progress=false", "log.tensorboard=false", "checkpoint.at_end=false"]  # not what is measured
 SETTINGS = {"monitor off": ["monitor.enabled=false"], "monitor every 50 (default)": [],
+            "every 50, stability off": ["monitor.stability=false"],  # what the stability/* figures add
             "monitor every 10": ["monitor.every=10"]}
 
 

@@ -111,6 +111,8 @@ CASES = {
     **{p: [*COMMON, f"precision={p}"] for p in ("fp32", "bf16", "fp16")},
     # 2 ranks x 2 micro-batches of 2 = the single-process batch of 8
     "accum": [*COMMON, "precision=fp32", "train.micro_batch_size=2"],
+    # every stability switch at once (test_stability_switches_match_single_process)
+    "switches": [*COMMON, "precision=fp32", "model.qk_norm=true", "train.z_loss=1e-4", "optim.update_clip=1.0"],
     # (not named "inf": Hydra would read that sweep value as a float)
     "inf-on-rank1": [*TINY, "train.max_steps=6", "precision=fp16", "debug.inject_inf_grad_steps=[2]",
                      "debug.inject_inf_grad_rank=1"],
@@ -164,6 +166,29 @@ def test_two_ranks_match_single_process(two_rank_jobs, reference, parallel, prec
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["world_size"] == 2 and s["dist/replicas_identical"] is True
     assert s["dtypes"]["parameters"] == "fp32" and s["dtypes"]["optimizer_state"] == "fp32"
+
+
+@pytest.fixture(scope="module")
+def switches_reference(tmp_path_factory):
+    _, rows = train(tmp_path_factory.mktemp("ref-switches") / "run", *CASES["switches"], tiny=False)
+    return rows
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
+def test_stability_switches_match_single_process(two_rank_jobs, switches_reference, parallel):
+    """QK-layernorm, z-loss and update clipping under each wrapper train as one process
+    does (update clipping's per-tensor RMS is over the whole tensor, shards summed), and
+    the stability monitor reports what one process sees."""
+    rows = [r for r in read_rows(two_rank_jobs(parallel)["switches"]) if "train/loss" in r]
+    ref = [r for r in switches_reference if "train/loss" in r]
+    assert len(rows) == len(ref) == STEPS
+    for key in ("train/loss", "train/z_loss", "train/update_clip_max"):
+        diffs = [abs(a[key] - b[key]) for a, b in zip(rows, ref)]
+        assert max(diffs) < TOL["fp32"] * max(1.0, abs(ref[0][key])), (key, max(diffs))
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3
+    for key in ("stability/attn_logit_max/block0", "stability/attn_entropy/block1", "stability/output_log_z",
+                "stability/act_rms/block1", "stability/adam_update_rms/block0"):
+        assert rows[0][key] == pytest.approx(ref[0][key], rel=1e-4), key
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])

@@ -128,6 +128,10 @@ def test_a_resume_that_changes_the_math_is_refused_unless_named(tmp_path):
         train(run_dir, "train.max_steps=4", "precision=bf16", "resume.allow_changes=[precison]")
     with pytest.raises(ResumeRefused, match="resume=none"):
         train(run_dir, "train.max_steps=4", "resume=none")
+    # Update clipping gives each parameter its own optimizer group: a state of another shape.
+    with pytest.raises(ResumeRefused, match="optim.update_clip: 0.0 -> 1.0 changes the layout"):
+        train(run_dir, "train.max_steps=4", "optim.update_clip=1.0", "resume.allow_changes=[optim]")
+    assert _tree(run_dir) == before
     # Named: it trains on, and the records say from which step the change applies.
     s, _ = train(run_dir, "train.max_steps=3", "checkpoint.every=1", "precision=bf16",
                  "resume.allow_changes=[precision]")

@@ -22,10 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py's progress line and quiet runs
 
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-import mptrain.config  # noqa: E402,F401
 from bench import Progress, following, machine, quiet_harness  # noqa: E402
+from mptrain.config import ConfigError  # noqa: E402
+from mptrain.config_checks import compose_checked  # noqa: E402
 from mptrain.trainer import run  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -37,9 +36,8 @@ SETTINGS = {"monitor off": ["monitor.enabled=false"], "monitor every 50 (default
 
 
 def compose_cfg(overrides: list[str]):
-    """The run's config: DEFAULTS, then ``overrides``."""
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        return compose("config", overrides=[*DEFAULTS, *overrides])
+    """The run's config: DEFAULTS, then ``overrides`` (checked as train.py checks its own)."""
+    return compose_checked([*DEFAULTS, *overrides], CONFIGS)
 
 
 def tokens_per_s(overrides: list[str], progress: Progress) -> tuple[float, list[str]]:
@@ -54,7 +52,14 @@ def tokens_per_s(overrides: list[str], progress: Progress) -> tuple[float, list[
 def main() -> None:
     """Banner, each run with its progress line, then one line per setting."""
     user = sys.argv[1:]
-    cfg = compose_cfg(user)
+    if any(a in ("-h", "--help") for a in user):
+        print(__doc__)
+        return
+    try:
+        cfg = compose_cfg(user)
+    except ConfigError as e:
+        print(f"bench_monitor: configuration error: {e}", file=sys.stderr)
+        sys.exit(2)
     device = "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
     print(f"bench_monitor: {' '.join(DEFAULTS + user)} | {len(SETTINGS)} settings x 2, interleaved\n"
           f"  machine  {machine(device)} | torch {torch.__version__}", flush=True)

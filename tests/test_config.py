@@ -123,7 +123,7 @@ def test_group_options_include_folders_added_to_the_search_path(tmp_path):
     with pytest.raises(ConfigError) as e:
         check_overrides([f"hydra.searchpath=[file://{tmp_path}]", "experiment=case2"], str(CONFIGS))
     assert str(e.value) == ("Unknown experiment option 'case2'. Did you mean 'experiment=case1'? Valid options "
-                            f"(configs/experiment/, {tmp_path}/experiment/): case1, precision_study.")
+                            f"(configs/experiment/, {tmp_path}/experiment/): case1, lr_sensitivity, precision_study.")
     # options in a package cannot be listed from here: Hydra's to check, while keys and values still are checked
     check_overrides(["hydra.searchpath=[pkg://elsewhere]", "experiment=case2", "train.max_steps=3"], str(CONFIGS))
     with pytest.raises(ConfigError, match="for train.max_steps: expected an integer"):

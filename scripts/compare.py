@@ -179,7 +179,9 @@ def coincidences(runs: list[Run], panels: list[tuple]) -> dict[str, list[list[st
     out = {}
     for title, metric, x, _ in panels:
         groups = coinciding(runs, metric, x)
-        if groups:
+        if len(runs) > 2 and len(groups) == 1 and len(groups[0]) == len(runs):
+            out[title] = [[f"all {len(runs)} runs"]]  # naming each of a whole sweep says less
+        elif groups:
             out[title] = [[r.label for r in g] for g in groups]
     return out
 

@@ -1,6 +1,7 @@
 """scripts/compare.py on real run directories, and W&B grouping of a sweep."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -129,3 +130,17 @@ def test_figure_of_one_point_runs_and_identical_curves(short_runs, tmp_path, cap
     note = next(line for line in out.splitlines() if line.startswith("Curves that coincide"))
     assert f"{a} = {b} (in: train loss, train loss vs tokens, " in note and c not in note
     assert note in (tmp_path / "report" / "comparison.md").read_text()
+
+
+def test_a_whole_sweep_coinciding_is_named_once(tmp_path):
+    """A panel where every run of a sweep draws the same curve (a metric no setting
+    touches) says so in three words instead of listing every run."""
+    compare = load_script("compare")
+    for i in range(3):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "train/loss": 3.0 + i - s / 10, "train/lr": 1e-3}) + "\n" for s in (1, 2)))
+    runs = compare.find_runs([tmp_path])
+    compare.label_runs(runs)
+    panels = [("train loss", "train/loss", "step", "linear"), ("lr", "train/lr", "step", "linear")]
+    assert compare.coincidences(runs, panels) == {"lr": [["all 3 runs"]]}

@@ -673,9 +673,10 @@ def load_full_state(path: Path, log: Callable[[str], None] = print) -> dict[str,
     return flatten(sd)
 
 
-def load_full_model_state(path: Path) -> dict[str, torch.Tensor]:
-    """The full model state dict of a checkpoint (keys as in ``GPT.state_dict()``)."""
-    return {k[len("model."):]: v for k, v in load_full_state(path).items() if k.startswith("model.")}
+def load_full_model_state(path: Path, log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
+    """The full model state dict of a checkpoint (keys as in ``GPT.state_dict()``);
+    ``log`` gets the verification's notes."""
+    return {k[len("model."):]: v for k, v in load_full_state(path, log).items() if k.startswith("model.")}
 
 
 def flatten(d, prefix: str = "") -> dict:

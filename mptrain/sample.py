@@ -94,10 +94,11 @@ def find_checkpoint(path: Path, log: Callable[[str], None] = print) -> Path:
         raise CheckpointError(relabel(str(e))) from None
 
 
-def model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+def model_weights(ckpt: Path, log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
     """The checkpoint's full model state dict in fp32 (a ``master_weights=false``
-    run stores bf16; its values are exact in fp32)."""
-    return {k: v.float() for k, v in load_full_model_state(ckpt).items()}
+    run stores bf16; its values are exact in fp32); ``log`` gets the verification's
+    notes (``sample`` sends them to stderr: its stdout is the text)."""
+    return {k: v.float() for k, v in load_full_model_state(ckpt, log).items()}
 
 
 def build_model(meta: dict, weights: dict[str, torch.Tensor]) -> GPT:
@@ -290,7 +291,7 @@ def sample_text(a: argparse.Namespace, log: Callable[[str], None]) -> str:
     if not isinstance(tok, ByteTokenizer):
         tok = HFTokenizer(tok, meta["tokenizer"].get("name", ""), meta["tokenizer"]["path"])
     device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = build_model(meta, model_weights(ckpt)).to(device)
+    model = build_model(meta, model_weights(ckpt, log)).to(device)
     # An empty prompt starts a new document: training put end-of-text before every one.
     prompt_ids = tok.encode_batch([a.prompt])[0] if a.prompt else [tok.eos_id]
     new = sample_ids(model, prompt_ids, a.tokens, temperature=a.temperature, top_k=a.top_k,

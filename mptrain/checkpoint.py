@@ -127,9 +127,11 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = print) -> Optional[Path]:
+def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = print,
+                   label: Optional[str] = None) -> Optional[Path]:
     """The checkpoint directory to resume from, verified against its manifest, or
-    None to start from scratch.
+    None to start from scratch. Messages name it ``label`` (default
+    ``resume=<resume>``, the trainer's argument; tools pass their own).
 
     ``auto`` (and a run directory given as a path) takes the newest intact
     checkpoint: a damaged one is skipped with one line through ``log`` naming the
@@ -137,21 +139,22 @@ def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = prin
     refused (:class:`CheckpointDamaged`), offering the previous intact one."""
     if resume == "none":
         return None
+    label = label or f"resume={resume}"
     if resume == "auto":
-        return _newest_intact(complete_checkpoints(run_dir / "checkpoints"), "resume=auto", log)
+        return _newest_intact(complete_checkpoints(run_dir / "checkpoints"), label, log)
     p = Path(os.path.expanduser(resume))
     if not p.exists():
-        raise CheckpointError(f"resume={resume}: no such file or directory.")
+        raise CheckpointError(f"{label}: no such file or directory.")
     if (p / "meta.json").is_file():
         _verify_named(p, log)
         return p
     for root in (p / "checkpoints", p):
         found = complete_checkpoints(root)
         if found:
-            return _newest_intact(found, f"resume={resume}", log)
+            return _newest_intact(found, label, log)
     if p.name.endswith(".tmp"):
-        raise CheckpointError(f"resume={resume}: this checkpoint was never completed (its save was interrupted).")
-    raise CheckpointError(f"resume={resume}: not a checkpoint (no meta.json) and holds no complete checkpoints/step-N.")
+        raise CheckpointError(f"{label}: this checkpoint was never completed (its save was interrupted).")
+    raise CheckpointError(f"{label}: not a checkpoint (no meta.json) and holds no complete checkpoints/step-N.")
 
 
 def _newest_intact(found: list[Path], label: str, log) -> Optional[Path]:

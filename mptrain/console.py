@@ -194,8 +194,8 @@ class Console:
         done = step - self.first
         elapsed = time.perf_counter() - self.t0
         if step >= self.total or done <= 0:
-            return f"elapsed {_clock(elapsed)}"
-        return f"elapsed {_clock(elapsed)}, left ~{_clock(elapsed / done * (self.total - step))}"
+            return f"elapsed {duration(elapsed)}"
+        return f"elapsed {duration(elapsed)}, left ~{duration(elapsed / done * (self.total - step))}"
 
     def write(self, msg: str) -> None:
         """A line above the bar (shown with log.progress=false too: only progress is optional)."""
@@ -208,10 +208,12 @@ class Console:
             self.log.bar = None
 
 
-def _clock(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+def duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``1h02m``: elapsed and remaining times on progress lines."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def fmt(x: Optional[float], spec: str = ".4f") -> str:

@@ -229,6 +229,14 @@ def layer_groups(named_params: Iterable[tuple[str, nn.Parameter]]) -> dict[str, 
 
 
 # ----------------------------------------------------------------- monitor
+def unless_skipped(t: torch.Tensor, skipped: Union[torch.Tensor, bool, None]) -> torch.Tensor:
+    """``t``, or zeros when the step was skipped. ``skipped`` is the loss
+    scaler's 0-d flag (applied as a multiplier: no host sync) or a bool."""
+    if isinstance(skipped, torch.Tensor):
+        return t * (skipped.detach().reshape(()) == 0).to(t.dtype)
+    return torch.zeros_like(t) if skipped else t
+
+
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -466,11 +474,7 @@ class NumericsMonitor:
         self._snapshot = None
         if counts is None:
             return
-        if isinstance(skipped, torch.Tensor):
-            counts = counts * (skipped.detach().reshape(()) == 0).to(counts.dtype)
-        elif skipped:
-            counts = torch.zeros_like(counts)
-        self._sum["update"] = counts
+        self._sum["update"] = unless_skipped(counts, skipped)
 
     # -- results
     def collect(self) -> tuple[dict[str, float], dict[str, tuple[torch.Tensor, torch.Tensor]]]:

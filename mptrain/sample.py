@@ -65,8 +65,8 @@ def find_checkpoint(path: Path, log: Callable[[str], None] = print) -> Path:
     a ``meta.json``, else the newest intact checkpoint of a run directory (a
     damaged one is passed over with a line through ``log``).
 
-    Errors speak of ``path`` as the user gave it: resolve_resume words its own
-    for the trainer's ``resume=``, so its label is swapped for the path here."""
+    Errors and notes speak of ``path`` as the user gave it (resolve_resume's
+    ``label``), not of the trainer's ``resume=``."""
     path = Path(os.path.expanduser(str(path)))
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; give a run directory or one of its checkpoints/step-N "
@@ -80,18 +80,12 @@ def find_checkpoint(path: Path, log: Callable[[str], None] = print) -> Path:
             "(checkpoint.at_end=true), so rerun an older run with checkpoint.every=N to get one.")
     # "auto" and "none" mean something else to resolve_resume; "./auto" is the same directory.
     spec = f"./{path}" if str(path) in ("auto", "none") else str(path)
-
-    def relabel(text: str) -> str:
-        return text.replace(f"resume={spec}", str(path))
-
     try:
-        return resolve_resume(spec, path, log=lambda line: log(relabel(line)))
+        return resolve_resume(spec, path, log=log, label=str(path))
     except CheckpointDamaged as e:  # a checkpoint named by its own path
         raise CheckpointError(f"checkpoint {e.ckpt} is damaged ({e.ckpt / e.file} {e.reason}); give the run "
                               "directory or an earlier checkpoints/step-N directory, or restore the file "
                               "from a copy.") from None
-    except CheckpointError as e:
-        raise CheckpointError(relabel(str(e))) from None
 
 
 def model_weights(ckpt: Path, log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:

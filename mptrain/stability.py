@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from . import formats
-from .numerics import canonical_name, group_of, layer_groups
+from .numerics import canonical_name, group_of, layer_groups, unless_skipped
 from .shards import local_shard
 
 G2_FACTOR = 10.0
@@ -67,7 +67,7 @@ def logit_stats(logits: torch.Tensor, chunk_elems: int = _LSE_CHUNK_ELEMS) -> tu
     return absmax, lse_sum, x.shape[0]
 
 
-def _bias_correction(beta: float, step) -> Union[float, torch.Tensor]:
+def bias_correction(beta: float, step) -> Union[float, torch.Tensor]:
     """``1 - beta ** step`` in float64, as torch's AdamW computes it (in fp32,
     ``1 - 0.999 ** t`` of a short run is off by 1e-5). AdamW keeps ``step`` as a
     0-d tensor (on the host, or on the device for the fused kernel): the result
@@ -85,7 +85,7 @@ def adam_moments(state: dict, hyper: dict) -> Optional[tuple[torch.Tensor, torch
     beta1, beta2 = hyper["betas"]
     m = local_shard(state["exp_avg"].detach()).float()
     v = local_shard(state["exp_avg_sq"].detach()).float()
-    return m / _bias_correction(beta1, state["step"]), v / _bias_correction(beta2, state["step"])
+    return m / bias_correction(beta1, state["step"]), v / bias_correction(beta2, state["step"])
 
 
 def update_sq_sum(m_hat: torch.Tensor, v_hat: torch.Tensor, eps: float) -> torch.Tensor:
@@ -210,47 +210,43 @@ class StabilityMonitor:
         return {group: [(p, self.optimizer.state.get(p), hyper[id(p)]) for _, p in params if id(p) in hyper]
                 for group, params in layer_groups(model.named_parameters()).items()}
 
+    def _group_totals(self, model: nn.Module, device: torch.device, term) -> dict[str, torch.Tensor]:
+        """Per layer group, ``[sum of term(param, (m_hat, v_hat), hyper), elements]``
+        (float64, on the device) over its parameters with Adam state (and a
+        ``term`` that is not None)."""
+        out = {}
+        for group, entries in self._states(model).items():
+            total, n = torch.zeros((), dtype=torch.float64, device=device), 0
+            for p, state, hyper in entries:
+                moments = adam_moments(state, hyper)
+                value = None if moments is None or moments[1].numel() == 0 else term(p, moments, hyper)
+                if value is not None:
+                    total, n = total + value.double(), n + moments[1].numel()
+            # torch.full, not a tensor from the host: a host-to-device copy may wait for the device
+            out[group] = torch.stack([total, torch.full((), n, dtype=torch.float64, device=device)])
+        return out
+
     def before_optimizer(self, model: nn.Module, device: torch.device) -> None:
         """Per layer group: how many elements of the gradient the optimizer is
         about to apply (unscaled, clipped) have ``g^2 > G2_FACTOR * v_hat`` of
         the previous step. Groups with no Adam state yet count no elements."""
         if self.optimizer is None:
             return
-        for group, entries in self._states(model).items():
-            hits = torch.zeros((), dtype=torch.int64, device=device)
-            n = 0
-            for p, state, hyper in entries:
-                moments = adam_moments(state, hyper)
-                if p.grad is None or moments is None or moments[1].numel() == 0:
-                    continue
-                hits = hits + g2_exceed_count(p.grad, moments[1])
-                n += moments[1].numel()
-            # torch.full, not a tensor from the host: a host-to-device copy may wait for the device
-            count = torch.full((), n, dtype=torch.float64, device=device)
-            self.sum[f"stab/g2/{group}"] = torch.stack([hits.double(), count])
+        totals = self._group_totals(model, device, lambda p, mom, _h: None if p.grad is None
+                                    else g2_exceed_count(p.grad, mom[1]))
+        for group, vec in totals.items():
+            self.sum[f"stab/g2/{group}"] = vec
 
     def after_optimizer(self, model: nn.Module, device: torch.device,
                         skipped: Union[torch.Tensor, bool, None] = None) -> None:
         """Per layer group: sum of squares and count of Adam's update before the
-        learning rate, from the state the step just wrote. A skipped step (the
-        loss scaler's 0-d flag, applied as a multiplier: no host sync) counts
-        nothing, and neither figure of that step is reported."""
+        learning rate, from the state the step just wrote. A skipped step
+        counts nothing, and neither figure of that step is reported."""
         if self.optimizer is None:
             return
-        for group, entries in self._states(model).items():
-            sq = torch.zeros((), dtype=torch.float32, device=device)
-            n = 0
-            for _, state, hyper in entries:
-                moments = adam_moments(state, hyper)
-                if moments is None or moments[0].numel() == 0:
-                    continue
-                sq = sq + update_sq_sum(*moments, hyper["eps"])
-                n += moments[0].numel()
-            vec = torch.stack([sq.double(), torch.full((), n, dtype=torch.float64, device=device)])
-            if isinstance(skipped, torch.Tensor):
-                vec = vec * (skipped.detach().reshape(()) == 0).to(vec.dtype)
-            elif skipped:
-                vec = torch.zeros_like(vec)
+        totals = self._group_totals(model, device, lambda _p, mom, hyper: update_sq_sum(*mom, hyper["eps"]))
+        for group, vec in totals.items():
+            vec = unless_skipped(vec, skipped)
             self.sum[f"stab/upd/{group}"] = vec
             if f"stab/g2/{group}" in self.sum:
                 self.sum[f"stab/g2/{group}"] = self.sum[f"stab/g2/{group}"] * (vec[1] > 0).to(vec.dtype)

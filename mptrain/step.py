@@ -21,6 +21,7 @@ from .numerics import canonical_name
 from .parallel import DistContext
 from .precision import LossScaler, PrecisionPolicy
 from .shards import local_shard
+from .stability import bias_correction
 
 
 def schedule_lengths(ocfg, max_steps: int) -> tuple[int, int]:
@@ -219,7 +220,7 @@ def update_rms(optimizer: torch.optim.Optimizer, ctx: DistContext) -> torch.Tens
         if "exp_avg_sq" in state:
             v.add_(local_shard(state["exp_avg_sq"]), alpha=beta2)
         t = state["step"] + 1 if "step" in state else 1.0  # a tensor (host or device): no sync
-        v.div_(1 - beta2 ** t).clamp_(min=group["eps"] ** 2)
+        v.div_(bias_correction(beta2, t)).clamp_(min=group["eps"] ** 2)
         sums.append(g2.div_(v).sum())
     # Counts go up without waiting on the device (an asynchronous copy from a
     # host list); sums and counts then cross the shard group in one collective.

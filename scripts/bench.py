@@ -40,11 +40,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 
-import mptrain.config  # noqa: E402,F401
 from mptrain import data as data_mod  # noqa: E402
-from mptrain.config_checks import micro_steps  # noqa: E402
+from mptrain.config import ConfigError  # noqa: E402
+from mptrain.config_checks import compose_checked, micro_steps  # noqa: E402
+from mptrain.console import duration  # noqa: E402
 from mptrain.model import GPT, GPTShape  # noqa: E402
 from mptrain.parallel import setup, wrap  # noqa: E402
 from mptrain.perf import flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
@@ -59,14 +59,6 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.eval_every=0", "log.progress=false", "checkpoint.at_end=false"]
 REDRAW_S = 0.5  # a terminal's progress line is redrawn at most this often (and the harness's log polled)
 PLAIN_EVERY_S = 30.0  # elsewhere (a file, a pipe, CI), one plain progress line at most this often
-
-
-def _fmt_s(seconds: float) -> str:
-    """``42s``, ``3m05s``, ``1h02m``."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 class Progress:
@@ -113,7 +105,7 @@ class Progress:
         text = f"{self.head} {self.done:>{len(str(self.total))}}/{self.total} steps"
         if self.first is not None and self.done > self.first[1]:
             rate = (self.done - self.first[1]) / max(now - self.first[0], 1e-9)
-            text += f", eta {_fmt_s((self.total - self.done) / rate)}"
+            text += f", eta {duration((self.total - self.done) / rate)}"
         return text
 
     def _show(self, text: str, final: bool) -> None:
@@ -185,8 +177,8 @@ def quiet_harness(show: bool):
 
 
 def compose_cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        return compose("config", overrides=[*DEFAULTS, *overrides])
+    """DEFAULTS, then ``overrides``, checked as train.py checks its command line."""
+    return compose_checked([*DEFAULTS, *overrides], CONFIGS)
 
 
 def harness(overrides: list[str], steps: int, progress: Progress, show: bool = False) -> dict:
@@ -320,7 +312,7 @@ def measure(overrides: list[str], a, stream: Optional[TextIO], tokens=None) -> d
     seen: set[str] = set()
     for k, name in enumerate(order, 1):
         left = order[k - 1:]
-        note = f" (bench done in ~{_fmt_s(sum(walls[n] for n in left))})" if set(left) <= set(walls) else ""
+        note = f" (bench done in ~{duration(sum(walls[n] for n in left))})" if set(left) <= set(walls) else ""
         progress = Progress(stream, f"  [{k}/{len(order)}] {name:<{max(map(len, SETTINGS))}}", a.steps, note)
         t = time.perf_counter()
         try:
@@ -367,7 +359,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--verbose", action="store_true", help="show the harness's own banner and messages for every run")
     a, overrides = ap.parse_known_args()
-    cfg = compose_cfg(overrides)
+    try:
+        cfg = compose_cfg(overrides)
+    except ConfigError as e:
+        print(f"bench: configuration error: {e}", file=sys.stderr)
+        sys.exit(2)
     device = "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank0 = int(os.environ.get("RANK", "0")) == 0

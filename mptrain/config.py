@@ -54,6 +54,20 @@ class Fp8GradDtype(Enum):
     e4m3 = "float8_e4m3fn"
 
 
+class UpdateRounding(Enum):
+    """How an optimizer update is added to weights stored in bf16 (no fp32 masters)."""
+
+    nearest = "nearest"
+    stochastic = "stochastic"
+    kahan = "kahan"
+
+
+# What Adam's two moments are stored as. A functional Enum because two of the
+# names start with a digit, as users know them from bitsandbytes ("8-bit Adam").
+StateDtype = Enum("StateDtype", {"fp32": "fp32", "bf16": "bf16", "8bit": "8bit", "4bit": "4bit", "fp8": "fp8"})
+StateDtype.__doc__ = "Storage of Adam's moments: ``optim.state_dtype`` (see docs/optimizer_state.md)."
+
+
 class ActCheckpoint(Enum):
     none = "none"
     block = "block"
@@ -190,6 +204,16 @@ class PrecisionConfig:
     computing in ``compute_dtype``. ``false`` stores them in ``compute_dtype``
     (bf16 only: ``precision=bf16-pure``), so every optimizer update is rounded
     to bf16 — the study case that shows why master weights exist."""
+    update_rounding: UpdateRounding = UpdateRounding.nearest
+    """How each optimizer update reaches weights stored in bf16
+    (``master_weights=false``): ``nearest`` rounds the new value to the nearest
+    bf16, so updates smaller than half a bf16 step are lost (``bf16-pure``);
+    ``stochastic`` rounds up or down with probabilities that make the stored
+    value right on average (torchao's AdamW, ``bf16-pure-sr``); ``kahan`` keeps
+    what rounding dropped in a bf16 compensation buffer and adds it back on the
+    next step (torch-optimi's AdamW, ``bf16-pure-kahan``; 2 more bytes per
+    parameter). With fp32 master weights every update lands exactly, so only
+    ``nearest`` is accepted there."""
     param_dtype: Optional[DType] = None
     """Dtype parameters are cast to for compute by FSDP (the all-gathered
     copy). ``null`` means ``compute_dtype``."""
@@ -399,7 +423,25 @@ class OptimConfig:
     A resume cannot turn it on or off (the optimizer state changes layout)."""
     fused: Optional[bool] = None
     """Fused AdamW kernel (one launch for all parameters). ``null``: on for CUDA,
-    off on CPU (where the multi-tensor ``foreach`` path is used)."""
+    off on CPU (where the multi-tensor ``foreach`` path is used). torch's
+    AdamW only: the torchao and torch-optimi optimizers have their own kernels."""
+    state_dtype: Optional[StateDtype] = None
+    """Storage of Adam's two moments, independent of the weights. ``null``: the
+    parameters' dtype (fp32 with master weights, bf16 in ``bf16-pure``), with
+    torch's AdamW. ``fp32`` / ``bf16``: plain tensors of that dtype; ``8bit`` /
+    ``4bit``: torchao's block-quantized moments (a code per element and an fp32
+    scale per block of 256 / 128); ``fp8``: torchao's e4m3 moments with a scale
+    per block of 256. Moments that differ from the parameters' dtype run on
+    torchao's AdamW, which does its arithmetic in fp32 whatever the storage.
+    torchao quantizes only tensors of at least 4096 elements whose size is a
+    multiple of the block; smaller ones (biases, norms) keep the parameters'
+    dtype. ``python -m mptrain.memory`` gives the bytes."""
+    compile_step: Optional[bool] = None
+    """Compile the torchao optimizers' per-parameter update with torch.compile
+    (one graph per tensor shape, compiled on the first step). ``null``: on CUDA
+    only; on CPU the first step would spend seconds to minutes compiling for
+    a speed-up tiny models do not need. ``true`` is refused where torch's or
+    torch-optimi's AdamW runs (the banner says which optimizer runs)."""
 
 
 # ----------------------------------------------------------------------------- log

@@ -456,6 +456,9 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             "precision.master_weights=false is supported for bf16 compute without loss scaling or fp8 "
             "(precision=bf16-pure): fp16 parameters cannot be unscaled by a GradScaler."
         )
+    from .optimizers import choose
+
+    choose(cfg)  # optimizer combinations that cannot run
 
 def micro_steps(cfg: Any, world_size: int) -> tuple[int, int]:
     """(micro_batch_size, accumulation steps) for this world size, or ConfigError."""

@@ -18,6 +18,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from . import files
+from .optimizers import stored_as
 from .precision import dtype_name
 from .step import describe_schedule
 
@@ -102,7 +103,8 @@ def observed_dtypes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Dtypes read off the live objects after a step."""
     pd = sorted({dtype_name(p.dtype) for p in model.parameters()})
     gd = sorted({dtype_name(p.grad.dtype) for p in model.parameters() if p.grad is not None})
-    od = sorted({dtype_name(v.dtype) for s in optimizer.state.values() for v in s.values()
+    # torchao's quantized moments wear the parameter's dtype: name what they store.
+    od = sorted({stored_as(v) for s in optimizer.state.values() for v in s.values()
                  if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0})
     return {"parameters": ",".join(pd), "gradients": ",".join(gd) or "none", "optimizer_state": ",".join(od) or "none"}
 
@@ -182,6 +184,7 @@ def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run
         f"  batch {cfg.train.global_batch_size} seqs = {tokens_per_step:,} tokens/step | micro-batch "
         f"{info['micro_batch_size']} x {info['grad_accum_steps']} accumulation | " + _steps_text(cfg.train),
         f"  AdamW lr {cfg.optim.lr:.1e} | {describe_schedule(cfg.optim, cfg.train.max_steps)}",
+        f"  optimizer {info['optimizer']}",
         "  stability switches: " + ", ".join(f"{k}={_switch(v)}" for k, v in info["stability"].items()),
         f"  precision={cfg.precision.name}:",
     ]

@@ -37,7 +37,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from . import formats
+from . import formats, optimizers
 from .numerics import canonical_name, group_of, layer_groups, unless_skipped
 from .shards import local_shard
 
@@ -75,17 +75,6 @@ def bias_correction(beta: float, step) -> Union[float, torch.Tensor]:
     if isinstance(step, torch.Tensor):
         return 1.0 - torch.pow(beta, step.detach().double())
     return 1.0 - beta ** float(step)
-
-
-def adam_moments(state: dict, hyper: dict) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Bias-corrected ``(m_hat, v_hat)`` of one parameter's Adam state (this
-    rank's shard, fp32); None when the state holds no step yet."""
-    if not state or "exp_avg_sq" not in state or "step" not in state:
-        return None
-    beta1, beta2 = hyper["betas"]
-    m = local_shard(state["exp_avg"].detach()).float()
-    v = local_shard(state["exp_avg_sq"].detach()).float()
-    return m / bias_correction(beta1, state["step"]), v / bias_correction(beta2, state["step"])
 
 
 def update_sq_sum(m_hat: torch.Tensor, v_hat: torch.Tensor, eps: float) -> torch.Tensor:
@@ -203,11 +192,11 @@ class StabilityMonitor:
 
     # -- Adam
     def _states(self, model: nn.Module):
-        """Per layer group, ``[(parameter, its Adam state, its param group)]`` for
-        the parameters the optimizer steps."""
+        """Per layer group, ``[(parameter, its param group)]`` for the parameters
+        the optimizer steps."""
         # Looked up each time: loading a checkpoint replaces the group dicts (betas, eps).
         hyper = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
-        return {group: [(p, self.optimizer.state.get(p), hyper[id(p)]) for _, p in params if id(p) in hyper]
+        return {group: [(p, hyper[id(p)]) for _, p in params if id(p) in hyper]
                 for group, params in layer_groups(model.named_parameters()).items()}
 
     def _group_totals(self, model: nn.Module, device: torch.device, term) -> dict[str, torch.Tensor]:
@@ -217,8 +206,8 @@ class StabilityMonitor:
         out = {}
         for group, entries in self._states(model).items():
             total, n = torch.zeros((), dtype=torch.float64, device=device), 0
-            for p, state, hyper in entries:
-                moments = adam_moments(state, hyper)
+            for p, hyper in entries:
+                moments = optimizers.moments(self.optimizer, p, hyper)
                 value = None if moments is None or moments[1].numel() == 0 else term(p, moments, hyper)
                 if value is not None:
                     total, n = total + value.double(), n + moments[1].numel()

@@ -17,7 +17,9 @@ import torch
 import torch.nn as nn
 
 from .faults import NonFiniteGuard, inject_inf_grad
+from . import optimizers
 from .numerics import canonical_name
+from .optimizers import Choice
 from .parallel import DistContext
 from .precision import LossScaler, PrecisionPolicy
 from .shards import local_shard
@@ -73,13 +75,15 @@ def decay_names(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.dim() >= 2}
 
 
-def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.device,
+                    choice: Optional[Choice] = None) -> torch.optim.Optimizer:
     """AdamW over two groups: ``decay`` (by canonical name) with ``weight_decay``, the
     rest without; with update clipping, one group per parameter instead.
 
-    AdamW keeps its moments in the parameters' dtype (fp32 unless
-    master_weights=false). Fused on CUDA by default: it takes the inf/nan flag
-    on the device, so a step needs no host sync (see :class:`NonFiniteGuard`).
+    ``choice`` (``optimizers.choose(cfg)``) says which AdamW: torch's (the
+    default; moments in the parameters' dtype, fused on CUDA, so a step needs
+    no host sync, see :class:`NonFiniteGuard`), torchao's (stochastic rounding,
+    moments in another dtype or quantized) or torch-optimi's (Kahan summation).
 
     With ``optim.update_clip > 0`` every parameter gets a group of its own
     (with its weight decay), because torch's AdamW takes one learning rate per
@@ -100,9 +104,7 @@ def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.devic
             {"params": [p for d, p in params if d], "weight_decay": ocfg.weight_decay},
             {"params": [p for d, p in params if not d], "weight_decay": 0.0},
         ]
-    fused = ocfg.fused if ocfg.get("fused") is not None else device.type == "cuda"
-    kernel = {"fused": True} if fused else {"foreach": device.type == "cuda" or None}
-    optimizer = torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, **kernel)
+    optimizer = optimizers.make(groups, ocfg, choice or optimizers.choice_of(None), device)
     optimizer.update_clip = clip
     return optimizer
 

@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import data as data_mod
-from . import rundir
+from . import optimizers, rundir
 from .alerts import SkipRateWarning, SpikeDetector
 from .stability import StabilityWarnings
 from .checkpoint import Checkpointer, Progress, StopSignal
@@ -160,7 +160,8 @@ class Trainer:
         self.compile_blocks = tc.compile if tc.compile is not None else ctx.device.type == "cuda"
         self.model = wrap(model, self.policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
                           compile_blocks=self.compile_blocks)
-        self.optimizer = build_optimizer(self.model, decay, cfg.optim, ctx.device)
+        self.opt_choice = optimizers.choose(cfg)
+        self.optimizer = build_optimizer(self.model, decay, cfg.optim, ctx.device, self.opt_choice)
         self.policy.attach_optimizer(self.optimizer, self.model)  # float8 scales follow every optimizer step
         self.scaler = self.policy.make_scaler(distributed=ctx.has_group and ctx.world > 1)
         self.faults = FaultInjector(cfg.debug, self.model, ctx.rank)
@@ -200,6 +201,8 @@ class Trainer:
         """run_info and the dtype table: what the banner prints and config.yaml records."""
         cfg, ctx, tc, tokens = self.cfg, self.ctx, self.tc, self.tokens
         self.dtypes = {**self.policy.describe(), **ctx.wrapper_dtypes}
+        c = self.opt_choice  # the moments as configured; after step 1, as observed
+        self.dtypes["optimizer_state"] = c.state + (f" + Kahan compensation {c.param_dtype}" if c.kahan else "")
         info = self.record.info
         info.update({
             "dtypes": self.dtypes, "world_size": ctx.world, "device": str(ctx.device), "backend": ctx.backend,
@@ -207,7 +210,8 @@ class Trainer:
             "tokenizer": tokens.tokenizer.name, "tokenizer_path": tokens.tokenizer.path, "corpus": tokens.source,
             "train_tokens": int(len(tokens.train)), "val_tokens": int(len(tokens.val)), "params": self.n_params,
             "compile": self.compile_blocks, "activation_checkpointing": tc.activation_checkpointing.value,
-            "fused_adamw": any(g.get("fused") for g in self.optimizer.param_groups)})
+            "fused_adamw": any(g.get("fused") for g in self.optimizer.param_groups),
+            "optimizer": self.opt_choice.describe()})
         self.fp8_report = self.policy.fp8.report if self.policy.fp8 else None
         if self.fp8_report is not None:
             # Weights FSDP2 will all-gather in float8 carry torchao's float8-cast tensor subclass.
@@ -224,7 +228,7 @@ class Trainer:
         info["flops_per_token"] = self.flops_tok
         info["stability"] = {"model.qk_norm": m.qk_norm, "train.z_loss": tc.z_loss,
                              "optim.update_clip": cfg.optim.update_clip}
-        info["memory_estimate_gib"] = {k: round(v / 2**30, 4) for k, v in self.mem_est.rows()}
+        info["memory_estimate_gib"] = {k: round(v / 2**30, 4) for k, v in self.mem_est.parts().items()}
 
     def _resume(self) -> None:
         """Load the checkpoint the plan picked (``resume.py``: chosen, verified and
@@ -307,8 +311,7 @@ class Trainer:
     def train_step(self, step: int, micro: list) -> dict:
         """Set the learning rate, run the step's math (``step.train_step``), count it."""
         lr = lr_at(step, self.cfg.optim, self.tc.max_steps)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        optimizers.set_lr(self.optimizer, lr)
         self.faults.begin_step(step)
         self.monitor.start_step(step)
         auditing = self.tc.audit and step == self.start

@@ -50,6 +50,7 @@ from mptrain.parallel import setup, wrap  # noqa: E402
 from mptrain.perf import flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
 from mptrain.precision import PrecisionPolicy, dtype_name  # noqa: E402
 from mptrain.record import peak_memory, reset_peak_memory  # noqa: E402
+from mptrain import optimizers  # noqa: E402
 from mptrain.step import build_optimizer, decay_names, lr_at  # noqa: E402
 from mptrain.trainer import run  # noqa: E402
 
@@ -225,15 +226,14 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None) -> d
         # by default on CUDA): the comparison is of the loops, not of compile vs eager.
         model = wrap(model, policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
                      compile_blocks=compiled(cfg, ctx.device))
-        opt = build_optimizer(model, decay, cfg.optim, ctx.device)
+        opt = build_optimizer(model, decay, cfg.optim, ctx.device, optimizers.choose(cfg))  # the harness's AdamW
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision.loss_scale.enabled)
         params = [p for p in model.parameters()]
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
         for step in range(steps):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, cfg.optim, steps)
+            optimizers.set_lr(opt, lr_at(step, cfg.optim, steps))
             opt.zero_grad(set_to_none=True)
             micro = batches.batch(step)
             for i, (x, y) in enumerate(micro):

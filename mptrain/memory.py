@@ -1,28 +1,53 @@
 """How much memory a configuration needs per rank: ``python -m mptrain.memory <overrides> [--world N]``.
 
-Exact for the tensors whose size is known in advance (parameters, gradients,
-optimizer state: what ``tests/test_perf.py`` checks against a real step),
-an estimate for activations (the per-layer count of Korthikanti et al. 2022,
-"Reducing activation recomputation", scaled to the compute dtype's width) and
-for FSDP's gathered copies. ``summary.json`` puts the estimate beside the
-measured peak.
+Exact for the tensors whose size is known in advance: the weights, their
+gradients and the optimizer state (Adam's two moments, each with the scales
+and quantization map of torchao's block-quantized formats; the Kahan
+compensation buffer), counted tensor by tensor on a meta-device copy of the
+model, on this rank's shard of each (``tests/test_memory.py`` checks every row
+against a real step). An estimate for activations (the per-layer count of
+Korthikanti et al. 2022, "Reducing activation recomputation", scaled to the
+compute dtype's width) and for FSDP's gathered copies. ``summary.json`` puts
+the estimate beside the measured peak; :func:`summary_figures` gives its
+bytes per parameter.
 """
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+STATE_ROWS = ("weights", "gradients", "exp_avg", "exp_avg_sq", "kahan_comp")
+"""The rows that scale with the parameter count, in table order; each has a bytes-per-parameter figure."""
 
 
 @dataclass
 class Estimate:
-    params: int
+    """Bytes per rank, row by row. ``n_params`` is the number of parameter
+    elements this rank holds (its shards under FSDP), the denominator of
+    :meth:`bytes_per_param`; ``labels`` say what each row is made of."""
+
+    weights: int
     grads: int
-    optimizer: int
+    exp_avg: int
+    exp_avg_sq: int
+    kahan_comp: int
     gathered: int
     activations: int
+    n_params: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def params(self) -> int:
+        """The weights (with fp32 master weights these ARE the master copy)."""
+        return self.weights
+
+    @property
+    def optimizer(self) -> int:
+        """Everything the optimizer keeps per parameter: both moments and the compensation buffer."""
+        return self.exp_avg + self.exp_avg_sq + self.kahan_comp
 
     @property
     def state(self) -> int:
@@ -32,10 +57,27 @@ class Estimate:
     def total(self) -> int:
         return self.state + self.gathered + self.activations
 
+    def parts(self) -> dict[str, int]:
+        """Bytes of each row by a stable key (``weights``, ``master_copy``,
+        ``gradients``, ``exp_avg``, ``exp_avg_sq``, ``kahan_comp``, ``gathered``,
+        ``activations``, ``total``)."""
+        return {"weights": self.weights, "master_copy": 0, "gradients": self.grads, "exp_avg": self.exp_avg,
+                "exp_avg_sq": self.exp_avg_sq, "kahan_comp": self.kahan_comp, "gathered": self.gathered,
+                "activations": self.activations, "total": self.total}
+
     def rows(self) -> list[tuple[str, int]]:
-        return [("parameters", self.params), ("gradients", self.grads), ("optimizer (AdamW moments)", self.optimizer),
-                ("FSDP gathered copies", self.gathered), ("activations (estimate)", self.activations),
-                ("total", self.total)]
+        """(label, bytes) per row, in table order, ending with the total."""
+        return [(self.labels.get(k, k), v) for k, v in self.parts().items()]
+
+    def bytes_per_param(self) -> dict[str, float]:
+        """Bytes per parameter of each row that scales with the parameters
+        (:data:`STATE_ROWS`) and of their sum (``state``), over the parameters
+        this rank holds. fp32 training with AdamW is 4 + 4 + 4 + 4 = 16."""
+        n = max(self.n_params, 1)
+        parts = self.parts()
+        out = {k: parts[k] / n for k in STATE_ROWS}
+        out["state"] = self.state / n
+        return out
 
 
 def param_count(n_layer: int, d_model: int, vocab: int, block: int, bias: bool = True, qk_norm_dim: int = 0) -> int:
@@ -53,30 +95,125 @@ def param_count(n_layer: int, d_model: int, vocab: int, block: int, bias: bool =
     return n_layer * per_block + vocab * d + block * d + final_norm
 
 
+def shapes(cfg, vocab: int) -> tuple[list[tuple[int, ...]], int]:
+    """(shape of every parameter, elements of one transformer block) of the
+    model ``cfg`` builds with ``vocab`` rows: built on the meta device (no
+    memory, no initialisation), with the fields the trainer passes; the tied
+    head appears once, as in ``model.parameters()``."""
+    import torch
+
+    from .model import GPT, GPTShape
+
+    m = cfg.model
+    with torch.device("meta"):
+        model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
+                             qk_norm=m.qk_norm))
+    block = sum(p.numel() for p in model.blocks[0].parameters()) if m.n_layer else 0
+    return [tuple(p.shape) for p in model.parameters()], block
+
+
+def local_numels(shape_list: list[tuple[int, ...]], mode: str, world: int) -> list[int]:
+    """Elements of each parameter on rank 0, the rank with the most: the whole
+    tensor under ``none``/``ddp``; under ``fsdp`` (FSDP2) its dim-0 chunk the way
+    ``torch.chunk`` cuts it (``ceil(dim0 / world)`` rows); under ``fsdp1`` one
+    flat shard of ``ceil(total / world)`` elements (FSDP1 flattens tensors
+    together, so per-tensor sizes have no meaning there)."""
+    numels = [math.prod(s) for s in shape_list]
+    if world <= 1 or mode in ("none", "ddp"):
+        return numels
+    if mode == "fsdp1":
+        return [math.ceil(sum(numels) / world)]
+    # a 0-d parameter is not sharded; an empty one holds nothing anywhere
+    return [n if not s else (math.ceil(s[0] / world) * (n // s[0]) if s[0] else 0)
+            for s, n in zip(shape_list, numels)]
+
+
+def _moment_bytes(numel: int, state: str, param_bytes: int) -> int:
+    from .optimizers import moment_bytes
+
+    if state in BYTES and state not in ("fp32", "bf16"):  # torch's AdamW over fp16 weights: moments in fp16
+        return numel * BYTES[state]
+    return moment_bytes(numel, state, param_bytes)
+
+
 def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) -> Estimate:
-    """Bytes per rank for ``cfg`` (a composed mptrain config) with ``vocab`` rows."""
+    """Bytes per rank for ``cfg`` (a composed mptrain config) with ``vocab``
+    rows, on ``world`` ranks; ``micro_batch`` sequences per forward (default:
+    the config's). An optimizer combination that cannot run is a ConfigError
+    (:func:`mptrain.optimizers.choose`)."""
+    from .optimizers import BLOCK, MIN_QUANTIZED, QUANTIZED, choose
+
     m, p = cfg.model, cfg.precision
-    qk = m.d_model // m.n_head if m.qk_norm else 0
-    n = param_count(m.n_layer, m.d_model, vocab, m.block_size, m.bias, qk)
-    store = BYTES[p.compute_dtype.name] if not p.master_weights else 4
-    sharded = cfg.parallel.name.value in ("fsdp", "fsdp1")
-    shard = world if sharded else 1
-    per_rank = math.ceil(n / shard)
-    params = per_rank * store
-    grads = per_rank * store
-    optimizer = 2 * per_rank * store  # AdamW: exp_avg and exp_avg_sq, in the parameters' dtype
+    choice = choose(cfg)
+    mode = cfg.parallel.name.value
+    compute = p.compute_dtype.name
+    store = choice.param_dtype  # the dtype the weights (and so their grads) are stored in
+    pb = BYTES[store]
+    shape_list, block_numel = shapes(cfg, vocab)
+    local = local_numels(shape_list, mode, world)
+    n = sum(local)
+
+    weights = grads = n * pb
+    exp_avg = sum(_moment_bytes(k, choice.state, pb) for k in local)
+    exp_avg_sq = exp_avg  # the same layout: a signed and an unsigned map of equal size
+    kahan = n * pb if choice.kahan else 0
+
     gathered = 0
-    if sharded and world > 1:
+    if mode in ("fsdp", "fsdp1") and world > 1:
         # one block gathered for compute, one prefetched, in the gather dtype
-        blk = param_count(1, m.d_model, 0, 0, m.bias, qk) - (2 * m.d_model if m.bias else m.d_model)
-        gathered = 2 * blk * BYTES[(p.param_dtype or p.compute_dtype).name]
+        gathered = 2 * block_numel * BYTES[(p.param_dtype or p.compute_dtype).name]
     b = micro_batch or cfg.train.micro_batch_size or max(1, cfg.train.global_batch_size // world)
     t, d, a = m.block_size, m.d_model, m.n_head
-    width = BYTES[p.compute_dtype.name] / 2  # the published count is for 16-bit activations
+    width = BYTES[compute] / 2  # the published count is for 16-bit activations
     per_layer = t * b * d * (34 + 5 * a * t / d)
-    logits = b * t * vocab * (BYTES[p.compute_dtype.name] + 4)  # logits, and their fp32 copy for the loss
+    logits = b * t * vocab * (BYTES[compute] + 4)  # logits, and their fp32 copy for the loss
     activations = int(m.n_layer * per_layer * width + logits)
-    return Estimate(params, grads, optimizer, gathered, activations)
+
+    # labels: what each row is made of, so that a reader sees where the bytes go
+    if store == "fp32" and compute == "fp32":
+        w, master = "weights (fp32)", "separate master copy (none: fp32 training)"
+    elif store == "fp32":
+        w = f"weights (fp32 master weights, {compute} compute)"
+        master = "separate master copy (none: the fp32 weights are it)"
+    else:
+        w, master = f"weights ({store}, no fp32 master)", f"separate master copy (none: {store} weights only)"
+    if choice.state in QUANTIZED and mode != "fsdp1":
+        big = sum(k >= MIN_QUANTIZED and k % BLOCK[choice.state] == 0 for k in local)
+        extras = "scales" + (" + qmap" if choice.state != "fp8" else "")
+        moment = f"{choice.state} + {extras}; {len(local) - big} of {len(local)} tensors left {store}"
+    else:
+        moment = choice.state
+    labels = {"weights": w, "master_copy": master, "gradients": f"gradients ({store})",
+              "exp_avg": f"Adam exp_avg ({moment})", "exp_avg_sq": f"Adam exp_avg_sq ({moment})",
+              "kahan_comp": f"Kahan compensation ({store})" if choice.kahan else "Kahan compensation (none)",
+              "gathered": "FSDP gathered copies (estimate)", "activations": "activations (estimate)",
+              "total": "total"}
+    return Estimate(weights, grads, exp_avg, exp_avg_sq, kahan, gathered, activations, n, labels)
+
+
+def summary_figures(e: Estimate) -> dict:
+    """What ``summary.json`` can carry from an estimate: the state's bytes per
+    parameter (``mem/bytes_per_param``), the same per part, the state's
+    GiB, and the parameters per rank they are counted over."""
+    bpp = e.bytes_per_param()
+    return {"mem/bytes_per_param": round(bpp["state"], 4),
+            "mem/bytes_per_param_parts": {k: round(bpp[k], 4) for k in STATE_ROWS},
+            "mem/state_gib": e.state / 2**30,
+            "mem/params_per_rank": e.n_params}
+
+
+def format_table(e: Estimate) -> list[str]:
+    """The table ``python -m mptrain.memory`` prints: GiB and bytes per parameter per row."""
+    bpp = e.bytes_per_param()
+    width = max(len(label) for label, _ in e.rows())
+    lines = [f"  {'':<{width}} {'GiB':>10} {'bytes/param':>12}"]
+    for key, v in e.parts().items():
+        per = f"{bpp[key]:12.3f}" if key in bpp else (f"{0.0:12.3f}" if key == "master_copy" else "")
+        if key == "gathered":  # the per-parameter rows end here: their sum first
+            lines.append(f"  {'= weights, gradients, optimizer':<{width}} {e.state / 2**30:10.3f} {bpp['state']:12.3f}")
+        lines.append(f"  {e.labels.get(key, key):<{width}} {v / 2**30:10.3f} {per}".rstrip())
+    lines.append(f"  bytes/param: over the {e.n_params:,} parameters this rank holds")
+    return lines
 
 
 def _parse_args(argv: list[str]) -> tuple[int, int | None, list[str]]:
@@ -108,15 +245,16 @@ def main(argv: list[str]) -> None:
     try:
         world, vocab, rest = _parse_args(argv)
         cfg = compose_checked(rest)
-    except ConfigError as e:
-        print(f"mptrain: configuration error: {e}", file=sys.stderr)
+        vocab = vocab or cfg.model.vocab_size or 4096
+        e = estimate(cfg, vocab, world)
+    except ConfigError as err:
+        print(f"mptrain: configuration error: {err}", file=sys.stderr)
         sys.exit(2)
-    vocab = vocab or cfg.model.vocab_size or 4096
-    e = estimate(cfg, vocab, world)
+    state = cfg.optim.state_dtype
     print(f"memory per rank: model={cfg.model.name} precision={cfg.precision.name} "
+          f"optim.state_dtype={getattr(state, 'value', state) or 'null'} "
           f"parallel={cfg.parallel.name.value} world={world} vocab={vocab}")
-    for name, v in e.rows():
-        print(f"  {name:<28} {v / 2**30:10.3f} GiB")
+    print("\n".join(format_table(e)))
 
 
 if __name__ == "__main__":

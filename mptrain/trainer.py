@@ -34,6 +34,7 @@ from .config_checks import micro_steps, validate
 from .doctor import check_precision
 from .faults import FaultInjector, NonFiniteError, NonFiniteHandler, NonFiniteStep
 from .memory import estimate as memory_estimate
+from .memory import summary_figures
 from .console import LOG_NAME, RunLog, fmt, plain_cadence
 from .metrics import Metrics
 from .model import GPT, GPTShape
@@ -484,6 +485,7 @@ class Trainer:
             "wall_time_s": time.perf_counter() - self.t_start,
             "params": self.n_params,  # excluding position embeddings: the N of 6N
             "flops_per_token": self.flops_tok, "mem/estimate_gib": self.mem_est.total / 2**30,
+            **summary_figures(self.mem_est),  # bytes per parameter of weights, gradients, moments
             "precision": cfg.precision.name, "parallel": cfg.parallel.name.value, "model": cfg.model.name,
             "world_size": ctx.world, "dtypes": self.dtypes, **peak_memory(ctx.device),
             **self._dist_summary(),

@@ -1,14 +1,14 @@
-"""FLOPs per token, the device peak table, MFU, and the memory estimator."""
+"""FLOPs per token, the device peak table, MFU (the memory estimator: tests/test_memory.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mptrain.memory import estimate, param_count
+from mptrain.memory import param_count
 from mptrain.model import GPT, GPTShape
 from mptrain.perf import PEAK_TFLOPS, device_key, flops_per_token, matmul_kind, peak_flops
 
-from .conftest import make_cfg, train
+from .conftest import train
 
 
 def test_flops_formula_against_a_hand_count():
@@ -58,40 +58,6 @@ def test_peaks_and_kinds():
     assert matmul_kind("fp32", fp8=False, tf32=True) == "tf32"
     for dev in ("V100", "A100", "H100 SXM", "H100 PCIe", "H200", "B200", "L40S"):
         assert dev in PEAK_TFLOPS
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16-pure"])
-def test_memory_estimate_is_exact_for_params_grads_optimizer(precision):
-    from mptrain.config import ParallelMode
-    from mptrain.parallel import DistContext, wrap
-    from mptrain.precision import PrecisionPolicy
-    from mptrain.step import build_optimizer, decay_names, train_step
-
-    cfg = make_cfg(f"precision={precision}", "model.vocab_size=320")
-    cpu = torch.device("cpu")
-    policy = PrecisionPolicy(cfg.precision, cpu)
-    ctx = DistContext(mode=ParallelMode.none)
-    m = cfg.model
-    model = GPT(GPTShape(320, m.n_layer, m.n_head, m.d_model, m.block_size))
-    decay = decay_names(model)
-    model = wrap(model, policy, ctx)
-    opt = build_optimizer(model, decay, cfg.optim, cpu)
-    x = torch.randint(0, 320, (2, m.block_size + 1))
-    train_step(model, opt, policy.make_scaler(), policy, ctx, [(x[:, :-1], x[:, 1:])], 1.0)
-    params = list(model.parameters())  # tied weights appear once
-    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    state = [v for st in opt.state.values() for k, v in st.items() if k != "step"]
-    e = estimate(cfg, vocab=320, world=1, micro_batch=2)
-    assert e.params == nbytes(params)
-    assert e.grads == nbytes(p.grad for p in params)
-    assert e.optimizer == nbytes(state)
-    assert e.activations > 0 and e.gathered == 0
-
-
-def test_fsdp_estimate_shards_by_world_size():
-    cfg = make_cfg("parallel=fsdp", "precision=bf16")
-    one, eight = estimate(cfg, 4096, world=1), estimate(cfg, 4096, world=8)
-    assert eight.params * 8 == pytest.approx(one.params, rel=1e-3) and eight.gathered > 0
 
 
 def test_mfu_logged_when_the_peak_is_known(tmp_path):

@@ -1,0 +1,264 @@
+"""The memory estimator (mptrain/memory.py) against the tensors of a real step.
+
+The test model is gpt-nano with 322 embedding rows, chosen so that torchao's
+rule for which moments it quantizes (at least 4096 elements and a size that
+divides by the block) goes both ways: the token embedding (322 x 64 = 20,608
+elements) divides by 4bit's block of 128 but not by 8bit's and fp8's 256, the
+position embedding (64 x 64 = 4096) sits exactly on the threshold, and the MLP
+bias (256 elements) divides by the block but is too small.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import sys
+
+import pytest
+import torch
+
+from mptrain import optimizers
+from mptrain.memory import STATE_ROWS, estimate, local_numels, main, shapes, summary_figures
+from mptrain.model import GPT, GPTShape
+
+from .conftest import make_cfg
+
+VOCAB = 322
+
+CASES = {
+    "fp32": ["precision=fp32"],
+    "bf16": ["precision=bf16"],
+    "fp16": ["precision=fp16"],
+    "bf16-pure": ["precision=bf16-pure"],
+    "bf16-pure-sr": ["precision=bf16-pure-sr"],
+    "bf16-pure-kahan": ["precision=bf16-pure-kahan"],
+    "bf16+state-bf16": ["precision=bf16", "optim.state_dtype=bf16"],
+    "bf16+8bit": ["precision=bf16", "optim.state_dtype=8bit"],
+    "bf16+4bit": ["precision=bf16", "optim.state_dtype=4bit"],
+    "bf16+fp8": ["precision=bf16", "optim.state_dtype=fp8"],
+    "bf16-pure-sr+8bit": ["precision=bf16-pure-sr", "optim.state_dtype=8bit"],  # small moments left bf16
+}
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def counted_by_hand(v: torch.Tensor) -> int:
+    """Bytes of one state entry, read off torchao's attributes by name (not
+    through ``__tensor_flatten__`` as ``optimizers.state_bytes`` does)."""
+    if type(v) is torch.Tensor:
+        return nbytes([v])
+    parts = [v.codes, v.scale] + ([v.qmap] if hasattr(v, "qmap") else [])
+    return nbytes(parts)
+
+
+def step_once(cfg, vocab: int, ctx):
+    """(model, optimizer) after one real training step of ``cfg`` with ``vocab``
+    rows, wrapped for ``ctx`` (on the CPU)."""
+    from mptrain.parallel import wrap
+    from mptrain.precision import PrecisionPolicy
+    from mptrain.step import build_optimizer, decay_names, train_step
+
+    cpu = torch.device("cpu")
+    policy = PrecisionPolicy(cfg.precision, cpu)
+    m = cfg.model
+    torch.manual_seed(0)
+    model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
+                         qk_norm=m.qk_norm))
+    decay = decay_names(model)
+    model = wrap(model, policy, ctx)
+    opt = build_optimizer(model, decay, cfg.optim, cpu, optimizers.choose(cfg))
+    x = torch.randint(0, vocab, (2, m.block_size + 1), generator=torch.Generator().manual_seed(ctx.rank))
+    train_step(model, opt, policy.make_scaler(distributed=ctx.world > 1), policy, ctx,
+               [(x[:, :-1], x[:, 1:])], 1.0)
+    return model, opt
+
+
+@functools.cache
+def one_step(case: str):
+    """(cfg, model, optimizer) of ``CASES[case]`` after one real training step
+    on the CPU, without a wrapper; once per case for the whole module."""
+    from mptrain.config import ParallelMode
+    from mptrain.parallel import DistContext
+
+    cfg = make_cfg(*CASES[case], f"model.vocab_size={VOCAB}")
+    model, opt = step_once(cfg, VOCAB, DistContext(mode=ParallelMode.none))
+    return cfg, model, opt
+
+
+@pytest.fixture(scope="module")
+def estimates() -> dict:
+    """Every case's estimate (world 1, micro-batch 2), computed once for the module."""
+    return {name: estimate(make_cfg(*o, f"model.vocab_size={VOCAB}"), VOCAB, world=1, micro_batch=2)
+            for name, o in CASES.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_row_is_exact_against_a_real_step(case, estimates):
+    cfg, model, opt = one_step(case)
+    params = list(model.parameters())  # the tied head appears once
+    e = estimates[case]
+    real = optimizers.state_bytes(opt)
+    by_hand: dict[str, int] = {}
+    for st in opt.state.values():
+        for k, v in st.items():
+            if k in ("exp_avg", "exp_avg_sq", "kahan_comp"):
+                by_hand[k] = by_hand.get(k, 0) + counted_by_hand(v)
+    assert real == by_hand  # state_bytes counts every part of a quantized moment
+    assert e.weights == e.params == nbytes(params)
+    assert e.grads == nbytes(p.grad for p in params)
+    assert e.exp_avg == real["exp_avg"] and e.exp_avg_sq == real["exp_avg_sq"]
+    assert e.kahan_comp == real.get("kahan_comp", 0)
+    assert e.optimizer == sum(real.values())
+    assert e.n_params == sum(p.numel() for p in params)
+    assert e.activations > 0 and e.gathered == 0
+    assert e.total == e.state + e.activations == sum(v for k, v in e.parts().items() if k != "total")
+    # and moment_bytes, tensor by tensor, is what torchao (or torch, or optimi) allocated
+    choice = optimizers.choose(cfg)
+    for p in params:
+        want = optimizers.moment_bytes(p.numel(), choice.state, p.element_size())
+        st = opt.state[p]
+        assert (counted_by_hand(st["exp_avg"]), counted_by_hand(st["exp_avg_sq"])) == (want, want), p.shape
+    if choice.kahan:
+        assert all(opt.state[p]["kahan_comp"].shape == p.shape for p in params)
+
+
+def test_the_quantization_threshold_is_exercised():
+    """In the 8bit case, which moments torchao quantized: exactly those with
+    >= 4096 elements dividing by 256 (so a size at the threshold is in, a
+    small one dividing by the block and a large one not dividing are out)."""
+    _, model, opt = one_step("bf16+8bit")
+    kinds = {n: optimizers.stored_as(opt.state[p]["exp_avg"]) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        big = p.numel() >= optimizers.MIN_QUANTIZED and p.numel() % 256 == 0
+        assert kinds[n] == ("8bit" if big else "fp32"), (n, p.shape)
+    assert kinds["wpe.weight"] == "8bit"  # 4096 elements: on the threshold
+    assert kinds["wte.weight"] == "fp32"  # 20,608 elements, not a multiple of 256
+    assert kinds["blocks.0.mlp.fc.bias"] == "fp32"  # 256 elements: one block, too small
+    assert {"8bit", "fp32"} <= set(kinds.values())
+
+
+def test_bytes_per_param(estimates):
+    fp32 = estimates["fp32"].bytes_per_param()
+    assert fp32 == {"weights": 4.0, "gradients": 4.0, "exp_avg": 4.0, "exp_avg_sq": 4.0, "kahan_comp": 0.0,
+                    "state": 16.0}
+    assert estimates["bf16"].bytes_per_param()["state"] == 16.0  # fp32 masters: the same bytes as fp32
+    assert estimates["bf16-pure"].bytes_per_param()["state"] == 8.0
+    assert estimates["bf16-pure-kahan"].bytes_per_param()["state"] == 10.0
+    assert estimates["bf16+state-bf16"].bytes_per_param()["state"] == 12.0
+    quantized = {k: estimates[f"bf16+{k}"].bytes_per_param()["state"] for k in ("8bit", "4bit", "fp8")}
+    assert quantized["4bit"] < quantized["8bit"] < estimates["bf16+state-bf16"].bytes_per_param()["state"]
+    assert quantized["fp8"] < estimates["bf16+state-bf16"].bytes_per_param()["state"]
+    s = summary_figures(estimates["fp32"])
+    assert s["mem/bytes_per_param"] == 16.0 and set(s["mem/bytes_per_param_parts"]) == set(STATE_ROWS)
+    assert s["mem/params_per_rank"] == estimates["fp32"].n_params
+
+
+def test_labels_say_where_the_master_copy_is(estimates):
+    labels = {k: dict(e.rows()) for k, e in estimates.items()}
+    assert "weights (fp32 master weights, bf16 compute)" in labels["bf16"]
+    assert labels["bf16"]["separate master copy (none: the fp32 weights are it)"] == 0
+    assert "weights (bf16, no fp32 master)" in labels["bf16-pure"]
+    assert labels["bf16-pure-kahan"]["Kahan compensation (bf16)"] > 0
+    # 28 tensors; quantized: wpe and the four linear weights of each block (9), in 4bit also wte
+    assert "Adam exp_avg (8bit + scales + qmap; 19 of 28 tensors left fp32)" in labels["bf16+8bit"]
+    assert "Adam exp_avg_sq (4bit + scales + qmap; 18 of 28 tensors left fp32)" in labels["bf16+4bit"]
+    assert "Adam exp_avg (fp8 + scales; 19 of 28 tensors left fp32)" in labels["bf16+fp8"]
+
+
+def test_fsdp_shards_each_tensor_by_rows():
+    """FSDP2 cuts dim 0 like torch.chunk (rank 0 holds the most rows); FSDP1
+    one flat shard; the estimate counts rank 0's shard of each tensor."""
+    cfg = make_cfg("model.vocab_size=322")
+    shape_list, _ = shapes(cfg, 322)
+    for world in (2, 3, 8):
+        want = [torch.chunk(torch.empty(s, device="meta"), world)[0].numel() for s in shape_list]
+        assert local_numels(shape_list, "fsdp", world) == want
+        assert local_numels(shape_list, "fsdp1", world) == [math.ceil(sum(map(math.prod, shape_list)) / world)]
+        assert local_numels(shape_list, "ddp", world) == [math.prod(s) for s in shape_list]
+    one = estimate(make_cfg("parallel=fsdp", "precision=bf16"), 4096, world=1)
+    eight = estimate(make_cfg("parallel=fsdp", "precision=bf16"), 4096, world=8)
+    assert eight.params * 8 == pytest.approx(one.params, rel=1e-3) and eight.gathered > 0
+    assert eight.bytes_per_param()["state"] == 16.0
+
+
+def test_cli_prints_bytes_per_param(capsys):
+    main(["model=gpt-nano", "precision=bf16", "optim.state_dtype=8bit", "--vocab", "322"])
+    out = capsys.readouterr().out
+    assert "bytes/param" in out.splitlines()[1]
+    row = next(line for line in out.splitlines() if line.strip().startswith("= weights, gradients, optimizer"))
+    assert float(row.split()[-1]) < 16.0
+    with pytest.raises(SystemExit) as e:  # a combination choose() refuses: one line, exit 2
+        main(["model=gpt-nano", "precision=bf16-pure-kahan", "optim.state_dtype=8bit"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "optim.state_dtype=8bit" in err, err
+
+
+# ------------------------------------------------------------------ 2 ranks, FSDP2
+# 321 rows: rank 0 holds 161 of them (10,304 elements, which no block divides:
+# its moments stay plain), rank 1 holds 160 (10,240: quantized). The estimate is
+# rank 0's, the rank with the most rows.
+FSDP_VOCAB = 321
+FSDP_CASES = ("fp32", "bf16", "bf16-pure-kahan", "bf16+8bit", "bf16+4bit")
+
+
+def rank_bytes(model, opt) -> dict:
+    """What this rank holds: its shards' weights, gradients and optimizer state."""
+    from mptrain.shards import local_shard
+
+    params = [local_shard(p) for p in model.parameters()]
+    grads = [local_shard(p.grad) for p in model.parameters()]
+    st = optimizers.state_bytes(opt)
+    return {"weights": nbytes(params), "gradients": nbytes(grads), "exp_avg": st["exp_avg"],
+            "exp_avg_sq": st["exp_avg_sq"], "kahan_comp": st.get("kahan_comp", 0),
+            "n_params": sum(p.numel() for p in params)}
+
+
+def fsdp_worker(out_dir: str) -> None:
+    """Under torchrun (2 ranks, gloo): one step per case under parallel=fsdp;
+    each rank writes what it holds to ``<out_dir>/rank<R>.json``."""
+    import json
+    import os
+
+    from mptrain.parallel import setup
+
+    out = {}
+    for case in FSDP_CASES:
+        cfg = make_cfg(*CASES[case], "parallel=fsdp", f"model.vocab_size={FSDP_VOCAB}")
+        ctx = setup(cfg.parallel, "cpu")
+        out[case] = rank_bytes(*step_once(cfg, FSDP_VOCAB, ctx))
+    with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
+        json.dump(out, f)
+    from mptrain.launch import exit_process
+
+    exit_process(0)
+
+
+def test_fsdp_rows_are_rank_zeros_shard_exactly(tmp_path):
+    """Two real FSDP2 ranks: rank 0's weights, gradients and every state row
+    equal the estimate for world 2, with torchao's threshold applied to each
+    rank's own shard (rank 1, with one row fewer of the embedding, quantizes
+    moments that rank 0 keeps plain)."""
+    import json
+    import os
+    import subprocess
+
+    from .conftest import ROOT
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "tests.test_memory", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for case in FSDP_CASES:
+        e = estimate(make_cfg(*CASES[case], "parallel=fsdp", f"model.vocab_size={FSDP_VOCAB}"),
+                     FSDP_VOCAB, world=2, micro_batch=2)
+        want = {**{k: v for k, v in e.parts().items() if k in STATE_ROWS}, "n_params": e.n_params}
+        assert ranks[0][case] == {**want, "gradients": e.grads}, case
+    eight = [ranks[i]["bf16+8bit"]["exp_avg"] for i in range(2)]
+    assert eight[1] < eight[0]  # rank 1's embedding shard quantized, rank 0's plain
+
+
+if __name__ == "__main__":
+    fsdp_worker(sys.argv[1])

@@ -188,6 +188,56 @@ def update_underflow_counts(before: torch.Tensor, after: torch.Tensor) -> torch.
     return torch.stack(out)
 
 
+def stochastic_stay_probability(before: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """Per element, the probability that stochastic rounding to bf16 leaves a
+    bf16 weight ``before`` unchanged by ``update`` (both fp32).
+
+    ``before + update`` lies between ``before`` and its bf16 neighbour on the
+    side of the update, ``gap`` away; stochastic rounding picks the neighbour
+    with probability ``|update| / gap``, so the weight stays with
+    ``1 - |update| / gap`` (0 once the update reaches the neighbour). The
+    neighbour is one step of the bf16 bit pattern: away from zero when the
+    update has the weight's sign, towards it otherwise; from 0, the smallest
+    subnormal on the update's side. No host sync."""
+    held = before.to(torch.bfloat16)
+    bits = held.view(torch.int16)
+    away = (held > 0) == (update > 0)
+    step = torch.where(away, bits + 1, bits - 1).view(torch.bfloat16).float()
+    tiny = torch.full_like(before, formats.info("bf16").smallest_subnormal)
+    neighbour = torch.where(held == 0, torch.copysign(tiny, update), step)
+    gap = (neighbour - held.float()).abs()
+    return (1 - update.abs() / gap).clamp_(min=0.0)
+
+
+def applied_update_stats(before: torch.Tensor, after: torch.Tensor, intended: torch.Tensor,
+                         stochastic: bool, comp: Optional[torch.Tensor]) -> torch.Tensor:
+    """What the optimizer step actually did to one tensor's stored weights,
+    as float64 ``[n_moved, n_unchanged, expected_unchanged, n_held, held_abs,
+    intended_abs]`` (sums; no host sync):
+
+    - ``n_moved``: elements the rule meant to change (``intended != 0``);
+    - ``n_unchanged``: of those, how many the step left exactly as they were;
+    - ``expected_unchanged``: under stochastic rounding, the sum of each one's
+      probability of staying (:func:`stochastic_stay_probability`); 0 otherwise;
+    - ``n_held`` / ``held_abs``: elements of the Kahan compensation buffer
+      ``comp`` that are non-zero, and the sum of its magnitudes; 0 without one;
+    - ``intended_abs``: the sum of the intended update's magnitudes.
+    """
+    before, after = before.reshape(-1), after.detach().reshape(-1).float()
+    intended = intended.reshape(-1)
+    moved = intended != 0
+    out = [moved.sum(), (moved & (after == before)).sum()]
+    zero = torch.zeros((), device=before.device)
+    out.append((stochastic_stay_probability(before, intended) * moved).sum() if stochastic else zero)
+    if comp is not None:
+        c = comp.reshape(-1).float()
+        out += [(c != 0).sum(), c.abs().sum()]
+    else:
+        out += [zero, zero]
+    out.append(intended.abs().sum())
+    return torch.stack([t.to(torch.float64) for t in out])
+
+
 # ----------------------------------------------------------------- layer groups
 # Name components that wrappers insert: DDP / FSDP1 / torch.compile / activation checkpointing.
 _WRAPPER_PARTS = frozenset({"module", "_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"})
@@ -302,6 +352,7 @@ class NumericsMonitor:
             if len(parts) == 2 and parts[0] == "blocks" and parts[1].isdigit():
                 self._blocks.setdefault(group_of(name), mod)
         self.stability = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
         if self.enabled and getattr(mcfg, "stability", False):
             from .stability import StabilityMonitor  # here: stability.py imports this module
 
@@ -311,7 +362,9 @@ class NumericsMonitor:
         self._reset()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer whose state gives the ``stability/adam_*`` figures (none without it)."""
+        """The optimizer whose state gives the ``numerics/update_lost*`` and
+        ``stability/adam_*`` figures (none without it)."""
+        self.optimizer = optimizer
         if self.stability is not None:
             self.stability.attach_optimizer(optimizer)
 
@@ -471,10 +524,31 @@ class NumericsMonitor:
         for before, p in zip(self._snapshot, params, strict=True):
             c = update_underflow_counts(before, local_shard(p.detach()))
             counts = c if counts is None else counts + c
+        applied = self._applied(params) if self.optimizer is not None else None
         self._snapshot = None
         if counts is None:
             return
         self._sum["update"] = unless_skipped(counts, skipped)
+        if applied is not None:
+            self._sum["applied"] = unless_skipped(applied, skipped)
+
+    def _applied(self, params: list) -> Optional[torch.Tensor]:
+        """:func:`applied_update_stats` summed over the tensors the step updated."""
+        from . import optimizers  # here: optimizers.py imports the stability module, which imports this one
+
+        stochastic = optimizers.choice_of(self.optimizer).rounding == "stochastic"
+        groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        total = None
+        for before, p in zip(self._snapshot, params, strict=True):
+            if p.grad is None or id(p) not in groups:
+                continue
+            intended = optimizers.intended_update(self.optimizer, p, groups[id(p)], before)
+            if intended is None:
+                continue
+            c = applied_update_stats(before, local_shard(p.detach()), intended, stochastic,
+                                     optimizers.compensation(self.optimizer, p))
+            total = c if total is None else total + c
+        return total
 
     # -- results
     def collect(self) -> tuple[dict[str, float], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
@@ -543,6 +617,18 @@ class NumericsMonitor:
         if upd is not None and upd[0] > 0:
             for j, fmt in enumerate(UPDATE_FORMATS):
                 out[f"numerics/update_underflow/{fmt}"] = float(upd[1 + j] / upd[0])
+        applied = vals.get("applied")
+        if applied is not None and applied[0] > 0:
+            moved, unchanged, expected, held, held_abs, intended_abs = (float(v) for v in applied)
+            out["numerics/update_lost"] = unchanged / moved
+            from . import optimizers
+
+            choice = optimizers.choice_of(self.optimizer)
+            if choice.rounding == "stochastic":
+                out["numerics/update_lost_expected"] = expected / moved
+            if choice.kahan:
+                out["numerics/kahan_held"] = held / moved
+                out["numerics/kahan_held_over_update"] = held_abs / intended_abs if intended_abs else 0.0
         acts = {n.split("/", 1)[1]: float(v) for n, v in vals.items() if n.startswith("act/") and self.activations}
         for g, v in acts.items():
             out[f"numerics/act_absmax/{g}"] = v

@@ -10,10 +10,21 @@ Layout of one checkpoint (``<run>/checkpoints/step-N/``):
     train_state.pt          the loop's resumable objects, one entry each (loss scaler,
                             progress, spike detector, skip-rate warning): whatever
                             the trainer hands ``save`` as ``states``
-    rng-rank<R>.pt          each rank's RNG states
+    rng-rank<R>.pt          each rank's RNG states (stochastic rounding draws from them)
     manifest.json           every file above with its size and CRC-32 (see "Integrity")
     meta.json               step, world size, parallel, precision, model shape, resolved config,
                             and the CRC-32 of manifest.json; written last
+
+Optimizer state: stored as plain tensors only. torchao's quantized Adam
+moments (``optim.state_dtype=8bit|4bit|fp8``) are tensor subclasses; each is
+saved as its parts (``<param>.exp_avg.codes``, ``.scale``, ``.qmap``) and
+rebuilt around the loaded parts (:func:`plain_optim_state`). Under FSDP2 on
+several ranks every rank quantized its own shard in its own blocks, so the
+parts go under a key of that rank (``<param>.exp_avg.rank1of2.codes``); such a
+checkpoint resumes only with the wrapper and world size it was saved with
+(:func:`quantized_layout_refusal`). The learning rate torchao keeps as a 0-d
+tensor, torch-optimi's per-group step and its Kahan buffers are plain tensors
+and need nothing of this.
 
 Atomicity: everything is written into ``step-N.tmp/``; only when every rank
 has finished does rank 0 rename it to ``step-N/``. A process killed during a
@@ -57,10 +68,13 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from .config import ConfigError
 from .faults import FaultInjector
+from .optimizers import QUANTIZED, choice_of, state_parts, stored_as
 from .safeload import RefusedFile, SafeFullLoadPlanner, SafeLoadPlanner, SafeReader, check_metadata, load_plain
+from .shards import local_shard
 
 FORMAT = "mptrain-dcp-1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -225,12 +239,13 @@ class Checkpointer:
         phase = lambda work, fs=None: self._phase(step, tmp, work, fs)  # noqa: E731
         phase(lambda: self._prepare(tmp, final) if main else None)
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        optim_sd, _ = plain_optim_state(optim_sd)  # DCP sees plain tensors only (nothing of torchao is pickled)
         fs = _KeepOSError()
         phase(lambda: self._write(tmp, fs, {"model": model_sd, "optim": optim_sd}, states), fs)
         sizes = phase(lambda: _sizes(tmp) if main else None)[0]
         shares = phase(lambda: _hash_files(tmp, _share(sizes, ctx.rank, ctx.world)))
         phase(lambda: self._seal(tmp, step, {k: v for part in shares for k, v in part.items()}, model_sd,
-                                 states["progress"]) if main else None)
+                                 states["progress"], optimizer) if main else None)
         self.faults.during_save(step)  # debug.kill_during_save_at_step: shards written, nothing visible yet
         phase(lambda: self._publish(tmp, final) if main else None)
         return final
@@ -250,10 +265,11 @@ class Checkpointer:
         if self.ctx.is_main:
             _write_file(tmp / "train_state.pt", _serialized({name: obj.state_dict() for name, obj in states.items()}))
 
-    def _seal(self, tmp: Path, step: int, files: dict, model_sd: dict, progress: Progress) -> None:
+    def _seal(self, tmp: Path, step: int, files: dict, model_sd: dict, progress: Progress, optimizer) -> None:
         """manifest.json, then meta.json: its presence marks the content complete."""
         record = _write_manifest(tmp, files)
         m = self.run_cfg.model
+        choice = choice_of(optimizer)
         meta = {
             "format": FORMAT,
             "step": step,
@@ -263,6 +279,8 @@ class Checkpointer:
             "precision": self.run_cfg.precision.name,
             "model": {k: int(m[k]) for k in _SHAPE_KEYS},
             "vocab_size": int(model_sd["wte.weight"].shape[0]),
+            # which AdamW wrote the optimizer state (resume.py refuses another one)
+            "optimizer": {"impl": choice.impl, "state": choice.state, "rounding": choice.rounding},
             "config": OmegaConf.to_container(self.run_cfg, resolve=True, enum_to_str=True),
             **self.meta_extra,
             "manifest": record,
@@ -342,11 +360,16 @@ class Checkpointer:
         if diffs:
             raise CheckpointError(f"checkpoint {path} does not fit this model ({'; '.join(diffs)}). "
                                   "Resume with the model and data settings it was saved with, or resume=none.")
+        refused = quantized_layout_refusal(path, meta, self.run_cfg, self.ctx.world)
+        if refused:  # resume.py refuses it before anything is built; this guards other callers
+            raise CheckpointError(refused)
+        optim_sd, quantized = plain_optim_state(optim_sd)
         state = {"model": model_sd, "optim": optim_sd}
         with _single_process_ok(self.ctx), _read_errors(path):
             check_metadata(path)
             dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        optim_sd = rebuild_quantized(state["optim"], quantized)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd)
         ts_file = path / "train_state.pt"
         with _read_errors(ts_file):
             ts = load_plain(ts_file)
@@ -363,6 +386,87 @@ class Checkpointer:
         # (after a change of world size, ranks keep the seeds of this launch: only
         # dropout draws differ; data order depends on the step alone)
         policy.refresh_fp8_scales(model)  # float8 all-gather scales must match the loaded weights
+
+
+# ------------------------------------------------------- quantized moments
+def _sharded_key(t: torch.Tensor) -> Optional[str]:
+    """``rank<R>of<W>`` for a state tensor split across ranks (FSDP2 on more than one),
+    None for one every rank holds whole."""
+    if isinstance(t, DTensor) and t.device_mesh.size() > 1 and any(p.is_shard() for p in t.placements):
+        return f"rank{t.device_mesh.get_rank()}of{t.device_mesh.size()}"
+    return None
+
+
+def plain_optim_state(osd: dict) -> tuple[dict, list]:
+    """``osd`` (``get_state_dict``'s optimizer state) with every torchao quantized
+    moment replaced by a dict of its plain tensors (``codes``, ``scale``, ``qmap``),
+    and the list of what was replaced, for :func:`rebuild_quantized`.
+
+    Why: DCP would otherwise pickle the subclass itself into the shard, and
+    unpickling it means importing and running torchao's code from a checkpoint
+    file. Where the moment is a shard of an FSDP2 DTensor, its parts go one
+    level deeper, under the rank's own key: each rank quantized its own shard
+    (its own codes, its own block scales), and DCP keeps a single copy of a
+    plain tensor that several ranks save under the same key. The parts are the
+    moment's own tensors, so loading into them fills the moment in place."""
+    state, replaced = {}, []
+    for fqn, entry in osd["state"].items():
+        entry = dict(entry)
+        for k, v in list(entry.items()):
+            if torch.is_tensor(v) and stored_as(v) in QUANTIZED:
+                parts, shard = dict(state_parts(v)), _sharded_key(v)
+                entry[k] = {shard: parts} if shard else parts
+                replaced.append((fqn, k, v, shard))
+        state[fqn] = entry
+    return {**osd, "state": state}, replaced
+
+
+def rebuild_quantized(osd: dict, replaced: list) -> dict:
+    """The optimizer state of :func:`plain_optim_state` with each quantized moment
+    rebuilt from its (loaded) parts: the same subclass, flags and shape as the
+    moment it replaced, wrapped in the same DTensor placement under FSDP2."""
+    state = {fqn: dict(entry) for fqn, entry in osd["state"].items()}
+    for fqn, k, was, shard in replaced:
+        parts = state[fqn][k][shard] if shard else state[fqn][k]
+        local = local_shard(was)
+        names, flags = local.__tensor_flatten__()
+        moment = type(local).__tensor_unflatten__({n: parts[n] for n in names}, flags, local.shape, local.stride())
+        if isinstance(was, DTensor):
+            moment = DTensor.from_local(moment, was.device_mesh, was.placements, run_check=False,
+                                        shape=was.shape, stride=was.stride())
+        state[fqn][k] = moment
+    return {**osd, "state": state}
+
+
+def _quantized_layout(state_dtype, parallel: str, world: int) -> Optional[str]:
+    """How a run stores quantized moments in a checkpoint: ``per-rank`` (FSDP2 on
+    several ranks: see :func:`plain_optim_state`), ``whole``, or None (none quantized)."""
+    state_dtype = getattr(state_dtype, "value", state_dtype)
+    if state_dtype not in QUANTIZED:
+        return None
+    return "per-rank" if parallel == "fsdp" and world > 1 else "whole"
+
+
+def quantized_layout_refusal(path: Path, meta: dict, cfg, world: int) -> Optional[str]:
+    """Why checkpoint ``path`` (its ``meta``) cannot be loaded by ``cfg`` on ``world``
+    ranks, or None. Quantized moments saved per rank under FSDP2 load only under
+    the same wrapper and world size: their blocks and scales were taken over
+    each rank's shard, and another split of the tensor needs other blocks."""
+    saved_state = meta.get("config", {}).get("optim", {}).get("state_dtype")
+    saved_parallel, saved_world = meta.get("parallel"), meta.get("world_size")
+    saved = _quantized_layout(saved_state, saved_parallel, saved_world)
+    now_parallel = getattr(cfg.parallel.name, "value", cfg.parallel.name)
+    now = _quantized_layout(cfg.optim.state_dtype, now_parallel, world)
+    if saved is None or now is None or (saved, now) == ("whole", "whole"):
+        return None
+    if (saved_parallel, saved_world) == (now_parallel, world):
+        return None
+    how = (f"within each of its {saved_world} ranks' FSDP shards" if saved == "per-rank"
+           else "over whole tensors")
+    return (f"checkpoint {path} holds {saved_state} Adam moments whose blocks and scales were taken {how}, and "
+            f"this launch (parallel={now_parallel} on {world} rank{'s' if world > 1 else ''}) divides the "
+            f"tensors otherwise, so they do not carry over; resume it with parallel={saved_parallel} on "
+            f"{saved_world} rank{'s' if saved_world > 1 else ''}, the world size it was saved with.")
 
 
 @contextlib.contextmanager

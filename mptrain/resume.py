@@ -24,7 +24,8 @@ from typing import Callable, Optional
 
 from omegaconf import OmegaConf
 
-from .checkpoint import complete_checkpoints, flatten, read_meta, resolve_resume
+from . import optimizers
+from .checkpoint import complete_checkpoints, flatten, quantized_layout_refusal, read_meta, resolve_resume
 from .config import ConfigError
 from .step import describe_schedule, lr_at
 
@@ -36,9 +37,19 @@ NOT_MATH = ("data.cache_dir", "data.num_proc", "data.trust_remote_code", "data.s
 # Changes that are always allowed but worth a line in the history: more (or fewer)
 # steps move the learning-rate schedule; another wrapper or world size reshards.
 RECORDED = ("train.max_steps", "parallel.name", "world_size")
-# Changes no allow list can make: the checkpoint's state has another structure.
-# optim.update_clip > 0 gives every parameter its own optimizer param group.
-STRUCTURAL = {"optim.update_clip": lambda v: bool(v)}
+
+# Changes no allow list can make: the checkpoint's optimizer state has another
+# structure. Per key: what of its value decides the structure, the value a
+# checkpoint saved before the key existed had, and why the structure differs.
+STRUCTURAL = {
+    "optim.update_clip": (bool, 0.0, "a value above 0 gives every parameter its own param group"),
+    "precision.update_rounding": (
+        str, "nearest", "each rounding runs another optimizer: torch's AdamW, torchao's with stochastic "
+                        "rounding (its learning rate a tensor), torch-optimi's with Kahan compensation buffers"),
+    "optim.state_dtype": (
+        str, None, "the moments are stored as other tensors: plain ones of a dtype, or torchao's quantized "
+                   "codes and block scales"),
+}
 
 
 class ResumeRefused(ConfigError):
@@ -77,6 +88,7 @@ def _decide(cfg, run_dir: Path, world: int, say) -> ResumePlan:
     now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     changes, refused = compare({**meta.get("config", {}), "world_size": meta.get("world_size")},
                                {**now, "world_size": world}, list(cfg.resume.allow_changes))
+    _check_optimizer(cfg, path, meta, world)
     step = int(meta["step"])
     if refused:
         raise ResumeRefused(
@@ -94,6 +106,31 @@ def _decide(cfg, run_dir: Path, world: int, say) -> ResumePlan:
         finished = (f"{path} is at step {step} and train.max_steps={cfg.train.max_steps}: nothing to train; "
                     "the run's records are left as they are. Raise train.max_steps to continue it.")
     return ResumePlan(path=path, step=step, history=history, finished=finished)
+
+
+def _check_optimizer(cfg, path: Path, meta: dict, world: int) -> None:
+    """ResumeRefused when this launch's optimizer cannot load the checkpoint's state:
+    another implementation (a change of precision can switch it even where
+    neither structural key changed: ``optim.state_dtype=bf16`` is torch's AdamW
+    under ``bf16-pure`` and torchao's under ``bf16``), or quantized moments saved
+    per rank on another world size."""
+    saved = meta.get("optimizer")  # recorded since the optimizer could be other than torch's
+    if saved:
+        try:
+            impl = optimizers.choose(cfg).impl
+        except ConfigError:
+            impl = None  # a config that cannot run at all: the trainer says why, in its own words
+        if impl is not None and impl != saved["impl"]:
+            names = {"torch": "torch's AdamW", "torchao": "torchao's AdamW", "optimi": "torch-optimi's AdamW"}
+            raise ResumeRefused(
+                f"resume from {path}: its optimizer state was written by {names[saved['impl']]} and this "
+                f"launch's precision={cfg.precision.name} with optim.state_dtype="
+                f"{getattr(cfg.optim.state_dtype, 'value', None) or 'null'} runs {names[impl]}, whose state has "
+                "another layout (even with resume.allow_changes); resume with the precision and "
+                "optim.state_dtype it was saved with, or start a new run.")
+    refused = quantized_layout_refusal(path, meta, cfg, world)
+    if refused:
+        raise ResumeRefused(refused)
 
 
 def schedule_change(cfg, saved_optim: dict, old_max: int, step: int) -> str:
@@ -144,8 +181,13 @@ def finished_summary(run_dir: Path) -> dict:
 
 def compare(saved: dict, now: dict, allow: list[str]) -> tuple[dict, list[str]]:
     """(accepted changes ``{key: [before, after]}``, refused changes as text).
-    Keys absent on one side (a checkpoint from an older version) are not compared."""
+    Keys absent on one side (a checkpoint from an older version) are not compared,
+    except the STRUCTURAL ones: a checkpoint saved before such a key existed ran
+    with the value it has there (round to nearest, moments in the parameters' dtype)."""
     old, new = flatten(saved), flatten(now)
+    for key, (_, before_it_existed, _why) in STRUCTURAL.items():
+        if key in new and key not in old:  # a checkpoint older than the key had its default
+            old[key] = before_it_existed
     for entry in allow:
         if not any(k == entry or k.startswith(entry + ".") for k in new):
             raise ConfigError(f"resume.allow_changes: '{entry}' is not a config key or section "
@@ -154,10 +196,13 @@ def compare(saved: dict, now: dict, allow: list[str]) -> tuple[dict, list[str]]:
     for key in sorted(old.keys() & new.keys()):
         if old[key] == new[key]:
             continue
-        if key in STRUCTURAL and STRUCTURAL[key](old[key]) != STRUCTURAL[key](new[key]):
-            raise ResumeRefused(f"{key}: {old[key]!r} -> {new[key]!r} changes the layout of the saved optimizer "
-                                "state, so this checkpoint cannot be loaded under it (even with "
-                                "resume.allow_changes); resume with the value it was saved with, or start a new run.")
+        if key in STRUCTURAL:
+            decides, _, why = STRUCTURAL[key]
+            if decides(old[key]) != decides(new[key]):
+                raise ResumeRefused(f"{key}: {old[key]!r} -> {new[key]!r} changes the layout of the saved "
+                                    f"optimizer state ({why}), so this checkpoint cannot be loaded under it "
+                                    "(even with resume.allow_changes); resume with the value it was saved "
+                                    "with, or start a new run.")
         math = key.startswith(MATH) and not key.startswith(NOT_MATH)
         allowed = any(key == a or key.startswith(a + ".") for a in allow)
         if math and not allowed:

@@ -454,12 +454,18 @@ class DtypeAudit:
         return fix
 
     def _flag_update(self, owners: list[str], op: str, half: tuple[str, ...]) -> None:
-        problem = (f"parameter update applied to {'/'.join(half)} weights: updates smaller than half an "
-                   "ulp of the weight are lost")
+        rounding = getattr(getattr(self.policy.cfg, "update_rounding", None), "value", "nearest")
+        problem = f"parameter update applied to {'/'.join(half)} weights: " + {
+            "nearest": "updates smaller than half an ulp of the weight are lost",
+            "stochastic": "stochastic rounding keeps each update on average, but every step moves a weight by "
+                          "a whole ulp or not at all (noise of up to one ulp per step)",
+            "kahan": "Kahan summation keeps what rounding drops in a compensation buffer and adds it back, at "
+                     "2 more bytes per parameter (updates are delayed, not lost)",
+        }[rounding]
         fix = "keep fp32 master weights (precision.master_weights=true)"
         if not self.policy.cfg.master_weights:
             fix += (f"; this run is {self.policy.name} (master_weights=false), whose point is to study "
-                    "exactly this loss")
+                    "exactly this")
         for m in owners:
             self._flag("update", m, "optimizer", op, half, problem, fix)
 

@@ -116,6 +116,13 @@ def choose(cfg) -> Choice:
                 f"{why} is not supported under parallel=fsdp1: FSDP1 hands the optimizer flattened shards that "
                 "span several tensors, and its optimizer checkpointing gathers plain tensors only, not "
                 "quantized moments or compensation buffers; use parallel=fsdp (FSDP2), ddp or none.")
+    if state in QUANTIZED and param != "fp32" and cfg.parallel.name.value == "fsdp":
+        # torchao 0.18's step fails on such a shard (its fp32 upcast of a bf16-typed
+        # quantized DTensor meets fp32 operands in lerp); fp32 weights work.
+        raise ConfigError(
+            f"optim.state_dtype={state} with {param} weights (precision={p.name}) fails inside torchao's "
+            "optimizer step under parallel=fsdp (FSDP2); keep fp32 master weights (precision=bf16) with "
+            f"optim.state_dtype={state}, or use parallel=ddp.")
     if o.compile_step and impl != "torchao":
         raise ConfigError(
             "optim.compile_step=true compiles torchao's optimizer step, but this run uses "

@@ -44,9 +44,15 @@ PANELS = [
     ("grad underflow in e4m3", "numerics/grad_underflow/e4m3", "step", "linear"),
     ("grad underflow in e5m2", "numerics/grad_underflow/e5m2", "step", "linear"),
     ("update underflow if stored in bf16", "numerics/update_underflow/bf16", "step", "linear"),
+    ("updates the stored weights did not take", "numerics/update_lost", "step", "linear"),
+    ("stochastic rounding: updates lost in expectation", "numerics/update_lost_expected", "step", "linear"),
+    ("Kahan buffer: pending update / this step's", "numerics/kahan_held_over_update", "step", "linear"),
     ("largest attention logit (all layers)", "stability/attn_logit_max", "step", "log"),
     ("output logits: mean log Z", "stability/output_log_z", "step", "linear"),
 ]
+# Metrics only some configurations have (stochastic rounding, Kahan summation): a
+# sweep without those is not missing them, so their absence is not reported.
+ONLY_WHERE_THEY_APPLY = {"numerics/update_lost_expected", "numerics/kahan_held_over_update"}
 IGNORED_KEYS = ("run_info", "log.", "debug.", "hydra")
 # Each run's look in every panel; runs differ in all three, so identical curves stay visible.
 LINESTYLES = ("-", "--", ":", "-.")
@@ -120,8 +126,8 @@ def label_runs(runs: list[Run]) -> list[str]:
 def table(runs: list[Run]) -> str:
     ref = next((r for r in runs if (r.config.get("precision") or {}).get("name") == "fp32"), None)
     ref_val = ref.summary.get("final/val_loss") if ref else None
-    head = ["run", "final train loss", "final val loss", "val loss - fp32", "tokens/s", "skipped steps",
-            "peak memory (GiB)", "wall time (s)"]
+    head = ["run", "final train loss", "final val loss", "val loss - fp32", "state bytes/param", "tokens/s",
+            "skipped steps", "peak memory (GiB)", "wall time (s)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def f(x, spec=".4f"):
@@ -136,6 +142,7 @@ def table(runs: list[Run]) -> str:
         lines.append("| " + " | ".join([
             r.label, f(s.get("final/train_loss", r.last("train/loss"))), f(val),
             ("+" if delta is not None and delta >= 0 else "") + f(delta) if delta is not None else "n/a",
+            f(s.get("mem/bytes_per_param"), ".2f"),  # weights, gradients, optimizer state (memory.py)
             f(s.get("perf/tokens_per_s"), ",.0f"), "n/a" if skipped is None else str(skipped),
             f(mem, ".2f"), f(s.get("wall_time_s"), ".1f"),
         ]) + " |")
@@ -145,7 +152,7 @@ def table(runs: list[Run]) -> str:
 def panels_with_data(runs: list[Run]) -> tuple[list[tuple], list[str]]:
     """The panels some run has data for, and the metrics no run logged."""
     panels = [p for p in PANELS if any(r.series(p[1], p[2])[0] for r in runs)]
-    return panels, sorted({p[1] for p in PANELS} - {p[1] for p in panels})
+    return panels, sorted({p[1] for p in PANELS} - {p[1] for p in panels} - ONLY_WHERE_THEY_APPLY)
 
 
 def _equal(a: float, b: float) -> bool:

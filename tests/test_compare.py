@@ -42,7 +42,8 @@ def test_compare_a_sweep(tmp_path):
     assert "precision=fp32" in text and "precision=bf16" in text and "precision=fp16" in text
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| precision=")}
     assert "| +0.0000 |" in rows["precision=fp32"]  # the reference run
-    assert rows["precision=fp16"].split("|")[6].strip() == "0"  # skipped steps, from summary.json
+    assert rows["precision=fp16"].split("|")[7].strip() == "0"  # skipped steps, from summary.json
+    assert rows["precision=fp32"].split("|")[5].strip() == "16.00"  # state bytes per parameter
     assert "val loss - fp32" in r.stdout  # the table is printed too
     assert "Not logged" not in text  # every panel had data (fp16 brings the loss scale)
 

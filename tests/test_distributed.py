@@ -117,6 +117,23 @@ CASES = {
     "inf-on-rank1": [*TINY, "train.max_steps=6", "precision=fp16", "debug.inject_inf_grad_steps=[2]",
                      "debug.inject_inf_grad_rank=1"],
 }
+# The optimizers other than torch's AdamW (test_new_optimizers_match_single_process).
+OPTIMIZER_CASES = {"8bit": ["precision=fp32", "optim.state_dtype=8bit"], "sr": ["precision=bf16-pure-sr"],
+                   "kahan": ["precision=bf16-pure-kahan"]}
+# Their bounds (max |loss - one process| over 20 steps), measured on a 2-core CPU, torch 2.13, gloo:
+# - 8bit: torchao quantizes a moment only when this rank's part has >= 4096 elements. The
+#   64x64 tensors (attention projections, position embedding) are quantized in one process
+#   and stay fp32 as 2048-element halves under FSDP2: the runs differ by those tensors'
+#   8-bit rounding. Measured: fsdp 5.1e-5, ddp 9.5e-7 (whole tensors: summation order
+#   only). Bound 2e-4: 4x the worst, and 3x below what 8-bit moments change against fp32
+#   moments (6.4e-4), so a run that did not quantize would fail.
+# - sr: each rank draws its own shard's random roundings (the same seed on every rank), so
+#   the runs are two samples of stochastic rounding. Measured: fsdp 2.5e-3. Bound 8e-3:
+#   3x that, and 3x below the difference from round-to-nearest (2.6e-2).
+# - kahan: deterministic; the bf16 gradient reduction and summation order move bf16
+#   roundings as in the bf16 row of TOL. Measured: ddp 4.2e-4, fsdp 5.7e-4. Bound 1.5e-3:
+#   2.6x the worst, 19x below the difference from round-to-nearest (2.8e-2).
+OPTIMIZER_TOL = {"8bit": 2e-4, "sr": 8e-3, "kahan": 1.5e-3}
 # Cases only one wrapper runs, each for the test named beside it.
 BYTES = [(p, r) for p in ("fp32", "bf16", "fp8") for r in ("fp32", "bf16")]
 EXTRA_CASES = {
@@ -132,8 +149,10 @@ EXTRA_CASES = {
         "fp8": [*COMMON, "precision=fp8"],  # test_fp8.py::test_fsdp2_fp8_two_ranks
         # test_preempt.py::test_two_rank_fsdp_sigterm_exits_0_and_resumes_exactly: the uninterrupted run
         "preempt": PREEMPT,
+        **{f"opt-{name}": [*COMMON, *ov] for name, ov in OPTIMIZER_CASES.items()},  # test_new_optimizers_...
     },
 }
+EXTRA_CASES["ddp"].update({f"opt-{name}": [*COMMON, *OPTIMIZER_CASES[name]] for name in ("8bit", "kahan")})
 
 
 def launch_wrapper_cases(cwd: Path, parallel: str) -> dict[str, Path]:
@@ -142,18 +161,25 @@ def launch_wrapper_cases(cwd: Path, parallel: str) -> dict[str, Path]:
     return sweep(cwd, {name: [*ov, f"parallel={parallel}"] for name, ov in cases.items()})
 
 
+def _matches_one_process(run_dir: Path, reference: list[dict], tol: float) -> tuple[list[dict], list[dict]]:
+    """The 2-rank run's loss rows against one process's: within ``tol`` at every
+    step, learning, and every rank in agreement. Returns both lists of rows."""
+    rows = [r for r in read_rows(run_dir) if "train/loss" in r]
+    ref = [r for r in reference if "train/loss" in r]
+    assert len(rows) == len(ref) == STEPS
+    diffs = [abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref)]
+    assert max(diffs) < tol, f"max |loss - none| = {max(diffs):.2e} (step {diffs.index(max(diffs)) + 1})"
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3
+    # every rank saw the same global grad norm and skip count at every logged step
+    assert all(r["dist/rank_mismatch"] == 0 for r in rows)
+    return rows, ref
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
 def test_two_ranks_match_single_process(two_rank_jobs, reference, parallel, precision):
     run_dir = two_rank_jobs(parallel)[precision]
-    rows = [r for r in read_rows(run_dir) if "train/loss" in r]
-    ref = [r for r in reference[precision] if "train/loss" in r]
-    assert len(rows) == len(ref) == STEPS
-    diffs = [abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref)]
-    assert max(diffs) < TOL[precision], f"max |loss - none| = {max(diffs):.2e} (step {diffs.index(max(diffs)) + 1})"
-    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3
-    # every rank saw the same global grad norm and skip count at every logged step
-    assert all(r["dist/rank_mismatch"] == 0 for r in rows)
+    rows, ref = _matches_one_process(run_dir, reference[precision], TOL[precision])
     if precision == "fp32":
         # and that grad norm is the single-process one
         for a, b in zip(rows, ref):
@@ -189,6 +215,26 @@ def test_stability_switches_match_single_process(two_rank_jobs, switches_referen
     for key in ("stability/attn_logit_max/block0", "stability/attn_entropy/block1", "stability/output_log_z",
                 "stability/act_rms/block1", "stability/adam_update_rms/block0"):
         assert rows[0][key] == pytest.approx(ref[0][key], rel=1e-4), key
+
+
+@pytest.fixture(scope="module")
+def optimizer_references(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref-optimizers")
+    return {name: train(root / name, *COMMON, *ov, tiny=False)[1] for name, ov in OPTIMIZER_CASES.items()}
+
+
+@pytest.mark.parametrize("parallel, name", [("fsdp", "8bit"), ("fsdp", "sr"), ("fsdp", "kahan"),
+                                            ("ddp", "8bit"), ("ddp", "kahan")])
+def test_new_optimizers_match_single_process(two_rank_jobs, optimizer_references, parallel, name):
+    """torchao's AdamW (8-bit moments; stochastic rounding) and torch-optimi's (Kahan)
+    on 2 ranks train as one process does, within the bounds OPTIMIZER_TOL justifies;
+    under FSDP2 they step DTensor shards."""
+    run_dir = two_rank_jobs(parallel)[f"opt-{name}"]
+    _matches_one_process(run_dir, optimizer_references[name], OPTIMIZER_TOL[name])
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["dist/replicas_identical"] is True
+    expected = {"8bit": "8bit,fp32", "sr": "bf16", "kahan": "bf16"}[name]
+    assert s["dtypes"]["optimizer_state"] == expected
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
@@ -235,7 +281,7 @@ def test_multirun_under_torchrun_and_ddp_gradient_bytes(two_rank_jobs):
     reducer, the bf16 one from the comm hook."""
     by_case = two_rank_jobs("ddp")
     jobs = _sweep_jobs(by_case["reduce-fp32"].parents[3])
-    assert jobs == list(by_case.values()) and len(jobs) == len(CASES) + 2
+    assert jobs == list(by_case.values()) and len(jobs) == len(CASES) + len(EXTRA_CASES["ddp"])
     summaries = {}
     for case, job in by_case.items():
         for name in ("config.yaml", "metrics.jsonl", "summary.json"):

@@ -60,6 +60,25 @@ def torchao_version() -> str | None:
     return getattr(torchao, "__version__", "unknown")
 
 
+def optimizer_support() -> str:
+    """Which of the optimizers behind stochastic rounding, Kahan summation and
+    ``optim.state_dtype`` import here (optimizers.py refuses the others at start)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        import torchao.optim as ao
+
+        names = [n for n in ("_AdamW", "AdamW8bit", "AdamW4bit", "AdamWFp8") if hasattr(ao, n)]
+        torchao = "torchao " + (", ".join(names) or "none of its AdamWs")
+    except Exception:  # missing, or failing to import against this torch
+        torchao = "torchao optimizers unavailable (stochastic rounding, optim.state_dtype refused)"
+    try:
+        optimi = f"torch-optimi {version('torch-optimi')} (Kahan summation)"
+    except PackageNotFoundError:
+        optimi = "torch-optimi not installed (precision=bf16-pure-kahan refused)"
+    return f"{torchao}; {optimi}"
+
+
 def _version_tuple(v: str) -> tuple[int, ...]:
     out = []
     for part in v.split("+")[0].split(".")[:2]:
@@ -175,6 +194,7 @@ def report(device: torch.device | None = None) -> str:
         f"device       {device} ({name})",
         f"torch        {torch.__version__}",
         f"torchao      {torchao_version() or 'not installed'}",
+        f"optimizers   {optimizer_support()}",
         "formats:",
     ]
     for fmt in ("bf16", "fp16", "fp8"):

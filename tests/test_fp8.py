@@ -96,6 +96,8 @@ def test_doctor_on_this_machine(capsys):
     assert out["fp8"] == "emulated"  # torchao is installed; no CPU has float8 matmul
     assert f"torch        {torch.__version__}" in stdout and "device       cpu" in stdout
     assert "recommended  precision=" in stdout and "measured 512x512 matmul" in stdout
+    # the optimizers behind stochastic rounding, Kahan and quantized moments (both installed by .[dev])
+    assert "optimizers   torchao _AdamW, AdamW8bit, AdamW4bit, AdamWFp8; torch-optimi " in stdout
 
 
 def test_emulated_precision_warns(tmp_path, capsys):

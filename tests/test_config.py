@@ -30,7 +30,7 @@ def test_groups_of_design_exist():
 def test_every_option_composes_with_schema(group, option):
     cfg = make_cfg(f"{group}={option}", tiny=False)
     assert OmegaConf.get_type(cfg) is Config  # typed by the dataclass schema, not a loose dict
-    if group == "experiment":  # a `# @package _global_` file: it sets keys all over the config
+    if group in ("experiment", "optimizer_row"):  # `# @package _global_` files: they set keys all over
         validate(cfg)
         return
     section = cfg[group]
@@ -123,7 +123,8 @@ def test_group_options_include_folders_added_to_the_search_path(tmp_path):
     with pytest.raises(ConfigError) as e:
         check_overrides([f"hydra.searchpath=[file://{tmp_path}]", "experiment=case2"], str(CONFIGS))
     assert str(e.value) == ("Unknown experiment option 'case2'. Did you mean 'experiment=case1'? Valid options "
-                            f"(configs/experiment/, {tmp_path}/experiment/): case1, lr_sensitivity, precision_study.")
+                            f"(configs/experiment/, {tmp_path}/experiment/): case1, lr_sensitivity, optimizer_precision, "
+                            "precision_study.")
     # options in a package cannot be listed from here: Hydra's to check, while keys and values still are checked
     check_overrides(["hydra.searchpath=[pkg://elsewhere]", "experiment=case2", "train.max_steps=3"], str(CONFIGS))
     with pytest.raises(ConfigError, match="for train.max_steps: expected an integer"):

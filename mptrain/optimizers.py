@@ -32,7 +32,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .config import ConfigError, StateDtype, UpdateRounding
+from .config import ConfigError
 from .shards import local_shard
 
 QUANTIZED = ("8bit", "4bit", "fp8")

@@ -128,20 +128,12 @@ def local_numels(shape_list: list[tuple[int, ...]], mode: str, world: int) -> li
             for s, n in zip(shape_list, numels)]
 
 
-def _moment_bytes(numel: int, state: str, param_bytes: int) -> int:
-    from .optimizers import moment_bytes
-
-    if state in BYTES and state not in ("fp32", "bf16"):  # torch's AdamW over fp16 weights: moments in fp16
-        return numel * BYTES[state]
-    return moment_bytes(numel, state, param_bytes)
-
-
 def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) -> Estimate:
     """Bytes per rank for ``cfg`` (a composed mptrain config) with ``vocab``
     rows, on ``world`` ranks; ``micro_batch`` sequences per forward (default:
     the config's). An optimizer combination that cannot run is a ConfigError
     (:func:`mptrain.optimizers.choose`)."""
-    from .optimizers import BLOCK, MIN_QUANTIZED, QUANTIZED, choose
+    from .optimizers import BLOCK, MIN_QUANTIZED, QUANTIZED, choose, moment_bytes
 
     m, p = cfg.model, cfg.precision
     choice = choose(cfg)
@@ -154,7 +146,7 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
     n = sum(local)
 
     weights = grads = n * pb
-    exp_avg = sum(_moment_bytes(k, choice.state, pb) for k in local)
+    exp_avg = sum(moment_bytes(k, choice.state, pb) for k in local)
     exp_avg_sq = exp_avg  # the same layout: a signed and an unsigned map of equal size
     kahan = n * pb if choice.kahan else 0
 

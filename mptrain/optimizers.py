@@ -225,9 +225,13 @@ def _torchao_class(state: str) -> type:
     return Optimizer
 
 
+TORCH_ADAMW = Choice("torch", "fp32", "nearest", "fp32")
+"""torch's AdamW over fp32 weights: what an optimizer built without a choice is."""
+
+
 def choice_of(optimizer: torch.optim.Optimizer) -> Choice:
     """The :class:`Choice` an optimizer was built for (torch's AdamW when built elsewhere)."""
-    return getattr(optimizer, "choice", None) or Choice("torch", "fp32", "nearest", "fp32")
+    return getattr(optimizer, "choice", None) or TORCH_ADAMW
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -348,4 +352,4 @@ def moment_bytes(numel: int, state: str, param_bytes: int) -> int:
             qmap = {"8bit": 256 * 4, "4bit": 16 * 4, "fp8": 0}[state]
             return codes + numel // block * 4 + qmap
         return numel * param_bytes  # torchao keeps small tensors plain, in the parameter's dtype
-    return numel * {"fp32": 4, "bf16": 2}[state]
+    return numel * {"fp32": 4, "bf16": 2, "fp16": 2}[state]  # plain (fp16: moments of fp16 weights)

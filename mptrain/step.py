@@ -104,7 +104,7 @@ def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.devic
             {"params": [p for d, p in params if d], "weight_decay": ocfg.weight_decay},
             {"params": [p for d, p in params if not d], "weight_decay": 0.0},
         ]
-    optimizer = optimizers.make(groups, ocfg, choice or optimizers.choice_of(None), device)
+    optimizer = optimizers.make(groups, ocfg, choice or optimizers.TORCH_ADAMW, device)
     optimizer.update_clip = clip
     return optimizer
 

@@ -352,6 +352,17 @@ def results(best: dict[str, dict], cfg, device: str, world: int, repeats: int) -
     return "\n".join(lines)
 
 
+def configured(compose, overrides: list[str], prog: str):
+    """``(config, device)`` for a benchmark's command line: ``compose(overrides)``,
+    or one line naming the error and exit 2; CUDA unless absent or ``train.device=cpu``."""
+    try:
+        cfg = compose(overrides)
+    except ConfigError as e:
+        print(f"{prog}: configuration error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return cfg, "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
+
+
 def main() -> None:
     """Banner, the runs with their progress, then the table (rank 0 prints; every rank trains)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -359,12 +370,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--verbose", action="store_true", help="show the harness's own banner and messages for every run")
     a, overrides = ap.parse_known_args()
-    try:
-        cfg = compose_cfg(overrides)
-    except ConfigError as e:
-        print(f"bench: configuration error: {e}", file=sys.stderr)
-        sys.exit(2)
-    device = "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
+    cfg, device = configured(compose_cfg, overrides, "bench")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank0 = int(os.environ.get("RANK", "0")) == 0
     tokens = None

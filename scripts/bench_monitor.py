@@ -22,8 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py's progress line and quiet runs
 
 import torch  # noqa: E402
-from bench import Progress, following, machine, quiet_harness  # noqa: E402
-from mptrain.config import ConfigError  # noqa: E402
+from bench import Progress, configured, following, machine, quiet_harness  # noqa: E402
 from mptrain.config_checks import compose_checked  # noqa: E402
 from mptrain.trainer import run  # noqa: E402
 
@@ -55,12 +54,7 @@ def main() -> None:
     if any(a in ("-h", "--help") for a in user):
         print(__doc__)
         return
-    try:
-        cfg = compose_cfg(user)
-    except ConfigError as e:
-        print(f"bench_monitor: configuration error: {e}", file=sys.stderr)
-        sys.exit(2)
-    device = "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
+    cfg, device = configured(compose_cfg, user, "bench_monitor")
     print(f"bench_monitor: {' '.join(DEFAULTS + user)} | {len(SETTINGS)} settings x 2, interleaved\n"
           f"  machine  {machine(device)} | torch {torch.__version__}", flush=True)
     best = {k: 0.0 for k in SETTINGS}

@@ -170,6 +170,19 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def _write_whole(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy ``full`` (the whole tensor, on the CPU) into ``p``: all of it, or,
+    when ``p`` is a DTensor shard, the part this rank holds (cut locally, no
+    communication: every rank has drawn the same ``full``)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        part = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(part.to_local())
+    else:
+        p.copy_(full)
+
+
 class GPT(nn.Module):
     """Token + position embeddings, ``n_layer`` blocks, final norm, tied head."""
 
@@ -182,26 +195,44 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(s) for _ in range(s.n_layer))
         self.ln_f = LayerNorm(s.d_model, s.bias)
         self.lm_head = nn.Linear(s.d_model, s.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2
-        self.reset_parameters()
+        self.tie_weights()
+        if not self.wte.weight.is_meta:  # on the meta device there is nothing to fill yet
+            self.reset_parameters()
 
-    def reset_parameters(self) -> None:
+    def tie_weights(self) -> None:
+        """The head shares the token embedding's matrix, as in GPT-2."""
+        self.lm_head.weight = self.wte.weight
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
         """GPT-2 init: N(0, 0.02), residual output projections scaled by
         1/sqrt(2 * n_layer) so the residual stream's variance does not grow
-        with depth; zero biases; unit norm weights (QK-layernorm's too)."""
+        with depth; zero biases; unit norm weights (QK-layernorm's too).
+
+        Every tensor is drawn whole, in fp32 on the CPU, from ``generator``
+        (the global generator when None), one parameter after another in
+        ``named_parameters`` order, and then written into the parameter
+        whatever its device, dtype or sharding: a parameter that is an FSDP2
+        shard (a DTensor) keeps only its part of the tensor every rank drew.
+        So one seeded generator gives the same initial weights on one rank or
+        many, on CPU or GPU, built on the meta device or not. Drawing on the
+        CPU costs time on large models (about 1 s per 200M parameters), never
+        more memory than the largest single tensor."""
         std = 0.02
         # every norm weight, the QK-layernorm's included; ones draw no random
         # numbers, so adding qk_norm leaves the other weights' initial values as they were
         norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, LayerNorm)}
         for name, p in self.named_parameters():
+            full = torch.empty(p.shape, dtype=torch.float32)
             if name.endswith("bias"):
-                nn.init.zeros_(p)
+                full.zero_()
             elif name in norms:
-                nn.init.ones_(p)
+                full.fill_(1.0)
             elif name.endswith("proj.weight"):
-                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.shape.n_layer))
+                full.normal_(0.0, std / math.sqrt(2 * self.shape.n_layer), generator=generator)
             else:
-                nn.init.normal_(p, 0.0, std)
+                full.normal_(0.0, std, generator=generator)
+            _write_whole(p, full)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; the position embedding is left out by default (as

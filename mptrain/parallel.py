@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -288,14 +289,29 @@ def setup(pcfg, device_spec: str) -> DistContext:
 
 
 def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation_checkpointing: bool = False,
-         compile_blocks: bool = False) -> nn.Module:
+         compile_blocks: bool = False, init_seed: Optional[int] = None) -> nn.Module:
     """Wrap ``model`` for ``ctx.mode`` and record the dtypes the wrapper uses.
 
     Order (the one place it is decided): move to device -> float8 conversion
     -> activation checkpointing -> torch.compile per block -> data-parallel
     wrapper last, so the wrapper sees the final module tree.
+
+    A model built on the meta device (``with torch.device("meta")``) has no
+    storage yet; it is materialized here and filled by its
+    ``reset_parameters`` from a generator seeded with ``init_seed``. Under
+    FSDP2 that happens after sharding, so no rank ever holds the whole model;
+    under the other wrappers, on the device, before wrapping. Either way the
+    weights equal those of a model built on the CPU and reset with the same seed.
     """
-    model = model.to(ctx.device, dtype=policy.param_dtype)  # fp32 unless master_weights=false
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and init_seed is None:
+        raise ValueError("a model on the meta device needs init_seed to be materialized")
+    model = model.to(dtype=policy.param_dtype)  # fp32 unless master_weights=false
+    if on_meta and ctx.mode != ParallelMode.fsdp:
+        materialize(model, ctx.device, init_seed)
+        on_meta = False
+    if not on_meta:
+        model = model.to(ctx.device)
     model = policy.convert_model(model)  # float8 linears first: FSDP must shard the converted weights
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -314,10 +330,22 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
     if mode == ParallelMode.ddp:
         return _wrap_ddp(model, policy, ctx)
     if mode == ParallelMode.fsdp:
-        return _wrap_fsdp2(model, policy, ctx)
+        model = _wrap_fsdp2(model, policy, ctx)
+        if on_meta:
+            materialize(model, ctx.device, init_seed)
+        return model
     if mode == ParallelMode.fsdp1:
         return _wrap_fsdp1(model, policy, ctx)
     raise ConfigError(f"parallel={mode} is unknown")  # unreachable: the schema's Enum rejects it
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Give a meta-device model storage on ``device`` and its initial weights
+    (``reset_parameters`` with a generator seeded ``seed``), in place. Under
+    FSDP2 only this rank's shards get storage."""
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module its own new tensor: tie them again
+    model.reset_parameters(torch.Generator().manual_seed(seed))
 
 
 def _sharded_dtypes(wrapper: str, storage: str, policy) -> dict:

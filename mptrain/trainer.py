@@ -150,9 +150,14 @@ class Trainer:
 
     def _build_model(self) -> None:
         cfg, ctx, tc, m = self.cfg, self.ctx, self.tc, self.cfg.model
-        torch.manual_seed(tc.seed)  # the same seed on every rank gives the same initial weights
-        model = GPT(GPTShape(self.vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
-                             qk_norm=m.qk_norm))
+        torch.manual_seed(tc.seed)  # dropout's stream: the same on every rank
+        # Built on the meta device (no memory, no random draws); wrap() gives it storage
+        # and its initial weights from a generator seeded with train.seed: after sharding
+        # under FSDP2, so a large model never exists whole on one rank, and the same
+        # values whatever the world size or device (GPT.reset_parameters says how).
+        with torch.device("meta"):
+            model = GPT(GPTShape(self.vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
+                                 qk_norm=m.qk_norm))
         self.n_params = model.num_params()
         decay = decay_names(model)  # before wrapping: FSDP1 flattens shapes
         if ctx.device.type == "cuda":
@@ -160,7 +165,7 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = tc.tf32
         self.compile_blocks = tc.compile if tc.compile is not None else ctx.device.type == "cuda"
         self.model = wrap(model, self.policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
-                          compile_blocks=self.compile_blocks)
+                          compile_blocks=self.compile_blocks, init_seed=tc.seed)
         self.opt_choice = optimizers.choose(cfg)
         self.optimizer = build_optimizer(self.model, decay, cfg.optim, ctx.device, self.opt_choice)
         self.policy.attach_optimizer(self.optimizer, self.model)  # float8 scales follow every optimizer step

@@ -20,6 +20,7 @@ JSON line (to ``<out_dir>/probe-rank<R>.jsonl``) with what was observed inside t
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import sys
@@ -114,6 +115,36 @@ def _probe_wrapped(mode: str, case: str, precision_cfg, ctx) -> dict:
     return rec
 
 
+INIT_SHAPE = GPTShape(vocab_size=128, n_layer=2, n_head=2, d_model=64, block_size=32)
+INIT_SEED = 5
+
+
+def digest(named: list[tuple[str, torch.Tensor]]) -> str:
+    """sha256 of the parameters' values (fp32 bytes, in order), names included."""
+    h = hashlib.sha256()
+    for name, t in named:
+        h.update(name.encode())
+        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def init_digest(mode: str, precision: str) -> str:
+    """Build the model as the trainer does (on the meta device, materialized by
+    ``wrap``: after sharding under FSDP2) and digest its full initial weights."""
+    policy = PrecisionPolicy(_compose(f"precision={precision}").precision, torch.device("cpu"),
+                             fsdp2=mode == "fsdp")
+    ctx = setup(_compose(f"parallel={mode}").parallel, "cpu")
+    try:
+        with torch.device("meta"):
+            model = GPT(INIT_SHAPE)
+        model = wrap(model, policy, ctx, init_seed=INIT_SEED)
+        full = [(n, p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in model.named_parameters()]
+        # a float8 weight's shard is torchao's cast-on-gather subclass: read its plain tensor
+        return digest([(n, getattr(t, "_tensor", t)) for n, t in full])
+    finally:
+        ctx.shutdown()
+
+
 if __name__ == "__main__":
     out_dir, modes = sys.argv[1], sys.argv[2:]
     # One file per rank: lines printed by two processes would interleave.
@@ -121,6 +152,8 @@ if __name__ == "__main__":
         for mode in modes:
             for case, ov in CASES.items():
                 f.write(json.dumps(probe(mode, case, ov)) + "\n")
+    with open(os.path.join(out_dir, f"init-rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump({p: init_digest("fsdp", p) for p in ("fp32", "fp8")}, f)
     from mptrain.launch import exit_process
 
     exit_process(0)  # leave the way train.py does (see exit_process for the gloo exit race)

@@ -419,15 +419,24 @@ def _one_process_probes() -> list[dict]:
             + [probe(mode, case, CASES[case]) for mode in WRAPPERS for case in ("bf16", "fp16")])
 
 
-def test_dtypes_inside_each_wrapper_are_the_configured_ones(tmp_path):
+@pytest.fixture(scope="module")
+def probe_launch(tmp_path_factory) -> Path:
+    """One 2-rank launch of tests/dist_probe.py for every wrapper; its directory
+    holds each rank's probe records and initial-weight digests."""
+    out = tmp_path_factory.mktemp("probe")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist_probe.py"), str(out), *WRAPPERS]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=out)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out
+
+
+def test_dtypes_inside_each_wrapper_are_the_configured_ones(probe_launch):
     """One launch, every wrapper and setting: what runs in which dtype inside the
     wrapper is what was configured, and a preset's activations are the same under
     every wrapper, on 2 ranks and on 1, as under parallel=none."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist_probe.py"), str(tmp_path), *WRAPPERS]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-4000:]
-    records = [json.loads(line) for rank in (0, 1) for line in (tmp_path / f"probe-rank{rank}.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for rank in (0, 1)
+               for line in (probe_launch / f"probe-rank{rank}.jsonl").read_text().splitlines()]
     assert len(records) == 2 * len(WRAPPERS) * len(PROBE_CASES)
     local = _one_process_probes()
     none = {rec["case"]: rec for rec in local if rec["mode"] == "none"}
@@ -459,6 +468,27 @@ def test_dtypes_inside_each_wrapper_are_the_configured_ones(tmp_path):
             assert rec["grads_in_bf16"] == (reduce == "bf16"), where
             assert rec["grads_in_fp16"] == (reduce == "fp16"), where
             assert rec["declared"]["grad_reduce"].startswith(reduce), where
+
+
+def test_initial_weights_do_not_depend_on_world_size(probe_launch):
+    """The probe launch above also built the trainer's way (meta device, sharded
+    by FSDP2 across 2 ranks, then materialized): its full initial weights are,
+    bit for bit, those of the plain model built on the CPU in one process and
+    reset with the same seed, in fp32 and with float8 linears."""
+    from mptrain.model import GPT
+
+    from .dist_probe import INIT_SEED, INIT_SHAPE, digest, init_digest
+
+    model = GPT(INIT_SHAPE)
+    model.reset_parameters(torch.Generator().manual_seed(INIT_SEED))
+    plain = digest(list(model.named_parameters()))
+    launched = [json.loads((probe_launch / f"init-rank{r}.json").read_text()) for r in (0, 1)]
+    for precision in ("fp32", "fp8"):
+        assert launched[0][precision] == launched[1][precision] == plain, precision
+        assert init_digest("fsdp", precision) == plain, precision  # one rank, same path
+        assert init_digest("none", precision) == plain, precision  # materialized before wrapping
+    model.reset_parameters(torch.Generator().manual_seed(INIT_SEED + 1))
+    assert digest(list(model.named_parameters())) != plain  # the digest can tell seeds apart
 
 
 def test_fsdp1_grad_norm_is_fp32_with_half_precision_grads():

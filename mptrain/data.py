@@ -29,6 +29,7 @@ import os
 import queue
 import sysconfig
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -488,6 +489,14 @@ class Prefetcher:
     that would have returned that batch. ``close()`` (or leaving the ``with``
     block) stops the thread even when the loop ends early. The thread is a
     daemon, so a run that crashes without closing still exits.
+
+    It also says what it failed to hide: ``wait_s`` is the time the consumer
+    spent blocked in ``next()`` waiting for the thread (the data wait: zero
+    when batches are ready in time), ``copy_s`` the time spent issuing the
+    host-to-device copies (CUDA only; the copies themselves run on the
+    stream), ``taken`` the batches returned. Both are host clock reads around
+    the queue and the copy calls, with no device sync; :meth:`take_times`
+    reads and resets them.
     """
 
     def __init__(self, batches: Batches, start: int, stop: int, device, depth: int = 2):
@@ -500,6 +509,9 @@ class Prefetcher:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._finished = False
+        self.wait_s = 0.0  # seconds the consumer waited for the queue since the last take_times()
+        self.copy_s = 0.0  # seconds spent issuing host-to-device copies (CUDA), same span
+        self.taken = 0  # batches returned, same span
         self.thread = threading.Thread(target=self._produce, args=(batches, start, stop),
                                        name="mptrain-prefetch", daemon=True)
         self.thread.start()
@@ -537,7 +549,9 @@ class Prefetcher:
     def __next__(self) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
         if self._finished:
             raise StopIteration
+        t = time.perf_counter()
         item = self._queue.get()
+        self.wait_s += time.perf_counter() - t
         if item is _DONE or isinstance(item, _Failed):
             self._finished = True
             self.thread.join()
@@ -546,9 +560,20 @@ class Prefetcher:
             raise item.exc
         step, micro = item
         if self._cuda:
+            t = time.perf_counter()
             micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                      for x, y in micro]
+            self.copy_s += time.perf_counter() - t
+        self.taken += 1
         return step, micro
+
+    def take_times(self) -> tuple[float, float, int]:
+        """``(wait_s, copy_s, taken)`` since the previous call (or the start),
+        then zero: the data wait, the copy-issue time and the batches they
+        cover. Plain host numbers, so reading them costs no device sync."""
+        out = (self.wait_s, self.copy_s, self.taken)
+        self.wait_s, self.copy_s, self.taken = 0.0, 0.0, 0
+        return out
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread and drop the batches it built ahead. Waits at most

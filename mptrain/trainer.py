@@ -279,8 +279,10 @@ class Trainer:
         stop = StopSignal(self.cfg.checkpoint.on_signal)
         self.model.train()
         self.metrics.console.start(initial=self.start)
+        self.waited = {"wait_s": 0.0, "copy_s": 0.0}  # the data wait of the logged laps, for the summary
         try:
             with data_mod.Prefetcher(self.batches, self.start, self.tc.max_steps, self.ctx.device) as feed:
+                self.feed = feed
                 for step, micro in feed:
                     if self.run_step(step, micro, stop):
                         break
@@ -362,6 +364,7 @@ class Trainer:
         tps = steps * self.tokens_per_step / elapsed
         row = {"train/loss": loss, "train/lr": out["lr"], "train/grad_norm": float(out["grad_norm"]),
                "train/tokens": self.progress.tokens, "perf/tokens_per_s": tps, "perf/step_time_s": elapsed / steps,
+               **self._data_wait(elapsed, steps),
                **({"perf/mfu": mfu(tps, self.flops_tok, self.peak, ctx.world)} if self.peak else {}),
                **{f"train/{k}": v for k, v in extra.items()}, **peak_memory(ctx.device)}
         row.update(self._amp_metrics(done))
@@ -374,6 +377,21 @@ class Trainer:
             mine = torch.stack([out["grad_norm"].float(), self.scaler.skipped.float()])
             row["dist/rank_mismatch"] = 0 if ctx.ranks_agree(mine) else 1
         self.last_train = row.copy()
+        return row
+
+    def _data_wait(self, elapsed: float, steps: int) -> dict:
+        """This rank's wait for input since the previous log row: mean seconds per
+        step blocked on the prefetch queue, and its share of the step time
+        (``perf/data_wait_s``, ``perf/data_wait_fraction``); on CUDA also the time
+        spent issuing the host-to-device copies (``perf/data_copy_s``). Same span
+        as the lap it is given: the waits happen in the loop, outside the
+        clock's paused eval and checkpoint time. Host clocks only, no sync."""
+        wait, copy, _ = self.feed.take_times()
+        self.waited["wait_s"] += wait
+        self.waited["copy_s"] += copy
+        row = {"perf/data_wait_s": wait / steps, "perf/data_wait_fraction": wait / elapsed}
+        if self.feed.device.type == "cuda":
+            row["perf/data_copy_s"] = copy / steps
         return row
 
     def _amp_metrics(self, done: int) -> dict:
@@ -502,6 +520,11 @@ class Trainer:
         }
         if self.peak and tps:
             summary["perf/mfu"] = mfu(tps, self.flops_tok, self.peak, ctx.world)
+        if self.clock.total_steps:  # over the logged laps, like perf/tokens_per_s
+            summary["perf/data_wait_s"] = self.waited["wait_s"] / self.clock.total_steps
+            summary["perf/data_wait_fraction"] = self.waited["wait_s"] / self.clock.total_time
+            if self.ctx.device.type == "cuda":
+                summary["perf/data_copy_s"] = self.waited["copy_s"] / self.clock.total_steps
         if self.scaler.enabled:
             skipped = int(self.scaler.skipped)
             summary.update({"amp/skipped_steps": skipped, "amp/skip_rate": skipped / max(p.step, 1),

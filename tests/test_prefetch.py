@@ -92,3 +92,45 @@ def test_cuda_batches_arrive_on_the_device_with_the_same_values():
             assert all(x.is_cuda and y.is_cuda for x, y in micro)
             assert _same([(x.cpu(), y.cpu()) for x, y in micro], reference.batch(step))
     assert not pf.thread.is_alive()
+
+
+class _SlowBatches(D.Batches):
+    """Batches whose every build takes at least ``delay`` seconds: a slow disk or tokenizer."""
+
+    delay = 0.05
+
+    def batch(self, step):
+        time.sleep(self.delay)
+        return super().batch(step)
+
+
+def _slow_batches():
+    toks = np.arange(50 * 8 + 1, dtype=np.uint16)
+    return _SlowBatches(D.Windows(toks, 8), global_batch=8, micro_batch=2, rank=1, world=2, seed=5)
+
+
+def test_a_slow_producer_shows_as_data_wait():
+    """A consumer with nothing else to do waits for every batch: the wait is the
+    loop's whole time, and at least the producer's delay per batch."""
+    with D.Prefetcher(_slow_batches(), 0, 6, "cpu") as pf:
+        t0 = time.perf_counter()
+        assert [s for s, _ in pf] == list(range(6))
+        wall = time.perf_counter() - t0
+        wait, copy, taken = pf.take_times()
+    assert taken == 6 and copy == 0.0  # no copies on the CPU
+    assert wait >= 0.95 * 6 * _SlowBatches.delay
+    assert wait == pytest.approx(wall, rel=0.1)
+    assert pf.take_times() == (0.0, 0.0, 0)  # read and reset
+
+
+def test_a_fast_producer_hides_behind_the_step():
+    """Batches that are ready in time cost the loop nothing after the first one."""
+    step_s = 0.02  # the "training step": longer than building a batch
+    with D.Prefetcher(_batches(), 0, 8, "cpu") as pf:
+        next(pf)  # the first batch is waited for: nothing was built before the loop
+        pf.take_times()
+        for _ in pf:
+            time.sleep(step_s)
+        wait, _, taken = pf.take_times()
+    assert taken == 7
+    assert wait < 0.25 * 7 * step_s, wait

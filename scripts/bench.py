@@ -12,14 +12,18 @@ Runs, for the given config (default: model=gpt-mini precision=fp32):
   (per-block compile and TF32 on CUDA by default, activation checkpointing as
   configured); the header says which.
 
-Each setting runs ``--repeats`` times, interleaved, and the fastest run counts
+The first ``--warmup`` steps (10) of every run are left out of its timing:
+the first step compiles (on CUDA by default), picks kernels and grows the
+allocator, which says nothing about the loop. Each setting runs ``--repeats`` times, interleaved, and the fastest run counts
 (a shared machine adds noise, never speed). Prints one banner first (machine,
 torch, model, dtypes), then each run's progress (which run of how many, steps
 done of the total with an ETA: a line redrawn in place on a terminal, a plain
 line every 30 s otherwise), then tokens/s, step time, MFU (where the device's
-peak is known or ``train.peak_tflops`` is given), peak memory and the
-harness/bare ratio. The harness's own start-up banner and messages are hidden
-(its warnings are passed on once); ``--verbose`` shows them.
+peak is known or ``train.peak_tflops`` is given), the input time per step
+and its share of the step (the harness: its wait for the prefetch thread,
+``perf/data_wait_s``; the bare loop: building the batch inline), peak memory
+and the harness/bare ratio. The harness's own start-up banner and messages
+are hidden (its warnings are passed on once); ``--verbose`` shows them.
 """
 from __future__ import annotations
 
@@ -182,16 +186,43 @@ def compose_cfg(overrides: list[str]):
     return compose_checked([*DEFAULTS, *overrides], CONFIGS)
 
 
-def harness(overrides: list[str], steps: int, progress: Progress, show: bool = False) -> dict:
-    """One run of ``mptrain.trainer.run`` in a temporary directory; its progress read from its metrics.jsonl."""
+def steady_laps(rows: list[dict], warmup: int) -> tuple[int, float]:
+    """(steps, seconds) of the logged laps that start after step ``warmup``.
+
+    A log row of step s holds ``perf/step_time_s``, the mean over the steps since
+    the previous row; the laps that end at or before ``warmup`` (the first
+    step's compilation, kernel selection, allocator growth) are left out."""
+    steps, seconds, prev = 0, 0.0, 0
+    for r in rows:
+        if "perf/step_time_s" not in r:
+            continue
+        n = r["step"] - prev
+        if prev >= warmup:
+            steps, seconds = steps + n, seconds + n * r["perf/step_time_s"]
+        prev = r["step"]
+    return steps, seconds
+
+
+def harness(overrides: list[str], steps: int, progress: Progress, show: bool = False, warmup: int = 0) -> dict:
+    """One run of ``mptrain.trainer.run`` in a temporary directory; its progress read from its metrics.jsonl.
+    Timed over the logged laps after step ``warmup`` (all of them when 0)."""
     cfg = compose_cfg([*overrides, f"train.max_steps={steps}"])
     rank0 = int(os.environ.get("RANK", "0")) == 0
     with tempfile.TemporaryDirectory() as d, following(Path(d) / "metrics.jsonl", progress), \
             quiet_harness(show) as warnings:
         out = run(cfg, run_dir=d if rank0 else os.path.join(d, "unused"))
+        rows = [json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines()] if rank0 else []
+    data = None  # the input time per step: the wait for the prefetch thread, plus (CUDA) issuing the copies
+    if "perf/data_wait_s" in out:
+        data = out["perf/data_wait_s"] + out.get("perf/data_copy_s", 0.0)
+    timed, seconds = steady_laps(rows, warmup) if warmup else (0, 0.0)
+    if timed:  # the steady laps (every rank logs the same global tokens/s; rank 0's rows are read)
+        tps = timed * out["tokens"] / steps / seconds
+        return {"tokens_per_s": tps, "step_time_s": seconds / timed,
+                "mem": out.get("mem/peak_gib", out.get("mem/peak_rss_gib")), "data_s": data, "warnings": warnings}
     return {"tokens_per_s": out["perf/tokens_per_s"], "step_time_s": out["tokens"] / out["perf/tokens_per_s"] / steps
             if out["perf/tokens_per_s"] else None, "mem": out.get("mem/peak_gib", out.get("mem/peak_rss_gib")),
-            "warnings": warnings}
+            "data_s": data, "warnings": warnings}
 
 
 def compiled(cfg, device: torch.device) -> bool:
@@ -199,10 +230,13 @@ def compiled(cfg, device: torch.device) -> bool:
     return cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
 
 
-def bare(overrides: list[str], steps: int, progress: Progress, tokens=None) -> dict:
+def bare(overrides: list[str], steps: int, progress: Progress, tokens=None, warmup: int = 0) -> dict:
     """The hand-written loop: no logging, no monitor, no checks (the progress line
-    costs a clock read per step; it prints at most twice a second). ``tokens``: the
-    corpus already loaded for this config (else it is loaded here; untimed either way)."""
+    costs a clock read per step; it prints at most twice a second). It builds each
+    batch inline, and times that (two clock reads per step, no sync): what the
+    harness's prefetch thread takes off the step. ``tokens``: the corpus already
+    loaded for this config (else it is loaded here; untimed either way). The
+    clock starts after ``warmup`` steps, as the harness's figure does."""
     cfg = compose_cfg([*overrides, f"train.max_steps={steps}"])
     ctx = setup(cfg.parallel, cfg.train.device)
     reset_peak_memory(ctx.device)
@@ -231,13 +265,19 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None) -> d
         params = [p for p in model.parameters()]
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
+        data_s = 0.0  # building the batches and copying them to the device (CUDA)
         t = time.perf_counter()
         for step in range(steps):
+            if step == warmup and warmup:
+                if ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                data_s, t = 0.0, time.perf_counter()
             optimizers.set_lr(opt, lr_at(step, cfg.optim, steps))
             opt.zero_grad(set_to_none=True)
-            micro = batches.batch(step)
-            for i, (x, y) in enumerate(micro):
-                x, y = x.to(ctx.device), y.to(ctx.device)
+            t_data = time.perf_counter()
+            micro = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches.batch(step)]
+            data_s += time.perf_counter() - t_data
+            for x, y in micro:
                 with policy.autocast():
                     _, loss = model(x, y)
                 scaler.scale(loss / len(micro)).backward()
@@ -251,8 +291,10 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None) -> d
             torch.cuda.synchronize()
         dt = time.perf_counter() - t
         del params
-        tps = steps * tc.global_batch_size * m.block_size / dt
-        return {"tokens_per_s": tps, "step_time_s": dt / steps, "mem": peak_memory(ctx.device).popitem()[1],
+        timed = steps - (warmup if warmup < steps else 0)
+        tps = timed * tc.global_batch_size * m.block_size / dt
+        return {"tokens_per_s": tps, "step_time_s": dt / timed, "mem": peak_memory(ctx.device).popitem()[1],
+                "data_s": data_s / timed,
                 "flops_per_token": flops_per_token(model_params, m.n_layer, m.d_model, m.block_size)}
     finally:
         ctx.shutdown()
@@ -284,7 +326,8 @@ def banner(cfg, overrides: list[str], a, device: str, world: int, tokens) -> str
     dtypes = PrecisionPolicy(cfg.precision, torch.device(device)).describe()
     mode = "per-block torch.compile" if compiled(cfg, torch.device(device)) else "eager"
     return "\n".join([
-        f"bench: {' '.join(DEFAULTS + overrides)} | {a.steps} steps per run, best of {a.repeats} | world {world}",
+        f"bench: {' '.join(DEFAULTS + overrides)} | {a.steps} steps per run ({a.warmup} untimed), best of "
+        f"{a.repeats} | world {world}",
         f"  machine  {machine(device)} | torch {torch.__version__} | Python {platform.python_version()}",
         f"  model    {m.name}: {params / 1e6:.2f}M params, {m.n_layer}x{m.d_model}, {m.n_head} heads, block "
         f"{m.block_size}, vocab {vocab} | batch {tc.global_batch_size} seqs = "
@@ -298,9 +341,9 @@ def banner(cfg, overrides: list[str], a, device: str, world: int, tokens) -> str
 def run_setting(name: str, overrides: list[str], a, progress: Progress, tokens=None) -> dict:
     """One run of the setting ``name`` (one of SETTINGS)."""
     if name == "bare PyTorch loop":
-        return bare(overrides, a.steps, progress, tokens)
+        return bare(overrides, a.steps, progress, tokens, warmup=a.warmup)
     monitor = ["monitor.enabled=false"] if name == "harness, monitor off" else []
-    return harness([*overrides, *monitor], a.steps, progress, a.verbose)
+    return harness([*overrides, *monitor], a.steps, progress, a.verbose, warmup=a.warmup)
 
 
 def measure(overrides: list[str], a, stream: Optional[TextIO], tokens=None) -> dict[str, dict]:
@@ -333,7 +376,8 @@ def measure(overrides: list[str], a, stream: Optional[TextIO], tokens=None) -> d
 
 
 def results(best: dict[str, dict], cfg, device: str, world: int, repeats: int) -> str:
-    """The table: tokens/s, step time, MFU, memory and the ratio to the bare loop."""
+    """The table: tokens/s, step time, input time per step and its share, MFU,
+    memory and the ratio to the bare loop."""
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     kind = matmul_kind(dtype_name(cfg.precision.compute_dtype.torch), cfg.precision.fp8.enabled,
                        device == "cuda" and torch.backends.cuda.matmul.allow_tf32)
@@ -342,11 +386,17 @@ def results(best: dict[str, dict], cfg, device: str, world: int, repeats: int) -
     base = best["bare PyTorch loop"]["tokens_per_s"]
     mem_note = "peak GiB" if device == "cuda" else "RSS GiB*"
     lines = [f"\nresults (the fastest of {repeats} run(s) of each setting):",
-             f"  {'setting':<26} {'tokens/s':>10} {'step ms':>9} {'MFU':>7} {mem_note:>9} {'vs bare':>8}"]
+             f"  {'setting':<26} {'tokens/s':>10} {'step ms':>9} {'data ms':>8} {'data %':>7} {'MFU':>7} "
+             f"{mem_note:>9} {'vs bare':>8}"]
     for k, r in best.items():
         u = f"{100 * mfu(r['tokens_per_s'], fpt, peak, world):.1f}%" if peak else "n/a"
-        lines.append(f"  {k:<26} {r['tokens_per_s']:>10,.0f} {1e3 * r['step_time_s']:>9.1f} {u:>7} "
-                     f"{r['mem']:>9.2f} {r['tokens_per_s'] / base:>8.3f}")
+        data, share = "n/a", "n/a"
+        if r.get("data_s") is not None:
+            data, share = f"{1e3 * r['data_s']:.2f}", f"{100 * r['data_s'] / r['step_time_s']:.1f}%"
+        lines.append(f"  {k:<26} {r['tokens_per_s']:>10,.0f} {1e3 * r['step_time_s']:>9.1f} {data:>8} {share:>7} "
+                     f"{u:>7} {r['mem']:>9.2f} {r['tokens_per_s'] / base:>8.3f}")
+    lines.append("  data ms: input time per step (harness: waiting for the prefetch thread, perf/data_wait_s, "
+                 "+ issuing the copies on CUDA; bare: building each batch inline)")
     if device == "cpu":
         lines.append("  * CPU: peak resident memory of the process during that run (Linux VmHWM, reset per run)")
     return "\n".join(lines)
@@ -368,6 +418,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=10,
+                    help="steps left out of every timing: the harness's logged laps up to this step, the bare "
+                         "loop's first steps (compilation, allocator); 0 times every step")
     ap.add_argument("--verbose", action="store_true", help="show the harness's own banner and messages for every run")
     a, overrides = ap.parse_known_args()
     cfg, device = configured(compose_cfg, overrides, "bench")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import io
 import os
 import sys
+from pathlib import Path
 
 import torch
 
-from .conftest import load_script
+from .conftest import load_script, read_rows
 
 
 def test_bench_prints_the_table(monkeypatch, capsys):
@@ -17,19 +18,37 @@ def test_bench_prints_the_table(monkeypatch, capsys):
     ``mptrain.trainer.run`` like the in-process tests), and a new one would only add
     the start-up. Captured output is not a terminal: progress comes as plain lines."""
     bench = load_script("bench")
+    harness_runs = []  # (summary, metrics rows) of each harness run, read before its directory goes
+
+    def run_and_read(cfg, run_dir):
+        summary = real_run(cfg, run_dir=run_dir)
+        harness_runs.append((summary, read_rows(Path(run_dir))))
+        return summary
+
+    real_run = bench.run
+    monkeypatch.setattr(bench, "run", run_and_read)
     monkeypatch.setattr(sys, "argv", ["bench.py", "model=gpt-nano", "data.tokenizer=byte", "data.max_chars=300000",
                                       "train.global_batch_size=8", "train.peak_tflops=1.0", "--steps", "3",
-                                      "--repeats", "1"])
+                                      "--repeats", "1", "--warmup", "1"])
     bench.main()
     out = capsys.readouterr().out
-    for col in ("tokens/s", "step ms", "MFU", "RSS GiB*", "vs bare"):
+    for col in ("tokens/s", "step ms", "data ms", "data %", "MFU", "RSS GiB*", "vs bare"):
         assert col in out, col
     rows = [line for line in out.splitlines() if line.strip().startswith(("harness", "bare"))]
     assert len(rows) == 3
     for line in rows:
         cells = line.split()
         assert cells[-1].replace(".", "").isdigit() and cells[-3].endswith("%")  # ratio and MFU are numbers
+        assert cells[-5].replace(".", "").isdigit() and cells[-4].endswith("%")  # input ms and its share
     assert rows[-1].split()[-1] == "1.000"  # the bare loop is the reference
+    # The harness's data wait: in every logged row (a share of the step, no CUDA copy
+    # time on the CPU) and in the summary, which is where the table's figure comes from.
+    assert len(harness_runs) == 2
+    for (summary, logged), line in zip(harness_runs, rows):
+        assert logged and all(0 <= r["perf/data_wait_s"] <= r["perf/step_time_s"] for r in logged)
+        assert all(0 <= r["perf/data_wait_fraction"] <= 1 and "perf/data_copy_s" not in r for r in logged)
+        assert line.split()[-5] == f"{1e3 * summary['perf/data_wait_s']:.2f}"
+    assert "3 steps per run (1 untimed)" in out
     assert "every setting eager" in out  # like with like: no compiled harness against an eager bare loop
     # One compact banner: machine, torch, model and dtypes once; the harness's own banner and lines hidden.
     assert out.count("bench:") == 1 and f"torch {torch.__version__}" in out
@@ -43,6 +62,18 @@ def test_bench_prints_the_table(monkeypatch, capsys):
         assert mine[0] == f"[{k}/3] {name} 0/3 steps", mine
         assert mine[-1].startswith(f"[{k}/3] {name} 3/3 steps | ") and "tokens/s" in mine[-1], mine
     assert len(progress) == 6  # a start and an end line each: the runs are shorter than PLAIN_EVERY_S
+
+
+def test_steady_laps_leave_out_the_warmup():
+    """The harness's timing after the warm-up: whole logged laps that start after it."""
+    bench = load_script("bench")
+    rows = [{"step": 1, "perf/step_time_s": 9.0}, {"step": 10, "perf/step_time_s": 2.0},
+            {"step": 15, "val/loss": 1.0}, {"step": 20, "perf/step_time_s": 1.0},
+            {"step": 30, "perf/step_time_s": 1.5}]
+    assert bench.steady_laps(rows, 0) == (30, 9.0 + 18.0 + 10.0 + 15.0)
+    assert bench.steady_laps(rows, 1) == (29, 18.0 + 10.0 + 15.0)  # the compiling first step is out
+    assert bench.steady_laps(rows, 10) == (20, 25.0)
+    assert bench.steady_laps(rows, 30) == (0, 0.0)
 
 
 def test_progress_line_on_a_terminal_and_in_a_file(monkeypatch):

@@ -90,6 +90,14 @@ def _quiet(*_a, **_k) -> None:
     pass
 
 
+def _eager_if(enabled: bool):
+    """Compiled blocks run eagerly inside (a monitored step). The monitor hooks
+    every block with its own closure for that step only; traced, each hook
+    would recompile every block on and off the monitored steps, past dynamo's
+    recompile limit, after which the blocks fall back to eager for good."""
+    return torch.compiler.set_stance("force_eager") if enabled else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _audit(enabled: bool, model, optimizer, policy):
     """The dtype audit of one step (``audit.py``), or None when not auditing.
@@ -326,7 +334,8 @@ class Trainer:
         if auditing:  # the audit records the step's own ops: no attention probe (monitoring) inside them
             self.monitor.pause_probes()
         try:
-            with counting(self.count_comm and self.monitor.active(step)) as comm, \
+            with _eager_if(self.compile_blocks and self.monitor.active(step)), \
+                    counting(self.count_comm and self.monitor.active(step)) as comm, \
                     _audit(auditing, self.model, self.optimizer, self.policy) as audit:
                 out = train_step(self.model, self.optimizer, self.scaler, self.policy, self.ctx, micro,
                                  self.tc.grad_clip, self.faults.inject_inf(step), self.monitor, self.nonfinite.guard,

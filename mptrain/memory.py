@@ -5,9 +5,9 @@ gradients and the optimizer state (Adam's two moments, each with the scales
 and quantization map of torchao's block-quantized formats; the Kahan
 compensation buffer), counted tensor by tensor on a meta-device copy of the
 model, on this rank's shard of each (``tests/test_memory.py`` checks every row
-against a real step). An estimate for activations (the per-layer count of
-Korthikanti et al. 2022, "Reducing activation recomputation", scaled to the
-compute dtype's width) and for FSDP's gathered copies. ``summary.json`` puts
+against a real step). An estimate for activations (:func:`activation_bytes`:
+what autograd keeps for the backward pass of mptrain's GPT, counted tensor by
+tensor on real steps) and for FSDP's gathered copies. ``summary.json`` puts
 the estimate beside the measured peak; :func:`summary_figures` gives its
 bytes per parameter.
 """
@@ -128,6 +128,48 @@ def local_numels(shape_list: list[tuple[int, ...]], mode: str, world: int) -> li
             for s, n in zip(shape_list, numels)]
 
 
+ATTENTION_KERNEL = "flash/mem-efficient SDPA, no T x T"
+"""What the activation estimate assumes attention keeps (the activations row's label says it)."""
+
+
+def activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_copies: int = 0) -> int:
+    """Bytes autograd keeps between the forward and the backward pass of one
+    micro-batch of ``micro_batch`` sequences of model ``m`` (a ``ModelConfig``),
+    computing in ``compute`` (``fp32``/``bf16``/``fp16``), plus ``weight_copies``
+    (bytes of autocast's 16-bit copies of the weights, kept for the backward).
+
+    Per layer and token, as counted on real steps (``tests/test_memory.py``):
+    the fp32 residual stream into each LayerNorm (2 x 4d bytes) and their mean
+    and rstd (16); in the compute dtype the qkv input, q/k/v, the attention
+    output (= the projection's input), the MLP's input, GELU input and
+    projection input (14d elements); and the attention kernel's log-sum-exp,
+    fp32 per head (4h). ``scaled_dot_product_attention``'s fused kernels
+    (flash and memory-efficient on CUDA, flash on the CPU) recompute the
+    attention probabilities in the backward pass, so no B x H x T x T matrix is
+    kept: the count is linear in T. (Korthikanti et al. 2022 count that matrix,
+    5 x heads x T bytes per token and layer; it dominates at context 2048.) With dropout:
+    1-byte masks after attention and the MLP; on the CPU attention with dropout
+    takes the math kernel, which does keep T x T, not counted here.
+    QK-layernorm adds the fp32 q and k its norms keep and the normed q and k.
+    Once per micro-batch: the final norm and head input, and the logits with
+    their fp32 log-probabilities for the loss."""
+    b, t, d, h = micro_batch, m.block_size, m.d_model, m.n_head
+    c = BYTES[compute]
+    per_token = 8 * d + 16 + 14 * c * d + 4 * h
+    if m.dropout:
+        per_token += 2 * d
+    if m.qk_norm:
+        per_token += 8 * d + 2 * c * d + 16 * h
+    head = 4 * d + 8 + c * d + vocab * (c + 4) + (d if m.dropout else 0)
+    return m.n_layer * b * t * per_token + b * t * head + weight_copies
+
+
+def micro_batch_of(cfg, world: int) -> int:
+    """Sequences per forward on each rank: ``train.micro_batch_size``, else the
+    rank's share of the global batch (no accumulation)."""
+    return cfg.train.micro_batch_size or max(1, cfg.train.global_batch_size // world)
+
+
 def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) -> Estimate:
     """Bytes per rank for ``cfg`` (a composed mptrain config) with ``vocab``
     rows, on ``world`` ranks; ``micro_batch`` sequences per forward (default:
@@ -154,12 +196,13 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
     if mode in ("fsdp", "fsdp1") and world > 1:
         # one block gathered for compute, one prefetched, in the gather dtype
         gathered = 2 * block_numel * BYTES[(p.param_dtype or p.compute_dtype).name]
-    b = micro_batch or cfg.train.micro_batch_size or max(1, cfg.train.global_batch_size // world)
-    t, d, a = m.block_size, m.d_model, m.n_head
-    width = BYTES[compute] / 2  # the published count is for 16-bit activations
-    per_layer = t * b * d * (34 + 5 * a * t / d)
-    logits = b * t * vocab * (BYTES[compute] + 4)  # logits, and their fp32 copy for the loss
-    activations = int(m.n_layer * per_layer * width + logits)
+    b = micro_batch or micro_batch_of(cfg, world)
+    copies = 0
+    if mode not in ("fsdp", "fsdp1") and BYTES[compute] < pb and not p.fp8.enabled:
+        # Autocast casts each linear's weight once per forward and the backward keeps
+        # the copy (FSDP gathers weights already in the compute dtype: nothing to cast).
+        copies = BYTES[compute] * (m.n_layer * 12 * m.d_model**2 + vocab * m.d_model)
+    activations = activation_bytes(m, b, vocab, compute, copies)
 
     # labels: what each row is made of, so that a reader sees where the bytes go
     if store == "fp32" and compute == "fp32":
@@ -178,7 +221,9 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
     labels = {"weights": w, "master_copy": master, "gradients": f"gradients ({store})",
               "exp_avg": f"Adam exp_avg ({moment})", "exp_avg_sq": f"Adam exp_avg_sq ({moment})",
               "kahan_comp": f"Kahan compensation ({store})" if choice.kahan else "Kahan compensation (none)",
-              "gathered": "FSDP gathered copies (estimate)", "activations": "activations (estimate)",
+              "gathered": "FSDP gathered copies (estimate)",
+              "activations": f"activations (estimate; {ATTENTION_KERNEL}"
+                             + (", + autocast weight copies)" if copies else ")"),
               "total": "total"}
     return Estimate(weights, grads, exp_avg, exp_avg_sq, kahan, gathered, activations, n, labels)
 
@@ -245,7 +290,8 @@ def main(argv: list[str]) -> None:
     state = cfg.optim.state_dtype
     print(f"memory per rank: model={cfg.model.name} precision={cfg.precision.name} "
           f"optim.state_dtype={getattr(state, 'value', state) or 'null'} "
-          f"parallel={cfg.parallel.name.value} world={world} vocab={vocab}")
+          f"parallel={cfg.parallel.name.value} world={world} vocab={vocab} "
+          f"micro_batch={micro_batch_of(cfg, world)}x{cfg.model.block_size} tokens")
     print("\n".join(format_table(e)))
 
 

@@ -182,6 +182,66 @@ def test_fsdp_shards_each_tensor_by_rows():
     assert eight.bytes_per_param()["state"] == 16.0
 
 
+def kept_for_backward(cfg, vocab: int, micro_batch: int) -> tuple[int, set[str]]:
+    """(bytes, autograd node names) of one real training forward of ``cfg`` on
+    the CPU: the distinct storages autograd saves for the backward pass, seen
+    through ``saved_tensors_hooks``, the parameters themselves left out (they
+    are rows of their own)."""
+    from mptrain.precision import PrecisionPolicy
+
+    m = cfg.model
+    torch.manual_seed(0)
+    model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
+                         qk_norm=m.qk_norm))
+    model.train()
+    params = {q.untyped_storage().data_ptr() for q in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            kept[st.data_ptr()] = st.nbytes()  # views of one storage count once
+        return t
+
+    x = torch.randint(0, vocab, (micro_batch, m.block_size + 1), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with PrecisionPolicy(cfg.precision, torch.device("cpu")).autocast():
+            _, loss = model(x[:, :-1], x[:, 1:])
+    names, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node.name() not in names:
+            names.add(node.name())
+            stack += [f for f, _ in node.next_functions]
+    return sum(kept.values()), names
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activations_against_what_a_real_forward_keeps(precision):
+    """What one layer adds is what autograd keeps per layer, counted exactly, at
+    context 64 and 256: linear in the context, as attention keeps no T x T
+    matrix (the CPU's fused kernel, like CUDA's flash and memory-efficient ones,
+    keeps a log-sum-exp per query). The whole estimate covers what a forward
+    keeps, and is above it by the logits' allowance at most (the loss keeps
+    fp32 log-probabilities; the estimate also counts the logits they come
+    from). QK-layernorm's extra tensors: a simple rule, within 6%."""
+    b, c = 2, {"fp32": 4, "bf16": 2}[precision]
+    cfg = make_cfg(f"precision={precision}", f"model.vocab_size={VOCAB}")
+    for block, qk_norm in ((64, False), (256, False), (64, True)):
+        cfg.model.block_size, cfg.model.qk_norm = block, qk_norm
+        est, real = {}, {}
+        for layers in (2, 3):
+            cfg.model.n_layer = layers
+            e = estimate(cfg, VOCAB, world=1, micro_batch=b)
+            real[layers], names = kept_for_backward(cfg, VOCAB, b)
+            est[layers] = e.activations
+            assert "no T x T" in e.labels["activations"]
+            assert not names & {"SoftmaxBackward0", "SafeSoftmaxBackward0"}, names  # the fused kernel ran
+        assert est[3] - est[2] == pytest.approx(real[3] - real[2], rel=0.06 if qk_norm else 0.01), (block, qk_norm)
+        if not qk_norm:
+            assert real[3] <= est[3] <= real[3] + b * block * VOCAB * c * 1.05, block
+
+
 def test_cli_prints_bytes_per_param(capsys):
     main(["model=gpt-nano", "precision=bf16", "optim.state_dtype=8bit", "--vocab", "322"])
     out = capsys.readouterr().out

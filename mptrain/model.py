@@ -183,8 +183,21 @@ def _write_whole(p: torch.Tensor, full: torch.Tensor) -> None:
         p.copy_(full)
 
 
+def cross_entropy_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T),
+    computed in fp32: log-softmax over the vocabulary loses digits in half
+    precision. Eager, it writes the fp32 logits and their log-probabilities out
+    whole (two B x T x V fp32 tensors: 13 GB for gpt-small's batch of 32 x 1024
+    with GPT-2's vocabulary); compiled (``GPT.loss_fn`` under ``train.compile``),
+    the upcast, log-softmax and pick fuse into passes over the 16-bit logits."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class GPT(nn.Module):
-    """Token + position embeddings, ``n_layer`` blocks, final norm, tied head."""
+    """Token + position embeddings, ``n_layer`` blocks, final norm, tied head.
+
+    ``loss_fn`` computes the loss from the logits (:func:`cross_entropy_fp32`);
+    ``parallel.wrap`` replaces it by its compiled version when blocks are compiled."""
 
     def __init__(self, s: GPTShape):
         super().__init__()
@@ -196,6 +209,7 @@ class GPT(nn.Module):
         self.ln_f = LayerNorm(s.d_model, s.bias)
         self.lm_head = nn.Linear(s.d_model, s.vocab_size, bias=False)
         self.tie_weights()
+        self.loss_fn = cross_entropy_fp32
         if not self.wte.weight.is_meta:  # on the meta device there is nothing to fill yet
             self.reset_parameters()
 
@@ -253,6 +267,5 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        # fp32 loss: log-softmax over the vocabulary loses digits in half precision.
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = self.loss_fn(logits, targets)
         return logits, loss

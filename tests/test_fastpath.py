@@ -44,10 +44,10 @@ def test_compiled_blocks_train_like_eager(tmp_path, plain):
 
     graphs = counters["stats"]["unique_graphs"]
     # Monitored every other step: the monitor's per-block hooks come and go, and the
-    # monitored steps run eagerly, so the blocks compile once (traced, the hooks made
-    # every block recompile on and off those steps: 8 graphs here, dynamo's limit).
+    # monitored steps run eagerly, so the blocks compile once, and the loss once (traced,
+    # the hooks made every block recompile on and off those steps, to dynamo's limit of 8).
     comp, info = _switched(tmp_path / "b", "train.compile=true", "monitor.every=2")
-    assert counters["stats"]["unique_graphs"] - graphs <= 1
+    assert counters["stats"]["unique_graphs"] - graphs <= 2
     assert info["compile"] is True
     # inductor fuses and reorders float ops: equal up to fp32 rounding, not bitwise
     assert max(abs(a - b) for a, b in zip(_losses(comp), _losses(plain))) < 1e-4

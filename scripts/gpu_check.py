@@ -1,170 +1,809 @@
-"""The GPU checks CPU CI cannot make, in one run that prints figures.
+"""The GPU checks CPU CI cannot make, in one run that prints one table.
 
-    python scripts/gpu_check.py [--only mfu,fp8,syncs] [--steps 20]
+    python scripts/gpu_check.py [--out DIR] [--only a,b,c,d,e,f] [--profile auto|always|never]
+    python scripts/gpu_check.py --cpu-smoke         # the same code on CPU, tiny models (the test suite runs it)
 
-- ``mfu``: ``gpt-small`` in bf16 with compiled blocks and fused AdamW, on one
-  GPU: tokens/s and MFU against the device's dense bf16 peak (target on an
-  H100/H200: >= 40%).
-- ``fp8``: ``gpt-xl`` with compiled blocks, bf16 against fp8 (torchao float8
-  linears, tensorwise): step time and the speed-up (target >= 1.15x).
-- ``syncs``: a few steps in fp32, bf16 and fp16 under
-  ``torch.cuda.set_sync_debug_mode("warn")``, which reports every
-  device-to-host synchronisation, C++ ones included: expected 0 per step.
+(``scripts/gpu_check.sh`` runs it after installing the wheels a bare machine
+lacks and printing the versions.) Cases, each independent: a failure is a
+FAILED row with its reason and the next case runs; each prints as it ends:
 
-``--device cpu`` (with small ``--small``/``--xl`` models and ``--no-compile``)
-runs the same code on CPU, so the script is exercised by the test suite
-before a GPU session spends its minutes on it; its figures mean nothing there.
+a. ``gpt-small`` bf16, compiled blocks, fused AdamW: the harness
+   (``mptrain.trainer.run``) against ``scripts/bench.py``'s bare loop under the
+   same compile setting: tokens/s, step time, MFU against the device's dense
+   bf16 peak (``mptrain/perf.py``), peak memory. Goal: MFU >= 40%.
+b. the same in fp16, with the final loss scale and the skipped steps.
+c. fp8 against bf16 on the largest preset that fits one GPU (chosen from
+   ``mptrain.memory``'s estimate against the free memory, with a margin),
+   tensorwise and rowwise, all compiled. Goal: tensorwise >= 1.2x bf16 tokens/s.
+d. host syncs per step between logging steps in fp32, bf16 and fp16 with
+   fused AdamW, counted on the harness's own loop under
+   ``torch.cuda.set_sync_debug_mode("warn")`` (which also sees syncs inside
+   C++). Goal: 0. On CPU, mptrain's ``HostSyncCounter`` counts instead.
+e. what the numerics monitor costs (off, default cadence, every step) and
+   what the dtype audit's step costs against a plain one.
+f. the dtype audit of one bf16 step (``train.audit_only=true``): which ops
+   ran in fp32 under CUDA autocast.
 
-Every case builds the model, policy, wrapper and optimizer the way a run does
-(mptrain's own functions) and times ``train_step`` after a warm-up, on random
-tokens (the data pipeline is not what is measured).
+Harness figures are over the logged laps after the first two (compilation and
+the first recompiles fall in those); the bare loop is timed from the same step. Data: the embedded corpus with the byte tokenizer and
+``model.vocab_size=50304`` (GPT-2's padded vocabulary, so the head costs what
+GPT-2's does); the fp8 case steps on random tokens.
+
+A missed goal (CUDA, ``--profile auto``) gets a ``torch.profiler`` trace of 3
+steps of that case (gzipped chrome trace) and its top-15 ops by CUDA time,
+written to ``--out``. The table is printed at the end as markdown and written
+to ``--out``/gpu_check.md with every figure in gpu_check.json (both rewritten
+after each case, so a run cut short keeps what it measured), and the console
+to gpu_check.log. The run keeps to ``--budget-s``: a case that would start
+after it is a skipped row.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import gzip
+import io
+import json
+import math
 import os
+import platform
+import shutil
 import sys
+import tempfile
 import time
+import traceback
 import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # bench.py's config composition and bare loop
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-import mptrain.config  # noqa: E402,F401
+import bench  # noqa: E402
+from mptrain import data as data_mod  # noqa: E402
+from mptrain import optimizers  # noqa: E402
+from mptrain.faults import NonFiniteGuard  # noqa: E402
+from mptrain.memory import estimate  # noqa: E402
 from mptrain.model import GPT, GPTShape  # noqa: E402
 from mptrain.parallel import setup, wrap  # noqa: E402
-from mptrain.perf import flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
-from mptrain.precision import PrecisionPolicy, dtype_name  # noqa: E402
-from mptrain.faults import NonFiniteGuard  # noqa: E402
+from mptrain.perf import HostSyncCounter, matmul_kind, mfu, peak_flops  # noqa: E402
+from mptrain.precision import PrecisionPolicy  # noqa: E402
 from mptrain.step import build_optimizer, decay_names, train_step  # noqa: E402
+from mptrain.trainer import Trainer, run  # noqa: E402
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 VOCAB = 50304  # GPT-2's vocabulary rounded up to a multiple of 64
+GOAL_MFU = 0.40
+GOAL_FP8 = 1.20
+PRESETS = ["gpt-small", "gpt-medium", "gpt-large", "gpt-xl", "gpt-2.7b", "gpt-6.7b"]  # ascending size
+FIT_MARGIN = 0.85  # of the free memory: the estimate's activations are approximate
+FP8_STEP_FLOPS = 2.5e14  # model FLOPs per fp8-case step: ~0.4 s in bf16 at ~600 TFLOP/s, well under 1 s
+CASES = {"a": "bf16: harness vs bare loop", "b": "fp16", "c": "fp8 vs bf16 on the largest preset that fits",
+         "d": "host syncs per step", "e": "monitor and audit overhead", "f": "dtype audit of one bf16 step"}
+RUN_ORDER = "acdbfe"  # the goals first, then what reuses their compiled graphs and runs
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# ------------------------------------------------------------------ the plan
+@dataclass
+class Plan:
+    """What every case runs: gpt-small on CUDA, gpt-nano and a few eager steps on CPU."""
+
+    cuda: bool
+    model: str
+    batch: int
+    steps: int          # harness steps of the speed runs
+    log_every: int
+    fp8_warmup: int
+    fp8_timed: int
+    base: list[str]     # overrides shared by the harness cases (after bench.py's defaults)
+    data_note: str
+    out: Path
+    profile: str
+    budget_s: float
+    fp8_model: Optional[str] = None
+    device_name: str = "cpu"
+    compile: bool = True  # per-block torch.compile (a run's default on CUDA)
+    tokens: object = None  # the corpus, loaded once for the bare loop
+
+    @classmethod
+    def from_args(cls, a) -> "Plan":
+        out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="gpu_check-"))
+        out.mkdir(parents=True, exist_ok=True)
+        if a.cpu_smoke:
+            base = ["model=gpt-nano", "model.block_size=32", "data.tokenizer=byte", "data.max_chars=100000",
+                    "train.global_batch_size=2", "log.tensorboard=false", f"train.compile={str(a.compile).lower()}"]
+            return cls(False, "gpt-nano", 2, a.steps or 2, 1, 1, 1, base,
+                       "embedded corpus, byte tokenizer (vocab 320), 100k chars, 32 tokens a sequence", out,
+                       "always" if a.profile == "auto" else a.profile, a.budget_s or 120.0, a.fp8_model,
+                       compile=a.compile)
+        batch = a.batch or 32
+        base = ["model=gpt-small", f"model.vocab_size={VOCAB}", "data.tokenizer=byte",
+                f"train.global_batch_size={batch}", "log.tensorboard=false", "optim.fused=true"]
+        return cls(True, "gpt-small", batch, a.steps or 60, 10, 3, 10, base,
+                   f"embedded corpus (this Python's standard library), byte tokenizer, model.vocab_size={VOCAB} "
+                   "(GPT-2's padded vocabulary: the head and loss cost what GPT-2's do)", out, a.profile,
+                   a.budget_s or 450.0, a.fp8_model, torch.cuda.get_device_name(0))
 
 
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+# ------------------------------------------------------------------ the table
+@dataclass
+class Row:
+    case: str
+    check: str
+    result: str
+    goal: str = ""
+    verdict: str = ""
+    figures: dict = field(default_factory=dict)
 
 
-def build(model_name: str, precision: str, seq: int, compile_blocks: bool, device: str, vocab: int = VOCAB):
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        cfg = compose("config", overrides=[f"model={model_name}", f"precision={precision}",
-                                           f"model.block_size={seq}"])
-    ctx = setup(cfg.parallel, device)
-    policy = PrecisionPolicy(cfg.precision, ctx.device)
-    torch.manual_seed(0)
-    m = cfg.model
-    model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, seq))
-    n_params = model.num_params()
-    decay = decay_names(model)
-    model = wrap(model, policy, ctx, compile_blocks=compile_blocks)
-    opt = build_optimizer(model, decay, cfg.optim, ctx.device)  # fused on CUDA by default
-    scaler = policy.make_scaler()
-    guard = None if scaler.enabled else NonFiniteGuard("abort", opt, ctx.device)
-    return cfg, ctx, policy, model, opt, scaler, guard, n_params
+class Report:
+    """The rows, printed as they come and rewritten to ``out`` after each case."""
+
+    def __init__(self, plan: Plan, header: list[str]):
+        self.plan, self.header = plan, header
+        self.rows: list[Row] = []
+        self.times: dict[str, float] = {}
+        self.notes: list[str] = []
+        self.t0 = time.perf_counter()
+
+    def add(self, row: Row) -> Row:
+        self.rows.append(row)
+        goal = f" | goal {row.goal}: {row.verdict}" if row.goal else (f" | {row.verdict}" if row.verdict else "")
+        print(f"  [{row.case}] {row.check}: {row.result}{goal}", flush=True)
+        return row
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def markdown(self) -> str:
+        lines = [*self.header, "", "| case | check | result | goal | verdict |", "| --- | --- | --- | --- | --- |"]
+        for r in sorted(self.rows, key=lambda r: r.case):
+            lines.append(f"| {r.case} | {r.check} | {r.result} | {r.goal or '-'} | {r.verdict or '-'} |")
+        times = ", ".join(f"{c} {t:.0f} s" for c, t in sorted(self.times.items()))
+        lines += ["", f"Time per case (compilation included): {times}; total {self.elapsed():.0f} s."]
+        lines += [f"\n{n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def write(self) -> None:
+        out = self.plan.out
+        (out / "gpu_check.md").write_text(self.markdown() + "\n")
+        doc = {"header": self.header, "times_s": self.times, "total_s": self.elapsed(),
+               "rows": [r.__dict__ for r in self.rows]}
+        (out / "gpu_check.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
 
-def time_steps(model_name: str, precision: str, a, batch: int, compile_blocks: bool) -> dict:
-    seq, steps = a.seq, a.steps
-    cfg, ctx, policy, model, opt, scaler, guard, n_params = build(model_name, precision, seq, compile_blocks, a.device)
-    x = torch.randint(0, VOCAB, (batch, seq + 1), device=ctx.device)
-    mb = [(x[:, :-1], x[:, 1:])]
-    for i in range(a.warmup):  # compilation, kernel selection, allocator
-        train_step(model, opt, scaler, policy, ctx, mb, 1.0, guard=guard, step=i)
-    _sync(ctx.device)
-    if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    for i in range(steps):
-        train_step(model, opt, scaler, policy, ctx, mb, 1.0, guard=guard, step=a.warmup + i)
-    _sync(ctx.device)
-    dt = (time.perf_counter() - t) / steps
-    tok_s = batch * seq / dt
-    m = cfg.model
-    kind = matmul_kind(dtype_name(policy.compute_dtype), policy.fp8_enabled, torch.backends.cuda.matmul.allow_tf32)
-    peak = peak_flops(_device_name(ctx.device), kind)
-    peak_mem = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
-    out = {"ms": dt * 1e3, "tok_s": tok_s, "peak_gib": peak_mem / 2**30,
-           "mfu": mfu(tok_s, flops_per_token(n_params, m.n_layer, m.d_model, seq), peak, 1) if peak else None,
-           "kind": kind}
-    del model, opt
-    if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return out
+class Tee(io.TextIOBase):
+    """Console lines also into ``gpu_check.log`` (the machine's output may be cut)."""
+
+    def __init__(self, stream, path: Path):
+        self.stream, self.file = stream, open(path, "w")
+
+    def write(self, s: str) -> int:
+        self.stream.write(s)
+        self.file.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.file.flush()
 
 
-def line(name: str, r: dict) -> str:
-    mfu_s = f"MFU {r['mfu'] * 100:5.1f}% (vs {r['kind']} peak)" if r["mfu"] is not None else "MFU n/a (peak unknown)"
-    return f"  {name:<22} {r['ms']:9.1f} ms/step {r['tok_s']:12,.0f} tokens/s  {mfu_s}  peak {r['peak_gib']:.1f} GiB"
+def yes(ok: bool) -> str:
+    return "met" if ok else "NOT met"
 
 
-def check_mfu(a) -> None:
-    r = time_steps(a.small, "bf16", a, a.batch_small, compile_blocks=a.compile)
-    print(line(f"{a.small} bf16" + (" compile" if a.compile else ""), r))
-    if r["mfu"] is not None:
-        print(f"  -> MFU {r['mfu'] * 100:.1f}% (target on H100/H200: >= 40%): "
-              f"{'met' if r['mfu'] >= 0.40 else 'NOT met'}")
+def one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
 
 
-def check_fp8(a) -> None:
-    res = {}
-    for p in ("bf16", "fp8"):
-        res[p] = time_steps(a.xl, p, a, a.batch_xl, compile_blocks=a.compile)
-        print(line(f"{a.xl} {p}" + (" compile" if a.compile else ""), res[p]))
-    speedup = res["bf16"]["ms"] / res["fp8"]["ms"]
-    print(f"  -> fp8 speed-up over bf16{' (both compiled)' if a.compile else ''}: {speedup:.3f}x (target >= 1.15x): "
-          f"{'met' if speedup >= 1.15 else 'NOT met'}")
+def speed(tps: float, ms: float, u: Optional[float], mem: Optional[float], kind: str) -> str:
+    parts = [f"{tps:,.0f} tokens/s", f"{ms:.1f} ms/step",
+             f"MFU {100 * u:.1f}% of {kind} peak" if u is not None else "MFU n/a (no peak for this device)"]
+    if mem is not None:
+        parts.append(f"peak {mem:.2f} GiB")
+    return ", ".join(parts)
 
 
-def check_syncs(a) -> None:
-    if a.device != "cuda":
-        print("  skipped: torch.cuda.set_sync_debug_mode needs CUDA (tests/test_fastpath.py counts syncs on CPU)")
-        return
-    for p in ("fp32", "bf16", "fp16"):
-        cfg, ctx, policy, model, opt, scaler, guard, _ = build("gpt-nano", p, 64, False, a.device, vocab=320)
-        x = torch.randint(0, 320, (4, 65), device=ctx.device)
-        mb = [(x[:, :-1], x[:, 1:])]
-        train_step(model, opt, scaler, policy, ctx, mb, 1.0, guard=guard, step=0)  # lazy state
+def _sync() -> None:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for i in range(1, 6):
-                    train_step(model, opt, scaler, policy, ctx, mb, 1.0, guard=guard, step=i)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message).lower()]
-        print(f"  {p:<5} fused={opt.param_groups[0].get('fused')}: {len(syncs) / 5:.1f} host syncs per step"
-              + (f" (first: {syncs[0]})" if syncs else ""))
 
 
-def main() -> None:
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def peak_of(plan: Plan, compute: str, fp8: bool) -> tuple[Optional[float], str]:
+    """(dense peak FLOP/s of this device for the run's matmul kind, the kind)."""
+    kind = matmul_kind(compute, fp8, plan.cuda and torch.backends.cuda.matmul.allow_tf32)
+    return (peak_flops(plan.device_name, kind) if plan.cuda else None), kind
+
+
+# --------------------------------------------------------------- harness runs
+@contextlib.contextmanager
+def captured():
+    """The harness's console (banner, messages) into a buffer; shown if the run fails."""
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            yield buf
+    except BaseException:
+        tail = buf.getvalue().splitlines()[-15:]
+        print("\n".join(f"    | {line}" for line in tail), flush=True)
+        raise
+
+
+def steady(rows: list[dict], tokens_per_step: int) -> dict:
+    """Tokens/s and step time over the logged laps after the first two (the
+    first step compiles; the next lap may recompile), or after the first when
+    fewer remain; peak memory over the whole run."""
+    laps, prev = [], 0
+    for r in rows:
+        if "perf/step_time_s" in r:
+            laps.append((r["step"] - prev, r["perf/step_time_s"]))
+            prev = r["step"]
+    drop = 2 if len(laps) >= 4 else 1
+    use = laps[drop:] or laps[-1:]
+    steps = sum(n for n, _ in use)
+    secs = sum(n * t for n, t in use)
+    mem = [r.get("mem/peak_gib", r.get("mem/peak_rss_gib")) for r in rows]
+    mem = [m for m in mem if m is not None]
+    return {"tokens_per_s": steps * tokens_per_step / secs, "step_s": secs / steps, "steps_timed": steps,
+            "step_times_s": [t for _, t in laps], "mem_gib": max(mem) if mem else None}
+
+
+def harness(plan: Plan, overrides: list[str], steps: int, log_every: Optional[int] = None,
+            around: Optional[Callable] = None) -> dict:
+    """One ``mptrain.trainer.run`` in a directory of its own, quiet: its summary,
+    metrics rows, console text and steady-state speed. ``around``: a context
+    manager factory wrapped around the run (the sync counter)."""
+    cfg = bench.compose_cfg([*plan.base, *overrides, f"train.max_steps={steps}",
+                             f"train.log_every={log_every or plan.log_every}"])
+    with tempfile.TemporaryDirectory() as d:
+        with captured() as buf, (around() if around else contextlib.nullcontext()):
+            summary = run(cfg, run_dir=d)
+        rows = [json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines()]
+        audit = json.loads((Path(d) / "audit.json").read_text()) if (Path(d) / "audit.json").exists() else None
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
+    return {"summary": summary, "rows": rows, "text": buf.getvalue(), "audit": audit, "cfg": cfg,
+            **steady(rows, tokens_per_step)}
+
+
+def harness_speed(plan: Plan, r: dict, compute: str) -> tuple[str, Optional[float]]:
+    peak, kind = peak_of(plan, compute, False)
+    u = mfu(r["tokens_per_s"], r["summary"]["flops_per_token"], peak, 1) if peak else None
+    return speed(r["tokens_per_s"], 1e3 * r["step_s"], u, r["mem_gib"], kind), u
+
+
+def tokens_for_bare(plan: Plan):
+    if plan.tokens is None:
+        cfg = bench.compose_cfg(plan.base)
+        plan.tokens = data_mod.prepare(cfg.data, log=lambda *a: None)
+    return plan.tokens
+
+
+# ------------------------------------------------------- a step loop of our own
+@torch.no_grad()
+def _init_on_device(model: GPT, n_layer: int) -> None:
+    """GPT-2's initialisation drawn where the weights live: a multi-billion
+    parameter model drawn on the CPU takes longer than its whole measurement.
+    (Speed does not depend on the values; the run's own init is reproducible.)"""
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.zero_()
+        elif p.dim() == 1:  # norm gains
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02)
+
+
+class StepLoop:
+    """A model built, wrapped and optimized with mptrain's own functions, as a
+    run builds it, stepped by ``mptrain.step.train_step`` (the harness's step
+    math) on random tokens: the fp8 case and the profiles."""
+
+    def __init__(self, overrides: list[str], batch: int, ckpt: bool, compile_blocks: bool):
+        cfg = bench.compose_cfg(overrides)
+        self.cfg, m = cfg, cfg.model
+        self.ctx = ctx = setup(cfg.parallel, cfg.train.device)
+        try:
+            if ctx.device.type == "cuda":
+                torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+                torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+            self.policy = PrecisionPolicy(cfg.precision, ctx.device)
+            vocab = m.vocab_size or VOCAB
+            with torch.device("meta"):
+                model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
+                                     qk_norm=m.qk_norm))
+            model = model.to_empty(device=ctx.device)
+            model.lm_head.weight = model.wte.weight  # to_empty makes two tensors of the tied pair
+            _init_on_device(model, m.n_layer)
+            self.n_params = model.num_params()
+            decay = decay_names(model)
+            self.model = wrap(model, self.policy, ctx, activation_checkpointing=ckpt, compile_blocks=compile_blocks)
+            self.opt = build_optimizer(self.model, decay, cfg.optim, ctx.device, optimizers.choose(cfg))
+            self.policy.attach_optimizer(self.opt, self.model)
+            self.scaler = self.policy.make_scaler()
+            self.guard = None if self.scaler.enabled else NonFiniteGuard("abort", self.opt, ctx.device)
+            x = torch.randint(0, vocab, (batch, m.block_size + 1), device=ctx.device)
+            self.micro = [(x[:, :-1], x[:, 1:])]
+            self.tokens_per_step = batch * m.block_size
+            self.flops_tok = 6.0 * self.n_params + 12.0 * m.n_layer * m.d_model * m.block_size
+            self.done = 0
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self) -> None:
+        train_step(self.model, self.opt, self.scaler, self.policy, self.ctx, self.micro, self.cfg.train.grad_clip,
+                   guard=self.guard, step=self.done)
+        self.done += 1
+
+    def time(self, warmup: int, timed: int) -> dict:
+        for _ in range(warmup):  # compilation, kernel choice, the optimizer's state
+            self.step()
+        _sync()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        for _ in range(timed):
+            self.step()
+        _sync()
+        dt = (time.perf_counter() - t) / timed
+        mem = torch.cuda.max_memory_allocated() / 2**30 if self.ctx.device.type == "cuda" else None
+        return {"tokens_per_s": self.tokens_per_step / dt, "step_s": dt, "mem_gib": mem}
+
+    def close(self) -> None:
+        """Frees the model and optimizer (and Dynamo's graphs of them) for the next setting."""
+        for name in ("model", "opt", "micro", "scaler", "guard"):
+            self.__dict__.pop(name, None)
+        self.ctx.shutdown()
+        torch._dynamo.reset()
+        free_memory()
+
+
+def profile(plan: Plan, loop: StepLoop, name: str, report: Report, case: str, steps: int = 3) -> Optional[str]:
+    """A ``torch.profiler`` trace of ``steps`` steps of ``loop`` (gzipped chrome
+    trace) and its top-15 ops by CUDA time (CPU time on CPU) into ``plan.out``;
+    returns where the time went (the top ops with their share), also a row."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if plan.cuda else [])
+    steps = steps if plan.cuda else 1
+    loop.step()  # outside the trace: anything lazy
+    _sync()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")  # torch 2.11: one cycle is all we run
+        with torch_profile(activities=acts) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                loop.step()
+            _sync()
+            wall_us = (time.perf_counter() - t) * 1e6
+        events = prof.key_averages()
+    raw = plan.out / f"profile_{name}.json"
+    prof.export_chrome_trace(str(raw))
+    gz = raw.with_suffix(".json.gz")
+    with open(raw, "rb") as src, gzip.open(gz, "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    kept = gz.name
+    if gz.stat().st_size > 15 * 2**20:  # what may come back from the machine: < 16 MiB a file
+        gz.unlink()
+        kept = "trace too large to keep"
+    key = "self_cuda_time_total" if plan.cuda else "self_cpu_time_total"
+    table = events.table(sort_by=key, row_limit=15)
+    (plan.out / f"profile_{name}.txt").write_text(f"{steps} steps of {name}, top 15 by {key}\n{table}\n")
+
+    def self_time(e) -> float:
+        if not plan.cuda:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    # On CUDA the kernels are events of their own and their time is also their
+    # launching op's self time: the kernels' sum is the GPU's busy time, the ops say why.
+    kernels = [e for e in events if plan.cuda and "CUDA" in str(getattr(e, "device_type", ""))]
+    ops = [e for e in events if e not in kernels]
+    total = sum(self_time(e) for e in (kernels or ops)) or 1.0
+    top = sorted(ops, key=self_time, reverse=True)[:5]
+    where = "; ".join(f"{e.key} {100 * self_time(e) / total:.0f}%" for e in top)
+    busy = f"GPU busy {100 * total / wall_us:.0f}% of the {wall_us / 1e3 / steps:.1f} ms a step took; " \
+        if kernels else ""
+    report.add(Row(case, f"profile of {name} ({steps} step{'s' if steps > 1 else ''})",
+                   f"{busy}{'CUDA' if plan.cuda else 'CPU'} time by op: {where} (files: {kept}, profile_{name}.txt)"))
+    return where
+
+
+def want_profile(plan: Plan, missed: bool) -> bool:
+    return plan.profile == "always" or (plan.profile == "auto" and plan.cuda and missed)
+
+
+# ------------------------------------------------------------------ the cases
+def case_a(plan: Plan, rep: Report, keep: dict) -> None:
+    """gpt-small bf16, compiled, fused AdamW: the harness against bench.py's bare loop."""
+    over = ["precision=bf16"]
+    h = harness(plan, over, plan.steps)
+    keep["a"] = h
+    text, u = harness_speed(plan, h, "bf16")
+    rep.add(Row("a", f"{plan.model} bf16 {'compiled' if plan.compile else 'eager'}, harness", text,
+                "MFU >= 40%" if plan.cuda else "", yes(u is not None and u >= GOAL_MFU) if plan.cuda else
+                "n/a on CPU", {"tokens_per_s": h["tokens_per_s"], "step_s": h["step_s"], "mfu": u,
+                               "peak_gib": h["mem_gib"], "steps_timed": h["steps_timed"]}))
+    tokens = tokens_for_bare(plan)
+    over_bare = [*plan.base, *over]
+    progress = bench.Progress(None, "", plan.steps)
+    # The bare loop's clock starts where the harness's steady laps do: after the first
+    # two logged laps (step 1, which compiles, and the rest of the first log_every steps).
+    b = bench.bare(over_bare, plan.steps, progress, tokens, warmup=plan.log_every if plan.cuda else 1)
+    peak, kind = peak_of(plan, "bf16", False)
+    ub = mfu(b["tokens_per_s"], b["flops_per_token"], peak, 1) if peak else None
+    rep.add(Row("a", f"{plan.model} bf16, bare loop (scripts/bench.py)",
+                speed(b["tokens_per_s"], 1e3 * b["step_time_s"], ub, b["mem"] if plan.cuda else None, kind),
+                figures={"tokens_per_s": b["tokens_per_s"], "step_s": b["step_time_s"], "mfu": ub,
+                         "peak_gib": b["mem"]}))
+    ratio = h["tokens_per_s"] / b["tokens_per_s"]
+    rep.add(Row("a", "harness / bare loop tokens/s", f"{ratio:.3f} (same compile setting, same batches)",
+                figures={"ratio": ratio}))
+    if want_profile(plan, u is None or u < GOAL_MFU):
+        loop = StepLoop([*plan.base, *over], plan.batch, False, plan.compile)
+        try:
+            loop.step()
+            profile(plan, loop, "mfu", rep, "a")
+        finally:
+            loop.close()
+
+
+def case_b(plan: Plan, rep: Report, keep: dict) -> None:
+    """gpt-small fp16: speed, the final loss scale and the skipped steps."""
+    h = harness(plan, ["precision=fp16"], plan.steps)
+    text, u = harness_speed(plan, h, "fp16")
+    s = h["summary"]
+    rep.add(Row("b", f"{plan.model} fp16 {'compiled' if plan.compile else 'eager'}, harness", text,
+                figures={"tokens_per_s": h["tokens_per_s"], "step_s": h["step_s"], "mfu": u, "peak_gib": h["mem_gib"]}))
+    rep.add(Row("b", "fp16 loss scale", f"final {s.get('amp/final_loss_scale'):g}, skipped steps "
+                f"{s.get('amp/skipped_steps')} of {s['steps']}",
+                figures={"loss_scale": s.get("amp/final_loss_scale"), "skipped": s.get("amp/skipped_steps")}))
+
+
+def fp8_setting(free_bytes: float, only: Optional[str] = None) -> tuple[str, int, bool, float, list[str]]:
+    """(preset, micro-batch, activation checkpointing, estimated bytes, notes): the
+    largest preset (or ``only``) whose estimate fits ``FIT_MARGIN`` of
+    ``free_bytes``, with the micro-batch that keeps a step near
+    ``FP8_STEP_FLOPS``; block checkpointing only where the activations would not fit.
+
+    The estimate: ``mptrain.memory``'s (weights, gradients, AdamW moments,
+    activations), plus the logits' gradient; with block checkpointing, the
+    activations of one block (the estimate's over the blocks), each block's
+    fp32 input, the head's logits and a 16-bit copy of every weight (what
+    autocast may hold through an eager forward: conservative when compiled)."""
+    notes: list[str] = []
+    need = 0.0
+    for name in [only] if only else reversed(PRESETS):
+        cfg = bench.compose_cfg([f"model={name}", "precision=bf16", f"model.vocab_size={VOCAB}"])
+        m = cfg.model
+        t = m.block_size
+        per_seq = 8.0 * 12 * m.n_layer * m.d_model ** 2 * t  # with recompute: ~8 N FLOPs per token
+        for ckpt in (False, True):
+            b = max(1, min(16, int(FP8_STEP_FLOPS // per_seq)))
+            while b >= 1:
+                e = estimate(cfg, VOCAB, 1, b)
+                logits_grad = b * t * VOCAB * 4
+                if ckpt:
+                    act = (e.activations / m.n_layer + m.n_layer * b * t * m.d_model * 4
+                           + b * t * VOCAB * (2 + 4) + 2 * e.n_params)
+                else:
+                    act = e.activations
+                need = e.state + act + logits_grad
+                if need <= FIT_MARGIN * free_bytes:
+                    return name, b, ckpt, need, notes
+                b //= 2
+        notes.append(f"{name} does not fit: {need / 2**30:.0f} GiB at micro-batch 1 with checkpointing")
+    if only:
+        return only, 1, True, need, notes
+    return PRESETS[0], 1, False, need, notes
+
+
+def case_c(plan: Plan, rep: Report, keep: dict) -> None:
+    """fp8 tensorwise and rowwise against bf16 on the largest preset that fits, compiled."""
+    if plan.cuda:
+        free, total = torch.cuda.mem_get_info()
+        where = f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"
+    else:
+        free, where = 139 * 2**30, "139 GiB assumed free (an H200)"
+    name, batch, ckpt, need, notes = fp8_setting(free, plan.fp8_model if plan.cuda else None)
+    seq = bench.compose_cfg([f"model={name}"]).model.block_size
+    chosen = f"{name}, micro-batch {batch} x {seq}" + (", activation checkpointing" if ckpt else "")
+    pick = f"{chosen}: estimate {need / 2**30:.1f} GiB, {where} (margin {FIT_MARGIN:.0%})" + \
+        (f"; {'; '.join(notes)}" if notes else "")
+    if plan.cuda:
+        model = name
+        rep.add(Row("c", "fp8 preset" + (" (given)" if plan.fp8_model else " (largest that fits)"), pick,
+                    figures={"model": name, "batch": batch, "ckpt": ckpt, "estimate_gib": need / 2**30}))
+    else:  # the same choice, printed; the steps on gpt-nano (with the chosen checkpointing)
+        model, batch = plan.model, 2
+        rep.add(Row("c", "fp8 preset", f"{model} on CPU; on an H200 the estimate picks {pick}",
+                    figures={"model": model, "estimate_pick": name}))
+    for _ in range(3):
+        try:
+            fp8_settings(plan, rep, model, batch, ckpt)
+            return
+        except torch.OutOfMemoryError:
+            pass  # (the memory is released once the error and its frames are gone: below)
+        free_memory()
+        smaller = PRESETS[max(PRESETS.index(model) - 1, 0)]
+        was = f"{model} micro-batch {batch}"
+        model, batch = (model, batch // 2) if batch > 1 else (smaller, 1)
+        rep.add(Row("c", "fp8 preset, out of memory", f"{was} did not fit; again with {model} micro-batch {batch}"))
+    raise RuntimeError("out of memory three times")
+
+
+ROWWISE_CPU = "only supports per-tensor scaling for CPU"  # torch before 2.13 on CPU
+
+
+def fp8_settings(plan: Plan, rep: Report, model: str, batch: int, ckpt: bool) -> None:
+    """bf16, fp8 tensorwise, fp8 rowwise on ``model``: a row each (a failure is that
+    setting's FAILED row); out of memory in bf16 is raised, for a smaller setting."""
+    if plan.cuda:
+        over = [f"model={model}", f"model.vocab_size={VOCAB}", "train.device=cuda"]
+    else:
+        over = [f"model={model}", "model.block_size=32", "model.vocab_size=320", "train.device=cpu"]
+    settings = [("bf16", ["precision=bf16"]), ("fp8 tensorwise", ["precision=fp8"]),
+                ("fp8 rowwise", ["precision=fp8", "precision.fp8.recipe=rowwise"])]
+    res: dict[str, dict] = {}
+    for label, prec in settings:
+        check = f"{model} {label} {'compiled' if plan.compile else 'eager'}" + \
+            (", activation checkpointing" if ckpt else "")
+        if label == "fp8 rowwise" and rep.elapsed() > plan.budget_s - 60:
+            rep.add(Row("c", check, f"skipped (time budget: {rep.elapsed():.0f} s used)"))
+            continue
+        left = torch.cuda.memory_allocated() / 2**30 if plan.cuda else 0.0  # what the previous setting left
+        if left > 1:
+            print(f"    note: {left:.1f} GiB still allocated before {label}", flush=True)
+        try:
+            res[label] = fp8_one(plan, rep, check, label, [*over, *prec], batch, ckpt, res.get("bf16"))
+        except torch.OutOfMemoryError:
+            if label == "bf16":
+                raise
+            rep.add(Row("c", check, f"FAILED: out of memory at micro-batch {batch}"))
+        except RuntimeError as e:
+            if not plan.cuda and ROWWISE_CPU in str(e):
+                rep.add(Row("c", check, f"skipped: torch {torch.__version__} on CPU scales float8 matmuls per "
+                            "tensor only (rowwise runs on CUDA)"))
+                continue
+            rep.add(Row("c", check, f"FAILED: {one_line(e)}"))
+            if label == "bf16":
+                return  # nothing to compare with
+
+
+def fp8_one(plan: Plan, rep: Report, check: str, label: str, overrides: list[str], batch: int, ckpt: bool,
+            bf16: Optional[dict]) -> dict:
+    """One setting of case c: built, timed, its row; profiled when it is the
+    tensorwise setting and misses its goal."""
+    t = time.perf_counter()
+    loop = StepLoop(overrides, batch, ckpt, plan.compile)
+    try:
+        r = loop.time(plan.fp8_warmup, plan.fp8_timed)
+        peak, kind = peak_of(plan, "bf16", label != "bf16")
+        u = mfu(r["tokens_per_s"], loop.flops_tok, peak, 1) if peak else None
+        gain = r["tokens_per_s"] / bf16["tokens_per_s"] if label != "bf16" and bf16 else None
+        goal = f"tensorwise >= {GOAL_FP8}x bf16" if label == "fp8 tensorwise" else ""
+        verdict = (yes(gain is not None and gain >= GOAL_FP8) if plan.cuda else "n/a on CPU") if goal else ""
+        text = speed(r["tokens_per_s"], 1e3 * r["step_s"], u, r["mem_gib"], kind)
+        if gain is not None:
+            text += f"; {gain:.2f}x bf16"
+        text += f" ({plan.fp8_warmup} warm-up + {plan.fp8_timed} timed steps, {time.perf_counter() - t:.0f} s)"
+        rep.add(Row("c", check, text, goal, verdict, {**r, "mfu": u, "speedup": gain}))
+        # (not on CPU: the smoke run profiles case a only, with the same function)
+        if goal and plan.cuda and want_profile(plan, gain is None or gain < GOAL_FP8):
+            profile(plan, loop, "fp8_tensorwise", rep, "c")
+        return r
+    finally:
+        loop.close()
+
+
+@contextlib.contextmanager
+def counting_syncs(cuda: bool, marks: list, log: list):
+    """Counts host syncs while a harness run runs, and marks where each step of
+    its loop starts (``Trainer.run_step`` wrapped for the run's duration only),
+    so the syncs of each step are known. CUDA: torch's sync debug mode, every
+    warning kept in ``log`` as (file:line, message). CPU: ``HostSyncCounter``."""
+    orig = Trainer.run_step
+    counter = HostSyncCounter()
+    seen: list = counter.calls  # what is counted so far, whichever counter counts
+
+    def syncs() -> list:
+        if not cuda:
+            return seen
+        return [w for w in seen if "synchroniz" in str(w.message)]  # not other warnings of the run
+
+    def run_step(self, step, micro, stop):
+        marks.append((step, len(syncs())))
+        return orig(self, step, micro, stop)
+
+    Trainer.run_step = run_step
+    try:
+        if cuda:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    yield
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    marks.append((None, len(syncs())))
+            log.extend((f"{os.path.basename(w.filename)}:{w.lineno}", str(w.message).splitlines()[0])
+                       for w in syncs())
+        else:
+            with counter:
+                yield
+            marks.append((None, len(seen)))
+            log.extend((where, name) for name, where in seen)
+    finally:
+        Trainer.run_step = orig
+
+
+def case_d(plan: Plan, rep: Report, keep: dict) -> None:
+    """Host syncs per step between logging steps, fp32/bf16/fp16, fused AdamW, the harness's own loop."""
+    steps = 12 if plan.cuda else 3
+    how = "torch.cuda.set_sync_debug_mode" if plan.cuda else "HostSyncCounter (Python API reads; CPU)"
+    for precision in ("fp32", "bf16", "fp16"):
+        marks: list = []
+        log: list = []
+        harness(plan, [f"precision={precision}", "optim.fused=true", "monitor.enabled=false"], steps,
+                log_every=steps, around=lambda: counting_syncs(plan.cuda, marks, log))
+        # syncs of step s: from its start to the next step's start (the data feed included)
+        per_step = {s: marks[i + 1][1] - n for i, (s, n) in enumerate(marks[:-1])}
+        between = {s: c for s, c in per_step.items() if 0 < s < steps - 1}  # done 2 .. steps-1: not logged
+        total = sum(between.values())
+        rate = total / max(len(between), 1)
+        firsts = []
+        if total:
+            lo, hi = marks[1][1], marks[-2][1]
+            firsts = sorted({f"{w} ({m})" for w, m in log[lo:hi]})[:3]
+        rep.add(Row("d", f"host syncs per step, {precision}, fused AdamW, compiled" if plan.compile else
+                    f"host syncs per step, {precision}, fused AdamW, eager",
+                    f"{rate:g} over {len(between)} steps between logging steps ({how}); "
+                    f"{per_step.get(0, 0)} on the first (logged) step" + (f"; first: {', '.join(firsts)}" if firsts
+                                                                           else ""),
+                    "0", yes(total == 0), {"per_step": rate, "steps": len(between), "first": firsts}))
+
+
+def case_e(plan: Plan, rep: Report, keep: dict) -> None:
+    """What the numerics monitor and the dtype audit cost."""
+    base = keep.get("a") or harness(plan, ["precision=bf16"], plan.steps)
+    off = harness(plan, ["precision=bf16", "monitor.enabled=false"], plan.steps)
+    every_steps = plan.steps // 2 if plan.cuda else 2
+    every = harness(plan, ["precision=bf16", "monitor.every=1"], every_steps)
+    ref = off["tokens_per_s"]
+    for label, r in (("monitor off", off), (f"monitor default (every {base['cfg'].monitor.every})", base),
+                     ("monitor every step", every)):
+        over = 100 * (ref / r["tokens_per_s"] - 1)
+        rep.add(Row("e", f"{plan.model} bf16 harness, {label}",
+                    f"{r['tokens_per_s']:,.0f} tokens/s, {1e3 * r['step_s']:.1f} ms/step, overhead {over:+.1f}% "
+                    f"(over {r['steps_timed']} steps)",
+                    figures={"tokens_per_s": r["tokens_per_s"], "overhead_pct": over}))
+    # The audit: the step of case f's run (train.audit_only=true), which runs eagerly
+    # under the audit's dispatch mode, against a plain step of case a's run (same config).
+    au = keep.get("f") or audit_run(plan)
+    audited = au["step_times_s"][0]
+    plain = base["step_s"]
+    rep.add(Row("e", "dtype audit, one step", f"audited step {1e3 * audited:.0f} ms (eager, recording every op; "
+                f"the first step of its run) vs plain step {1e3 * plain:.1f} ms: {audited / plain:.1f}x, once per run",
+                figures={"audited_s": audited, "plain_s": plain, "ratio": audited / plain}))
+
+
+AUDIT_FP32 = ("norm", "softmax", "loss")
+
+
+def audit_run(plan: Plan) -> dict:
+    """One bf16 step under the dtype audit, as ``train.audit_only=true`` runs it."""
+    return harness(plan, ["precision=bf16", "train.audit=true", "train.audit_only=true"], 1, log_every=1)
+
+
+def case_f(plan: Plan, rep: Report, keep: dict) -> None:
+    """The dtype audit of one bf16 step (train.audit_only=true): its table, and whether
+    norms, softmax and the loss ran in fp32."""
+    au = keep["f"] = audit_run(plan)
+    report = au["audit"]
+    cats: dict[str, set] = {}
+    for cols in report["modules"].values():
+        for c, v in cols.items():
+            cats.setdefault(c, set()).update(v.split(","))
+    summary = "; ".join(f"{c} {'/'.join(sorted(v))}" for c, v in cats.items())
+    fp32 = all(cats.get(c) == {"fp32"} for c in AUDIT_FP32)
+    rep.add(Row("f", f"dtype audit of one bf16 step ({'CUDA' if plan.cuda else 'CPU'})",
+                f"{summary}; {len(report['flags'])} flags, {report['n_ops']} ops",
+                "norm, softmax, loss in fp32; 0 flags", yes(fp32 and not report["flags"]),
+                {"categories": {c: sorted(v) for c, v in cats.items()}, "flags": report["flags"]}))
+    lines = au["text"].splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("module ")), None)
+    end = next((i for i, line in enumerate(lines) if "ops recorded" in line), None)
+    if start is not None and end is not None:
+        table = "\n".join(lines[start:end + 1])
+        print(table, flush=True)
+        rep.notes.append(f"Dtype audit of one bf16 step (case f):\n\n```\n{table}\n```")
+
+
+RUNNERS = {"a": case_a, "b": case_b, "c": case_c, "d": case_d, "e": case_e, "f": case_f}
+
+
+def versions() -> list[str]:
+    lines = [f"python {platform.python_version()} | torch {torch.__version__}"]
+    try:
+        import torchao
+
+        lines[0] += f" | torchao {torchao.__version__}"
+    except Exception as e:  # noqa: BLE001  what is missing is itself the information
+        lines[0] += f" | torchao unavailable ({one_line(e)})"
+    if torch.cuda.is_available():
+        lines.append(f"device {torch.cuda.get_device_name(0)} | CUDA {torch.version.cuda} | "
+                     f"capability {'.'.join(map(str, torch.cuda.get_device_capability(0)))}")
+    else:
+        lines.append(f"device {bench.machine('cpu')}")
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="syncs,mfu,fp8", help="comma-separated: syncs, mfu, fp8")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch-small", type=int, default=16)
-    ap.add_argument("--batch-xl", type=int, default=8)
-    ap.add_argument("--small", default="gpt-small", help="model of the MFU case")
-    ap.add_argument("--xl", default="gpt-xl", help="model of the fp8 case")
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--no-compile", dest="compile", action="store_false", help="eager blocks (CPU smoke runs)")
-    ap.add_argument("--device", default="cuda")
-    a = ap.parse_args()
-    print(f"gpu_check: {_device_name(torch.device(a.device))} | torch {torch.__version__} | seq {a.seq}")
-    for case in a.only.split(","):
-        print(f"[{case}]", flush=True)
-        {"syncs": check_syncs, "mfu": check_mfu, "fp8": check_fp8}[case.strip()](a)
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny models, few eager steps, on CPU (the test suite)")
+    ap.add_argument("--out", help="where the table, figures and profiles go (default: a new temporary folder)")
+    ap.add_argument("--only", default="abcdef", help="cases to run, e.g. a,c (default: all)")
+    ap.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
+                    help="auto: profile a case that misses its goal (CUDA); --cpu-smoke profiles to test the path")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds (CUDA: 450)")
+    ap.add_argument("--steps", type=int, default=None, help="harness steps of the speed runs (CUDA: 60)")
+    ap.add_argument("--batch", type=int, default=None, help="gpt-small sequences per step (CUDA: 32)")
+    ap.add_argument("--fp8-model", default=None, help="the fp8 case's preset instead of the largest that fits")
+    ap.add_argument("--compile", action="store_true", help="with --cpu-smoke: compile blocks on CPU too (slow)")
+    a = ap.parse_args(argv)
+    if not a.cpu_smoke and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device: nothing measured (--cpu-smoke runs the same code on CPU)")
+        return 0
+    plan = Plan.from_args(a)
+    sys.stdout = Tee(sys.stdout, plan.out / "gpu_check.log")
+    os.environ.setdefault("MPTRAIN_CACHE", str(Path(tempfile.gettempdir()) / "mptrain-gpu-check-cache"))
+    header = [f"gpu_check{' --cpu-smoke' if a.cpu_smoke else ''} | {time.strftime('%Y-%m-%d %H:%M')}", *versions(),
+              f"data: {plan.data_note}",
+              f"harness cases: {plan.model}, {plan.batch} sequences per step, {plan.steps} steps, "
+              f"{'per-block torch.compile' if plan.compile else 'eager'}, fused AdamW; figures over the logged laps "
+              "after the first two"]
+    print("\n".join(header), flush=True)
+    rep = Report(plan, header)
+    keep: dict = {}
+    only = [c for c in a.only.replace(",", "") if c in RUNNERS]
+    for c in [c for c in RUN_ORDER if c in only]:
+        t = time.perf_counter()
+        if rep.elapsed() > plan.budget_s:
+            rep.add(Row(c, CASES[c], f"skipped (time budget: {rep.elapsed():.0f} s used of {plan.budget_s:.0f})"))
+            continue
+        print(f"[{c}] {CASES[c]} ...", flush=True)
+        # Each case compiles as a fresh process would: no variants of the block's code
+        # left by earlier cases (Dynamo's recompile limit would count them), no shapes
+        # marked dynamic. Inductor's on-disk cache keeps the recompiles short.
+        torch._dynamo.reset()
+        try:
+            RUNNERS[c](plan, rep, keep)
+        except Exception as e:  # noqa: BLE001  a case's failure is its row; the next case runs
+            traceback.print_exc(limit=-6, file=sys.stdout)
+            rep.add(Row(c, CASES[c], f"FAILED: {one_line(e)}"))
+        finally:
+            free_memory()
+        rep.times[c] = time.perf_counter() - t
+        print(f"[{c}] done in {rep.times[c]:.1f} s (total {rep.elapsed():.0f} s)", flush=True)
+        rep.write()
+    print("\n" + rep.markdown(), flush=True)
+    rep.write()
+    print(f"\ngpu_check: table and figures in {plan.out}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

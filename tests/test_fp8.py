@@ -123,29 +123,59 @@ def test_fsdp2_fp8_two_ranks(tmp_path, two_rank_jobs):
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3
 
 
+def _gpu_check(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    """``bash scripts/gpu_check.sh ARGS`` with this interpreter, as the device runs it."""
+    import os
+
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHON": sys.executable})
+
+
 def test_gpu_check_script_skips_without_cuda():
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "no CUDA device" in r.stdout
+    """Without CUDA and without --cpu-smoke: one line saying nothing was measured, exit 0."""
+    r = _gpu_check(timeout=120)
+    assert r.returncode == 0 and "no CUDA device" in r.stdout and "nothing measured" in r.stdout
+    assert "[a]" not in r.stdout and "driver:" not in r.stdout
 
 
-def test_gpu_check_code_runs_on_cpu(monkeypatch, capsys):
-    """The GPU check script's code path (model, wrapper, timing, MFU and speed-up lines)
-    on CPU with a tiny model, so a GPU session does not find its bugs first. Its main()
-    runs in this process: the code path is the point, not a launch."""
-    import importlib.util
+# Every row the check prints on CPU (gpt-nano, eager): one or more per case a-f.
+GPU_CHECK_ROWS = [
+    ("a", "gpt-nano bf16 eager, harness"), ("a", "gpt-nano bf16, bare loop (scripts/bench.py)"),
+    ("a", "harness / bare loop tokens/s"), ("a", "profile of mfu (1 step)"),
+    ("b", "gpt-nano fp16 eager, harness"), ("b", "fp16 loss scale"),
+    ("c", "fp8 preset"), ("c", "gpt-nano bf16 eager, activation checkpointing"),
+    ("c", "gpt-nano fp8 tensorwise eager, activation checkpointing"),
+    ("c", "gpt-nano fp8 rowwise eager, activation checkpointing"),
+    *(("d", f"host syncs per step, {p}, fused AdamW, eager") for p in ("fp32", "bf16", "fp16")),
+    ("e", "gpt-nano bf16 harness, monitor off"), ("e", "gpt-nano bf16 harness, monitor default (every 50)"),
+    ("e", "gpt-nano bf16 harness, monitor every step"), ("e", "dtype audit, one step"),
+    ("f", "dtype audit of one bf16 step (CPU)"),
+]
 
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--device", "cpu", "--small", "gpt-nano", "--xl", "gpt-nano",
-                                      "--steps", "1", "--warmup", "1", "--seq", "32", "--batch-small", "2",
-                                      "--batch-xl", "2", "--no-compile"])
-    capsys.readouterr()
-    gpu_check.main()
-    out = capsys.readouterr().out
-    assert "[syncs]" in out and "needs CUDA" in out
-    assert "gpt-nano bf16" in out and "gpt-nano fp8" in out and out.count("ms/step") == 3
-    assert "fp8 speed-up over bf16:" in out and "MFU n/a (peak unknown)" in out
+
+def test_gpu_check_cpu_smoke(tmp_path):
+    """``bash scripts/gpu_check.sh --cpu-smoke``: the GPU check's every case on CPU with
+    gpt-nano and a few eager steps (harness and bench.py's bare loop, fp16, fp8 with
+    the preset choice for an H200, host syncs through the harness's own loop, monitor
+    and audit cost, the dtype audit), so a GPU session does not find its bugs first.
+    The table has every row and no FAILED one; the files it leaves are what may come
+    back from the device (at most 8, each under 16 MiB)."""
+    r = _gpu_check("--cpu-smoke", "--out", str(tmp_path), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "FAILED" not in r.stdout and "FAILED" not in table, r.stdout[-3000:]
+    for case, check in GPU_CHECK_ROWS:
+        assert f"| {case} | {check} |" in table, (case, check)
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    verdicts = {(row["case"], row["check"]): row["verdict"] for row in rows}
+    for p in ("fp32", "bf16", "fp16"):
+        assert verdicts[("d", f"host syncs per step, {p}, fused AdamW, eager")] == "met"
+    assert verdicts[("f", "dtype audit of one bf16 step (CPU)")] == "met"  # norms, softmax, loss in fp32
+    assert "Dtype audit of one bf16 step" in table and "ops recorded, 0 flags" in table
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["gpu_check.json", "gpu_check.log", "gpu_check.md", "profile_mfu.json.gz", "profile_mfu.txt"]
+    assert all((tmp_path / f).stat().st_size < 16 * 2**20 for f in files)
+    assert "top 15 by self_cpu_time_total" in (tmp_path / "profile_mfu.txt").read_text()
 
 
 def test_fsdp2_float8_scales_follow_every_optimizer_step():

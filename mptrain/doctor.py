@@ -17,6 +17,8 @@ import platform
 import time
 from dataclasses import dataclass
 
+from typing import Optional
+
 import torch
 
 from .config import ConfigError
@@ -167,6 +169,18 @@ def recommend(device: torch.device, v: dict[str, Verdict]) -> str:
     return "fp32 (half precision is emulated on this CPU)"
 
 
+def cpu_rowwise_fp8_problem() -> Optional[str]:
+    """Why this torch cannot run a float8 matmul with per-row scales on the CPU
+    (torch before 2.13 takes per-tensor scales only there), or None. Tried on
+    a 16 x 16 product: what the recipe would fail on at its first step."""
+    a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return f"torch {torch.__version__}'s CPU float8 matmul takes per-tensor scales only"
+    return None
+
+
 def check_precision(policy, device: torch.device) -> list[str]:
     """Warnings for the run's precision on ``device``; ConfigError when impossible."""
     v = verdicts(device, check_fp8=policy.fp8_enabled)
@@ -177,6 +191,11 @@ def check_precision(policy, device: torch.device) -> list[str]:
     if want == "fp8":
         if v["fp8"].status == "unavailable":
             raise ConfigError(f"precision=fp8 cannot run here: {v['fp8'].why}")
+        if device.type == "cpu" and policy.fp8.recipe != "tensorwise":
+            why = cpu_rowwise_fp8_problem()
+            if why:
+                raise ConfigError(f"precision.fp8.recipe={policy.fp8.recipe} cannot run on this CPU: {why}; use "
+                                  "precision.fp8.recipe=tensorwise, torch>=2.13, or a GPU with float8 tensor cores.")
         if v["bf16"].status == "emulated":
             warnings.append(f"fp8 runs its other ops in bf16, which is emulated on this {device.type}: {v['bf16'].why}.")
     if v[want].status == "emulated":

@@ -433,10 +433,15 @@ def case_a(plan: Plan, rep: Report, keep: dict) -> None:
     h = harness(plan, over, plan.steps)
     keep["a"] = h
     text, u = harness_speed(plan, h, "bf16")
+    wait = h["summary"].get("perf/data_wait_s")
+    if wait is not None:  # what the prefetcher did not hide: the loop blocked on the next batch
+        text += (f", data wait {1e3 * wait:.2f} ms/step ({100 * h['summary']['perf/data_wait_fraction']:.1f}%"
+                 + (f"; copies issued in {1e3 * h['summary']['perf/data_copy_s']:.2f} ms)"
+                    if "perf/data_copy_s" in h["summary"] else ")"))
     rep.add(Row("a", f"{plan.model} bf16 {'compiled' if plan.compile else 'eager'}, harness", text,
                 "MFU >= 40%" if plan.cuda else "", yes(u is not None and u >= GOAL_MFU) if plan.cuda else
                 "n/a on CPU", {"tokens_per_s": h["tokens_per_s"], "step_s": h["step_s"], "mfu": u,
-                               "peak_gib": h["mem_gib"], "steps_timed": h["steps_timed"]}))
+                               "peak_gib": h["mem_gib"], "steps_timed": h["steps_timed"], "data_wait_s": wait}))
     tokens = tokens_for_bare(plan)
     over_bare = [*plan.base, *over]
     progress = bench.Progress(None, "", plan.steps)

@@ -130,8 +130,9 @@ def test_text_paths_are_relative_to_the_launch_directory(monkeypatch, tmp_path):
 
     monkeypatch.chdir(ROOT)
     cfg = make_cfg("data=text", "data.paths=[docs/]", "data.max_chars=0").data
-    figures = sorted((ROOT / "docs").rglob("*.png"))
-    assert f"{len(figures)} skipped as not UTF-8 text: docs/" in D.read_corpus(cfg).source  # every committed figure
+    # every committed binary file: the figures, and the GPU check's gzipped profiler trace
+    figures = sorted([*(ROOT / "docs").rglob("*.png"), *(ROOT / "docs").rglob("*.gz")])
+    assert f"{len(figures)} skipped as not UTF-8 text: docs/" in D.read_corpus(cfg).source
     cfg.paths = ["docs/*.md"]
     assert D.read_corpus(cfg).source.startswith("text files (")
     monkeypatch.chdir(tmp_path)

@@ -171,6 +171,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     for p in ("fp32", "bf16", "fp16"):
         assert verdicts[("d", f"host syncs per step, {p}, fused AdamW, eager")] == "met"
     assert verdicts[("f", "dtype audit of one bf16 step (CPU)")] == "met"  # norms, softmax, loss in fp32
+    harness = next(row for row in rows if row["case"] == "a" and row["check"].endswith(", harness"))
+    assert "data wait" in harness["result"] and harness["figures"]["data_wait_s"] >= 0  # the prefetcher's wait
     assert "Dtype audit of one bf16 step" in table and "ops recorded, 0 flags" in table
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["gpu_check.json", "gpu_check.log", "gpu_check.md", "profile_mfu.json.gz", "profile_mfu.txt"]

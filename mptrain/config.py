@@ -186,6 +186,17 @@ class Fp8Config:
     dim_multiple: int = 16
     """Linears whose in or out features are not multiples of this stay in high
     precision (float8 matmul kernels need 16-aligned dimensions)."""
+    bf16_first_blocks: int = 0
+    """The first this many transformer blocks keep their linears out of float8
+    (in the autocast dtype, bf16), by position rather than by name: Megatron's
+    first/last-layers-in-bf16 rule for the blocks nearest the embedding, whose
+    inputs are the least regular. 0: none."""
+    bf16_last_blocks: int = 0
+    """The last this many blocks likewise (nearest the output head). 0: none."""
+    min_features: int = 0
+    """Linears with fewer in or out features than this stay out of float8: on
+    small matmuls the casts (an amax and a scaled copy of each operand) cost
+    more than the float8 matmul saves. 0: no size rule."""
     fsdp_float8_all_gather: bool = True
     """Under FSDP2 with the tensorwise recipe, all-gather weights in float8
     (half the bytes of bf16), with scales recomputed after every optimizer step."""

@@ -181,20 +181,43 @@ class Fp8Linears:
     def _keep(self, mod: nn.Module, fqn: str) -> bool:
         if not isinstance(mod, nn.Linear):
             return False
-        for pat in self.cfg.exclude:
+        why = self._excluded_because(mod, fqn)
+        if why:
+            self.report["excluded"][fqn] = why
+        return why is None
+
+    def _excluded_because(self, mod: nn.Linear, fqn: str) -> Optional[str]:
+        """Why linear ``fqn`` stays out of float8, or None: by name, by position
+        (first/last blocks), by size, by alignment, in that order."""
+        c = self.cfg
+        for pat in c.exclude:
             if fnmatch.fnmatch(fqn, pat):
-                self.report["excluded"][fqn] = f"matches precision.fp8.exclude '{pat}'"
-                return False
-        m = self.cfg.dim_multiple
+                return f"matches precision.fp8.exclude '{pat}'"
+        parts = fqn.split(".")
+        if len(parts) > 1 and parts[0] == "blocks" and parts[1].isdigit():
+            i, n = int(parts[1]), self._n_blocks
+            if i < c.bf16_first_blocks:
+                return f"block {i} of {n}: precision.fp8.bf16_first_blocks={c.bf16_first_blocks}"
+            if i >= n - c.bf16_last_blocks:
+                return f"block {i} of {n}: precision.fp8.bf16_last_blocks={c.bf16_last_blocks}"
+        if min(mod.in_features, mod.out_features) < c.min_features:
+            return (f"{mod.in_features}x{mod.out_features} below precision.fp8.min_features={c.min_features} "
+                    "(the casts would cost more than the float8 matmul saves)")
+        m = c.dim_multiple
         if mod.in_features % m or mod.out_features % m:
-            self.report["excluded"][fqn] = f"{mod.in_features}x{mod.out_features} not multiples of {m}"
-            return False
-        return True
+            return f"{mod.in_features}x{mod.out_features} not multiples of {m}"
+        return None
 
     def convert(self, model: nn.Module) -> nn.Module:
         from torchao.float8 import convert_to_float8_training
 
         self.report = {"converted": [], "excluded": {}}
+        self._n_blocks = len(getattr(model, "blocks", ()))
+        first, last = self.cfg.bf16_first_blocks, self.cfg.bf16_last_blocks
+        if self._n_blocks and first + last >= self._n_blocks:
+            raise ConfigError(
+                f"precision.fp8.bf16_first_blocks={first} and bf16_last_blocks={last} keep all "
+                f"{self._n_blocks} blocks out of float8; lower them, or use precision=bf16.")
         convert_to_float8_training(model, config=self.float8_config, module_filter_fn=self._keep)
         self.report["converted"] = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
         if self.recipe == "rowwise_with_gw_hp":

@@ -250,3 +250,29 @@ def test_attach_optimizer_is_a_no_op_without_float8_all_gather():
         policy = PrecisionPolicy(make_cfg(*overrides).precision, torch.device("cpu"), fsdp2=False)
         policy.attach_optimizer(opt, model).remove()  # a handle all the same
     assert not opt._optimizer_step_post_hooks
+
+
+def test_position_and_size_rules_keep_linears_out_of_float8():
+    """precision.fp8.bf16_first_blocks / bf16_last_blocks keep blocks out by
+    position, min_features keeps small linears out; each with its reason, as the
+    banner lists them. Keeping every block out is refused in one sentence."""
+    from mptrain.config import ConfigError
+    from mptrain.model import GPT, GPTShape
+    from mptrain.precision import PrecisionPolicy
+
+    def convert(*overrides, n_layer=4):
+        policy = PrecisionPolicy(make_cfg("precision=fp8", *overrides).precision, torch.device("cpu"))
+        policy.convert_model(GPT(GPTShape(vocab_size=128, n_layer=n_layer, n_head=2, d_model=64, block_size=16)))
+        return policy.fp8.report
+
+    r = convert("precision.fp8.bf16_first_blocks=1", "precision.fp8.bf16_last_blocks=1")
+    assert {n.split(".")[1] for n in r["converted"]} == {"1", "2"} and len(r["converted"]) == 8
+    assert r["excluded"]["blocks.0.attn.qkv"] == "block 0 of 4: precision.fp8.bf16_first_blocks=1"
+    assert r["excluded"]["blocks.3.mlp.proj"] == "block 3 of 4: precision.fp8.bf16_last_blocks=1"
+    assert r["excluded"]["lm_head"].startswith("matches precision.fp8.exclude")  # the name rule comes first
+    r = convert("precision.fp8.min_features=128")  # 64x192, 64x64 and 256x64 are below; 64x256 is too
+    assert r["converted"] == [] and "below precision.fp8.min_features=128" in r["excluded"]["blocks.1.mlp.fc"]
+    r = convert("precision.fp8.min_features=64")
+    assert len(r["converted"]) == 16
+    with pytest.raises(ConfigError, match="keep all 2 blocks out of float8"):
+        convert("precision.fp8.bf16_first_blocks=1", "precision.fp8.bf16_last_blocks=1", n_layer=2)

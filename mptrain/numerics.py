@@ -406,7 +406,8 @@ class NumericsMonitor:
         self._max: dict[str, torch.Tensor] = {}      # max over shards
         self._max_all: dict[str, torch.Tensor] = {}  # max over all ranks
         self._has_grad: set[str] = set()
-        self._snapshot: Optional[list[torch.Tensor]] = None
+        self._snapshot: Optional[list[torch.Tensor]] = None  # per parameter: views of _snapshot_flat
+        self._snapshot_flat: Optional[torch.Tensor] = None
         self._pending = False
         if self.stability is not None:
             self.stability.clear()
@@ -465,59 +466,63 @@ class NumericsMonitor:
             self.stability.read_probes()
         dev = self._device(model)
         # Norms of the held gradient times 1/scale: the true gradient's, without
-        # an unscaled copy of each gradient. Scaled per parameter, before
-        # squaring, so a large scale does not overflow the fp32 sum of squares.
+        # an unscaled copy of each gradient. The norm is scaled before it is
+        # squared, so a large scale does not overflow the sum of squares.
         if grad_scale is None:
             inv: Union[float, torch.Tensor] = 1.0
         elif isinstance(grad_scale, torch.Tensor):
             inv = 1.0 / grad_scale.detach().float().reshape(())
         else:
             inv = 1.0 / float(grad_scale)
-        nb = self.hist_hi - self.hist_lo + 1
-        whole_counts = torch.zeros(1 + 3 * len(MONITORED), dtype=torch.int64, device=dev)
-        whole_gsq = torch.zeros((), dtype=torch.float32, device=dev)
-        whole_wsq = torch.zeros((), dtype=torch.float32, device=dev)
-        whole_wmax = torch.zeros((), dtype=torch.float32, device=dev)
-        hist = torch.zeros(nb, dtype=torch.int64, device=dev)
+        whole = None
         for group, params in layer_groups(model.named_parameters()).items():
-            counts = torch.zeros_like(whole_counts)
-            gsq, wsq, wmax = torch.zeros_like(whole_gsq), torch.zeros_like(whole_wsq), torch.zeros_like(whole_wmax)
-            ws, gs = [], []
-            for _, p in params:
-                if p.grad is not None:
-                    self._has_grad.add(group)
-                w = local_shard(p.detach())
-                if w.numel() == 0:  # an FSDP rank may hold no shard of a small parameter
-                    continue
-                ws.append(w)
-                if p.grad is not None:
-                    gs.append(local_shard(p.grad.detach()))
-            # Sums of squares accumulate in fp64: over a whole group's millions of
-            # elements an fp32 accumulator drifts (1e-4 relative on a 4x256 block, CPU).
-            if ws:
-                w = _flat(ws)
-                wsq = torch.linalg.vector_norm(w, dtype=torch.float64).square().float()
-                wmax = w.abs().amax()
-            if gs:
-                g = _flat(gs)
-                gsq = (torch.linalg.vector_norm(g, dtype=torch.float64) * inv).square().float()
-                counts = format_counts(g)
-                if self.histogram:
-                    hist = hist + log2_histogram(g, self.hist_lo, self.hist_hi)
-            self._sum[f"grad_sq/{group}"] = gsq
-            self._sum[f"weight_sq/{group}"] = wsq
-            self._sum[f"counts/{group}"] = counts
-            self._max[f"weight_absmax/{group}"] = wmax
-            whole_counts, whole_gsq, whole_wsq = whole_counts + counts, whole_gsq + gsq, whole_wsq + wsq
-            whole_wmax = torch.maximum(whole_wmax, wmax)
+            stats = self._group_stats(group, params, inv, dev)
+            for key, v in zip(("grad_sq", "weight_sq", "counts"), stats[:3]):
+                self._sum[f"{key}/{group}"] = v
+            self._max[f"weight_absmax/{group}"] = stats[3]
+            whole = stats if whole is None else (*(a + b for a, b in zip(whole[:3], stats[:3])),
+                                                  torch.maximum(whole[3], stats[3]), whole[4] + stats[4])
+        if whole is None:
+            return
         if self._has_grad:
             self._has_grad.add(WHOLE_MODEL)
-        self._sum[f"grad_sq/{WHOLE_MODEL}"] = whole_gsq
-        self._sum[f"weight_sq/{WHOLE_MODEL}"] = whole_wsq
-        self._sum[f"counts/{WHOLE_MODEL}"] = whole_counts
-        self._max[f"weight_absmax/{WHOLE_MODEL}"] = whole_wmax
+        for key, v in zip(("grad_sq", "weight_sq", "counts"), whole[:3]):
+            self._sum[f"{key}/{WHOLE_MODEL}"] = v
+        self._max[f"weight_absmax/{WHOLE_MODEL}"] = whole[3]
         if self.histogram:
-            self._sum["hist"] = hist
+            self._sum["hist"] = whole[4]
+
+    def _group_stats(self, group: str, params: list, inv, dev: torch.device) -> tuple[torch.Tensor, ...]:
+        """``(grad_sq, weight_sq, format counts, weight absmax, gradient histogram)``
+        of one layer group's local shards, each taken once over the group's
+        tensors concatenated (see :func:`_flat`). Zeros where the group holds
+        no shard or no gradient; marks the group as having gradients."""
+        counts = torch.zeros(1 + 3 * len(MONITORED), dtype=torch.int64, device=dev)
+        gsq, wsq, wmax = (torch.zeros((), dtype=torch.float32, device=dev) for _ in range(3))
+        hist = torch.zeros(self.hist_hi - self.hist_lo + 1, dtype=torch.int64, device=dev)
+        ws, gs = [], []
+        for _, p in params:
+            if p.grad is not None:
+                self._has_grad.add(group)
+            w = local_shard(p.detach())
+            if w.numel() == 0:  # an FSDP rank may hold no shard of a small parameter
+                continue
+            ws.append(w)
+            if p.grad is not None:
+                gs.append(local_shard(p.grad.detach()))
+        # Sums of squares accumulate in fp64: over a whole group's millions of
+        # elements an fp32 accumulator drifts (1e-4 relative on a 4x256 block, CPU).
+        if ws:
+            w = _flat(ws)
+            wsq = torch.linalg.vector_norm(w, dtype=torch.float64).square().float()
+            wmax = w.abs().amax()
+        if gs:
+            g = _flat(gs)
+            gsq = (torch.linalg.vector_norm(g, dtype=torch.float64) * inv).square().float()
+            counts = format_counts(g)
+            if self.histogram:
+                hist = log2_histogram(g, self.hist_lo, self.hist_hi)
+        return gsq, wsq, counts, wmax, hist
 
     @staticmethod
     def _device(model: nn.Module) -> torch.device:
@@ -532,8 +537,13 @@ class NumericsMonitor:
             return
         if self.stability is not None:
             self.stability.before_optimizer(model, self._device(model))
-        self._snapshot = [local_shard(p.detach()).to(torch.float32, copy=True)
-                          for p in model.parameters() if p.requires_grad]
+        # One flat fp32 copy (what after_optimizer compares whole), and each
+        # parameter's part of it as a view (what the intended update needs).
+        shards = [local_shard(p.detach()) for p in model.parameters() if p.requires_grad]
+        self._snapshot_flat = _flat(shards) if shards else None
+        self._snapshot = ([] if not shards else
+                          [v.view(s.shape) for v, s in zip(self._snapshot_flat.split([s.numel() for s in shards]),
+                                                             shards)])
 
     def after_optimizer(self, model: nn.Module, skipped: Union[torch.Tensor, bool, None] = None) -> None:
         """Count the updates bf16 / fp16 storage would lose (whole model).
@@ -550,18 +560,20 @@ class NumericsMonitor:
         if len(params) != len(self._snapshot):
             raise RuntimeError("the model's trainable parameters changed between before_optimizer and after_optimizer")
         if not params:
-            self._snapshot = None
+            self._snapshot = self._snapshot_flat = None
             return
         # whole model: one pass over all parameters (see _flat)
-        counts = update_underflow_counts(_flat(self._snapshot), _flat([local_shard(p.detach()) for p in params]))
-        applied = self._applied(params) if self.optimizer is not None else None
-        self._snapshot = None
+        after = _flat([local_shard(p.detach()) for p in params])
+        counts = update_underflow_counts(self._snapshot_flat, after)
+        applied = self._applied(params, after) if self.optimizer is not None else None
+        self._snapshot = self._snapshot_flat = None
         self._sum["update"] = unless_skipped(counts, skipped)
         if applied is not None:
             self._sum["applied"] = unless_skipped(applied, skipped)
 
-    def _applied(self, params: list) -> Optional[torch.Tensor]:
-        """:func:`applied_update_stats` summed over the tensors the step updated."""
+    def _applied(self, params: list, after: torch.Tensor) -> Optional[torch.Tensor]:
+        """:func:`applied_update_stats` summed over the tensors the step updated
+        (``after``: every parameter's shard, flat, as :meth:`after_optimizer` has it)."""
         from . import optimizers  # here: optimizers.py imports the stability module, which imports this one
 
         stochastic = optimizers.choice_of(self.optimizer).rounding == "stochastic"
@@ -580,11 +592,16 @@ class NumericsMonitor:
         if not befores:
             return None
         # Once over the concatenation (see _flat). A tensor without a compensation
-        # buffer contributes zeros to it, which count as nothing held.
+        # buffer contributes zeros to it, which count as nothing held. When the step
+        # updated every parameter (the usual case), the flat copies are those at hand.
         comp = None
         if any(c is not None for c in comps):
             comp = _flat([c if c is not None else torch.zeros_like(b) for c, b in zip(comps, befores)])
-        return applied_update_stats(_flat(befores), _flat(afters), _flat(intendeds), stochastic, comp)
+        if len(befores) == len(params):
+            before_flat, after_flat = self._snapshot_flat, after
+        else:
+            before_flat, after_flat = _flat(befores), _flat(afters)
+        return applied_update_stats(before_flat, after_flat, _flat(intendeds), stochastic, comp)
 
     # -- results
     def collect(self) -> tuple[dict[str, float], dict[str, tuple[torch.Tensor, torch.Tensor]]]:

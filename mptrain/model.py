@@ -278,13 +278,15 @@ class GPT(nn.Module):
         So one seeded generator gives the same initial weights on one rank or
         many, on CPU or GPU, built on the meta device or not. Drawing on the
         CPU costs time on large models (about 1 s per 200M parameters), never
-        more memory than the largest single tensor."""
+        more memory than the largest single tensor. A generator on a GPU draws
+        there, much faster, but other numbers than the CPU's (scripts/gpu_check.py's
+        speed runs, where the values do not matter, use one)."""
         std = 0.02
         # every norm weight, the QK-layernorm's included; ones draw no random
         # numbers, so adding qk_norm leaves the other weights' initial values as they were
         norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, LayerNorm)}
         for name, p in self.named_parameters():
-            full = torch.empty(p.shape, dtype=torch.float32)
+            full = torch.empty(p.shape, dtype=torch.float32, device=generator.device if generator is not None else "cpu")
             if name.endswith("bias"):
                 full.zero_()
             elif name in norms:

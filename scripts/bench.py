@@ -249,7 +249,8 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None, warm
         batches = data_mod.Batches(data_mod.Windows(tokens.train, m.block_size), tc.global_batch_size, mbs,
                                    ctx.rank, ctx.world, tc.seed)
         torch.manual_seed(tc.seed)
-        model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias))
+        with torch.device("meta"):  # built as the trainer builds it: wrap() gives it storage and weights
+            model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias))
         model_params = model.num_params()
         decay = decay_names(model)
         policy = PrecisionPolicy(cfg.precision, ctx.device)
@@ -259,7 +260,7 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None, warm
         # The same fast-path switches the harness resolves (compiled blocks and TF32
         # by default on CUDA): the comparison is of the loops, not of compile vs eager.
         model = wrap(model, policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
-                     compile_blocks=compiled(cfg, ctx.device))
+                     compile_blocks=compiled(cfg, ctx.device), init_seed=tc.seed)
         opt = build_optimizer(model, decay, cfg.optim, ctx.device, optimizers.choose(cfg))  # the harness's AdamW
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision.loss_scale.enabled)
         params = [p for p in model.parameters()]

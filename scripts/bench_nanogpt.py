@@ -211,14 +211,7 @@ def run_harness(overrides: list[str], steps: int, warmup: int, verbose: bool) ->
     with tempfile.TemporaryDirectory() as d, bench.quiet_harness(verbose):
         run(cfg, run_dir=d)
         rows = [json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines() if line]
-    seconds, timed, prev = 0.0, 0, 0
-    for r in rows:
-        if "perf/step_time_s" not in r:
-            continue
-        if prev >= warmup:
-            seconds += r["perf/step_time_s"] * (r["step"] - prev)
-            timed += r["step"] - prev
-        prev = r["step"]
+    timed, seconds = bench.steady_laps(rows, warmup)
     if timed != steps - warmup:
         raise RuntimeError(f"the harness's laps cover {timed} steps after the warm-up, not {steps - warmup}")
     return {"seconds": seconds, "steps": timed, "threads": torch.get_num_threads()}

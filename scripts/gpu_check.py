@@ -45,7 +45,6 @@ import gc
 import gzip
 import io
 import json
-import math
 import os
 import platform
 import shutil
@@ -244,19 +243,16 @@ def steady(rows: list[dict], tokens_per_step: int) -> dict:
     """Tokens/s and step time over the logged laps after the first two (the
     first step compiles; the next lap may recompile), or after the first when
     fewer remain; peak memory over the whole run."""
-    laps, prev = [], 0
-    for r in rows:
-        if "perf/step_time_s" in r:
-            laps.append((r["step"] - prev, r["perf/step_time_s"]))
-            prev = r["step"]
-    drop = 2 if len(laps) >= 4 else 1
-    use = laps[drop:] or laps[-1:]
-    steps = sum(n for n, _ in use)
-    secs = sum(n * t for n, t in use)
+    ends = [r["step"] for r in rows if "perf/step_time_s" in r]
+    drop = 2 if len(ends) >= 4 else 1
+    # the step the dropped laps end at; with no lap left after them, the last lap alone
+    warm = ends[drop - 1] if len(ends) > drop else (ends[-2] if len(ends) > 1 else 0)
+    steps, secs = bench.steady_laps(rows, warm)
     mem = [r.get("mem/peak_gib", r.get("mem/peak_rss_gib")) for r in rows]
     mem = [m for m in mem if m is not None]
     return {"tokens_per_s": steps * tokens_per_step / secs, "step_s": secs / steps, "steps_timed": steps,
-            "step_times_s": [t for _, t in laps], "mem_gib": max(mem) if mem else None}
+            "step_times_s": [r["perf/step_time_s"] for r in rows if "perf/step_time_s" in r],
+            "mem_gib": max(mem) if mem else None}
 
 
 def harness(plan: Plan, overrides: list[str], steps: int, log_every: Optional[int] = None,
@@ -290,20 +286,6 @@ def tokens_for_bare(plan: Plan):
 
 
 # ------------------------------------------------------- a step loop of our own
-@torch.no_grad()
-def _init_on_device(model: GPT, n_layer: int) -> None:
-    """GPT-2's initialisation drawn where the weights live: a multi-billion
-    parameter model drawn on the CPU takes longer than its whole measurement.
-    (Speed does not depend on the values; the run's own init is reproducible.)"""
-    for name, p in model.named_parameters():
-        if name.endswith("bias"):
-            p.zero_()
-        elif p.dim() == 1:  # norm gains
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02)
-
-
 class StepLoop:
     """A model built, wrapped and optimized with mptrain's own functions, as a
     run builds it, stepped by ``mptrain.step.train_step`` (the harness's step
@@ -323,8 +305,11 @@ class StepLoop:
                 model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
                                      qk_norm=m.qk_norm))
             model = model.to_empty(device=ctx.device)
-            model.lm_head.weight = model.wte.weight  # to_empty makes two tensors of the tied pair
-            _init_on_device(model, m.n_layer)
+            model.tie_weights()  # to_empty makes two tensors of the tied pair
+            # GPT-2's init drawn where the weights live: a multi-billion parameter model
+            # drawn on the CPU takes longer than its whole measurement (speed does not
+            # depend on the values; a run's own init is the reproducible CPU draw).
+            model.reset_parameters(torch.Generator(ctx.device).manual_seed(0))
             self.n_params = model.num_params()
             decay = decay_names(model)
             self.model = wrap(model, self.policy, ctx, activation_checkpointing=ckpt, compile_blocks=compile_blocks)

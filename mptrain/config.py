@@ -47,6 +47,16 @@ class Fp8Recipe(Enum):
     tensorwise = "tensorwise"
     rowwise = "rowwise"
     rowwise_with_gw_hp = "rowwise_with_gw_hp"
+    delayed = "delayed"
+    mxfp8 = "mxfp8"
+    nvfp4 = "nvfp4"
+
+
+class AmaxCompute(Enum):
+    """How delayed scaling reads its amax history."""
+
+    max = "max"
+    most_recent = "most_recent"
 
 
 class Fp8GradDtype(Enum):
@@ -172,9 +182,14 @@ class Fp8Config:
     enabled: bool = False
     """Convert linears to float8. On for ``precision=fp8``."""
     recipe: Fp8Recipe = Fp8Recipe.tensorwise
-    """Scaling granularity: ``tensorwise`` (one scale per tensor; allows float8
-    all-gather under FSDP2), ``rowwise`` (one scale per row: more accurate),
-    ``rowwise_with_gw_hp`` (rowwise, weight gradient kept in high precision)."""
+    """How scales are chosen: ``tensorwise`` (one scale per tensor, from its
+    current amax; allows float8 all-gather under FSDP2), ``rowwise`` (one per
+    row: more accurate), ``rowwise_with_gw_hp`` (rowwise, weight gradient kept
+    in high precision), ``delayed`` (one per tensor, from an amax history of
+    earlier steps: Transformer Engine's default; ``mptrain/fp8delayed.py``),
+    ``mxfp8`` (one power-of-two scale per 32 elements, torchao's MX training;
+    ``mptrain/fp8mx.py``), ``nvfp4`` (4-bit elements in blocks of 16; refused
+    where torchao's training path cannot run)."""
     grad_dtype: Fp8GradDtype = Fp8GradDtype.e5m2
     """Format of the output gradient in the backward matmuls: ``e5m2`` (range
     for gradients, the classic recipe) or ``e4m3`` (precision; torchao's
@@ -197,6 +212,17 @@ class Fp8Config:
     """Linears with fewer in or out features than this stay out of float8: on
     small matmuls the casts (an amax and a scaled copy of each operand) cost
     more than the float8 matmul saves. 0: no size rule."""
+    amax_history_len: int = 16
+    """``recipe=delayed``: how many past steps' amaxes each operand's history
+    keeps (Transformer Engine's ``amax_history_len``)."""
+    amax_compute: AmaxCompute = AmaxCompute.max
+    """``recipe=delayed``: the amax a scale is computed from: ``max`` over the
+    history (safe after a drop, slow to follow it) or ``most_recent`` (the
+    last step's: follows, but saturates when the amax grows)."""
+    margin: int = 0
+    """``recipe=delayed``: scale = format max / (amax * 2^margin); each unit of
+    margin leaves twice the headroom for an amax that grows between steps,
+    at the cost of one binade at the bottom."""
     fsdp_float8_all_gather: bool = True
     """Under FSDP2 with the tensorwise recipe, all-gather weights in float8
     (half the bytes of bf16), with scales recomputed after every optimizer step."""
@@ -555,6 +581,18 @@ class MonitorConfig:
     issues (all-gather, reduce-scatter, all-reduce, broadcast), by dtype, as
     ``comm/<kind>/<dtype>_bytes`` (``mptrain/comm.py``). Only runs with a
     process group (``parallel`` other than ``none``) have any."""
+    fp8_casts: bool = True
+    """With float8 linears, on monitored steps: for every converted linear and
+    each of its three float8 operands (input, weight, output gradient), what
+    the run's casts do to it: amax, scales, the shares flushed to zero and
+    clamped at the format's max, and the signal-to-noise ratio of the round
+    trip, as ``fp8.<layer>/<operand>/*`` (``mptrain/fp8stats.py``)."""
+    fp8_whatif: list[str] = field(default_factory=lambda: [
+        "tensorwise", "rowwise", "block1x32", "block1x128", "block128x128"])
+    """With ``fp8_casts``: the same statistics, from the same tensors, for these
+    other ways of choosing scales (the run's own is left out), as
+    ``fp8.<layer>/<operand>/<recipe>/*``: one run answers "would rowwise or MX
+    blocks have flushed less here?". ``[]``: none."""
 
 
 @dataclass

@@ -354,7 +354,7 @@ class NumericsMonitor:
 
     def __init__(self, mcfg, model: nn.Module, reduce_sum: Reducer = _identity, reduce_max: Reducer = _identity,
                  *, reduce_max_all: Reducer = _identity, reduce_sum_all: Reducer = _identity,
-                 hist_lo: int = -40, hist_hi: int = 16):
+                 hist_lo: int = -40, hist_hi: int = 16, fp8_watch=None):
         self.cfg = mcfg
         self.enabled = bool(mcfg.enabled)
         self.every = int(mcfg.every)
@@ -377,6 +377,8 @@ class NumericsMonitor:
             from .stability import StabilityMonitor  # here: stability.py imports this module
 
             self.stability = StabilityMonitor(model)
+        # The float8 casts' statistics (fp8stats.CastWatch), when the run has float8 linears.
+        self.fp8 = fp8_watch if self.enabled else None
         self._on = False
         self._hooks: list = []
         self._reset()
@@ -411,6 +413,8 @@ class NumericsMonitor:
         self._pending = False
         if self.stability is not None:
             self.stability.clear()
+        if self.fp8 is not None:
+            self.fp8.clear()
 
     def start_step(self, step: int) -> None:
         """Begin ``step``: if monitored, drop stale results and hook the blocks' outputs."""
@@ -432,6 +436,8 @@ class NumericsMonitor:
             anchor = next(iter(self._blocks.values()), None)
             dev = self._device(anchor) if anchor is not None else torch.device("cpu")
             self._hooks += self.stability.start(dev, list(self._blocks))
+        if self.fp8 is not None:
+            self._hooks += self.fp8.start(self._device(next(iter(self.fp8.layers.values()), nn.Identity())))
 
     def _make_hook(self, group: str):
         def hook(module, args, output):
@@ -613,10 +619,12 @@ class NumericsMonitor:
         self._remove_hooks()
         self._pending = False
         vecs, layout = [], []
-        stab = self.stability
+        stab, fp8 = self.stability, self.fp8
         sums, maxes_all, sums_all = self._sum, self._max_all, {}
         if stab is not None:  # the same collectives carry the stability figures (and one more kind)
             sums, maxes_all, sums_all = {**sums, **stab.sum}, {**maxes_all, **stab.max_all}, stab.sum_all
+        if fp8 is not None:  # and the float8 casts' (over every rank: each casts its own data)
+            maxes_all, sums_all = {**maxes_all, **fp8.max_all}, {**sums_all, **fp8.sum_all}
         for store, reduce in ((sums, self.reduce_sum), (self._max, self.reduce_max),
                               (maxes_all, self.reduce_max_all), (sums_all, self.reduce_sum_all)):
             if not store:
@@ -639,6 +647,8 @@ class NumericsMonitor:
         scalars = self._scalars(vals)
         if stab is not None:
             scalars.update(stab.scalars(vals))
+        if fp8 is not None:
+            scalars.update(fp8.scalars(vals))
         hists = {}
         if "hist" in vals:
             hists["numerics/grad_log2_hist"] = (vals["hist"].round().to(torch.int64),

@@ -238,6 +238,20 @@ class Fp8Linears:
         })
         return model
 
+    # The scale rule of each recipe, in fp8stats' terms (delayed: tensorwise with the
+    # scales the layers hold, see scales_of).
+    STATS_RECIPE = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_with_gw_hp": "rowwise",
+                    "delayed": "tensorwise", "mxfp8": "block1x32"}
+
+    def watch(self, model: nn.Module, whatif: list[str]):
+        """The :class:`mptrain.fp8stats.CastWatch` of this run's converted linears:
+        their casts' statistics on the numerics monitor's steps."""
+        from .fp8stats import CastWatch
+
+        grad = "e5m2" if self.cfg.grad_dtype.value == "float8_e5m2" else "e4m3"
+        formats = {"input": "e4m3", "weight": "e4m3", "grad_output": grad}
+        return CastWatch(model, self.report["converted"], self.STATS_RECIPE[self.recipe], formats, list(whatif))
+
     def refresh_scales(self, model: nn.Module) -> None:
         """With float8 all-gather, each weight's scale is computed once per step for
         all ranks (one all-reduce of every weight's amax) and stored on the weight;

@@ -182,8 +182,11 @@ class Trainer:
         self.nonfinite = NonFiniteHandler(tc.on_nonfinite.value, self.optimizer, self.scaler, self.model,
                                           self.policy, ctx, self.batches, self.faults,
                                           cfg.precision.loss_scale.min_loss_scale)
+        fp8_watch = (self.policy.fp8.watch(self.model, cfg.monitor.fp8_whatif)
+                     if self.policy.fp8 and cfg.monitor.fp8_casts else None)
         self.monitor = NumericsMonitor(cfg.monitor, self.model, reduce_sum=ctx.shard_sum, reduce_max=ctx.shard_max,
-                                       reduce_max_all=ctx.all_reduce_max, reduce_sum_all=ctx.all_reduce_sum)
+                                       reduce_max_all=ctx.all_reduce_max, reduce_sum_all=ctx.all_reduce_sum,
+                                       fp8_watch=fp8_watch)
         self.monitor.attach_optimizer(self.optimizer)  # Adam's health on monitored steps (stability.py)
         self.compute_probe = ComputeDtypeProbe(self.model)
 
@@ -208,6 +211,7 @@ class Trainer:
         self.last_train: dict = {}
         self.last_val: Optional[float] = None
         self.last_comm: dict = {}
+        self.fp8_casts: Optional[dict] = None  # the last monitored step's float8 cast figures (fp8stats.report)
         self.last_saved: Optional[int] = None
         self.stopped_by: Optional[str] = None
 
@@ -452,6 +456,10 @@ class Trainer:
         if self.monitor.active(step):
             scalars, hists = self.monitor.collect()  # collectives + one host sync, on monitored steps only
             row.update(scalars)
+            if "fp8/worst/flush" in scalars:
+                from .fp8stats import report
+
+                self.fp8_casts = report(scalars, self.policy.fp8.recipe, done)
         comm, audit = out["comm"], out["audit"]
         if comm is not None:
             self.last_comm = comm.metrics()
@@ -495,6 +503,10 @@ class Trainer:
         if (ck.every or ck.at_end) and self.last_saved != step and step == self.tc.max_steps:
             self.checkpoint(step)
         self.dtypes.update(observed_dtypes(self.model, self.optimizer))  # at the end, not just after step 1
+        if self.fp8_casts is not None:
+            from .fp8stats import table
+
+            self.metrics.write(table(self.fp8_casts))
         summary = self._summary()
         self.record.write_json("summary.json", summary)
         self.metrics.summary(summary)
@@ -522,6 +534,7 @@ class Trainer:
             "world_size": ctx.world, "dtypes": self.dtypes, **peak_memory(ctx.device),
             **self._dist_summary(),
             **({"fp8": self.fp8_report} if self.fp8_report else {}),
+            **({"fp8_casts": self.fp8_casts} if self.fp8_casts else {}),
             **({"resumed_from": str(self.resumed_from)} if self.resumed_from is not None else {}),
             **({"config_history": self.plan.history} if self.plan.history else {}),
             **({"stopped_early": self.stopped_by} if self.stopped_by else {}),

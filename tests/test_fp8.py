@@ -28,6 +28,14 @@ def test_30_steps_lower_the_loss(tmp_path, recipe):
     assert set(s["fp8"]["excluded"]) == {"lm_head"}  # the tied output head stays high precision
     assert s["fp8"]["recipe"] == recipe and "e5m2" in s["fp8"]["backward"]
     assert s["dtypes"]["parameters"] == "fp32" and s["dtypes"]["compute_observed"] == "bf16"
+    # The casts' statistics: on the monitored step (the first), for all 8 linears, and nowhere else.
+    own = {k for k in rows[0] if k.startswith("fp8.") and k.count("/") == 2}
+    assert len(own) == 8 * 3 * 6 and not any(k.startswith("fp8") for r in rows[1:] for k in r)
+    assert f"fp8/worst/{'rowwise' if recipe == 'tensorwise' else 'tensorwise'}/sqnr_db" in rows[0]
+    casts = s["fp8_casts"]
+    assert casts["recipe"] == recipe and casts["step"] == 1 and len(casts["layers"]) == 8
+    assert 20 < casts["layers"]["block0.mlp.fc"]["input"]["sqnr_db"] == rows[0]["fp8.block0.mlp.fc/input/sqnr_db"]
+    assert "float8 casts at step 1 (recipe " + recipe in (tmp_path / "run" / "train.log").read_text()
 
 
 def test_exclusions_are_configurable(tmp_path):
@@ -112,7 +120,8 @@ def test_fsdp2_fp8_two_ranks(tmp_path, two_rank_jobs):
     ranks after gathering."""
     from .test_distributed import COMMON
 
-    _, ref = train(tmp_path / "ref", *COMMON, "precision=fp8", tiny=False)
+    # Two micro-batches of 4 in one process: each rank's half-batch, cast as the ranks cast it.
+    _, ref = train(tmp_path / "ref", *COMMON, "precision=fp8", "train.micro_batch_size=4", tiny=False)
     run_dir = two_rank_jobs("fsdp")["fp8"]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["dist/replicas_identical"] is True
@@ -121,6 +130,22 @@ def test_fsdp2_fp8_two_ranks(tmp_path, two_rank_jobs):
     ref = [r for r in ref if "train/loss" in r]
     assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref)) < 3e-2
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3
+    _cast_statistics_match(rows[0], ref[0])
+
+
+def _cast_statistics_match(two_ranks: dict, one: dict) -> None:
+    """The float8 cast statistics of step 1 (monitored): FSDP2's, reduced over both
+    ranks (the weight measured on each rank's fp32 shard with the all-gather's
+    scale), equal one process's. One process divides each micro-batch's loss by
+    the number of micro-batches before the backward, so its output gradients are
+    exactly half the ranks' (a power of two: scales double, shares and SQNR do not move)."""
+    keys = sorted(k for k in one if k.startswith("fp8"))
+    assert len(keys) == 8 * 3 * (6 + 4 * 3) + 5 * 3 and set(keys) == {k for k in two_ranks if k.startswith("fp8")}
+    for k in keys:
+        a, b = two_ranks[k], one[k]
+        if "/grad_output/" in k and k.rsplit("/", 1)[1] in ("amax", "scale_min", "scale_max"):
+            b = b * 2 if k.endswith("amax") else b / 2
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-9), (k, a, b)
 
 
 def _gpu_check(*args: str, timeout: int) -> subprocess.CompletedProcess:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
 
 from mptrain.fp8stats import RECIPES, cast_counts, cast_stats, summarize
 from mptrain.numerics import thresholds
@@ -99,3 +100,51 @@ def test_shards_add_up_to_the_whole():
         sums = sum(p[0] for p in parts)
         maxes = torch.maximum(parts[0][1], parts[1][1])
         assert summarize(sums, maxes) == pytest.approx(whole, rel=1e-12), recipe
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_watch_measures_the_operands_torchaos_linear_casts(recipe):
+    """CastWatch on a real torchao Float8Linear under bf16 autocast: its figures for
+    the run's own casts equal torchao's casts of the three operands the layer really
+    casts (the input in bf16, the fp32 weight, the output gradient in e5m2), and a
+    what-if recipe is measured on the same tensors."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from mptrain.precision import PrecisionPolicy
+
+    from .conftest import make_cfg
+
+    torch.manual_seed(0)
+    policy = PrecisionPolicy(make_cfg("precision=fp8", f"precision.fp8.recipe={recipe}").precision,
+                             torch.device("cpu"))
+    model = policy.convert_model(nn.Sequential(nn.Linear(64, 128)))
+    watch = policy.fp8.watch(model, ["block1x32"])
+    x = torch.randn(32, 64) * torch.logspace(-4, 1, 64)  # inputs of very different sizes
+    seen = {}
+    handles = watch.start(torch.device("cpu"))
+    with policy.autocast():
+        y = model(x)
+    y.register_hook(lambda g: seen.setdefault("grad_output", g))
+    y.float().backward(torch.randn(32, 128) * torch.logspace(-14, 0, 128))  # a range beyond e5m2's: some flush
+    for h in handles:
+        h.remove()
+    got = watch.scalars({**watch.sum_all, **watch.max_all})
+    axis = {"input": -1, "weight": 0, "grad_output": -1}  # weight: torchao casts W^T along dim 0
+    for op, t, fmt in (("input", x.to(torch.bfloat16), torch.float8_e4m3fn),
+                       ("weight", model[0].weight.detach().t(), torch.float8_e4m3fn),
+                       ("grad_output", seen["grad_output"], torch.float8_e5m2)):
+        f8 = hp_tensor_to_float8_dynamic(
+            t, fmt, LinearMMConfig(), axiswise_dim=axis[op] if recipe == "rowwise" else None,
+            scaling_granularity=ScalingGranularity.AXISWISE if recipe == "rowwise" else ScalingGranularity.TENSORWISE,
+            round_scales_to_power_of_2=recipe == "rowwise")
+        hp, back = t.double(), (f8._data.float() / f8._scale).double()
+        sqnr = 10 * math.log10(hp.square().sum() / (hp - back).square().sum())
+        flush = float(((f8._data.float() == 0) & (t != 0)).sum() / (t != 0).sum())
+        assert got[f"fp8.0/{op}/sqnr_db"] == pytest.approx(sqnr, rel=1e-9), op
+        assert got[f"fp8.0/{op}/flush"] == flush, op
+        assert got[f"fp8.0/{op}/scale_max"] == pytest.approx(float(f8._scale.max()), rel=1e-7), op
+        assert f"fp8.0/{op}/block1x32/sqnr_db" in got
+    assert got["fp8.0/grad_output/flush"] > 0  # the test can tell flushing from none
+    assert f"fp8.0/input/{recipe}/flush" not in got  # the run's own recipe is not a what-if

@@ -462,7 +462,12 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}; "
             "pick a head count that divides the width."
         )
-    micro_steps(cfg, world_size)  # raises on batch sizes that do not divide
+    mbs, _ = micro_steps(cfg, world_size)  # raises on batch sizes that do not divide
+    if p.fp8.enabled and p.fp8.recipe.value == "mxfp8" and (mbs * m.block_size) % 32:
+        # The weight-gradient matmul blocks its operands along the tokens of a micro-batch.
+        raise ConfigError(
+            f"precision.fp8.recipe=mxfp8 needs tokens per micro-batch (train.micro_batch_size x "
+            f"model.block_size = {mbs} x {m.block_size}) divisible by 32; change either.")
     if not p.master_weights and (p.compute_dtype != DType.bf16 or p.loss_scale.enabled or p.fp8.enabled):
         raise ConfigError(
             "precision.master_weights=false is supported for bf16 compute without loss scaling or fp8 "

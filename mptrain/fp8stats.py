@@ -122,7 +122,11 @@ def cast_counts(t: torch.Tensor, recipe: str, fmt: str = "e4m3", mx_rounding: st
         g.double().square().sum(),
         (g.double() - back.double()).square().sum(),
     ])
-    maxes = torch.stack([amax.max(), s.max(), -s.min()])
+    # The scale range over groups holding a non-zero value: an all-zero group's scale
+    # (from the EPS floor, ~1e14) scales nothing and would hide the real range.
+    live = amax > 0
+    s_live = s.expand_as(amax) if s.numel() == 1 else s
+    maxes = torch.stack([amax.max(), torch.where(live, s_live, 0.0).max(), -torch.where(live, s_live, math.inf).min()])
     return sums, maxes
 
 

@@ -153,16 +153,27 @@ class Fp8Linears:
     multiples of ``precision.fp8.dim_multiple``; ``report`` says which and why.
     """
 
-    def __init__(self, fcfg, fsdp2: bool):
+    MX = ("mxfp8", "nvfp4")  # block-scaled recipes: mptrain/fp8mx.py, not torchao's Float8Linear
+
+    def __init__(self, fcfg, fsdp2: bool, device: torch.device = torch.device("cpu")):
         from .doctor import fp8_software_problem
 
         problem = fp8_software_problem()
         if problem:
             raise ConfigError(f"precision=fp8 cannot run: {problem}")
+        self.cfg, self.device = fcfg, device
+        self.recipe = fcfg.recipe.value
+        self.report: dict = {}
+        self.all_gather = False
+        if self.recipe in self.MX:
+            from . import fp8mx
+
+            why = fp8mx.problem(self.recipe, device)
+            if why:
+                raise ConfigError(f"precision.fp8.recipe={self.recipe} cannot run here: {why}")
+            return
         from torchao.float8 import Float8LinearConfig
 
-        self.cfg = fcfg
-        self.recipe = fcfg.recipe.value
         base = Float8LinearConfig.from_recipe_name(self.recipe)
         grad = getattr(torch, fcfg.grad_dtype.value)
         # The recipe fixes the scaling granularity; the output-gradient format is ours to choose.
@@ -176,7 +187,6 @@ class Fp8Linears:
         self.all_gather = bool(fsdp2 and self.recipe == "tensorwise" and fcfg.fsdp_float8_all_gather)
         changes["enable_fsdp_float8_all_gather"] = self.all_gather
         self.float8_config = dataclasses.replace(base, **changes)
-        self.report: dict = {}
 
     def _keep(self, mod: nn.Module, fqn: str) -> bool:
         if not isinstance(mod, nn.Linear):
@@ -218,6 +228,8 @@ class Fp8Linears:
             raise ConfigError(
                 f"precision.fp8.bf16_first_blocks={first} and bf16_last_blocks={last} keep all "
                 f"{self._n_blocks} blocks out of float8; lower them, or use precision=bf16.")
+        if self.recipe in self.MX:
+            return self._convert_mx(model)
         convert_to_float8_training(model, config=self.float8_config, module_filter_fn=self._keep)
         self.report["converted"] = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
         if self.recipe == "rowwise_with_gw_hp":
@@ -235,7 +247,22 @@ class Fp8Linears:
                        f"({f.cast_config_input.scaling_granularity.value} scales from amax)",
             "backward": f"grad_output {dtype_name(f.cast_config_grad_output.target_dtype)}",
             "fsdp_float8_all_gather": self.all_gather,
+            "torchao": _torchao_version(),
         })
+        return model
+
+    def _convert_mx(self, model: nn.Module) -> nn.Module:
+        """Block-scaled linears (``fp8mx.convert``); its report joins ours, with the
+        layers the block size rules out added to the excluded ones."""
+        from . import fp8mx
+
+        mx = fp8mx.convert(model, self.recipe, self.device, module_filter_fn=self._keep)
+        excluded = {**self.report["excluded"], **mx.pop("excluded")}
+        elem = mx["elem_dtype"]
+        self.report.update(mx, excluded=excluded, fsdp_float8_all_gather=False,
+                           forward=f"input {elem}, weight {elem} (blocks of {mx['block_size']}, "
+                                   f"{mx['scale_dtype']} scales, {mx['scale_rounding']}; kernel {mx['kernel']})",
+                           backward=f"grad_output {elem} (blocks of {mx['block_size']})")
         return model
 
     # The scale rule of each recipe, in fp8stats' terms (delayed: tensorwise with the
@@ -248,7 +275,7 @@ class Fp8Linears:
         their casts' statistics on the numerics monitor's steps."""
         from .fp8stats import CastWatch
 
-        grad = "e5m2" if self.cfg.grad_dtype.value == "float8_e5m2" else "e4m3"
+        grad = "e5m2" if self.cfg.grad_dtype.value == "float8_e5m2" and self.recipe not in self.MX else "e4m3"
         formats = {"input": "e4m3", "weight": "e4m3", "grad_output": grad}
         return CastWatch(model, self.report["converted"], self.STATS_RECIPE[self.recipe], formats, list(whatif))
 
@@ -262,6 +289,12 @@ class Fp8Linears:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def _torchao_version() -> str:
+    import torchao
+
+    return torchao.__version__
 
 
 class _NoHook:
@@ -292,7 +325,7 @@ class PrecisionPolicy:
         self.fp8_enabled = bool(pcfg.fp8.enabled)
         # Float8 linears, or nothing: the model is converted and stepped through
         # the same two calls either way.
-        self.fp8 = Fp8Linears(pcfg.fp8, fsdp2) if self.fp8_enabled else None
+        self.fp8 = Fp8Linears(pcfg.fp8, fsdp2, device) if self.fp8_enabled else None
         self.device = device
         self.name = pcfg.name
         self.compute_dtype: torch.dtype = pcfg.compute_dtype.torch
@@ -400,6 +433,8 @@ class PrecisionPolicy:
             "gradients": dtype_name(self.param_dtype),
             "optimizer_state": dtype_name(self.param_dtype),
             "loss_scaling": self.loss_scaling_text(),
-            **({"fp8_linears": f"{self.fp8.recipe}: forward E4M3, backward "
-                               f"{dtype_name(getattr(torch, self.cfg.fp8.grad_dtype.value))}"} if self.fp8 else {}),
+            **({"fp8_linears": f"{self.fp8.recipe}: forward E4M3, backward " + (
+                "E4M3 (blocks of 32)" if self.fp8.recipe == "mxfp8" else "E2M1 (blocks of 16)"
+                if self.fp8.recipe == "nvfp4" else dtype_name(getattr(torch, self.cfg.fp8.grad_dtype.value)))}
+               if self.fp8 else {}),
         }

@@ -420,8 +420,6 @@ _RANGES: tuple = (
     ("monitor.every", _positive, "a positive integer", None),
     ("monitor.spike_factor", lambda v: v > 1, "a factor > 1", None),
     ("monitor.spike_window", _positive, "a positive integer", None),
-    ("monitor.fp8_whatif", lambda v: set(v) <= {"tensorwise", "rowwise", "block1x32", "block1x128", "block128x128"},
-     "a list drawn from tensorwise, rowwise, block1x32, block1x128, block128x128", None),
     ("debug.inject_inf_grad_rank", lambda v: v >= -1, "a rank, or -1 for every rank", None),
     ("debug.nan_rank", lambda v: v >= -1, "a rank, or -1 for every rank", None),
     ("debug.inject_inf_grad_steps", _steps, "0-based step numbers (>= 0)", None),
@@ -463,6 +461,12 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             "pick a head count that divides the width."
         )
     mbs, _ = micro_steps(cfg, world_size)  # raises on batch sizes that do not divide
+    from .fp8stats import RECIPES
+
+    unknown = [r for r in cfg.monitor.fp8_whatif if r not in RECIPES]
+    if unknown:
+        raise ConfigError(f"monitor.fp8_whatif has unknown recipe(s) {', '.join(map(str, unknown))}; "
+                          f"choose from {', '.join(RECIPES)}, or [] for none.")
     if p.fp8.enabled and p.fp8.recipe.value == "mxfp8" and (mbs * m.block_size) % 32:
         # The weight-gradient matmul blocks its operands along the tokens of a micro-batch.
         raise ConfigError(

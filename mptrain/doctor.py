@@ -191,7 +191,7 @@ def check_precision(policy, device: torch.device) -> list[str]:
     if want == "fp8":
         if v["fp8"].status == "unavailable":
             raise ConfigError(f"precision=fp8 cannot run here: {v['fp8'].why}")
-        if device.type == "cpu" and policy.fp8.recipe != "tensorwise":
+        if device.type == "cpu" and policy.fp8.recipe in ("rowwise", "rowwise_with_gw_hp"):
             why = cpu_rowwise_fp8_problem()
             if why:
                 raise ConfigError(f"precision.fp8.recipe={policy.fp8.recipe} cannot run on this CPU: {why}; use "

@@ -188,15 +188,19 @@ class MXLinear(nn.Linear):
         self.kernel_preference = kernel_preference
         self.scale_calculation_mode = scale_calculation_mode
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torchao's emulated matmul needs both operands in one dtype, and its casts take
-        # bf16 or fp32; under autocast both become the autocast dtype, as for a plain linear.
+    def cast_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input and weight as the MX casts receive them. torchao's emulated
+        matmul needs both operands in one dtype, and its casts take bf16 or fp32;
+        under autocast both become the autocast dtype, as for a plain linear."""
         dev = x.device.type
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         if dt not in (torch.bfloat16, torch.float32):
             raise RuntimeError(f"mxfp8 linears run in bf16 or fp32 (bf16 autocast or none), not {dt}; "
                                "torchao's MX casts take bf16 or fp32 operands.")
-        x, w = x.to(dt), self.weight.to(dt)
+        return x.to(dt), self.weight.to(dt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, w = self.cast_operands(x)
         tokens = x.numel() // max(x.shape[-1], 1)
         if tokens % MX_BLOCK and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             raise RuntimeError(

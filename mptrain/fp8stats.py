@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -167,6 +167,24 @@ def _is_float8(t: torch.Tensor) -> bool:
     return hasattr(t, "_data") and hasattr(t, "_scale") and getattr(t._data, "dtype", None) in FORMATS.values()
 
 
+def _operands(mod: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input and weight as ``mod``'s casts receive them. Our own float8 layers
+    say (``cast_operands``); torchao's ``Float8Linear`` casts the input to the
+    autocast dtype under CUDA autocast only (its own test), so on CPU an fp32
+    input goes to float8 directly, and the weight as the layer holds it."""
+    if hasattr(mod, "cast_operands"):
+        return mod.cast_operands(x)
+    if torch.is_autocast_enabled("cuda") and x.is_floating_point():
+        x = x.to(torch.get_autocast_dtype("cuda"))
+    return x, mod.weight
+
+
+def _own_scale(mod: nn.Module, op: str, t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The scale ``mod`` casts ``t`` with when its recipe keeps scales as state
+    (delayed scaling: ``scale_for``); None where the recipe's rule computes it."""
+    return mod.scale_for(op, t) if hasattr(mod, "scale_for") else None
+
+
 class CastWatch:
     """What the float8 casts of a run do, layer by layer, on monitored steps.
 
@@ -177,14 +195,15 @@ class CastWatch:
     the monitor's one collective per kind), :meth:`scalars` turns the
     reduced values into metrics.
 
-    Each operand is measured as the cast receives it: the input in the
-    autocast dtype (a float8 linear casts it to that first), the weight as
-    the layer holds it in the forward pass (the fp32 master without a
-    sharding wrapper, the gathered copy under FSDP), the output gradient as
-    it arrives in the backward pass. The run's own scales follow its recipe;
-    ``scales_of(module)`` overrides them for recipes whose scales are state
-    (delayed scaling), and a weight that FSDP2 all-gathered in float8 is
-    measured on this rank's fp32 shard with the scale all ranks cast it with.
+    Each operand is measured as the cast receives it (see :func:`_operands`):
+    the input after any cast to the autocast dtype the layer makes first,
+    the weight as the layer holds it in the forward pass (the fp32 master
+    without a sharding wrapper, the gathered copy under FSDP; bf16 for MX
+    layers under autocast), the output gradient as it arrives in the
+    backward pass. The run's own scales follow its recipe; a layer whose
+    scales are state (delayed scaling) gives them (``scale_for``); and a
+    weight that FSDP2 all-gathered in float8 is measured whole, from the
+    fp32 master, with the scale all ranks cast their shards with.
 
     Only shares and maxima are reported, never raw counts: a tensor measured
     twice (an activation-checkpointed forward runs again in the backward; a
@@ -194,8 +213,7 @@ class CastWatch:
     """
 
     def __init__(self, model: nn.Module, converted: list[str], recipe: str, formats: dict[str, str],
-                 whatif: list[str], mx_rounding: str = "rceil",
-                 scales_of: Optional[Callable[[nn.Module], dict]] = None):
+                 whatif: list[str], mx_rounding: str = "rceil"):
         wanted = {canonical_name(c) for c in converted}
         self.layers: dict[str, nn.Module] = {}
         for name, mod in model.named_modules():
@@ -205,8 +223,8 @@ class CastWatch:
         # The parameter object each layer holds between steps: under FSDP2 the fp32
         # shard (a DTensor), which the forward pass swaps for the gathered copy.
         self.master = {k: m.weight for k, m in self.layers.items()}
-        self.recipe, self.formats, self.mx_rounding, self.scales_of = recipe, formats, mx_rounding, scales_of
-        self.tags = {RUN: recipe, **{r: r for r in whatif if r != recipe}}
+        self.recipe, self.formats, self.mx_rounding = recipe, formats, mx_rounding
+        self.tags = {RUN: recipe, **{r: r for r in whatif}}
         self.clear()
 
     def clear(self) -> None:
@@ -228,15 +246,11 @@ class CastWatch:
 
     def _hook(self, layer: str):
         def hook(mod, args, out):
-            x = args[0].detach()
-            dev = x.device.type
-            if torch.is_autocast_enabled(dev) and x.is_floating_point():
-                x = x.to(torch.get_autocast_dtype(dev))
-            own = self.scales_of(mod) if self.scales_of is not None else {}
-            self._add(layer, "input", x, own.get("input"))
+            x, w = _operands(mod, args[0].detach())
+            self._add(layer, "input", x, _own_scale(mod, "input", x))
             if layer not in self._weighed:  # once per step: the weight does not change within one
                 self._weighed.add(layer)
-                w = mod.weight.detach()
+                w = w.detach()
                 if _is_float8(w):
                     # All-gathered already cast: measure the fp32 master, gathered whole (one
                     # all-gather, monitored steps only: block what-ifs must not be cut at shard
@@ -245,14 +259,11 @@ class CastWatch:
                     full = master.full_tensor() if hasattr(master, "full_tensor") else master
                     self._add(layer, "weight", full, w._scale)
                 else:
-                    self._add(layer, "weight", local_shard(w), own.get("weight"))
+                    self._add(layer, "weight", local_shard(w), _own_scale(mod, "weight", w))
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 # The output's gradient is the layer's grad_output (a bias adds after the matmul).
-                out.register_hook(lambda g: self._add(layer, "grad_output", g, self._own(mod, "grad_output")))
+                out.register_hook(lambda g: self._add(layer, "grad_output", g, _own_scale(mod, "grad_output", g)))
         return hook
-
-    def _own(self, mod: nn.Module, op: str) -> Optional[torch.Tensor]:
-        return self.scales_of(mod).get(op) if self.scales_of is not None else None
 
     def _add(self, layer: str, op: str, t: torch.Tensor, own_scale: Optional[torch.Tensor]) -> None:
         fmt = self.formats[op]

@@ -349,6 +349,9 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own new tensor: tie them again
     model.reset_parameters(torch.Generator().manual_seed(seed))
+    for m in model.modules():  # state that to_empty left uninitialized (delayed float8 scaling's histories)
+        if hasattr(m, "reset_delayed_state"):
+            m.reset_delayed_state()
 
 
 def _sharded_dtypes(wrapper: str, storage: str, policy) -> dict:
@@ -398,7 +401,10 @@ def _wrap_ddp(model, policy, ctx):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     _cast_buffers(model, policy.buffer_dtype)
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    # broadcast_buffers off: the model's only buffers are delayed float8 scaling's, whose
+    # running amaxes each rank records and update_histories all-reduces (a broadcast
+    # from rank 0 before every forward would erase the other ranks' records).
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, broadcast_buffers=False)
     comm = "fp32 (all-reduce)"
     if policy.reduce_dtype != torch.float32:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

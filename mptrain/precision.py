@@ -165,6 +165,7 @@ class Fp8Linears:
         self.recipe = fcfg.recipe.value
         self.report: dict = {}
         self.all_gather = False
+        self.delayed: list[nn.Module] = []  # the delayed-scaling layers, whose histories close every step
         if self.recipe in self.MX:
             from . import fp8mx
 
@@ -172,6 +173,8 @@ class Fp8Linears:
             if why:
                 raise ConfigError(f"precision.fp8.recipe={self.recipe} cannot run here: {why}")
             return
+        if self.recipe == "delayed":
+            return  # our own layers (fp8delayed.py): no torchao config
         from torchao.float8 import Float8LinearConfig
 
         base = Float8LinearConfig.from_recipe_name(self.recipe)
@@ -230,6 +233,8 @@ class Fp8Linears:
                 f"{self._n_blocks} blocks out of float8; lower them, or use precision=bf16.")
         if self.recipe in self.MX:
             return self._convert_mx(model)
+        if self.recipe == "delayed":
+            return self._convert_delayed(model)
         convert_to_float8_training(model, config=self.float8_config, module_filter_fn=self._keep)
         self.report["converted"] = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
         if self.recipe == "rowwise_with_gw_hp":
@@ -250,6 +255,37 @@ class Fp8Linears:
             "torchao": _torchao_version(),
         })
         return model
+
+    def _convert_delayed(self, model: nn.Module) -> nn.Module:
+        """Delayed-scaling float8 linears (``fp8delayed.py``), sharing the weights
+        of the linears they replace (on the meta device too)."""
+        from .fp8delayed import DelayedFloat8Linear
+
+        c = self.cfg
+        grad = getattr(torch, c.grad_dtype.value)
+        for fqn, mod in list(model.named_modules()):
+            if type(mod) is nn.Linear and self._keep(mod, fqn):
+                new = DelayedFloat8Linear.from_linear(mod, c.amax_history_len, c.amax_compute.value, c.margin, grad)
+                parent, _, name = fqn.rpartition(".")
+                setattr(model.get_submodule(parent), name, new)
+                self.delayed.append(new)
+                self.report["converted"].append(fqn)
+        self.report.update({
+            "recipe": "delayed", "torchao": _torchao_version(), "fsdp_float8_all_gather": False,
+            "forward": f"input e4m3, weight e4m3 (one scale per tensor from the amax history: "
+                       f"{c.amax_history_len} steps, {c.amax_compute.value}, margin {c.margin})",
+            "backward": f"grad_output {dtype_name(grad)} (delayed likewise)",
+        })
+        return model
+
+    def update_histories(self, reduce_max) -> None:
+        """Close the step for delayed scaling: every layer's amaxes into its history
+        (one all-reduce MAX over ranks, ``reduce_max``), the next step's scales
+        from them. Nothing without delayed-scaling layers."""
+        if self.delayed:
+            from .fp8delayed import update_histories
+
+            update_histories(self.delayed, reduce_max)
 
     def _convert_mx(self, model: nn.Module) -> nn.Module:
         """Block-scaled linears (``fp8mx.convert``); its report joins ours, with the
@@ -277,7 +313,11 @@ class Fp8Linears:
 
         grad = "e5m2" if self.cfg.grad_dtype.value == "float8_e5m2" and self.recipe not in self.MX else "e4m3"
         formats = {"input": "e4m3", "weight": "e4m3", "grad_output": grad}
-        return CastWatch(model, self.report["converted"], self.STATS_RECIPE[self.recipe], formats, list(whatif))
+        rule = self.STATS_RECIPE[self.recipe]
+        # The run's own rule is no what-if, except under delayed scaling, whose tensorwise
+        # scales come from history: there tensorwise is current scaling, the comparison to make.
+        whatif = [r for r in whatif if r != rule or self.recipe == "delayed"]
+        return CastWatch(model, self.report["converted"], rule, formats, whatif)
 
     def refresh_scales(self, model: nn.Module) -> None:
         """With float8 all-gather, each weight's scale is computed once per step for
@@ -365,6 +405,13 @@ class PrecisionPolicy:
             return _NoHook()
         fp8 = self.fp8
         return optimizer.register_step_post_hook(lambda opt, args, kwargs: fp8.refresh_scales(model))
+
+    def end_backward(self, reduce_max) -> None:
+        """After the backward pass of every step: delayed-scaling float8 layers push
+        the step's amaxes into their histories (``Fp8Linears.update_histories``).
+        A no-op for every other precision."""
+        if self.fp8:
+            self.fp8.update_histories(reduce_max)
 
     def refresh_fp8_scales(self, model: nn.Module) -> None:
         """Recompute the float8 all-gather scales now (after weights changed outside

@@ -135,6 +135,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
     """
     optimizer.zero_grad(set_to_none=True)
     out = _forward_backward(model, scaler, policy, ctx, micro_batches, z_loss)
+    policy.end_backward(ctx.all_reduce_max)  # delayed float8 scaling: the step's amaxes into the histories
     if inject_inf:
         inject_inf_grad(model, inject_value)
     if monitor is not None:

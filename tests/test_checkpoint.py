@@ -28,7 +28,12 @@ def _values(rows):
 FP16_BUSY = ["precision=fp16", "precision.loss_scale.growth_interval=3", "debug.inject_inf_grad_steps=[4,12]"]
 
 
-@pytest.mark.parametrize("extra", [["precision=fp32"], FP16_BUSY], ids=["fp32", "fp16"])
+# Delayed float8 scaling: the amax histories and scales are state; the float8 cast
+# statistics of every 5th step (saturation included) must come out the same too.
+FP8_DELAYED = ["precision=fp8-delayed", "precision.fp8.amax_history_len=4", "monitor.every=5"]
+
+
+@pytest.mark.parametrize("extra", [["precision=fp32"], FP16_BUSY, FP8_DELAYED], ids=["fp32", "fp16", "fp8-delayed"])
 def test_resume_is_exact(tmp_path, extra):
     _, straight = train(tmp_path / "straight", *BASE, *extra)
     s1, _ = train(tmp_path / "resumed", *BASE, *extra, "train.stop_after=10")
@@ -43,6 +48,11 @@ def test_resume_is_exact(tmp_path, extra):
         scales = [r["amp/loss_scale"] for r in straight]
         # the trajectory is not trivial: growth, the two injected skips (and natural overflows)
         assert len(set(scales)) > 2 and straight[-1]["amp/skipped_steps"] >= 2
+    if "precision=fp8-delayed" in extra:
+        state = load_full_state(tmp_path / "resumed" / "checkpoints" / "step-10", log=lambda _: None)
+        hist = state["model.blocks.0.attn.qkv.grad_output_amax_history"]
+        assert hist.shape == (4,) and bool((hist > 0).all())  # a full history, saved
+        assert any(r.get("fp8.block0.attn.qkv/input/amax") for r in resumed if r["step"] > 10)
 
 
 def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path):

@@ -147,6 +147,7 @@ EXTRA_CASES = {
         # test_fastpath.py::test_fsdp_with_activation_checkpointing_two_ranks
         "ckpt": [*COMMON, "precision=fp32", "train.activation_checkpointing=block"],
         "fp8": [*COMMON, "precision=fp8"],  # test_fp8.py::test_fsdp2_fp8_two_ranks
+        "fp8-delayed": [*COMMON, "precision=fp8-delayed"],  # likewise
         # test_preempt.py::test_two_rank_fsdp_sigterm_exits_0_and_resumes_exactly: the uninterrupted run
         "preempt": PREEMPT,
         **{f"opt-{name}": [*COMMON, *ov] for name, ov in OPTIMIZER_CASES.items()},  # test_new_optimizers_...

@@ -135,39 +135,54 @@ def test_emulated_precision_warns(tmp_path, capsys):
     assert "fp8 is emulated on this cpu" in capsys.readouterr().out
 
 
-def test_fsdp2_fp8_two_ranks(tmp_path, two_rank_jobs):
-    """2-rank FSDP2 with tensorwise float8 all-gather (a job of the fsdp launch, case
-    "fp8"): same loss curve as one process (the all-gather scales are recomputed after
-    every step; stale scales would drift), identical and finite parameters on both
-    ranks after gathering."""
+@pytest.mark.parametrize("precision", ["fp8", "fp8-delayed"])
+def test_fsdp2_fp8_two_ranks(tmp_path, two_rank_jobs, precision):
+    """2-rank FSDP2 (jobs of the fsdp launch, cases "fp8" and "fp8-delayed"): same loss
+    curve as one process, identical and finite parameters on both ranks after
+    gathering, the same float8 cast statistics. Tensorwise all-gathers weights in
+    float8 with scales recomputed after every step (stale scales would drift).
+    Delayed scaling builds its layers on the meta device, fills their histories
+    after sharding and all-reduces every step's amaxes (one rank's own would drift)."""
     from .test_distributed import COMMON
 
     # Two micro-batches of 4 in one process: each rank's half-batch, cast as the ranks cast it.
-    _, ref = train(tmp_path / "ref", *COMMON, "precision=fp8", "train.micro_batch_size=4", tiny=False)
-    run_dir = two_rank_jobs("fsdp")["fp8"]
+    _, ref = train(tmp_path / "ref", *COMMON, f"precision={precision}", "train.micro_batch_size=4", tiny=False)
+    run_dir = two_rank_jobs("fsdp")[precision]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["dist/replicas_identical"] is True
-    assert s["fp8"]["fsdp_float8_all_gather"] is True and s["fp8"]["float8_all_gather_weights"] == 8
+    if precision == "fp8":
+        assert s["fp8"]["fsdp_float8_all_gather"] is True and s["fp8"]["float8_all_gather_weights"] == 8
     rows = [r for r in read_rows(run_dir) if "train/loss" in r]
     ref = [r for r in ref if "train/loss" in r]
     assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref)) < 3e-2
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3
-    _cast_statistics_match(rows[0], ref[0])
+    _cast_statistics_match(rows[0], ref[0], whatifs=5 if precision == "fp8-delayed" else 4,
+                           exact=precision == "fp8")
 
 
-def _cast_statistics_match(two_ranks: dict, one: dict) -> None:
+def _cast_statistics_match(two_ranks: dict, one: dict, whatifs: int, exact: bool) -> None:
     """The float8 cast statistics of step 1 (monitored): FSDP2's, reduced over both
     ranks (the weight measured on each rank's fp32 shard with the all-gather's
     scale), equal one process's. One process divides each micro-batch's loss by
     the number of micro-batches before the backward, so its output gradients are
-    exactly half the ranks' (a power of two: scales double, shares and SQNR do not move)."""
+    exactly half the ranks' (a power of two: scales double, shares and SQNR do not move).
+    ``whatifs``: how many other recipes are measured (delayed scaling adds tensorwise).
+    Not ``exact``: without float8 all-gather FSDP2 gathers the linears' weights in bf16,
+    so they reach the cast rounded once already (one process casts the fp32 master),
+    and every later layer sees slightly other numbers: shares agree to 5e-4, SQNR to
+    half a dB; amaxes and scales, being extremes, moved up to 5% (not compared)."""
     keys = sorted(k for k in one if k.startswith("fp8"))
-    assert len(keys) == 8 * 3 * (6 + 4 * 3) + 5 * 3 and set(keys) == {k for k in two_ranks if k.startswith("fp8")}
+    assert len(keys) == 8 * 3 * (6 + whatifs * 3) + (1 + whatifs) * 3 and set(keys) == {k for k in two_ranks if k.startswith("fp8")}
     for k in keys:
         a, b = two_ranks[k], one[k]
         if "/grad_output/" in k and k.rsplit("/", 1)[1] in ("amax", "scale_min", "scale_max"):
             b = b * 2 if k.endswith("amax") else b / 2
-        assert a == pytest.approx(b, rel=1e-6, abs=1e-9), (k, a, b)
+        if exact:
+            assert a == pytest.approx(b, rel=1e-6, abs=1e-9), (k, a, b)
+        elif k.endswith("sqnr_db"):
+            assert abs(a - b) < 0.5, (k, a, b)
+        elif k.endswith(("flush", "saturate")):  # amaxes and scales are extremes: they move most
+            assert a == pytest.approx(b, abs=5e-4), (k, a, b)
 
 
 def _gpu_check(*args: str, timeout: int) -> subprocess.CompletedProcess:

@@ -104,9 +104,10 @@ def test_shards_add_up_to_the_whole():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_watch_measures_the_operands_torchaos_linear_casts(recipe):
-    """CastWatch on a real torchao Float8Linear under bf16 autocast: its figures for
-    the run's own casts equal torchao's casts of the three operands the layer really
-    casts (the input in bf16, the fp32 weight, the output gradient in e5m2), and a
+    """CastWatch on a real torchao Float8Linear under bf16 CPU autocast: its figures
+    for the run's own casts equal torchao's casts of the three operands the layer
+    really casts (the input as it comes, since torchao casts it to the autocast dtype
+    only under CUDA autocast; the fp32 weight; the output gradient in e5m2), and a
     what-if recipe is measured on the same tensors."""
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
@@ -132,7 +133,7 @@ def test_watch_measures_the_operands_torchaos_linear_casts(recipe):
         h.remove()
     got = watch.scalars({**watch.sum_all, **watch.max_all})
     axis = {"input": -1, "weight": 0, "grad_output": -1}  # weight: torchao casts W^T along dim 0
-    for op, t, fmt in (("input", x.to(torch.bfloat16), torch.float8_e4m3fn),
+    for op, t, fmt in (("input", x, torch.float8_e4m3fn),
                        ("weight", model[0].weight.detach().t(), torch.float8_e4m3fn),
                        ("grad_output", seen["grad_output"], torch.float8_e5m2)):
         f8 = hp_tensor_to_float8_dynamic(

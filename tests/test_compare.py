@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -88,11 +89,12 @@ def test_sweep_is_one_wandb_group_named_by_overrides(tmp_path):
         assert len(list((j / "wandb").glob("offline-run-*"))) == 1
 
 
-def _plain_labels(fig) -> dict:
+def _plain_labels(fig, only=lambda title: True) -> dict:
     """Panel title -> its axes, after checking that every tick label of every panel
-    is a number written out: no offset ("+7.521"), no multiplier ("1e-5"), no powers."""
+    (whose title ``only`` accepts) is a number written out: no offset ("+7.521"), no
+    multiplier ("1e-5"), no powers."""
     fig.draw_without_rendering()  # tick labels and offsets are decided at draw time
-    panels = {ax.get_title().split("\n")[0]: ax for ax in fig.axes if ax.get_title()}
+    panels = {ax.get_title().split("\n")[0]: ax for ax in fig.axes if ax.get_title() and only(ax.get_title())}
     for title, ax in panels.items():
         for axis in (ax.xaxis, ax.yaxis):
             assert axis.get_major_formatter().get_offset() == "", title
@@ -145,3 +147,147 @@ def test_a_whole_sweep_coinciding_is_named_once(tmp_path):
     compare.label_runs(runs)
     panels = [("train loss", "train/loss", "step", "linear"), ("lr", "train/lr", "step", "linear")]
     assert compare.coincidences(runs, panels) == {"lr": [["all 3 runs"]]}
+
+
+# ------------------------------------------------------------ float8 casts per layer
+FP8_LAYERS = ("block0.attn.qkv", "block1.mlp.fc")
+FP8_OPS = ("input", "weight", "grad_output")
+# SQNR of each what-if recipe relative to the run's own casts, per run recipe: the best is
+# block1x32 for the tensorwise run and block1x128 for the rowwise one.
+FP8_WHATIF_DB = {"tensorwise": {"rowwise": 2.0, "block1x32": 5.0, "block1x128": 4.0, "block128x128": 1.0},
+                 "rowwise": {"tensorwise": -3.0, "block1x32": 1.0, "block1x128": 6.0, "block128x128": -1.0}}
+
+
+def _fp8_casts(recipe: str, step: int, exact: bool) -> dict:
+    """summary.json's fp8_casts at ``step``: figures made up from the recipe, layer, operand
+    and step; ``exact``: block1.mlp.fc's weight casts are exact (SQNR +inf)."""
+    layers, m = {}, 1 if recipe == "tensorwise" else 2
+    for li, layer in enumerate(FP8_LAYERS):
+        for oi, op in enumerate(FP8_OPS):
+            db = 30.0 + m - 2 * li - oi + step / 10
+            own = math.inf if exact and (layer, op) == ("block1.mlp.fc", "weight") else db
+            layers.setdefault(layer, {})[op] = {
+                "flush": 0.001 * m * (li + 1) * (oi + 1) * step, "saturate": 0.0005 * (oi + 1), "sqnr_db": own,
+                "amax": 2.0 + li, "scale_min": 100.0, "scale_max": 200.0,
+                "whatif": {r: {"flush": 0.0001 * (j + 1), "saturate": 0.0, "sqnr_db": db + d}
+                           for j, (r, d) in enumerate(FP8_WHATIF_DB[recipe].items())}}
+    return {"recipe": recipe, "step": step, "layers": layers}
+
+
+def _fp8_row(casts: dict) -> dict:
+    """The metrics.jsonl keys of one monitored step with ``casts``, the whole-run worst figures too."""
+    row = {}
+    for layer, ops in casts["layers"].items():
+        for op, e in ops.items():
+            row.update({f"fp8.{layer}/{op}/{k}": v for k, v in e.items() if k != "whatif"})
+            for r, w in e["whatif"].items():
+                row.update({f"fp8.{layer}/{op}/{r}/{k}": v for k, v in w.items()})
+    own = [e for ops in casts["layers"].values() for e in ops.values()]
+    row.update({"fp8/worst/flush": max(e["flush"] for e in own), "fp8/worst/saturate": max(e["saturate"] for e in own),
+                "fp8/worst/sqnr_db": min(e["sqnr_db"] for e in own)})
+    return row
+
+
+def _synthetic_run(path: Path, precision: str, recipe: str = "", summary_casts: bool = False) -> None:
+    """A run directory as the trainer writes it, 4 steps, float8 casts monitored at steps 2
+    and 4 when ``recipe`` is given (in summary.json too when ``summary_casts``)."""
+    path.mkdir(parents=True)
+    rows = []
+    for step in range(1, 5):
+        row = {"step": step, "train/loss": 5.0 - step / 10 - {"tensorwise": 0.01, "rowwise": 0.02}.get(recipe, 0)}
+        if recipe and step % 2 == 0:
+            row.update(_fp8_row(_fp8_casts(recipe, step, exact=recipe == "rowwise" and step == 4)))
+        rows.append(row)
+    path.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # inf: Infinity
+    summary = {"final/train_loss": rows[-1]["train/loss"]}
+    if summary_casts:
+        summary["fp8_casts"] = _fp8_casts(recipe, 4, exact=False)
+    path.joinpath("summary.json").write_text(json.dumps(summary, indent=2))
+    cfg = {"precision": {"name": precision, **({"fp8": {"enabled": True, "recipe": recipe}} if recipe else {})}}
+    path.joinpath("config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def _md_rows(section: str) -> dict:
+    """(layer, operand) -> the cells of that row of an fp8_layers.md table."""
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines()
+             if line.startswith("| block")]
+    return {(c[0], c[1]): c[2:] for c in cells}
+
+
+def test_fp8_layers_figure_and_table(tmp_path, capsys):
+    """Two float8 runs (tensorwise with fp8_casts in summary.json, rowwise without: read from
+    its last monitored row) and an fp32 run: the main figure gains the worst-cast panels, and
+    fp8_layers.png/.md show the two float8 runs layer by layer, with the best what-if recipe."""
+    sweep = tmp_path / "sweep"
+    _synthetic_run(sweep / "0", "fp8", "tensorwise", summary_casts=True)
+    _synthetic_run(sweep / "1", "fp8", "rowwise")
+    _synthetic_run(sweep / "2", "fp32")
+    compare = load_script("compare")
+    runs = compare.find_runs([sweep])
+    compare.label_runs(runs)
+    panels, _ = compare.panels_with_data(runs)
+    assert {"fp8/worst/flush", "fp8/worst/saturate", "fp8/worst/sqnr_db"} <= {p[1] for p in panels}
+
+    fig = compare.build_fp8_figure(runs)
+    lines = _plain_labels(fig, only=lambda title: "by recipe" not in title)
+    assert len(fig.axes) == 8  # 2 layers x (flush, saturate, SQNR, recipe grid)
+    flush = lines["block1.mlp.fc: flushed to 0 (% of non-zeros)"]
+    assert len(flush.get_lines()) == 6  # 2 runs x 3 operands
+    xs, ys = flush.get_lines()[1].get_data()  # tensorwise run, weight: 0.001 * 2 * 2 * step, in %
+    assert list(xs) == [2, 4] and list(ys) == pytest.approx([0.8, 1.6])
+    grid = next(ax for ax in fig.axes if ax.get_title() == "block1.mlp.fc: SQNR (dB) by recipe, last monitored step")
+    texts = [t.get_text() for t in grid.texts]
+    assert "exact" in texts and "36.4" in texts  # rowwise run's exact weight; its input under block1x128: 30.4 + 6
+    gain = grid.images[0].get_array()  # coloured by dB over the run's own casts: row [2] input, own column rowwise
+    assert gain[3][1] == 0 and gain[3][3] == pytest.approx(6.0) and gain[3][0] == pytest.approx(-3.0)
+
+    code, out, err = _compare_here(capsys, sweep)
+    assert code == 0, err
+    png, md = sweep / "fp8_layers.png", (sweep / "fp8_layers.md").read_text()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert "fp8/worst" not in (sweep / "comparison.md").read_text()  # fp32 lacks them: not missing
+    assert "[fp8_layers.md](fp8_layers.md)" in (sweep / "comparison.md").read_text()
+    tw, rw, rest = re.split(r"\n(?=\[\d\] )|\n\n(?=No float8)", md)[1:]
+    assert tw.startswith("[1] precision=fp8 (0): recipe tensorwise, step 4 (from summary.json)")
+    assert rw.startswith("[2] precision=fp8 (1): recipe rowwise, step 4 (from metrics.jsonl)")
+    assert rest.strip() == "No float8 cast statistics: precision=fp32 (2)."
+    header = "| layer | operand | flush % | saturate % | SQNR dB | best what-if |"
+    assert header in tw and header in rw
+    # tensorwise, block1.mlp.fc grad_output: flush 0.001*2*3*4 = 2.4%, saturate 0.15%, SQNR 31-2-2+0.4
+    assert _md_rows(tw)[("block1.mlp.fc", "grad_output")] == [
+        "2.4", "0.15", "27.4", "block1x32", "0.02", "0", "32.4", "+5.0"]
+    rows = _md_rows(rw)
+    assert len(rows) == 6 and {c[3] for c in rows.values()} == {"block1x128"}
+    assert rows[("block0.attn.qkv", "input")] == ["0.8", "0.05", "32.4", "block1x128", "0.03", "0", "38.4", "+6.0"]
+    assert rows[("block1.mlp.fc", "weight")][2:] == ["inf (exact)", "block1x128", "0.03", "0", "35.4", "-inf"]
+    assert md.split("\n", 2)[2] in out  # printed too
+
+
+def test_no_fp8_layers_without_fp8_metrics(tmp_path, capsys):
+    """Runs without float8 cast statistics get no fp8_layers output, and the worst-cast
+    panels are not reported as missing."""
+    for p in ("fp32", "bf16"):
+        _synthetic_run(tmp_path / "sweep" / p, p)
+    compare = load_script("compare")
+    assert compare.build_fp8_figure(compare.find_runs([tmp_path / "sweep"])) is None
+    code, out, err = _compare_here(capsys, tmp_path / "sweep")
+    assert code == 0, err
+    assert not list((tmp_path / "sweep").glob("fp8_layers*"))
+    text = (tmp_path / "sweep" / "comparison.md").read_text()
+    assert "Float8 casts" not in out + text and "fp8/worst" not in text and "Not logged" in text
+
+
+def test_fp8_layers_figure_caps_layers_and_runs():
+    """Past 12 layers the figure keeps those with the lowest SQNR (in model order), past 8 runs
+    the first 8, and says which it left out."""
+    from types import SimpleNamespace
+
+    compare = load_script("compare")
+    layers = [f"block{i}.mlp.fc" for i in range(14)]
+    runs = [(SimpleNamespace(label=f"run{r}"),
+             {"layers": {layer: {"input": {"sqnr_db": 40.0 - i}} for i, layer in enumerate(layers)}})
+            for r in range(9)]
+    runs[0][1]["layers"]["block0.mlp.fc"]["input"]["sqnr_db"] = 10.0  # one run's worst layer is kept
+    shown, kept, dropped_layers, dropped_runs = compare._fp8_selection(runs)
+    assert len(shown) == 8 and dropped_runs == ["run8"]
+    assert kept == [layers[0], *layers[3:]] and dropped_layers == layers[1:3]

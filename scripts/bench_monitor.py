@@ -5,7 +5,10 @@
 Prints training tokens/s (evaluation and checkpointing excluded; logging and
 the monitor's own work included) for each setting and the monitor's overhead;
 one setting turns off only ``monitor.stability`` (the attention probe, the
-output-logit hook and Adam's figures), to show what those add.
+output-logit hook and Adam's figures), to show what those add. With float8
+linears (``precision=fp8``) two more turn off the float8 cast statistics
+(``monitor.fp8_casts=false``) and only their what-if recipes
+(``monitor.fp8_whatif=[]``).
 Each setting runs twice, interleaved, and the faster run counts, to damp
 noise from a shared machine. One banner comes first and one progress line per
 run (as in ``scripts/bench.py``); the harness's own banner and messages are
@@ -32,6 +35,8 @@ DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.max_steps=300", "train.ev
 SETTINGS = {"monitor off": ["monitor.enabled=false"], "monitor every 50 (default)": [],
             "every 50, stability off": ["monitor.stability=false"],  # what the stability/* figures add
             "monitor every 10": ["monitor.every=10"]}
+FP8_SETTINGS = {"every 50, fp8 casts off": ["monitor.fp8_casts=false"],  # what the fp8.* figures add
+                "every 50, no fp8 what-ifs": ["monitor.fp8_whatif=[]"]}  # ... and their what-if recipes
 
 
 def compose_cfg(overrides: list[str]):
@@ -55,15 +60,16 @@ def main() -> None:
         print(__doc__)
         return
     cfg, device = configured(compose_cfg, user, "bench_monitor")
-    print(f"bench_monitor: {' '.join(DEFAULTS + user)} | {len(SETTINGS)} settings x 2, interleaved\n"
+    settings = {**SETTINGS, **(FP8_SETTINGS if cfg.precision.fp8.enabled else {})}
+    print(f"bench_monitor: {' '.join(DEFAULTS + user)} | {len(settings)} settings x 2, interleaved\n"
           f"  machine  {machine(device)} | torch {torch.__version__}", flush=True)
-    best = {k: 0.0 for k in SETTINGS}
-    order = [name for _ in range(2) for name in SETTINGS]
+    best = {k: 0.0 for k in settings}
+    order = [name for _ in range(2) for name in settings]
     seen: set[str] = set()
     for k, name in enumerate(order, 1):
         progress = Progress(sys.stdout, f"  [{k}/{len(order)}] {name:<28}", cfg.train.max_steps)
         try:
-            tps, warnings = tokens_per_s([*SETTINGS[name], *user], progress)
+            tps, warnings = tokens_per_s([*settings[name], *user], progress)
         except BaseException:
             progress.abandon()
             raise

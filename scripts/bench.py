@@ -282,6 +282,7 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None, warm
                 with policy.autocast():
                     _, loss = model(x, y)
                 scaler.scale(loss / len(micro)).backward()
+            policy.end_backward(ctx.all_reduce_max)  # delayed float8 scaling's histories (else nothing)
             scaler.unscale_(opt)
             if tc.grad_clip > 0:
                 ctx.clip_grad_norm(model, tc.grad_clip)

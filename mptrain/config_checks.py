@@ -467,6 +467,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if unknown:
         raise ConfigError(f"monitor.fp8_whatif has unknown recipe(s) {', '.join(map(str, unknown))}; "
                           f"choose from {', '.join(RECIPES)}, or [] for none.")
+    _delayed_knobs(p.fp8)
     if p.fp8.enabled and p.fp8.recipe.value == "mxfp8" and (mbs * m.block_size) % 32:
         # The weight-gradient matmul blocks its operands along the tokens of a micro-batch.
         raise ConfigError(
@@ -480,6 +481,20 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     from .optimizers import choose
 
     choose(cfg)  # optimizer combinations that cannot run
+
+def _delayed_knobs(f: Any) -> None:
+    """Delayed scaling's settings with another recipe would be silently ignored: refused."""
+    from .config import Fp8Config
+
+    if not f.enabled or f.recipe.value == "delayed":
+        return
+    default = Fp8Config()
+    for key in ("amax_history_len", "amax_compute", "margin"):
+        if getattr(f, key) != getattr(default, key):
+            raise ConfigError(
+                f"precision.fp8.{key} applies to delayed scaling only, not precision.fp8.recipe={f.recipe.value}; "
+                "use precision=fp8-delayed, or leave it at its default.")
+
 
 def micro_steps(cfg: Any, world_size: int) -> tuple[int, int]:
     """(micro_batch_size, accumulation steps) for this world size, or ConfigError."""

@@ -84,9 +84,10 @@ def test_float8_linear_sqnr_vs_fp32(recipe):
     assert out_db < 35, out_db
 
 
-def test_nvfp4_and_mx_token_blocks_are_refused_with_the_fix(tmp_path):
+def test_recipe_refusals_name_the_fix(tmp_path):
     """NVFP4 training needs a Blackwell GPU (torchao's kernels need triton); MX blocks the
-    weight gradient along a micro-batch's tokens, so their count must divide by 32."""
+    weight gradient along a micro-batch's tokens, so their count must divide by 32;
+    delayed scaling's settings under another recipe would be ignored."""
     from mptrain.fp8mx import problem
 
     why = problem("nvfp4", torch.device("cpu"))
@@ -97,6 +98,8 @@ def test_nvfp4_and_mx_token_blocks_are_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"divisible by 32; change either"):
         train(tmp_path / "b", "precision=mxfp8", "train.max_steps=1", "train.micro_batch_size=1",
               "model.block_size=48")
+    with pytest.raises(ConfigError, match=r"precision.fp8.margin applies to delayed scaling only"):
+        train(tmp_path / "c", "precision=fp8", "train.max_steps=1", "precision.fp8.margin=1")
 
 
 def test_fp8_refused_without_torchao(monkeypatch, tmp_path):

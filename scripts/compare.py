@@ -132,15 +132,42 @@ def label_runs(runs: list[Run]) -> list[str]:
     return labels
 
 
+def _reference(runs: list[Run]) -> tuple[Optional[Run], str]:
+    """The run the loss gaps are taken against: the fp32 one, else (a float8 study) the bf16 one."""
+    for name in ("fp32", "bf16"):
+        ref = next((r for r in runs if (r.config.get("precision") or {}).get("name") == name), None)
+        if ref is not None:
+            return ref, name
+    return None, "fp32"
+
+
+def fp8_worst(run: Run) -> Optional[tuple[float, float, float]]:
+    """The run's worst float8 casts over all its monitored steps: the largest flushed
+    and saturated shares and the lowest SQNR of any layer and operand; None without
+    cast statistics."""
+    rows = [r for r in run.rows if "fp8/worst/flush" in r]
+    if not rows:
+        return None
+    return (max(r["fp8/worst/flush"] for r in rows), max(r["fp8/worst/saturate"] for r in rows),
+            min(r["fp8/worst/sqnr_db"] for r in rows))
+
+
 def table(runs: list[Run]) -> str:
-    ref = next((r for r in runs if (r.config.get("precision") or {}).get("name") == "fp32"), None)
+    ref, ref_name = _reference(runs)
     ref_val = ref.summary.get("final/val_loss") if ref else None
-    head = ["run", "final train loss", "final val loss", "val loss - fp32", "state bytes/param", "tokens/s",
-            "skipped steps", "peak memory (GiB)", "wall time (s)"]
+    casts = any(fp8_worst(r) for r in runs)
+    head = ["run", "final train loss", "final val loss", f"val loss - {ref_name}", "state bytes/param", "tokens/s",
+            "skipped steps", "peak memory (GiB)", "wall time (s)",
+            *(["worst flush", "worst saturate", "worst SQNR (dB)"] if casts else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def f(x, spec=".4f"):
         return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+    def worst(r):  # float8 casts over the run (fp8_worst); "n/a" for runs without float8 linears
+        w = fp8_worst(r)
+        return [] if not casts else ["n/a"] * 3 if w is None else [f"{100 * w[0]:.3g}%", f"{100 * w[1]:.3g}%",
+                                                                    f"{w[2]:.1f}"]
 
     for r in runs:
         s = r.summary
@@ -153,7 +180,7 @@ def table(runs: list[Run]) -> str:
             ("+" if delta is not None and delta >= 0 else "") + f(delta) if delta is not None else "n/a",
             f(s.get("mem/bytes_per_param"), ".2f"),  # weights, gradients, optimizer state (memory.py)
             f(s.get("perf/tokens_per_s"), ",.0f"), "n/a" if skipped is None else str(skipped),
-            f(mem, ".2f"), f(s.get("wall_time_s"), ".1f"),
+            f(mem, ".2f"), f(s.get("wall_time_s"), ".1f"), *worst(r),
         ]) + " |")
     return "\n".join(lines)
 

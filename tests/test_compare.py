@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import ROOT, TINY, load_script, run_cli, train
+from .conftest import ROOT, TINY, load_script, read_rows, run_cli, train
 
 
 def _compare(*args):
@@ -247,6 +247,14 @@ def test_fp8_layers_figure_and_table(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert "fp8/worst" not in (sweep / "comparison.md").read_text()  # fp32 lacks them: not missing
     assert "[fp8_layers.md](fp8_layers.md)" in (sweep / "comparison.md").read_text()
+    # the main table: each run's worst casts over all its monitored steps; fp32 has none
+    table = {ln.split(" | ")[0].lstrip("| "): ln.rstrip(" |").split(" | ")[-3:]
+             for ln in (sweep / "comparison.md").read_text().splitlines() if ln.startswith("| precision=")}
+    tw_rows = [r for r in read_rows(sweep / "0") if "fp8/worst/flush" in r]
+    assert table["precision=fp8 (0)"] == [f"{100 * max(r['fp8/worst/flush'] for r in tw_rows):.3g}%",
+                                          f"{100 * max(r['fp8/worst/saturate'] for r in tw_rows):.3g}%",
+                                          f"{min(r['fp8/worst/sqnr_db'] for r in tw_rows):.1f}"]
+    assert table["precision=fp32 (2)"] == ["n/a"] * 3 and "| worst SQNR (dB) |" in (sweep / "comparison.md").read_text()
     tw, rw, rest = re.split(r"\n(?=\[\d\] )|\n\n(?=No float8)", md)[1:]
     assert tw.startswith("[1] precision=fp8 (0): recipe tensorwise, step 4 (from summary.json)")
     assert rw.startswith("[2] precision=fp8 (1): recipe rowwise, step 4 (from metrics.jsonl)")

@@ -211,6 +211,7 @@ GPU_CHECK_ROWS = [
     ("c", "fp8 preset"), ("c", "gpt-nano bf16 eager, activation checkpointing"),
     ("c", "gpt-nano fp8 tensorwise eager, activation checkpointing"),
     ("c", "gpt-nano fp8 rowwise eager, activation checkpointing"),
+    ("c", "gpt-nano fp8 delayed eager, activation checkpointing"),
     *(("d", f"host syncs per step, {p}, fused AdamW, eager") for p in ("fp32", "bf16", "fp16")),
     ("e", "gpt-nano bf16 harness, monitor off"), ("e", "gpt-nano bf16 harness, monitor default (every 50)"),
     ("e", "gpt-nano bf16 harness, monitor every step"), ("e", "dtype audit, one step"),

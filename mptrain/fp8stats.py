@@ -113,14 +113,17 @@ def cast_counts(t: torch.Tensor, recipe: str, fmt: str = "e4m3", mx_rounding: st
     overflow = thresholds(fmt).first_overflow
     scaled = g * s[:, None]
     q = scaled.clamp(-top, top).to(FORMATS[fmt]).float()
-    back = q / s[:, None]
+    # The round trip's error in fp32 is exact: a value cast within a factor of 2 of itself
+    # subtracts exactly (Sterbenz), and a flushed one leaves itself. Sums of squares
+    # accumulate in fp64 without an fp64 copy of the tensor (vector_norm's dtype).
+    err = g - q / s[:, None]
     nonzero = g != 0
     sums = torch.stack([
         nonzero.sum().double(),
         (nonzero & (q == 0)).sum().double(),
         (scaled.abs() >= overflow).sum().double(),
-        g.double().square().sum(),
-        (g.double() - back.double()).square().sum(),
+        torch.linalg.vector_norm(g, dtype=torch.float64).square(),
+        torch.linalg.vector_norm(err, dtype=torch.float64).square(),
     ])
     # The scale range over groups holding a non-zero value: an all-zero group's scale
     # (from the EPS floor, ~1e14) scales nothing and would hide the real range.

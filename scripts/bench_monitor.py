@@ -5,10 +5,14 @@
 Prints training tokens/s (evaluation and checkpointing excluded; logging and
 the monitor's own work included) for each setting and the monitor's overhead;
 one setting turns off only ``monitor.stability`` (the attention probe, the
-output-logit hook and Adam's figures), to show what those add. With float8
-linears (``precision=fp8``) two more turn off the float8 cast statistics
-(``monitor.fp8_casts=false``) and only their what-if recipes
-(``monitor.fp8_whatif=[]``).
+output-logit hook and Adam's figures), to show what those add.
+
+    python scripts/bench_monitor.py --fp8-casts precision=fp8 [overrides...]
+
+instead measures the float8 cast statistics (``fp8stats.CastWatch``) with
+every step monitored, where their cost shows: monitor off, then monitored
+with the statistics off, with the run's own casts only, and with the what-if
+recipes too (the default).
 Each setting runs twice, interleaved, and the faster run counts, to damp
 noise from a shared machine. One banner comes first and one progress line per
 run (as in ``scripts/bench.py``); the harness's own banner and messages are
@@ -35,8 +39,10 @@ DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.max_steps=300", "train.ev
 SETTINGS = {"monitor off": ["monitor.enabled=false"], "monitor every 50 (default)": [],
             "every 50, stability off": ["monitor.stability=false"],  # what the stability/* figures add
             "monitor every 10": ["monitor.every=10"]}
-FP8_SETTINGS = {"every 50, fp8 casts off": ["monitor.fp8_casts=false"],  # what the fp8.* figures add
-                "every 50, no fp8 what-ifs": ["monitor.fp8_whatif=[]"]}  # ... and their what-if recipes
+FP8_SETTINGS = {"monitor off": ["monitor.enabled=false"],  # --fp8-casts: what the fp8.* figures add
+                "every step, fp8 casts off": ["monitor.every=1", "monitor.fp8_casts=false"],
+                "every step, own casts only": ["monitor.every=1", "monitor.fp8_whatif=[]"],
+                "every step, casts + what-ifs": ["monitor.every=1"]}
 
 
 def compose_cfg(overrides: list[str]):
@@ -59,8 +65,13 @@ def main() -> None:
     if any(a in ("-h", "--help") for a in user):
         print(__doc__)
         return
+    fp8 = "--fp8-casts" in user
+    user = [a for a in user if a != "--fp8-casts"]
     cfg, device = configured(compose_cfg, user, "bench_monitor")
-    settings = {**SETTINGS, **(FP8_SETTINGS if cfg.precision.fp8.enabled else {})}
+    if fp8 and not cfg.precision.fp8.enabled:
+        sys.exit("bench_monitor: --fp8-casts measures the float8 cast statistics; add precision=fp8 "
+                 "(or another float8 preset).")
+    settings = FP8_SETTINGS if fp8 else SETTINGS
     print(f"bench_monitor: {' '.join(DEFAULTS + user)} | {len(settings)} settings x 2, interleaved\n"
           f"  machine  {machine(device)} | torch {torch.__version__}", flush=True)
     best = {k: 0.0 for k in settings}

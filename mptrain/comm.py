@@ -50,6 +50,22 @@ def _arg_bytes(arg) -> tuple[int, set]:
     return sum(t.numel() * t.element_size() for t in ts), {t.dtype for t in ts}
 
 
+_uncounted = 0  # > 0 inside uncounted(): collectives the monitor issues to measure, not the step's own
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Collectives issued inside are left out of the counts: the monitor's own
+    (the float8 statistics gather a sharded weight whole), which the step
+    would not issue without it."""
+    global _uncounted
+    _uncounted += 1
+    try:
+        yield
+    finally:
+        _uncounted -= 1
+
+
 class CommCounter(TorchDispatchMode):
     """Counts collectives while active. ``bytes[(kind, dtype)]`` and
     ``calls[(kind, dtype)]`` accumulate over everything run inside."""
@@ -69,7 +85,7 @@ class CommCounter(TorchDispatchMode):
         if func.namespace in _NAMESPACES:
             name = func.overloadpacket.__name__
             kind = _KINDS.get(name)
-            if kind is not None:
+            if kind is not None and not _uncounted:
                 # The full-size side is the largest tensor argument (group) of the call.
                 size, dtypes = max((_arg_bytes(a) for a in args), key=lambda r: r[0], default=(0, set()))
                 dt = ",".join(sorted(dtype_name(d) for d in dtypes)) or "none"

@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from .comm import uncounted
 from .numerics import canonical_name, thresholds
 from .shards import local_shard
 
@@ -259,7 +260,8 @@ class CastWatch:
                     # all-gather, monitored steps only: block what-ifs must not be cut at shard
                     # edges), with the scale every rank cast its shard with.
                     master = self.master[layer].detach()
-                    full = master.full_tensor() if hasattr(master, "full_tensor") else master
+                    with uncounted():  # the monitor's gather, not the step's: out of the comm/* figures
+                        full = master.full_tensor() if hasattr(master, "full_tensor") else master
                     self._add(layer, "weight", full, w._scale)
                 else:
                     self._add(layer, "weight", local_shard(w), _own_scale(mod, "weight", w))

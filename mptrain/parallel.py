@@ -397,14 +397,29 @@ def _gloo_bf16_compress_hook(process_group, bucket):
     return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
 
 
+def _no_buffer_sync(model: nn.Module) -> dict:
+    """DDP's arguments that stop it from copying rank 0's buffers to the others before
+    every forward. The model's only buffers are delayed float8 scaling's, whose
+    running amaxes each rank records for ``update_histories`` to all-reduce: a copy
+    would erase the other ranks' records. Nothing to pass without buffers; newer
+    torch names the switch ``forward_sync_buffers`` (still syncing once at start,
+    when every rank's buffers are equal anyway)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if not any(True for _ in model.buffers()):
+        return {}
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def _wrap_ddp(model, policy, ctx):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     _cast_buffers(model, policy.buffer_dtype)
-    # broadcast_buffers off: the model's only buffers are delayed float8 scaling's, whose
-    # running amaxes each rank records and update_histories all-reduces (a broadcast
-    # from rank 0 before every forward would erase the other ranks' records).
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, broadcast_buffers=False)
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, **_no_buffer_sync(model))
     comm = "fp32 (all-reduce)"
     if policy.reduce_dtype != torch.float32:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

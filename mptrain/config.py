@@ -172,12 +172,13 @@ class LossScaleConfig:
 
 @dataclass
 class Fp8Config:
-    """Float8 training of the linear layers through torchao (``precision=fp8``).
+    """Float8 training of the linear layers (``precision=fp8`` and its recipe
+    presets ``fp8-rowwise``, ``fp8-rowwise-gw-hp``, ``fp8-delayed``, ``mxfp8``).
 
     Converted linears compute their three matmuls in float8: activations and
     weights in E4M3 in the forward pass, output gradients in ``grad_dtype`` in
-    the backward pass, each scaled from its absolute max. Everything else runs
-    under bf16 autocast, with fp32 master weights."""
+    the backward pass (E4M3 blocks for mxfp8), each scaled as ``recipe`` says.
+    Everything else runs under bf16 autocast, with fp32 master weights."""
 
     enabled: bool = False
     """Convert linears to float8. On for ``precision=fp8``."""

@@ -145,12 +145,17 @@ class LossScaler:
 
 
 class Fp8Linears:
-    """Converts ``nn.Linear`` layers to torchao float8 linears and keeps their
-    FSDP2 float8 all-gather scales fresh.
+    """Converts ``nn.Linear`` layers to float8 linears, whichever the recipe
+    makes them: torchao's ``Float8Linear`` (tensorwise, rowwise,
+    rowwise_with_gw_hp), our ``DelayedFloat8Linear`` (delayed,
+    ``fp8delayed.py``) or ``MXLinear`` (mxfp8, ``fp8mx.py``). Keeps the FSDP2
+    float8 all-gather scales fresh, closes each step for delayed scaling
+    (:meth:`update_histories`), and builds the cast statistics' watch
+    (:meth:`watch`).
 
-    Which linears: every ``nn.Linear`` except those matching a name pattern in
-    ``precision.fp8.exclude`` and those whose in/out features are not
-    multiples of ``precision.fp8.dim_multiple``; ``report`` says which and why.
+    Which linears: every ``nn.Linear`` except those a rule keeps out, by name
+    (``precision.fp8.exclude``), position, size or alignment (see
+    :meth:`_excluded_because`); ``report`` says which and why.
     """
 
     MX = ("mxfp8", "nvfp4")  # block-scaled recipes: mptrain/fp8mx.py, not torchao's Float8Linear
@@ -302,14 +307,19 @@ class Fp8Linears:
         return model
 
     # The scale rule of each recipe, in fp8stats' terms (delayed: tensorwise with the
-    # scales the layers hold, see scales_of).
+    # scales the layers hold, see DelayedFloat8Linear.scale_for). nvfp4's 4-bit casts
+    # have no rule there: no statistics for it.
     STATS_RECIPE = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_with_gw_hp": "rowwise",
                     "delayed": "tensorwise", "mxfp8": "block1x32"}
 
     def watch(self, model: nn.Module, whatif: list[str]):
         """The :class:`mptrain.fp8stats.CastWatch` of this run's converted linears:
-        their casts' statistics on the numerics monitor's steps."""
+        their casts' statistics on the numerics monitor's steps; None for a
+        recipe the statistics do not model (nvfp4)."""
         from .fp8stats import CastWatch
+
+        if self.recipe not in self.STATS_RECIPE:
+            return None
 
         grad = "e5m2" if self.cfg.grad_dtype.value == "float8_e5m2" and self.recipe not in self.MX else "e4m3"
         formats = {"input": "e4m3", "weight": "e4m3", "grad_output": grad}
@@ -472,6 +482,11 @@ class PrecisionPolicy:
         return (f"dynamic (init {ls.init_scale:g}, x{ls.growth_factor:g} every {ls.growth_interval} "
                 f"clean steps, x{ls.backoff_factor:g} + skip on inf/nan)")
 
+    def _fp8_formats(self) -> str:
+        """The float8 linears' formats, forward then backward, for the dtype table."""
+        block = {"mxfp8": "E4M3, backward E4M3 (blocks of 32)", "nvfp4": "E2M1, backward E2M1 (blocks of 16)"}
+        return block.get(self.fp8.recipe, f"E4M3, backward {dtype_name(getattr(torch, self.cfg.fp8.grad_dtype.value))}")
+
     def describe(self) -> dict:
         """Intended dtypes; the trainer replaces entries with observed ones after step 1."""
         return {
@@ -480,8 +495,5 @@ class PrecisionPolicy:
             "gradients": dtype_name(self.param_dtype),
             "optimizer_state": dtype_name(self.param_dtype),
             "loss_scaling": self.loss_scaling_text(),
-            **({"fp8_linears": f"{self.fp8.recipe}: forward E4M3, backward " + (
-                "E4M3 (blocks of 32)" if self.fp8.recipe == "mxfp8" else "E2M1 (blocks of 16)"
-                if self.fp8.recipe == "nvfp4" else dtype_name(getattr(torch, self.cfg.fp8.grad_dtype.value)))}
-               if self.fp8 else {}),
+            **({"fp8_linears": f"{self.fp8.recipe}: forward {self._fp8_formats()}"} if self.fp8 else {}),
         }

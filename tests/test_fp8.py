@@ -24,7 +24,8 @@ def test_30_steps_lower_the_loss(tmp_path, recipe):
     """Each recipe trains gpt-nano; mxfp8 through its own preset (emulated MX blocks on CPU)."""
     how = ["precision=mxfp8"] if recipe == "mxfp8" else ["precision=fp8", f"precision.fp8.recipe={recipe}"]
     # mxfp8 is emulated on CPU, and slow: fewer steps, which still show the loss falling
-    s, rows = train(tmp_path / "run", *how, f"train.max_steps={15 if recipe == 'mxfp8' else 30}")
+    tb = ["log.tensorboard=true"] if recipe == "tensorwise" else []  # the per-layer sections, read back once
+    s, rows = train(tmp_path / "run", *how, f"train.max_steps={15 if recipe == 'mxfp8' else 30}", *tb)
     losses = [r["train/loss"] for r in rows]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5
     assert set(s["fp8"]["converted"]) == NANO_LINEARS  # 8 linears: 4 per block
@@ -43,6 +44,15 @@ def test_30_steps_lower_the_loss(tmp_path, recipe):
     assert casts["recipe"] == recipe and casts["step"] == 1 and len(casts["layers"]) == 8
     assert 20 < casts["layers"]["block0.mlp.fc"]["input"]["sqnr_db"] == rows[0]["fp8.block0.mlp.fc/input/sqnr_db"]
     assert "float8 casts at step 1 (recipe " + recipe in (tmp_path / "run" / "train.log").read_text()
+    if tb:  # TensorBoard's own reader: one section (first tag component) per float8 linear
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        ea = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+        ea.Reload()
+        sections = {t.split("/")[0] for t in ea.Tags()["scalars"] if t.startswith("fp8")}
+        assert sections == {"fp8"} | {"fp8." + n.replace("blocks.", "block", 1) for n in NANO_LINEARS}
+        assert ea.Scalars("fp8.block0.mlp.fc/input/sqnr_db")[0].value == pytest.approx(
+            rows[0]["fp8.block0.mlp.fc/input/sqnr_db"], rel=1e-6)
 
 
 def test_exclusions_are_configurable(tmp_path):

@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .console import text_table
 from .numerics import canonical_name
 from .precision import dtype_name
 from .shards import local_shard
@@ -511,9 +512,7 @@ class DtypeAudit:
         rows = [[shown, *(mods[rep].get(c, "") for c in TABLE_COLUMNS)]
                 for shown, rep in _collapse_blocks(mods).items()]
         head = ["module", *TABLE_COLUMNS]
-        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        fmt = lambda r: " | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-        lines = [fmt(head), "-+-".join("-" * w for w in widths), *(fmt(r) for r in rows)]
+        lines = text_table(head, rows)
         flags = self.flags
         if flags:
             lines.append("")

@@ -345,6 +345,10 @@ def _loss_scaling(cfg) -> bool:
     return cfg.precision.loss_scale.enabled
 
 
+def _fp8(cfg) -> bool:
+    return cfg.precision.fp8.enabled
+
+
 # (key, valid(value), the valid values in words, when the rule applies). Bad values
 # here would otherwise fail deep inside torch/numpy/datasets with a traceback
 # (optim.lr=-1, optim.beta1=1, train.seed=-1, model.dropout=1.5,
@@ -366,18 +370,12 @@ _RANGES: tuple = (
     ("precision.loss_scale.warn_skip_rate", lambda v: 0 <= v <= 1, "a share in [0, 1] (0: no warning)",
      _loss_scaling),
     ("precision.loss_scale.warn_after_steps", _non_negative, "an integer >= 0", _loss_scaling),
-    ("precision.fp8.dim_multiple", _positive, "a positive integer (16 for the float8 kernels)",
-     lambda cfg: cfg.precision.fp8.enabled),
-    ("precision.fp8.bf16_first_blocks", _non_negative, "an integer >= 0 (0: none)",
-     lambda cfg: cfg.precision.fp8.enabled),
-    ("precision.fp8.bf16_last_blocks", _non_negative, "an integer >= 0 (0: none)",
-     lambda cfg: cfg.precision.fp8.enabled),
-    ("precision.fp8.min_features", _non_negative, "an integer >= 0 (0: no size rule)",
-     lambda cfg: cfg.precision.fp8.enabled),
-    ("precision.fp8.amax_history_len", _positive, "a positive integer (steps of amax history)",
-     lambda cfg: cfg.precision.fp8.enabled),
-    ("precision.fp8.margin", _non_negative, "an integer >= 0 (powers of two of headroom)",
-     lambda cfg: cfg.precision.fp8.enabled),
+    ("precision.fp8.dim_multiple", _positive, "a positive integer (16 for the float8 kernels)", _fp8),
+    ("precision.fp8.bf16_first_blocks", _non_negative, "an integer >= 0 (0: none)", _fp8),
+    ("precision.fp8.bf16_last_blocks", _non_negative, "an integer >= 0 (0: none)", _fp8),
+    ("precision.fp8.min_features", _non_negative, "an integer >= 0 (0: no size rule)", _fp8),
+    ("precision.fp8.amax_history_len", _positive, "a positive integer (steps of amax history)", _fp8),
+    ("precision.fp8.margin", _non_negative, "an integer >= 0 (powers of two of headroom)", _fp8),
     ("data.num_proc", _non_negative, "an integer >= 0 (0: one process per CPU core)", None),
     ("data.max_documents", _non_negative, "an integer >= 0 (0: all documents)", None),
     ("data.shard_tokens", _positive, "a positive integer", None),

@@ -221,3 +221,14 @@ def fmt(x: Optional[float], spec: str = ".4f") -> str:
     value keeps its name (``nan``, ``inf``, ``-inf``): a NaN loss is a result to
     see, not a missing one."""
     return "n/a" if x is None else format(x, spec)
+
+
+def text_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """``head`` and ``rows`` as left-aligned columns separated by `` | ``, with a
+    ``-+-`` rule under the head: the console tables (dtype audit, float8 casts)."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        return " | ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    return [line(head), "-+-".join("-" * w for w in widths), *(line(r) for r in rows)]

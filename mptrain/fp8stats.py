@@ -46,12 +46,13 @@ import torch
 import torch.nn as nn
 
 from .comm import uncounted
+from .console import text_table
+from .fp8delayed import EPS, scale_from_amax  # noqa: F401  EPS: the amax floor of every recipe here
 from .numerics import canonical_name, thresholds
 from .shards import local_shard
 
 RECIPES = ("tensorwise", "rowwise", "block1x32", "block1x128", "block128x128")
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-EPS = 1e-12  # amax floor: an all-zero group gets a finite scale (torchao's value)
 
 # [n_nonzero, n_flush, n_saturate, signal (sum x^2), noise (sum (x - x~)^2)]; then maxima
 # [amax, scale_max, -scale_min] (scale_min negated so that every maximum reduces with max).
@@ -90,7 +91,7 @@ def scales(amax: torch.Tensor, recipe: str, fmt: str = "e4m3", mx_rounding: str 
             emax = math.floor(math.log2(top))
             return torch.exp2(emax - torch.floor(torch.log2(amax))).float()
         raise ValueError(f"mx_rounding={mx_rounding!r}: one of rceil, floor")
-    s = (top / amax).float()
+    s = scale_from_amax(amax, FORMATS[fmt])  # max / amax, computed as torchao computes it
     if recipe == "rowwise":
         s = torch.exp2(torch.floor(torch.log2(s)))  # torchao rounds rowwise scales down to a power of two
     return s
@@ -272,6 +273,7 @@ class CastWatch:
 
     def _add(self, layer: str, op: str, t: torch.Tensor, own_scale: Optional[torch.Tensor]) -> None:
         fmt = self.formats[op]
+        t = t.detach().float()  # once here; cast_counts' own .float() is then free for every recipe
         for tag, recipe in self.tags.items():
             sums, maxes = cast_counts(t, recipe, fmt, self.mx_rounding, own_scale if tag == RUN else None)
             ks, km = f"fp8s/{layer}/{op}/{tag}", f"fp8m/{layer}/{op}/{tag}"
@@ -340,10 +342,7 @@ def table(rep: dict) -> str:
             best = f"{alt[0]} ({alt[1]['sqnr_db']:.1f}, {_pct(alt[1]['flush'])})" if alt else ""
             rows.append([layer, op, _pct(f["flush"]), _pct(f["saturate"]), f"{f['sqnr_db']:.1f}",
                          f"{f['amax']:.4g}", scale, best])
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    line = lambda r: " | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     w = rep["worst"]
-    return "\n".join([f"float8 casts at step {rep['step']} (recipe {rep['recipe']}):", line(head),
-                      "-+-".join("-" * n for n in widths), *(line(r) for r in rows),
+    return "\n".join([f"float8 casts at step {rep['step']} (recipe {rep['recipe']}):", *text_table(head, rows),
                       f"worst: flush {_pct(w.get('flush', 0))}, saturate {_pct(w.get('saturate', 0))}, "
                       f"SQNR {w.get('sqnr_db', math.nan):.1f} dB"])

@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from .config import ConfigError, DType, ScaleMode
+from .doctor import torchao_version
 from .model import LayerNorm
 
 
@@ -257,7 +258,7 @@ class Fp8Linears:
                        f"({f.cast_config_input.scaling_granularity.value} scales from amax)",
             "backward": f"grad_output {dtype_name(f.cast_config_grad_output.target_dtype)}",
             "fsdp_float8_all_gather": self.all_gather,
-            "torchao": _torchao_version(),
+            "torchao": torchao_version(),
         })
         return model
 
@@ -276,7 +277,7 @@ class Fp8Linears:
                 self.delayed.append(new)
                 self.report["converted"].append(fqn)
         self.report.update({
-            "recipe": "delayed", "torchao": _torchao_version(), "fsdp_float8_all_gather": False,
+            "recipe": "delayed", "torchao": torchao_version(), "fsdp_float8_all_gather": False,
             "forward": f"input e4m3, weight e4m3 (one scale per tensor from the amax history: "
                        f"{c.amax_history_len} steps, {c.amax_compute.value}, margin {c.margin})",
             "backward": f"grad_output {dtype_name(grad)} (delayed likewise)",
@@ -339,12 +340,6 @@ class Fp8Linears:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
-
-
-def _torchao_version() -> str:
-    import torchao
-
-    return torchao.__version__
 
 
 class _NoHook:

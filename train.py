@@ -5,9 +5,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from mptrain.config import ConfigError
-from mptrain.config_checks import check_overrides, composition_error
-from mptrain.launch import exit_process, expand_shorthands, rank_overrides
+from mptrain.config.checks import check_overrides, composition_error, expand_shorthands
+from mptrain.core.errors import UserError
+from mptrain.distributed.launch import exit_process, rank_overrides
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -36,11 +36,11 @@ def _report_run_errors() -> None:
         _set_full_error = False
 
 
-def _config_error(e: ConfigError) -> int:
+def _user_error(e: UserError) -> int:
     """Print a command-line error as one line and return exit code 2. Under
     torchrun every rank checks the same command line: rank 0 alone speaks."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"mptrain: configuration error: {e}", file=sys.stderr)
+        print(f"mptrain: {e.one_line()}", file=sys.stderr)
     else:
         import time
 
@@ -53,15 +53,17 @@ def _config_error(e: ConfigError) -> int:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from mptrain.faults import NonFiniteError
-    from mptrain.trainer import run
+    from mptrain.run.faults import NonFiniteError
+    from mptrain.run.trainer import run
 
     _report_run_errors()
     try:
         run(cfg)
-    except ConfigError as e:
-        # One clear message, no traceback: the problem is the config, not the code.
-        print(f"mptrain: configuration error: {e}", file=sys.stderr)
+    except UserError as e:
+        # One clear message, no traceback: the problem is the user's to fix, not
+        # the code's; its kind (configuration, run directory, checkpoint, save...)
+        # says where to look.
+        print(f"mptrain: {e.one_line()}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as e:
         print(f"mptrain: training stopped: {e}", file=sys.stderr)
@@ -76,8 +78,8 @@ def _launch() -> int:
     sys.argv[1:] = expand_shorthands(sys.argv[1:])
     try:
         check_overrides(sys.argv[1:], CONFIGS)
-    except ConfigError as e:
-        return _config_error(e)
+    except UserError as e:
+        return _user_error(e)
     sys.argv += rank_overrides()
     _raise_composition_errors()
     try:
@@ -90,7 +92,7 @@ def _launch() -> int:
     except (HydraException, OmegaConfBaseException) as e:
         if not _set_full_error:
             raise  # the task had started, or the user asked for Hydra's full error
-        return _config_error(composition_error(e))
+        return _user_error(composition_error(e))
     finally:
         _report_run_errors()
 

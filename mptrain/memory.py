@@ -1,262 +1,15 @@
-"""How much memory a configuration needs per rank: ``python -m mptrain.memory <overrides> [--world N]``.
-
-Exact for the tensors whose size is known in advance: the weights, their
-gradients and the optimizer state (Adam's two moments, each with the scales
-and quantization map of torchao's block-quantized formats; the Kahan
-compensation buffer), counted tensor by tensor on a meta-device copy of the
-model, on this rank's shard of each (``tests/test_memory.py`` checks every row
-against a real step). An estimate for activations (:func:`activation_bytes`:
-what autograd keeps for the backward pass of mptrain's GPT, counted tensor by
-tensor on real steps) and for FSDP's gathered copies. ``summary.json`` puts
-the estimate beside the measured peak; :func:`summary_figures` gives its
-bytes per parameter.
-"""
+"""How much memory a configuration needs per rank: ``python -m mptrain.memory <overrides> [--world N]``."""
 from __future__ import annotations
 
-import math
 import sys
-from dataclasses import dataclass, field
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-STATE_ROWS = ("weights", "gradients", "exp_avg", "exp_avg_sq", "kahan_comp")
-"""The rows that scale with the parameter count, in table order; each has a bytes-per-parameter figure."""
-
-
-@dataclass
-class Estimate:
-    """Bytes per rank, row by row. ``n_params`` is the number of parameter
-    elements this rank holds (its shards under FSDP), the denominator of
-    :meth:`bytes_per_param`; ``labels`` say what each row is made of."""
-
-    weights: int
-    grads: int
-    exp_avg: int
-    exp_avg_sq: int
-    kahan_comp: int
-    gathered: int
-    activations: int
-    n_params: int
-    labels: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def params(self) -> int:
-        """The weights (with fp32 master weights these ARE the master copy)."""
-        return self.weights
-
-    @property
-    def optimizer(self) -> int:
-        """Everything the optimizer keeps per parameter: both moments and the compensation buffer."""
-        return self.exp_avg + self.exp_avg_sq + self.kahan_comp
-
-    @property
-    def state(self) -> int:
-        return self.params + self.grads + self.optimizer
-
-    @property
-    def total(self) -> int:
-        return self.state + self.gathered + self.activations
-
-    def parts(self) -> dict[str, int]:
-        """Bytes of each row by a stable key (``weights``, ``master_copy``,
-        ``gradients``, ``exp_avg``, ``exp_avg_sq``, ``kahan_comp``, ``gathered``,
-        ``activations``, ``total``)."""
-        return {"weights": self.weights, "master_copy": 0, "gradients": self.grads, "exp_avg": self.exp_avg,
-                "exp_avg_sq": self.exp_avg_sq, "kahan_comp": self.kahan_comp, "gathered": self.gathered,
-                "activations": self.activations, "total": self.total}
-
-    def rows(self) -> list[tuple[str, int]]:
-        """(label, bytes) per row, in table order, ending with the total."""
-        return [(self.labels.get(k, k), v) for k, v in self.parts().items()]
-
-    def bytes_per_param(self) -> dict[str, float]:
-        """Bytes per parameter of each row that scales with the parameters
-        (:data:`STATE_ROWS`) and of their sum (``state``), over the parameters
-        this rank holds. fp32 training with AdamW is 4 + 4 + 4 + 4 = 16."""
-        n = max(self.n_params, 1)
-        parts = self.parts()
-        out = {k: parts[k] / n for k in STATE_ROWS}
-        out["state"] = self.state / n
-        return out
-
-
-def param_count(n_layer: int, d_model: int, vocab: int, block: int, bias: bool = True, qk_norm_dim: int = 0) -> int:
-    """Exact parameter count of mptrain's GPT (tied head counted once);
-    ``qk_norm_dim`` is the head size of a model with QK-layernorm, 0 without."""
-    d = d_model
-    per_block = 3 * d * d + d * d + 4 * d * d + 4 * d * d  # qkv, attn proj, mlp fc, mlp proj weights
-    norms = 2 * d + 2 * qk_norm_dim  # ln_1, ln_2, and the q/k norms (one per attention, shared by its heads)
-    if bias:
-        per_block += 3 * d + d + 4 * d + d  # the linears' biases
-        final_norm = 2 * d
-    else:
-        final_norm = d
-    per_block += norms * (2 if bias else 1)  # norm weights, and their biases
-    return n_layer * per_block + vocab * d + block * d + final_norm
-
-
-def shapes(cfg, vocab: int) -> tuple[list[tuple[int, ...]], int]:
-    """(shape of every parameter, elements of one transformer block) of the
-    model ``cfg`` builds with ``vocab`` rows: built on the meta device (no
-    memory, no initialisation), with the fields the trainer passes; the tied
-    head appears once, as in ``model.parameters()``."""
-    import torch
-
-    from .model import GPT, GPTShape
-
-    m = cfg.model
-    with torch.device("meta"):
-        model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
-                             qk_norm=m.qk_norm))
-    block = sum(p.numel() for p in model.blocks[0].parameters()) if m.n_layer else 0
-    return [tuple(p.shape) for p in model.parameters()], block
-
-
-def local_numels(shape_list: list[tuple[int, ...]], mode: str, world: int) -> list[int]:
-    """Elements of each parameter on rank 0, the rank with the most: the whole
-    tensor under ``none``/``ddp``; under ``fsdp`` (FSDP2) its dim-0 chunk the way
-    ``torch.chunk`` cuts it (``ceil(dim0 / world)`` rows); under ``fsdp1`` one
-    flat shard of ``ceil(total / world)`` elements (FSDP1 flattens tensors
-    together, so per-tensor sizes have no meaning there)."""
-    numels = [math.prod(s) for s in shape_list]
-    if world <= 1 or mode in ("none", "ddp"):
-        return numels
-    if mode == "fsdp1":
-        return [math.ceil(sum(numels) / world)]
-    # a 0-d parameter is not sharded; an empty one holds nothing anywhere
-    return [n if not s else (math.ceil(s[0] / world) * (n // s[0]) if s[0] else 0)
-            for s, n in zip(shape_list, numels)]
-
-
-ATTENTION_KERNEL = "flash/mem-efficient SDPA, no T x T"
-"""What the activation estimate assumes attention keeps (the activations row's label says it)."""
-
-
-def activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_copies: int = 0) -> int:
-    """Bytes autograd keeps between the forward and the backward pass of one
-    micro-batch of ``micro_batch`` sequences of model ``m`` (a ``ModelConfig``),
-    computing in ``compute`` (``fp32``/``bf16``/``fp16``), plus ``weight_copies``
-    (bytes of autocast's 16-bit copies of the weights, kept for the backward).
-
-    Per layer and token, as counted on real steps (``tests/test_memory.py``):
-    the fp32 residual stream into each LayerNorm (2 x 4d bytes) and their mean
-    and rstd (16); in the compute dtype the qkv input, q/k/v, the attention
-    output (= the projection's input), the MLP's input, GELU input and
-    projection input (14d elements); and the attention kernel's log-sum-exp,
-    fp32 per head (4h). ``scaled_dot_product_attention``'s fused kernels
-    (flash and memory-efficient on CUDA, flash on the CPU) recompute the
-    attention probabilities in the backward pass, so no B x H x T x T matrix is
-    kept: the count is linear in T. (Korthikanti et al. 2022 count that matrix,
-    5 x heads x T bytes per token and layer; it dominates at context 2048.) With dropout:
-    1-byte masks after attention and the MLP; on the CPU attention with dropout
-    takes the math kernel, which does keep T x T, not counted here.
-    QK-layernorm adds the fp32 q and k its norms keep and the normed q and k.
-    Once per micro-batch: the final norm and head input, and the logits with
-    their fp32 log-probabilities for the loss."""
-    b, t, d, h = micro_batch, m.block_size, m.d_model, m.n_head
-    c = BYTES[compute]
-    per_token = 8 * d + 16 + 14 * c * d + 4 * h
-    if m.dropout:
-        per_token += 2 * d
-    if m.qk_norm:
-        per_token += 8 * d + 2 * c * d + 16 * h
-    head = 4 * d + 8 + c * d + vocab * (c + 4) + (d if m.dropout else 0)
-    return m.n_layer * b * t * per_token + b * t * head + weight_copies
-
-
-def micro_batch_of(cfg, world: int) -> int:
-    """Sequences per forward on each rank: ``train.micro_batch_size``, else the
-    rank's share of the global batch (no accumulation)."""
-    return cfg.train.micro_batch_size or max(1, cfg.train.global_batch_size // world)
-
-
-def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) -> Estimate:
-    """Bytes per rank for ``cfg`` (a composed mptrain config) with ``vocab``
-    rows, on ``world`` ranks; ``micro_batch`` sequences per forward (default:
-    the config's). An optimizer combination that cannot run is a ConfigError
-    (:func:`mptrain.optimizers.choose`)."""
-    from .optimizers import BLOCK, MIN_QUANTIZED, QUANTIZED, choose, moment_bytes
-
-    m, p = cfg.model, cfg.precision
-    choice = choose(cfg)
-    mode = cfg.parallel.name.value
-    compute = p.compute_dtype.name
-    store = choice.param_dtype  # the dtype the weights (and so their grads) are stored in
-    pb = BYTES[store]
-    shape_list, block_numel = shapes(cfg, vocab)
-    local = local_numels(shape_list, mode, world)
-    n = sum(local)
-
-    weights = grads = n * pb
-    exp_avg = sum(moment_bytes(k, choice.state, pb) for k in local)
-    exp_avg_sq = exp_avg  # the same layout: a signed and an unsigned map of equal size
-    kahan = n * pb if choice.kahan else 0
-
-    gathered = 0
-    if mode in ("fsdp", "fsdp1") and world > 1:
-        # one block gathered for compute, one prefetched, in the gather dtype
-        gathered = 2 * block_numel * BYTES[(p.param_dtype or p.compute_dtype).name]
-    b = micro_batch or micro_batch_of(cfg, world)
-    copies = 0
-    if mode not in ("fsdp", "fsdp1") and BYTES[compute] < pb and not p.fp8.enabled:
-        # Autocast casts each linear's weight once per forward and the backward keeps
-        # the copy (FSDP gathers weights already in the compute dtype: nothing to cast).
-        copies = BYTES[compute] * (m.n_layer * 12 * m.d_model**2 + vocab * m.d_model)
-    activations = activation_bytes(m, b, vocab, compute, copies)
-
-    # labels: what each row is made of, so that a reader sees where the bytes go
-    if store == "fp32" and compute == "fp32":
-        w, master = "weights (fp32)", "separate master copy (none: fp32 training)"
-    elif store == "fp32":
-        w = f"weights (fp32 master weights, {compute} compute)"
-        master = "separate master copy (none: the fp32 weights are it)"
-    else:
-        w, master = f"weights ({store}, no fp32 master)", f"separate master copy (none: {store} weights only)"
-    if choice.state in QUANTIZED and mode != "fsdp1":
-        big = sum(k >= MIN_QUANTIZED and k % BLOCK[choice.state] == 0 for k in local)
-        extras = "scales" + (" + qmap" if choice.state != "fp8" else "")
-        moment = f"{choice.state} + {extras}; {len(local) - big} of {len(local)} tensors left {store}"
-    else:
-        moment = choice.state
-    labels = {"weights": w, "master_copy": master, "gradients": f"gradients ({store})",
-              "exp_avg": f"Adam exp_avg ({moment})", "exp_avg_sq": f"Adam exp_avg_sq ({moment})",
-              "kahan_comp": f"Kahan compensation ({store})" if choice.kahan else "Kahan compensation (none)",
-              "gathered": "FSDP gathered copies (estimate)",
-              "activations": f"activations (estimate; {ATTENTION_KERNEL}"
-                             + (", + autocast weight copies)" if copies else ")"),
-              "total": "total"}
-    return Estimate(weights, grads, exp_avg, exp_avg_sq, kahan, gathered, activations, n, labels)
-
-
-def summary_figures(e: Estimate) -> dict:
-    """What ``summary.json`` can carry from an estimate: the state's bytes per
-    parameter (``mem/bytes_per_param``), the same per part, the state's
-    GiB, and the parameters per rank they are counted over."""
-    bpp = e.bytes_per_param()
-    return {"mem/bytes_per_param": round(bpp["state"], 4),
-            "mem/bytes_per_param_parts": {k: round(bpp[k], 4) for k in STATE_ROWS},
-            "mem/state_gib": e.state / 2**30,
-            "mem/params_per_rank": e.n_params}
-
-
-def format_table(e: Estimate) -> list[str]:
-    """The table ``python -m mptrain.memory`` prints: GiB and bytes per parameter per row."""
-    bpp = e.bytes_per_param()
-    width = max(len(label) for label, _ in e.rows())
-    lines = [f"  {'':<{width}} {'GiB':>10} {'bytes/param':>12}"]
-    for key, v in e.parts().items():
-        per = f"{bpp[key]:12.3f}" if key in bpp else (f"{0.0:12.3f}" if key == "master_copy" else "")
-        if key == "gathered":  # the per-parameter rows end here: their sum first
-            lines.append(f"  {'= weights, gradients, optimizer':<{width}} {e.state / 2**30:10.3f} {bpp['state']:12.3f}")
-        lines.append(f"  {e.labels.get(key, key):<{width}} {v / 2**30:10.3f} {per}".rstrip())
-    lines.append(f"  bytes/param: over the {e.n_params:,} parameters this rank holds")
-    return lines
+from mptrain.config.checks import compose_checked
+from mptrain.core.errors import ConfigError, UserError
+from mptrain.observe.memory import estimate, format_table, micro_batch_of
 
 
 def _parse_args(argv: list[str]) -> tuple[int, int | None, list[str]]:
     """(``--world``, ``--vocab``, the Hydra overrides); a bad flag is a ConfigError."""
-    from .config import ConfigError
-
     flags: dict[str, int] = {}
     rest = []
     it = iter(argv)
@@ -276,16 +29,13 @@ def _parse_args(argv: list[str]) -> tuple[int, int | None, list[str]]:
 def main(argv: list[str]) -> None:
     """``python -m mptrain.memory <overrides> [--world N] [--vocab V]``: the
     estimate as a table. A bad argument is one line on stderr and exit code 2."""
-    from .config import ConfigError
-    from .config_checks import compose_checked
-
     try:
         world, vocab, rest = _parse_args(argv)
         cfg = compose_checked(rest)
         vocab = vocab or cfg.model.vocab_size or 4096
         e = estimate(cfg, vocab, world)
-    except ConfigError as err:
-        print(f"mptrain: configuration error: {err}", file=sys.stderr)
+    except UserError as err:
+        print(f"mptrain: {err.one_line()}", file=sys.stderr)
         sys.exit(2)
     state = cfg.optim.state_dtype
     print(f"memory per rank: model={cfg.model.name} precision={cfg.precision.name} "

@@ -36,25 +36,31 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .checkpoint import (CheckpointDamaged, CheckpointError, complete_checkpoints, load_full_model_state, read_meta,
-                         resolve_resume)
-from .config import ConfigError, DType
-from .model import GPT, GPTShape
+from mptrain.config.schema import DType
+from mptrain.core.errors import ConfigError, UserError
+from mptrain.data.tokenizers import ByteTokenizer, HFTokenizer, needs_remote_code
+from mptrain.model.generate import sample_ids
+from mptrain.model.gpt import GPT, GPTShape
+from mptrain.run.checkpoint import load_full_model_state
+from mptrain.run.integrity import CheckpointDamaged, CheckpointError, complete_checkpoints, read_meta
+from mptrain.run.resume import resolve_resume
 
 
-class SampleError(ConfigError):
+class SampleError(UserError):
     """A sampling request that cannot run; main() prints it as one ``sample:`` line."""
+
+    kind = "sample error"
 
 
 # ------------------------------------------------------------------ user errors
 @contextlib.contextmanager
 def one_line_errors(prog: str) -> Iterator[None]:
-    """User errors (:class:`ConfigError` and its subclasses) leave as one line
+    """User errors (:class:`~mptrain.core.errors.UserError`: config, checkpoint, request) leave as one line
     ``<prog>: <message>`` on stderr and exit status 2, as ``train.py``'s do; a
     traceback would say the code failed when the request did."""
     try:
         yield
-    except ConfigError as e:
+    except UserError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -127,7 +133,6 @@ def checkpoint_tokenizer(ckpt: Path, meta: dict, trust_remote_code: bool, byte: 
                               "the same data settings and cache starts).")
     from transformers import AutoTokenizer
 
-    from .tokens import needs_remote_code
 
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -142,92 +147,6 @@ def checkpoint_tokenizer(ckpt: Path, meta: dict, trust_remote_code: bool, byte: 
         raise CheckpointError(f"the checkpoint's tokenizer ({path}) could not be loaded ({type(e).__name__}: "
                               f"{first}); put the tokenizer the run used back at that path (a hub name must be in "
                               "the Hugging Face cache when offline).") from None
-
-
-# ------------------------------------------------------------------ decoding
-def _block_size(model) -> int:
-    """The context length of a bare or wrapped GPT. FSDP2 and FSDP1 answer
-    attribute lookups for the GPT; DDP keeps it in ``.module``."""
-    m = model
-    while not hasattr(m, "shape") and hasattr(m, "module"):
-        m = m.module
-    return m.shape.block_size
-
-
-def _next_token(logits: torch.Tensor, temperature: float, top_k: int, generator) -> int:
-    """One token from the last position's logits: argmax at temperature 0, else a
-    draw from the tempered, top-k-cut distribution. The draw happens on the
-    generator's device (CPU when none is given), so a CPU generator gives the
-    same tokens whatever device the model runs on."""
-    logits = logits.float()
-    if temperature == 0:
-        return int(logits.argmax())
-    # The largest logit becomes 0 before dividing, so a tiny temperature gives -inf
-    # for the others (an argmax) rather than inf - inf = nan.
-    logits = (logits - logits.max()) / temperature
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    probs = torch.softmax(logits, dim=-1).to(generator.device if generator is not None else "cpu")
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def _eager():
-    """Compiled code off: compiled blocks would recompile for every new sequence
-    length. Without torch._dynamo imported nothing can have been compiled, and
-    importing it only to say so would cost seconds of the CLI's start-up."""
-    if "torch._dynamo" not in sys.modules:
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance("force_eager")
-
-
-def sample_ids(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-               generator: Optional[torch.Generator] = None, autocast=contextlib.nullcontext, device=None,
-               stop_id: Optional[int] = None) -> list[int]:
-    """:func:`generate`, stopping after ``stop_id`` when it is produced (kept as
-    the last token). Without ``stop_id`` it always returns ``max_new_tokens``."""
-    if not prompt_ids:
-        raise ValueError("generate needs at least one prompt token (the end-of-text token starts a document)")
-    if device is None:
-        device = next(model.parameters()).device
-    block = _block_size(model)
-    ids = list(prompt_ids)
-    new: list[int] = []
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), _eager():
-            for _ in range(max_new_tokens):
-                idx = torch.tensor([ids[-block:]], dtype=torch.long, device=device)  # crop as GPT's context
-                with autocast():
-                    logits = model(idx)
-                tok = _next_token(logits[0, -1], temperature, top_k, generator)
-                ids.append(tok)
-                new.append(tok)
-                if tok == stop_id:
-                    break
-    finally:
-        model.train(was_training)
-    return new
-
-
-def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-             generator: torch.Generator | None = None, autocast=contextlib.nullcontext, device=None) -> list[int]:
-    """``max_new_tokens`` tokens that ``model`` writes after ``prompt_ids`` (the
-    new ones only), one forward pass each on the last ``block_size`` tokens.
-
-    ``model`` is a bare GPT or a wrapped one (DDP, FSDP2, FSDP1): only
-    ``model(idx)`` is called, under ``torch.no_grad()`` and in eval mode, and the
-    train/eval mode is restored. Under FSDP every rank must call this with the
-    same arguments: greedy decoding (``temperature=0``) or a generator seeded
-    alike on every rank gives every rank the same tokens, so the ranks run the
-    same number of forward passes (their all-gathers) in step; sampling without
-    a generator draws from the global RNG, which ranks need not share.
-    ``autocast`` is a zero-argument callable returning a context manager (the
-    trainer's ``policy.autocast``); ``device`` defaults to the parameters' device.
-    ``prompt_ids`` must hold at least one token (ValueError otherwise)."""
-    return sample_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                      generator=generator, autocast=autocast, device=device)
 
 
 # ----------------------------------------------------------------------- CLI
@@ -277,8 +196,6 @@ def _autocast(meta: dict, precision: str, device: torch.device) -> Callable:
 
 def sample_text(a: argparse.Namespace, log: Callable[[str], None]) -> str:
     """The prompt followed by the model's continuation, for parsed arguments ``a``."""
-    from .data import ByteTokenizer, HFTokenizer
-
     ckpt = find_checkpoint(a.src, log)
     meta = read_meta(ckpt)
     tok = checkpoint_tokenizer(ckpt, meta, a.trust_remote_code, byte=ByteTokenizer)

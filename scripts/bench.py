@@ -41,22 +41,24 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 import torch
+from mptrain.core.errors import UserError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-from mptrain import data as data_mod  # noqa: E402
-from mptrain.config import ConfigError  # noqa: E402
-from mptrain.config_checks import compose_checked, micro_steps  # noqa: E402
-from mptrain.console import duration  # noqa: E402
-from mptrain.model import GPT, GPTShape  # noqa: E402
-from mptrain.parallel import setup, wrap  # noqa: E402
-from mptrain.perf import flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
-from mptrain.precision import PrecisionPolicy, dtype_name  # noqa: E402
-from mptrain.record import peak_memory, reset_peak_memory  # noqa: E402
-from mptrain import optimizers  # noqa: E402
-from mptrain.step import build_optimizer, decay_names, lr_at  # noqa: E402
-from mptrain.trainer import run  # noqa: E402
+from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
+from mptrain.data.store import prepare  # noqa: E402
+from mptrain.config.checks import compose_checked, micro_steps  # noqa: E402
+from mptrain.core.text import duration  # noqa: E402
+from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
+from mptrain.distributed.parallel import setup, wrap  # noqa: E402
+from mptrain.observe.perf import flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
+from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
+from mptrain.precision.formats import dtype_name
+from mptrain.run.record import peak_memory, reset_peak_memory  # noqa: E402
+from mptrain.precision import optimizers  # noqa: E402
+from mptrain.run.step import build_optimizer, decay_names, lr_at  # noqa: E402
+from mptrain.run.trainer import run  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # No checkpoint at the end: it is not part of the loop being compared (the bare loop has
@@ -244,9 +246,9 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None, warm
         tc, m = cfg.train, cfg.model
         mbs, accum = micro_steps(cfg, ctx.world)
         if tokens is None:
-            tokens = data_mod.prepare(cfg.data, log=lambda *a: None)
-        vocab = m.vocab_size or data_mod.padded_vocab(tokens.vocab_size)
-        batches = data_mod.Batches(data_mod.Windows(tokens.train, m.block_size), tc.global_batch_size, mbs,
+            tokens = prepare(cfg.data, log=lambda *a: None)
+        vocab = m.vocab_size or padded_vocab(tokens.vocab_size)
+        batches = Batches(Windows(tokens.train, m.block_size), tc.global_batch_size, mbs,
                                    ctx.rank, ctx.world, tc.seed)
         torch.manual_seed(tc.seed)
         with torch.device("meta"):  # built as the trainer builds it: wrap() gives it storage and weights
@@ -322,7 +324,7 @@ def banner(cfg, overrides: list[str], a, device: str, world: int, tokens) -> str
     """One header for every run (the harness's own per-run banner is hidden): the
     command, machine, torch, model, batch and dtypes."""
     m, tc = cfg.model, cfg.train
-    vocab = m.vocab_size or data_mod.padded_vocab(tokens.vocab_size)
+    vocab = m.vocab_size or padded_vocab(tokens.vocab_size)
     with torch.device("meta"):  # the shape's parameter count, without memory or initialisation
         params = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias)).num_params()
     dtypes = PrecisionPolicy(cfg.precision, torch.device(device)).describe()
@@ -409,8 +411,8 @@ def configured(compose, overrides: list[str], prog: str):
     or one line naming the error and exit 2; CUDA unless absent or ``train.device=cpu``."""
     try:
         cfg = compose(overrides)
-    except ConfigError as e:
-        print(f"{prog}: configuration error: {e}", file=sys.stderr)
+    except UserError as e:
+        print(f"{prog}: {e.one_line()}", file=sys.stderr)
         sys.exit(2)
     return cfg, "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
 
@@ -432,7 +434,7 @@ def main() -> None:
     if rank0:
         # The corpus, loaded once for the banner and the bare loop; a first use builds
         # its cache here, where its messages show (the harness's are hidden).
-        tokens = data_mod.prepare(cfg.data, log=lambda msg: print(f"  data: {msg}", flush=True))
+        tokens = prepare(cfg.data, log=lambda msg: print(f"  data: {msg}", flush=True))
         print(banner(cfg, overrides, a, device, world, tokens), flush=True)
     best = measure(overrides, a, sys.stdout if rank0 else None, tokens)
     if rank0:

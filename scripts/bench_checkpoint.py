@@ -44,13 +44,14 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 
-import mptrain.config  # noqa: E402,F401  registers the schema
-from mptrain.checkpoint import Checkpointer, Progress, _hash_files, _sizes, verify  # noqa: E402
-from mptrain.config import ParallelMode  # noqa: E402
-from mptrain.model import GPT, GPTShape  # noqa: E402
-from mptrain.parallel import DistContext  # noqa: E402
-from mptrain.precision import PrecisionPolicy  # noqa: E402
-from mptrain.step import build_optimizer, decay_names  # noqa: E402
+import mptrain.config.schema  # noqa: E402,F401  registers the schema
+from mptrain.run.checkpoint import Checkpointer, Progress  # noqa: E402
+from mptrain.run.integrity import hash_files, file_sizes, verify  # noqa: E402
+from mptrain.config.schema import ParallelMode  # noqa: E402
+from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
+from mptrain.distributed.parallel import DistContext  # noqa: E402
+from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
+from mptrain.run.step import build_optimizer, decay_names  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 VOCAB = 50304  # GPT-2's 50,257 tokens padded to a multiple of 64
@@ -148,9 +149,9 @@ def bench(name: str, root: Path, repeats: int) -> dict:
         out["save"] += timed("save (Checkpointer.save)", 1, lambda: ckpt.save(i + 1, model, optimizer, states),
                              before=clean_slate)
     path = ckpt.root / f"step-{repeats}"
-    names = sorted(_sizes(path))
+    names = sorted(file_sizes(path))
     out["bytes"] = sum((path / n).stat().st_size for n in [*names, "manifest.json", "meta.json"])
-    out["manifest"] = timed("manifest hashing", repeats, lambda: _hash_files(path, names))
+    out["manifest"] = timed("manifest hashing", repeats, lambda: hash_files(path, names))
     out["verify_warm"] = timed("verify (page cache)", repeats, lambda: verify(path))
     out["verify_cold"] = timed("verify (from disk)", repeats, lambda: verify(path), before=lambda: drop_cache(path))
     fresh = build(name, root / f"{name}-load")

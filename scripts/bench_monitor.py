@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py's pro
 
 import torch  # noqa: E402
 from bench import Progress, configured, following, machine, quiet_harness  # noqa: E402
-from mptrain.config_checks import compose_checked  # noqa: E402
-from mptrain.trainer import run  # noqa: E402
+from mptrain.config.checks import compose_checked  # noqa: E402
+from mptrain.run.trainer import run  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.max_steps=300", "train.eval_every=0",

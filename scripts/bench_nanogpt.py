@@ -82,14 +82,15 @@ import torch
 
 import bench  # scripts/bench.py: the harness's config, the bare loop, the quiet wrapper
 
-from mptrain import data as data_mod  # noqa: E402
-from mptrain import optimizers  # noqa: E402
-from mptrain.faults import NonFiniteGuard  # noqa: E402
-from mptrain.model import GPT, GPTShape  # noqa: E402
-from mptrain.parallel import setup  # noqa: E402
-from mptrain.precision import PrecisionPolicy  # noqa: E402
-from mptrain.step import build_optimizer, decay_names, lr_at, train_step  # noqa: E402
-from mptrain.trainer import run  # noqa: E402
+from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
+from mptrain.data.store import prepare  # noqa: E402
+from mptrain.precision import optimizers  # noqa: E402
+from mptrain.run.faults import NonFiniteGuard  # noqa: E402
+from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
+from mptrain.distributed.parallel import setup  # noqa: E402
+from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
+from mptrain.run.step import build_optimizer, decay_names, lr_at, train_step  # noqa: E402
+from mptrain.run.trainer import run  # noqa: E402
 
 PROG = "bench_nanogpt"
 # The harness's settings for this comparison (after bench.py's own defaults: gpt-mini, fp32,
@@ -289,12 +290,12 @@ def profile(root: Path, cfg, tokens, steps: int, rounds: int, top: int = 14) -> 
     """Both models' steps under torch.profiler, in turns; per operator, the self CPU
     time per step of each side's fastest round, largest differences first."""
     m, tc = cfg.model, cfg.train
-    batches = data_mod.Batches(data_mod.Windows(tokens.train, m.block_size), tc.global_batch_size,
+    batches = Batches(Windows(tokens.train, m.block_size), tc.global_batch_size,
                                tc.global_batch_size, 0, 1, tc.seed)
     ctx = setup(cfg.parallel, "cpu")
     try:
         sides = {"nanoGPT": nanogpt_step(root, cfg, tokens.vocab_size, batches),
-                 "harness": harness_step(cfg, m.vocab_size or data_mod.padded_vocab(tokens.vocab_size), batches, ctx)}
+                 "harness": harness_step(cfg, m.vocab_size or padded_vocab(tokens.vocab_size), batches, ctx)}
         for step in sides.values():  # warm-up: first-touch allocations, optimizer state
             for i in range(3):
                 step(i)
@@ -342,7 +343,7 @@ def main() -> None:
     cfg, _ = bench.configured(lambda o: bench.compose_cfg([*HARNESS, *o]), overrides, PROG)
     log_every = cfg.train.log_every
     if a.profile:
-        tokens = data_mod.prepare(cfg.data, log=lambda msg: print(f"  data: {msg}", flush=True))
+        tokens = prepare(cfg.data, log=lambda msg: print(f"  data: {msg}", flush=True))
         print(f"{PROG} --profile: machine {machine()}", flush=True)
         profile(root, cfg, tokens, a.steps or 6, a.repeats)
         return
@@ -350,9 +351,9 @@ def main() -> None:
     if a.warmup < 1 or a.warmup % log_every or a.steps <= a.warmup:
         fail(f"--warmup={a.warmup} must be a positive multiple of train.log_every={log_every} (the harness's "
              f"lap) and below --steps={a.steps}; e.g. --warmup={log_every} --steps={10 * log_every}.")
-    tokens = data_mod.prepare(cfg.data, log=lambda msg: print(f"  data: {msg}", flush=True))
+    tokens = prepare(cfg.data, log=lambda msg: print(f"  data: {msg}", flush=True))
     m, tc = cfg.model, cfg.train
-    vocab = m.vocab_size or data_mod.padded_vocab(tokens.vocab_size)
+    vocab = m.vocab_size or padded_vocab(tokens.vocab_size)
     tokens_per_step = tc.global_batch_size * m.block_size
     print(f"{PROG}: {a.steps} steps per run, the first {a.warmup} untimed, best of {a.repeats}, interleaved\n"
           f"  machine  {machine()}\n"

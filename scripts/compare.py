@@ -34,7 +34,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mptrain.checkpoint import flatten  # noqa: E402
+from mptrain.run.checkpoint import flatten  # noqa: E402
 
 # (panel title, metric, x axis, y scale)
 PANELS = [

@@ -37,20 +37,21 @@ import sys
 from pathlib import Path
 
 import torch
+from mptrain.core.errors import UserError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mptrain.checkpoint import CheckpointError, read_meta  # noqa: E402
-from mptrain.config import ConfigError  # noqa: E402
-from mptrain.data import EOT  # noqa: E402
-from mptrain.sample import (OneLineParser, build_model, checkpoint_tokenizer, find_checkpoint,  # noqa: E402
-                            model_weights, one_line_errors)
+from mptrain.run.integrity import CheckpointError, read_meta  # noqa: E402
+from mptrain.data.tokenizers import EOT  # noqa: E402
+from mptrain.sample import OneLineParser, build_model, checkpoint_tokenizer, find_checkpoint, model_weights, one_line_errors
 
 TOLERANCE = 1e-4
 
 
-class ExportError(ConfigError):
+class ExportError(UserError):
     """An export that cannot proceed; main() prints it as one ``export_hf:`` line (exit status 2)."""
+
+    kind = "export error"
 
 
 def gpt2_state_dict(sd: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:

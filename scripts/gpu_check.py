@@ -64,16 +64,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))  # bench.py's config composition and bare loop
 
 import bench  # noqa: E402
-from mptrain import data as data_mod  # noqa: E402
-from mptrain import optimizers  # noqa: E402
-from mptrain.faults import NonFiniteGuard  # noqa: E402
-from mptrain.memory import estimate  # noqa: E402
-from mptrain.model import GPT, GPTShape  # noqa: E402
-from mptrain.parallel import setup, wrap  # noqa: E402
-from mptrain.perf import HostSyncCounter, matmul_kind, mfu, peak_flops  # noqa: E402
-from mptrain.precision import PrecisionPolicy  # noqa: E402
-from mptrain.step import build_optimizer, decay_names, train_step  # noqa: E402
-from mptrain.trainer import Trainer, run  # noqa: E402
+from mptrain.data import store  # noqa: E402
+from mptrain.precision import optimizers  # noqa: E402
+from mptrain.run.faults import NonFiniteGuard  # noqa: E402
+from mptrain.observe.memory import estimate  # noqa: E402
+from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
+from mptrain.distributed.parallel import setup, wrap  # noqa: E402
+from mptrain.observe.perf import HostSyncCounter, matmul_kind, mfu, peak_flops  # noqa: E402
+from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
+from mptrain.run.step import build_optimizer, decay_names, train_step  # noqa: E402
+from mptrain.run.trainer import Trainer, run  # noqa: E402
 
 VOCAB = 50304  # GPT-2's vocabulary rounded up to a multiple of 64
 GOAL_MFU = 0.40
@@ -281,7 +281,7 @@ def harness_speed(plan: Plan, r: dict, compute: str) -> tuple[str, Optional[floa
 def tokens_for_bare(plan: Plan):
     if plan.tokens is None:
         cfg = bench.compose_cfg(plan.base)
-        plan.tokens = data_mod.prepare(cfg.data, log=lambda *a: None)
+        plan.tokens = store.prepare(cfg.data, log=lambda *a: None)
     return plan.tokens
 
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from mptrain.core.errors import UserError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-from mptrain.config import ConfigError  # noqa: E402
-from mptrain.config_checks import compose_checked  # noqa: E402
-from mptrain.tokens import prepare_hf  # noqa: E402
+from mptrain.core.errors import ConfigError  # noqa: E402
+from mptrain.config.checks import compose_checked  # noqa: E402
+from mptrain.data.store import prepare_hf  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> int:
         if out.exists():
             out.rmdir()
         prepare_hf(cfg.data, out)
-    except ConfigError as e:
+    except UserError as e:
         print(f"prepare_data: {e}", file=sys.stderr)
         return 2
     print(f"train with: python train.py data=tokens data.path={out}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import mptrain.config  # noqa: F401  registers the schema in Hydra's ConfigStore
+import mptrain.config.schema  # noqa: F401  registers the schema in Hydra's ConfigStore
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -44,7 +44,7 @@ def _hermetic_cache(tmp_path_factory):
 
 
 def make_cfg(*overrides: str, tiny: bool = True):
-    from mptrain.launch import expand_shorthands
+    from mptrain.config.checks import expand_shorthands
 
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(config_name="config", overrides=expand_shorthands([*(TINY if tiny else []), *overrides]))
@@ -56,7 +56,7 @@ def read_rows(run_dir: Path) -> list[dict]:
 
 def train(run_dir: Path, *overrides: str, tiny: bool = True):
     """Run in this process; returns (summary, metrics rows)."""
-    from mptrain.trainer import run
+    from mptrain.run.trainer import run
 
     summary = run(make_cfg(*overrides, tiny=tiny), run_dir=run_dir)
     return summary, read_rows(run_dir)

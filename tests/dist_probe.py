@@ -31,10 +31,11 @@ from hydra import compose, initialize_config_dir
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import mptrain.config  # noqa: E402,F401
-from mptrain.model import GPT, GPTShape, LayerNorm  # noqa: E402
-from mptrain.parallel import setup, wrap  # noqa: E402
-from mptrain.precision import PrecisionPolicy, dtype_name  # noqa: E402
+import mptrain.config.schema  # noqa: E402,F401
+from mptrain.model.gpt import GPT, GPTShape, LayerNorm  # noqa: E402
+from mptrain.distributed.parallel import setup, wrap  # noqa: E402
+from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
+from mptrain.precision.formats import dtype_name
 
 CASES = {
     "fp32": ["precision=fp32"],
@@ -154,6 +155,6 @@ if __name__ == "__main__":
                 f.write(json.dumps(probe(mode, case, ov)) + "\n")
     with open(os.path.join(out_dir, f"init-rank{os.environ['RANK']}.json"), "w") as f:
         json.dump({p: init_digest("fsdp", p) for p in ("fp32", "fp8")}, f)
-    from mptrain.launch import exit_process
+    from mptrain.distributed.launch import exit_process
 
     exit_process(0)  # leave the way train.py does (see exit_process for the gloo exit race)

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from mptrain.config import ParallelMode
-from mptrain.model import GPT, GPTShape
-from mptrain.parallel import DistContext
-from mptrain.precision import PrecisionPolicy
-from mptrain.step import build_optimizer, decay_names, train_step
+from mptrain.config.schema import ParallelMode
+from mptrain.model.gpt import GPT, GPTShape
+from mptrain.distributed.parallel import DistContext
+from mptrain.precision.policy import PrecisionPolicy
+from mptrain.run.step import build_optimizer, decay_names, train_step
 
 from .conftest import make_cfg
 
@@ -29,9 +29,9 @@ def _one_step(micro: int):
 def test_accumulation_matches_big_batch():
     big, out_big = _one_step(1)
     acc, out_acc = _one_step(4)
-    torch.testing.assert_close(out_acc["loss"], out_big["loss"], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(out_acc["grad_norm"], out_big["grad_norm"], rtol=1e-5, atol=1e-7)
-    for (n, a), (_, b) in zip(acc.named_parameters(), big.named_parameters()):
+    torch.testing.assert_close(out_acc.loss, out_big.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out_acc.grad_norm, out_big.grad_norm, rtol=1e-5, atol=1e-7)
+    for (n, a), (_, b) in zip(acc.named_parameters(), big.named_parameters(), strict=True):
         # The gradients (left in .grad after the step) agree to fp32 rounding...
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-8, msg=n)
         # ...and so do the parameters after AdamW. On its first step AdamW moves each
@@ -50,5 +50,5 @@ def test_accumulation_in_a_run_matches(tmp_path):
 
     _, rows1 = train(tmp_path / "a", "train.max_steps=5")
     _, rows4 = train(tmp_path / "b", "train.max_steps=5", "train.micro_batch_size=2")
-    for r1, r4 in zip(rows1, rows4):
+    for r1, r4 in zip(rows1, rows4, strict=True):
         assert abs(r1["train/loss"] - r4["train/loss"]) < 1e-5

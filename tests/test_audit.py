@@ -11,12 +11,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mptrain.audit import UNATTRIBUTED, DtypeAudit
-from mptrain.config import ParallelMode
-from mptrain.model import GPT, GPTShape
-from mptrain.parallel import DistContext, wrap
-from mptrain.precision import PrecisionPolicy
-from mptrain.step import build_optimizer, decay_names, train_step
+from mptrain.observe.audit import UNATTRIBUTED, DtypeAudit
+from mptrain.config.schema import ParallelMode
+from mptrain.model.gpt import GPT, GPTShape
+from mptrain.distributed.parallel import DistContext, wrap
+from mptrain.precision.policy import PrecisionPolicy
+from mptrain.run.step import build_optimizer, decay_names, train_step
 
 from .conftest import make_cfg
 
@@ -50,7 +50,7 @@ def _batch(vocab: int = 64):
 def _audit(model, opt, policy, scaler, batch=None) -> DtypeAudit:
     with DtypeAudit(model, opt, policy) as audit:
         out = train_step(model, opt, scaler, policy, CTX, batch or _batch(), 1.0)
-    assert torch.isfinite(out["loss"])
+    assert torch.isfinite(out.loss)
     return audit
 
 
@@ -271,7 +271,7 @@ def test_exit_removes_every_hook_and_training_goes_on():
     n = audit.report()["n_ops"]
     w = model.blocks[0].mlp.fc.weight.detach().clone()
     out = train_step(model, opt, scaler, policy, CTX, _batch(), 1.0)
-    assert torch.isfinite(out["loss"]) and not torch.equal(w, model.blocks[0].mlp.fc.weight)
+    assert torch.isfinite(out.loss) and not torch.equal(w, model.blocks[0].mlp.fc.weight)
     assert audit.report()["n_ops"] == n  # nothing recorded after exit
     # an exception inside the step leaves nothing behind either
     with pytest.raises(RuntimeError, match="boom"):

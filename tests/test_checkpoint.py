@@ -13,7 +13,9 @@ import time
 import pytest
 import torch
 
-from mptrain.checkpoint import CheckpointError, complete_checkpoints, load_full_state, resolve_resume, verify
+from mptrain.run.checkpoint import load_full_state
+from mptrain.run.integrity import CheckpointError, complete_checkpoints, verify
+from mptrain.run.resume import resolve_resume
 
 from .conftest import ROOT, TINY, make_cfg, read_rows, run_cli, train
 
@@ -106,9 +108,9 @@ def test_reshard_fsdp_two_ranks_to_one(tmp_path):
     # One process, no wrapper: load the 2-rank sharded checkpoint and write it again.
     # (A run resumed at its last step has nothing to train, so the Trainer is built
     # and saved directly: the same load and save a resumed run goes through.)
-    from mptrain.parallel import setup
-    from mptrain.resume import ResumePlan
-    from mptrain.trainer import Trainer
+    from mptrain.distributed.parallel import setup
+    from mptrain.run.resume import ResumePlan
+    from mptrain.run.trainer import Trainer
 
     cfg = make_cfg(*BASE, "parallel=none")
     ctx = setup(cfg.parallel, cfg.train.device)
@@ -240,7 +242,7 @@ def test_save_error_keeps_the_last_checkpoint(saved_run, tmp_path):
                        preexec_fn=_small_files_only)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().count("\n") == 0, r.stderr
-    assert r.stderr.startswith(f"mptrain: configuration error: checkpoint step-6 was not saved: "
+    assert r.stderr.startswith(f"mptrain: save error: checkpoint step-6 was not saved: "
                                f"{run / 'checkpoints' / 'step-6.tmp'}/__0_0.distcp: File too large (EFBIG); "
                                f"the last complete checkpoint, {step4}, is intact"), r.stderr
     assert "ulimit -f" in r.stderr and "resumed from" in r.stdout  # the fix; it did train steps 5-6

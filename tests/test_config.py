@@ -7,8 +7,9 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from mptrain.config import Config, ConfigError, DType
-from mptrain.config_checks import check_override_keys, check_overrides, micro_steps, validate
+from mptrain.config.schema import Config, DType
+from mptrain.core.errors import ConfigError
+from mptrain.config.checks import check_override_keys, check_overrides, micro_steps, validate
 
 from .conftest import CONFIGS, ROOT, make_cfg, run_cli
 
@@ -235,7 +236,7 @@ def test_every_numeric_key_has_a_range():
     import dataclasses
     import typing
 
-    from mptrain.config_checks import _RANGES
+    from mptrain.config.checks import _RANGES
 
     def numeric_keys(cls, prefix=""):
         for f in dataclasses.fields(cls):
@@ -314,3 +315,29 @@ def test_cli_value_error_is_one_clear_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["mptrain: configuration error: optim.lr=-1.0 is out of range; "
                                              "set a value >= 0 (0 leaves the weights unchanged)."]
+
+
+def test_user_errors_name_their_kind():
+    """Every user error says what refused: a full disk during a save is a save
+    error, not a configuration error (train.py prints ``mptrain: <kind>: <message>``)."""
+    import importlib
+    import pkgutil
+
+    import mptrain
+    from mptrain.core.errors import UserError
+    from mptrain.run.checkpoint import CheckpointSaveError
+
+    for m in pkgutil.walk_packages(mptrain.__path__, "mptrain."):
+        importlib.import_module(m.name)
+
+    def family(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from family(sub)
+
+    errors = [c for c in family(UserError) if c.__module__.startswith("mptrain.")]
+    kinds = {c: c.__dict__.get("kind") for c in errors}
+    assert len(errors) >= 7 and all(kinds.values()), kinds  # each names its own kind
+    assert len(set(kinds.values())) == len(kinds), kinds  # and no two share one
+    assert not issubclass(CheckpointSaveError, ConfigError)
+    assert CheckpointSaveError("disk full").one_line() == "save error: disk full"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import warnings
 
-from mptrain.console import RunLog, plain_cadence
+from mptrain.run.console import RunLog, plain_cadence
 
 from .conftest import ROOT
 
@@ -41,7 +41,7 @@ def test_import_noise_is_filtered_narrowly_and_project_warnings_are_kept(tmp_pat
 
 def test_importing_the_fp8_path_prints_nothing():
     """What a new user saw on every fp8 run: torchao's kernel-loading and Triton messages."""
-    code = "import mptrain.trainer, mptrain.precision, torchao.float8"
+    code = "import mptrain.run.trainer, mptrain.precision.policy, torchao.float8"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stderr
 

@@ -5,14 +5,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mptrain import data as D
-from mptrain.config import ConfigError
+from mptrain.data.batches import Batches, Windows, val_batches
+from mptrain.data.sources import read_corpus
+from mptrain.data.store import prepare
+from mptrain.data.tokenizers import EOT, ByteTokenizer, build_tokenizer
+from mptrain.core.errors import ConfigError
 
 from .conftest import make_cfg
 
 
 def test_embedded_corpus_needs_no_network_and_is_deterministic():
-    a, b = D.read_corpus(make_cfg().data), D.read_corpus(make_cfg().data)
+    a, b = read_corpus(make_cfg().data), read_corpus(make_cfg().data)
     assert a.digest == b.digest and len(a.docs) >= 2
     assert "python-stdlib" in a.source
 
@@ -21,11 +24,11 @@ def test_bpe_tokenizer_is_a_transformers_fast_tokenizer_and_cached(tmp_path):
     from transformers import AutoTokenizer
 
     cfg = make_cfg("data.tokenizer=bpe", "data.bpe_vocab_size=512", "data.max_chars=100000").data
-    corpus = D.read_corpus(cfg)
-    tok = D.build_tokenizer(cfg, corpus, tmp_path, log=lambda *a: None)
+    corpus = read_corpus(cfg)
+    tok = build_tokenizer(cfg, corpus, tmp_path, log=lambda *a: None)
     saved = next((tmp_path / "tokenizers").iterdir())
     mtime = (saved / "tokenizer.json").stat().st_mtime_ns
-    again = D.build_tokenizer(cfg, corpus, tmp_path, log=lambda *a: pytest.fail("retrained"))
+    again = build_tokenizer(cfg, corpus, tmp_path, log=lambda *a: pytest.fail("retrained"))
     assert (saved / "tokenizer.json").stat().st_mtime_ns == mtime
     assert tok.vocab_size == again.vocab_size == 512
     hf = AutoTokenizer.from_pretrained(str(saved))
@@ -33,27 +36,27 @@ def test_bpe_tokenizer_is_a_transformers_fast_tokenizer_and_cached(tmp_path):
     ids = tok.encode_batch([text])[0]
     assert ids == hf(text, add_special_tokens=False)["input_ids"]
     assert hf.decode(ids) == text
-    assert tok.eos_id == hf.convert_tokens_to_ids(D.EOT)
+    assert tok.eos_id == hf.convert_tokens_to_ids(EOT)
 
 
 def test_byte_tokenizer_round_trip():
-    t = D.ByteTokenizer()
+    t = ByteTokenizer()
     ids = t.encode_batch(["héllo"])[0]
     assert max(ids) < 256 and t.decode(ids) == "héllo"
 
 
 def test_prepare_caches_and_beats_nothing_baseline():
     cfg = make_cfg().data
-    td = D.prepare(cfg, log=lambda *a: None)
+    td = prepare(cfg, log=lambda *a: None)
     assert td.train.dtype == np.uint16 and len(td.train) > len(td.val) > 0
     # unigram cross-entropy is below uniform and above zero
     assert 0 < td.unigram_nats < np.log(td.vocab_size)
-    D.prepare(cfg, log=lambda *a: pytest.fail("re-tokenized"))
+    prepare(cfg, log=lambda *a: pytest.fail("re-tokenized"))
 
 
 def test_an_interrupted_cache_build_leaves_no_temporary_directory(tmp_path):
     """Whatever stops a builder midway (an error, Ctrl-C) takes its half-written directory with it."""
-    from mptrain import files
+    from mptrain.core import files
 
     def write(d):
         d.mkdir()
@@ -69,12 +72,12 @@ def test_an_interrupted_cache_build_leaves_no_temporary_directory(tmp_path):
 
 def test_text_data_errors(tmp_path):
     with pytest.raises(ConfigError, match="does-not-exist"):
-        D.read_corpus(make_cfg("data=text", f"data.paths=[{tmp_path}/does-not-exist.txt]").data)
+        read_corpus(make_cfg("data=text", f"data.paths=[{tmp_path}/does-not-exist.txt]").data)
     cfg = make_cfg("data=text").data
     with pytest.raises(ConfigError, match="needs files"):
-        D.read_corpus(cfg)
+        read_corpus(cfg)
     with pytest.raises(ConfigError, match="could not be loaded.*save_pretrained"):
-        D.build_tokenizer(make_cfg(f"data.tokenizer={tmp_path}/nope").data, None, tmp_path)
+        build_tokenizer(make_cfg(f"data.tokenizer={tmp_path}/nope").data, None, tmp_path)
     # Entries with no text file left after skipping binaries: one line naming the entry and its files.
     images = tmp_path / "images"
     images.mkdir()
@@ -83,12 +86,12 @@ def test_text_data_errors(tmp_path):
     (tmp_path / "notes.txt").write_text("enough text\n" * 20)
     cfg.paths = [str(tmp_path / "notes.txt"), str(images)]
     with pytest.raises(ConfigError) as e:
-        D.read_corpus(cfg)
+        read_corpus(cfg)
     assert str(e.value) == (f"data.paths: '{images}' holds no UTF-8 text file, only binary or otherwise encoded "
                             f"ones ({images}/a.png, {images}/b.png); point data.paths at text files.")
     cfg.paths = [str(tmp_path / "notes.txt"), str(images / "a.png")]
     with pytest.raises(ConfigError, match=r"'.*/a.png' is not UTF-8 text \(it is binary"):
-        D.read_corpus(cfg)
+        read_corpus(cfg)
 
 
 # The first bytes of a PNG file: a NUL among them, as in every binary format that stores lengths.
@@ -110,15 +113,15 @@ def test_text_folder_skips_binary_files_by_content_and_caches_by_the_text(tmp_pa
     cfg = make_cfg("data=text", f"data.paths=[{corpus}]").data
     caches = lambda: len(list((tmp_path / "cache" / "tokens").iterdir()))  # noqa: E731
 
-    td = D.prepare(cfg, log=lambda *a: None)
+    td = prepare(cfg, log=lambda *a: None)
     assert td.source == f"text files (2 read, 2 skipped as not UTF-8 text: {corpus}/latin1.txt, {corpus}/logo.png)"
-    assert D.read_corpus(cfg).docs[1].startswith("beta, ünïcode\n")  # line endings as text mode reads them
+    assert read_corpus(cfg).docs[1].startswith("beta, ünïcode\n")  # line endings as text mode reads them
     (corpus / "data.bin").write_bytes(bytes(100))
-    D.prepare(cfg, log=lambda *a: pytest.fail("re-tokenized for a file that adds no text"))
+    prepare(cfg, log=lambda *a: pytest.fail("re-tokenized for a file that adds no text"))
     (corpus / "c.txt").write_text("gamma\n" * 40)
-    D.prepare(cfg, log=lambda *a: None)
+    prepare(cfg, log=lambda *a: None)
     (corpus / "a.md").unlink()
-    assert "3 skipped" in D.prepare(cfg, log=lambda *a: None).source
+    assert "3 skipped" in prepare(cfg, log=lambda *a: None).source
     assert caches() == 3
 
 
@@ -132,17 +135,17 @@ def test_text_paths_are_relative_to_the_launch_directory(monkeypatch, tmp_path):
     cfg = make_cfg("data=text", "data.paths=[docs/]", "data.max_chars=0").data
     # every committed binary file: the figures, and the GPU check's gzipped profiler trace
     figures = sorted([*(ROOT / "docs").rglob("*.png"), *(ROOT / "docs").rglob("*.gz")])
-    assert f"{len(figures)} skipped as not UTF-8 text: docs/" in D.read_corpus(cfg).source
+    assert f"{len(figures)} skipped as not UTF-8 text: docs/" in read_corpus(cfg).source
     cfg.paths = ["docs/*.md"]
-    assert D.read_corpus(cfg).source.startswith("text files (")
+    assert read_corpus(cfg).source.startswith("text files (")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=f"taken from the directory you launched in, {tmp_path}"):
-        D.read_corpus(cfg)
+        read_corpus(cfg)
 
 
 def _batches(n_windows, G, world, rank, seed=3):
     toks = np.arange(n_windows * 8 + 1, dtype=np.uint16)
-    return D.Batches(D.Windows(toks, 8), G, G // world, rank, world, seed)
+    return Batches(Windows(toks, 8), G, G // world, rank, world, seed)
 
 
 @settings(max_examples=30, deadline=None)
@@ -169,6 +172,6 @@ def test_no_window_twice_per_epoch_and_batches_depend_only_on_step():
 def test_val_batches_last_micro_batch_may_be_smaller():
     # 2 ranks share 10 windows: 5 each, in micro-batches of 2 -> 2, 2, 1. Callers
     # average by tokens, so the short one must come through as it is.
-    w = D.Windows(np.arange(10 * 8 + 1, dtype=np.uint16), 8)
-    sizes = [x.shape[0] for x, _ in D.val_batches(w, n_batches=5, global_batch=2, micro_batch=2, rank=1, world=2)]
+    w = Windows(np.arange(10 * 8 + 1, dtype=np.uint16), 8)
+    sizes = [x.shape[0] for x, _ in val_batches(w, n_batches=5, global_batch=2, micro_batch=2, rank=1, world=2)]
     assert sizes == [2, 2, 1]

@@ -99,9 +99,9 @@ def sweep(cwd: Path, cases: dict[str, list[str]], timeout: int = 900) -> dict[st
     torchrun(cwd, "-m", f"hydra.searchpath=[file://{exp}]", f"experiment={','.join(cases)}", timeout=timeout)
     jobs = _sweep_jobs(cwd)
     assert [j.name for j in jobs] == [str(i) for i in range(len(cases))]  # one directory per job
-    for name, job in zip(cases, jobs):
+    for name, job in zip(cases, jobs, strict=True):
         assert f"experiment={name}" in (job / ".hydra" / "overrides.yaml").read_text(), (name, job)
-    return dict(zip(cases, jobs))
+    return dict(zip(cases, jobs, strict=True))
 
 
 # What every wrapper runs on 2 ranks. Each list is the command line a user would type
@@ -168,7 +168,7 @@ def _matches_one_process(run_dir: Path, reference: list[dict], tol: float) -> tu
     rows = [r for r in read_rows(run_dir) if "train/loss" in r]
     ref = [r for r in reference if "train/loss" in r]
     assert len(rows) == len(ref) == STEPS
-    diffs = [abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref)]
+    diffs = [abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref, strict=True)]
     assert max(diffs) < tol, f"max |loss - none| = {max(diffs):.2e} (step {diffs.index(max(diffs)) + 1})"
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3
     # every rank saw the same global grad norm and skip count at every logged step
@@ -183,7 +183,7 @@ def test_two_ranks_match_single_process(two_rank_jobs, reference, parallel, prec
     rows, ref = _matches_one_process(run_dir, reference[precision], TOL[precision])
     if precision == "fp32":
         # and that grad norm is the single-process one
-        for a, b in zip(rows, ref):
+        for a, b in zip(rows, ref, strict=True):
             assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4), a["step"]
         # the numerics monitor describes the whole model (shards reduced), as one process sees it
         a, b = rows[0], ref[0]
@@ -210,7 +210,7 @@ def test_stability_switches_match_single_process(two_rank_jobs, switches_referen
     ref = [r for r in switches_reference if "train/loss" in r]
     assert len(rows) == len(ref) == STEPS
     for key in ("train/loss", "train/z_loss", "train/update_clip_max"):
-        diffs = [abs(a[key] - b[key]) for a, b in zip(rows, ref)]
+        diffs = [abs(a[key] - b[key]) for a, b in zip(rows, ref, strict=True)]
         assert max(diffs) < TOL["fp32"] * max(1.0, abs(ref[0][key])), (key, max(diffs))
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3
     for key in ("stability/attn_logit_max/block0", "stability/attn_entropy/block1", "stability/output_log_z",
@@ -247,7 +247,7 @@ def test_gradient_accumulation_across_ranks(two_rank_jobs, reference, parallel):
     assert "grad_accum_steps: 2" in cfg
     rows = [r for r in read_rows(run_dir) if "train/loss" in r]
     ref = [r for r in reference["fp32"] if "train/loss" in r]
-    assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref)) < TOL["fp32"]
+    assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref, strict=True)) < TOL["fp32"]
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
@@ -308,7 +308,7 @@ def _fsdp2_gathered_numel(model_cfg: dict, vocab_size: int, world: int) -> tuple
     gathered twice per step, for forward and again for backward (non-root units
     reshard after forward); the root (embeddings, tied head, final norm) once: it
     keeps its parameters from forward through backward."""
-    from mptrain.model import GPT, GPTShape, LayerNorm
+    from mptrain.model.gpt import GPT, GPTShape, LayerNorm
 
     m = GPT(GPTShape(vocab_size=vocab_size, n_layer=model_cfg["n_layer"], n_head=model_cfg["n_head"],
                      d_model=model_cfg["d_model"], block_size=model_cfg["block_size"], bias=model_cfg["bias"]))
@@ -476,7 +476,7 @@ def test_initial_weights_do_not_depend_on_world_size(probe_launch):
     by FSDP2 across 2 ranks, then materialized): its full initial weights are,
     bit for bit, those of the plain model built on the CPU in one process and
     reset with the same seed, in fp32 and with float8 linears."""
-    from mptrain.model import GPT
+    from mptrain.model.gpt import GPT
 
     from .dist_probe import INIT_SEED, INIT_SHAPE, digest, init_digest
 
@@ -497,9 +497,9 @@ def test_fsdp1_grad_norm_is_fp32_with_half_precision_grads():
     bf16 gradients (bf16-pure stores them so) the logged norm and the inf/nan guard
     would see a value rounded to 8 bits. The context's norm is fp32, the exact norm
     of the bf16 gradients, and the clip scales them by it."""
-    from mptrain.model import GPT, GPTShape
-    from mptrain.parallel import setup, wrap
-    from mptrain.precision import PrecisionPolicy
+    from mptrain.model.gpt import GPT, GPTShape
+    from mptrain.distributed.parallel import setup, wrap
+    from mptrain.precision.policy import PrecisionPolicy
 
     from .conftest import make_cfg
 
@@ -524,14 +524,14 @@ def test_fsdp1_grad_norm_is_fp32_with_half_precision_grads():
         # and clipping used that norm: every gradient scaled by 0.5 / norm (in bf16)
         coef = 0.5 / (float(exact) + 1e-6)
         assert coef < 1
-        for g, b in zip(grads, before):
+        for g, b in zip(grads, before, strict=True):
             torch.testing.assert_close(g.float(), (b.float() * coef), rtol=2 ** -7, atol=1e-8)
     finally:
         ctx.shutdown()
 
 
 def test_nccl_without_cuda_is_refused(tmp_path):
-    from mptrain.config import ConfigError
+    from mptrain.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="nccl needs CUDA"):
         train(tmp_path / "run", "train.max_steps=1", "parallel=ddp", "parallel.backend=nccl")

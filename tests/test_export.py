@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from mptrain.checkpoint import complete_checkpoints, load_full_model_state, read_meta
-from mptrain.model import GPT, GPTShape
+from mptrain.run.checkpoint import load_full_model_state
+from mptrain.run.integrity import complete_checkpoints, read_meta
+from mptrain.model.gpt import GPT, GPTShape
 
 from .conftest import ROOT, TINY, train
 from .test_tokens import make_remote_code_tokenizer
@@ -92,7 +93,7 @@ def test_export_refuses_a_tokenizer_with_custom_code(tmp_path, monkeypatch, caps
     """The checkpoint names a tokenizer that ships Python code: the export stops
     with one line naming --trust-remote-code before it reads any weights (the
     checkpoint here is a meta.json alone), and the code never runs."""
-    from mptrain.checkpoint import FORMAT
+    from mptrain.run.integrity import FORMAT
 
     tok_dir, marker = make_remote_code_tokenizer(tmp_path)
     ckpt = tmp_path / "step-1"

@@ -30,8 +30,9 @@ def test_activation_checkpointing_recomputes_the_same_numbers(tmp_path, plain):
     # the same math; only the order in which backward accumulates some gradients (e.g. the
     # tied embedding's two contributions) changes, so values agree to fp32 rounding
     assert _losses(ac)[0] == _losses(plain)[0]
-    assert max(abs(a - b) for a, b in zip(_losses(ac), _losses(plain))) < 1e-4  # AdamW amplifies ulps a little
-    for a, b in zip(ac, plain):
+    # AdamW amplifies ulps a little
+    assert max(abs(a - b) for a, b in zip(_losses(ac), _losses(plain), strict=True)) < 1e-4
+    for a, b in zip(ac, plain, strict=True):
         assert abs(a["train/grad_norm"] - b["train/grad_norm"]) < 1e-4 * b["train/grad_norm"]
     assert info["activation_checkpointing"] == "block"
     # the wrapper does not leak into checkpoint keys: a run without it resumes from it
@@ -50,13 +51,14 @@ def test_compiled_blocks_train_like_eager(tmp_path, plain):
     assert counters["stats"]["unique_graphs"] - graphs <= 2
     assert info["compile"] is True
     # inductor fuses and reorders float ops: equal up to fp32 rounding, not bitwise
-    assert max(abs(a - b) for a, b in zip(_losses(comp), _losses(plain))) < 1e-4
+    assert max(abs(a - b) for a, b in zip(_losses(comp), _losses(plain), strict=True)) < 1e-4
 
 
 def test_fused_adamw(tmp_path, plain):
     fused, info = _switched(tmp_path / "b", "optim.fused=true")
     assert info["fused_adamw"] is True
-    assert max(abs(a - b) for a, b in zip(_losses(fused), _losses(plain))) < 1e-5  # plain = foreach AdamW
+    # plain = torch's for-loop AdamW (the CPU default)
+    assert max(abs(a - b) for a, b in zip(_losses(fused), _losses(plain), strict=True)) < 1e-5
 
 
 def test_fsdp_with_activation_checkpointing_two_ranks(two_rank_jobs, reference):
@@ -67,7 +69,7 @@ def test_fsdp_with_activation_checkpointing_two_ranks(two_rank_jobs, reference):
 
     rows = [r for r in read_rows(two_rank_jobs("fsdp")["ckpt"]) if "train/loss" in r]
     ref = [r for r in reference["fp32"] if "train/loss" in r]
-    assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref)) < TOL["fp32"]
+    assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref, strict=True)) < TOL["fp32"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -77,7 +79,7 @@ def test_no_host_sync_between_logging_steps(tmp_path, precision):
     Counted through torch's Python API (``item``, ``bool``, ``float``, ``tolist``,
     ``cpu``, ...), which sees every read mptrain makes; with fused AdamW (the CUDA
     default) neither the inf/nan guard nor fp16's GradScaler reads back per step."""
-    from mptrain.perf import HostSyncCounter
+    from mptrain.observe.perf import HostSyncCounter
 
     counts = {}
     for steps in (10, 20):
@@ -94,7 +96,7 @@ def test_no_host_sync_between_logging_steps(tmp_path, precision):
 def test_host_sync_counter_sees_the_per_step_check_of_a_foreach_optimizer(tmp_path):
     """The counter is not blind: without the fused kernel, the inf/nan guard reads its
     flag back every step, and the counter attributes it to the guard's line."""
-    from mptrain.perf import HostSyncCounter
+    from mptrain.observe.perf import HostSyncCounter
 
     with HostSyncCounter() as c:
         train(tmp_path / "run", "train.max_steps=6", "train.log_every=6", "optim.fused=false",

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from mptrain import formats
+from mptrain import formats as formats_cli
+from mptrain.precision import formats
 
 # Independent facts about each format (IEEE 754 / OCP FP8 specs), to check the derivation against.
 LAYOUT = {  # name: (dtype, bits, exponent bits, mantissa bits, smallest normal, smallest subnormal)
@@ -77,7 +78,7 @@ def test_ulp_of_max():
 def test_cli_prints_all_five(capsys):
     # What ``python -m mptrain.formats`` prints is main()'s output; the launch itself is
     # run by tests/test_monitor.py::test_formats_cli, so here it is called in-process.
-    formats.main()
+    formats_cli.main()
     stdout = capsys.readouterr().out
     lines = stdout.splitlines()
     for name in LAYOUT:

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mptrain.config import ConfigError
-from mptrain.doctor import fp8_software_problem
+from mptrain.core.errors import ConfigError
+from mptrain.precision.support import fp8_software_problem
 
 from .conftest import ROOT, make_cfg, read_rows, train
 
@@ -71,7 +71,7 @@ def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_float8_linear_sqnr_vs_fp32(recipe):
-    from mptrain.precision import PrecisionPolicy
+    from mptrain.precision.policy import PrecisionPolicy
 
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(256, 512))
@@ -98,7 +98,7 @@ def test_recipe_refusals_name_the_fix(tmp_path):
     """NVFP4 training needs a Blackwell GPU (torchao's kernels need triton); MX blocks the
     weight gradient along a micro-batch's tokens, so their count must divide by 32;
     delayed scaling's settings under another recipe would be ignored."""
-    from mptrain.fp8mx import problem
+    from mptrain.precision.fp8mx import problem
 
     why = problem("nvfp4", torch.device("cpu"))
     assert why  # torchao 0.18's NVFP4 training path does not run on CPU
@@ -167,7 +167,7 @@ def test_fsdp2_fp8_two_ranks(tmp_path, two_rank_jobs, precision):
         assert s["fp8"]["fsdp_float8_all_gather"] is True and s["fp8"]["float8_all_gather_weights"] == 8
     rows = [r for r in read_rows(run_dir) if "train/loss" in r]
     ref = [r for r in ref if "train/loss" in r]
-    assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref)) < 3e-2
+    assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref, strict=True)) < 3e-2
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3
     _cast_statistics_match(rows[0], ref[0], whatifs=5 if precision == "fp8-delayed" else 4,
                            exact=precision == "fp8")
@@ -265,9 +265,9 @@ def test_fsdp2_float8_scales_follow_every_optimizer_step():
     (One rank, one in-process group: the hook's collective is the same call.)"""
     from torchao.float8.float8_utils import EPS
 
-    from mptrain.model import GPT, GPTShape
-    from mptrain.parallel import setup, wrap
-    from mptrain.precision import PrecisionPolicy
+    from mptrain.model.gpt import GPT, GPTShape
+    from mptrain.distributed.parallel import setup, wrap
+    from mptrain.precision.policy import PrecisionPolicy
 
     cfg = make_cfg("parallel=fsdp", "precision=fp8")
     ctx = setup(cfg.parallel, "cpu")
@@ -318,7 +318,7 @@ def test_fsdp2_float8_scales_follow_every_optimizer_step():
 
 
 def test_attach_optimizer_is_a_no_op_without_float8_all_gather():
-    from mptrain.precision import PrecisionPolicy
+    from mptrain.precision.policy import PrecisionPolicy
 
     model = nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -332,9 +332,9 @@ def test_position_and_size_rules_keep_linears_out_of_float8():
     """precision.fp8.bf16_first_blocks / bf16_last_blocks keep blocks out by
     position, min_features keeps small linears out; each with its reason, as the
     banner lists them. Keeping every block out is refused in one sentence."""
-    from mptrain.config import ConfigError
-    from mptrain.model import GPT, GPTShape
-    from mptrain.precision import PrecisionPolicy
+    from mptrain.core.errors import ConfigError
+    from mptrain.model.gpt import GPT, GPTShape
+    from mptrain.precision.policy import PrecisionPolicy
 
     def convert(*overrides, n_layer=4):
         policy = PrecisionPolicy(make_cfg("precision=fp8", *overrides).precision, torch.device("cpu"))

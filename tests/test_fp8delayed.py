@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from mptrain.fp8delayed import OPERANDS, DelayedFloat8Linear, update_histories
+from mptrain.precision.fp8delayed import OPERANDS, DelayedFloat8Linear, update_histories
 
 E4M3, E5M2 = torch.finfo(torch.float8_e4m3fn).max, torch.finfo(torch.float8_e5m2).max  # 448, 57344
 
@@ -155,7 +155,7 @@ def test_close_to_fp32_and_to_torchao_tensorwise():
     want = run(ref, x)
     got = run(m, x, autocast=True)
     assert got[0].dtype == torch.bfloat16
-    dbs = [sqnr_db(w, g) for w, g in zip(want[:3], got[:3])]
+    dbs = [sqnr_db(w, g) for w, g in zip(want[:3], got[:3], strict=True)]
     assert min(dbs) >= 18 and dbs[0] < 35, dbs  # float8, not merely bf16
     update_histories([m])
     # With the history equal to the current amaxes (the same data again) the delayed
@@ -165,7 +165,7 @@ def test_close_to_fp32_and_to_torchao_tensorwise():
         m.reset_delayed_state()
         for _ in range(2):  # just in time, then delayed
             got, exp = run(m, x, autocast), run(ao, x.bfloat16() if autocast else x)
-            assert all(torch.equal(g.float(), e.float()) for g, e in zip(got, exp))
+            assert all(torch.equal(g.float(), e.float()) for g, e in zip(got, exp, strict=True))
             update_histories([m])
         assert torch.equal(m.input_amax_history[:2], m.input_amax_history[:1].expand(2))
 
@@ -207,7 +207,7 @@ def test_state_dict_round_trip_and_rebuild_from_meta():
     assert all(torch.equal(c.state_dict()[k], fresh[k]) for k in persistent)
     c.load_state_dict(sd)
     outs_a, outs_c = train(a, 3, seed=50), train(c, 3, seed=50)
-    assert all(torch.equal(x, y) for x, y in zip(outs_a, outs_c))
+    assert all(torch.equal(x, y) for x, y in zip(outs_a, outs_c, strict=True))
     assert all(torch.equal(v, c.state_dict()[k]) for k, v in a.state_dict().items())
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mptrain import fp8mx
-from mptrain.config import ConfigError
-from mptrain.fp8stats import cast_counts, scales, summarize
-from mptrain.model import GPT, GPTShape
-from mptrain.parallel import materialize
+from mptrain.precision import fp8mx
+from mptrain.core.errors import ConfigError
+from mptrain.precision.fp8casts import cast_counts, scales, summarize
+from mptrain.model.gpt import GPT, GPTShape
+from mptrain.distributed.parallel import materialize
 
 pytestmark = pytest.mark.skipif(fp8mx.problem("mxfp8", "cpu") is not None, reason="no MXFP8 training here")
 
@@ -172,7 +172,7 @@ def test_meta_device_convert_then_materialize_and_token_blocks():
     materialize(model, torch.device("cpu"), seed=0)
     ref = GPT(SHAPE)
     ref.reset_parameters(torch.Generator().manual_seed(0))
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values(), strict=True))
     idx = torch.randint(0, 256, (1, 20))  # 20 tokens: no block of 32 along tokens for the weight gradient
     with torch.no_grad():
         model(idx)  # sampling and evaluation are not limited

@@ -9,8 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mptrain.fp8stats import RECIPES, cast_counts, cast_stats, summarize
-from mptrain.numerics import thresholds
+from mptrain.precision.fp8casts import RECIPES, cast_counts, summarize
+from mptrain.precision.formats import thresholds
+from mptrain.observe.fp8watch import CastWatch
+
+from .aids import cast_stats
 
 
 def _outlier_tensor(rows: int = 256, cols: int = 256) -> torch.Tensor:
@@ -113,7 +116,7 @@ def test_watch_measures_the_operands_torchaos_linear_casts(recipe):
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import LinearMMConfig
 
-    from mptrain.precision import PrecisionPolicy
+    from mptrain.precision.policy import PrecisionPolicy
 
     from .conftest import make_cfg
 
@@ -121,7 +124,7 @@ def test_watch_measures_the_operands_torchaos_linear_casts(recipe):
     policy = PrecisionPolicy(make_cfg("precision=fp8", f"precision.fp8.recipe={recipe}").precision,
                              torch.device("cpu"))
     model = policy.convert_model(nn.Sequential(nn.Linear(64, 128)))
-    watch = policy.fp8.watch(model, ["block1x32"])
+    watch = CastWatch.of_run(policy.fp8, model, ["block1x32"])
     x = torch.randn(32, 64) * torch.logspace(-4, 1, 64)  # inputs of very different sizes
     seen = {}
     handles = watch.start(torch.device("cpu"))

@@ -1,11 +1,14 @@
 """A recorded fp32 loss trace: a silent change in the numerics (init, schedule, model,
-data order, loss) fails here. Regenerate deliberately with MPTRAIN_UPDATE_GOLDEN=1."""
+data order, loss) fails here. Regenerate deliberately with MPTRAIN_UPDATE_GOLDEN=1
+(it writes the file and fails, having checked nothing; then rerun without the variable)."""
 from __future__ import annotations
 
 import json
 import os
 import random
 from pathlib import Path
+
+import pytest
 
 from .conftest import train
 
@@ -30,7 +33,10 @@ def test_golden_loss_trace(tmp_path):
                     "precision=fp32", "train.max_steps=20", "train.seed=7")
     trace = [round(r["train/loss"], 6) for r in rows]
     if os.environ.get("MPTRAIN_UPDATE_GOLDEN"):
+        # Never compared against what was just written: that would pass whatever the trace is.
         GOLDEN.write_text(json.dumps({"train/loss": trace}, indent=1) + "\n")
+        pytest.fail(f"MPTRAIN_UPDATE_GOLDEN is set: wrote {GOLDEN.name} ({len(trace)} steps, last loss {trace[-1]}); "
+                    "nothing was checked. Review the diff, then rerun without MPTRAIN_UPDATE_GOLDEN.", pytrace=False)
     golden = json.loads(GOLDEN.read_text())["train/loss"]
     assert len(trace) == len(golden) == 20
     # fp32 on CPU is reproducible to the last bit on one machine; 2e-5 leaves room for

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mptrain.config import LRSchedule, ParallelMode
-from mptrain.model import GPT, GPTShape
-from mptrain.parallel import DistContext
-from mptrain.perf import Throughput
-from mptrain.precision import PrecisionPolicy
-from mptrain.step import build_optimizer, decay_names, describe_schedule, evaluate, lr_at, schedule_lengths
+from mptrain.config.schema import LRSchedule, ParallelMode
+from mptrain.model.gpt import GPT, GPTShape
+from mptrain.distributed.parallel import DistContext
+from mptrain.observe.perf import Throughput
+from mptrain.precision.policy import PrecisionPolicy
+from mptrain.run.step import build_optimizer, decay_names, describe_schedule, evaluate, lr_at, schedule_lengths
 
 from .conftest import make_cfg, train
 
@@ -113,8 +113,9 @@ def test_summary_throughput_matches_the_logged_rows(tmp_path):
     s, rows = train(tmp_path / "run", "train.max_steps=8", "train.log_every=3", "train.stop_after=5")
     logged = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in logged] == [1, 3]  # steps 4-5 ran after the last logging point
-    tokens = [b["train/tokens"] - a for a, b in zip([0] + [r["train/tokens"] for r in logged], logged)]
-    seconds = sum(t / r["perf/tokens_per_s"] for t, r in zip(tokens, logged))
+    before = [0] + [r["train/tokens"] for r in logged[:-1]]
+    tokens = [b["train/tokens"] - a for a, b in zip(before, logged, strict=True)]
+    seconds = sum(t / r["perf/tokens_per_s"] for t, r in zip(tokens, logged, strict=True))
     assert s["perf/tokens_per_s"] == pytest.approx(sum(tokens) / seconds, rel=1e-9)
 
 

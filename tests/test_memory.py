@@ -16,10 +16,12 @@ import sys
 import pytest
 import torch
 
-from mptrain import optimizers
-from mptrain.memory import STATE_ROWS, estimate, local_numels, main, shapes, summary_figures
-from mptrain.model import GPT, GPTShape
+from mptrain.precision import optimizers
+from mptrain.observe.memory import STATE_ROWS, estimate, local_numels, shapes, summary_figures
+from mptrain.memory import main
+from mptrain.model.gpt import GPT, GPTShape
 
+from .aids import state_bytes
 from .conftest import make_cfg
 
 VOCAB = 322
@@ -45,7 +47,7 @@ def nbytes(tensors) -> int:
 
 def counted_by_hand(v: torch.Tensor) -> int:
     """Bytes of one state entry, read off torchao's attributes by name (not
-    through ``__tensor_flatten__`` as ``optimizers.state_bytes`` does)."""
+    through ``__tensor_flatten__`` as ``aids.state_bytes`` does)."""
     if type(v) is torch.Tensor:
         return nbytes([v])
     parts = [v.codes, v.scale] + ([v.qmap] if hasattr(v, "qmap") else [])
@@ -55,9 +57,9 @@ def counted_by_hand(v: torch.Tensor) -> int:
 def step_once(cfg, vocab: int, ctx):
     """(model, optimizer) after one real training step of ``cfg`` with ``vocab``
     rows, wrapped for ``ctx`` (on the CPU)."""
-    from mptrain.parallel import wrap
-    from mptrain.precision import PrecisionPolicy
-    from mptrain.step import build_optimizer, decay_names, train_step
+    from mptrain.distributed.parallel import wrap
+    from mptrain.precision.policy import PrecisionPolicy
+    from mptrain.run.step import build_optimizer, decay_names, train_step
 
     cpu = torch.device("cpu")
     policy = PrecisionPolicy(cfg.precision, cpu)
@@ -78,8 +80,8 @@ def step_once(cfg, vocab: int, ctx):
 def one_step(case: str):
     """(cfg, model, optimizer) of ``CASES[case]`` after one real training step
     on the CPU, without a wrapper; once per case for the whole module."""
-    from mptrain.config import ParallelMode
-    from mptrain.parallel import DistContext
+    from mptrain.config.schema import ParallelMode
+    from mptrain.distributed.parallel import DistContext
 
     cfg = make_cfg(*CASES[case], f"model.vocab_size={VOCAB}")
     model, opt = step_once(cfg, VOCAB, DistContext(mode=ParallelMode.none))
@@ -98,7 +100,7 @@ def test_every_row_is_exact_against_a_real_step(case, estimates):
     cfg, model, opt = one_step(case)
     params = list(model.parameters())  # the tied head appears once
     e = estimates[case]
-    real = optimizers.state_bytes(opt)
+    real = state_bytes(opt)
     by_hand: dict[str, int] = {}
     for st in opt.state.values():
         for k, v in st.items():
@@ -187,7 +189,7 @@ def kept_for_backward(cfg, vocab: int, micro_batch: int) -> tuple[int, set[str]]
     the CPU: the distinct storages autograd saves for the backward pass, seen
     through ``saved_tensors_hooks``, the parameters themselves left out (they
     are rows of their own)."""
-    from mptrain.precision import PrecisionPolicy
+    from mptrain.precision.policy import PrecisionPolicy
 
     m = cfg.model
     torch.manual_seed(0)
@@ -264,11 +266,11 @@ FSDP_CASES = ("fp32", "bf16", "bf16-pure-kahan", "bf16+8bit", "bf16+4bit")
 
 def rank_bytes(model, opt) -> dict:
     """What this rank holds: its shards' weights, gradients and optimizer state."""
-    from mptrain.shards import local_shard
+    from mptrain.core.shards import local_shard
 
     params = [local_shard(p) for p in model.parameters()]
     grads = [local_shard(p.grad) for p in model.parameters()]
-    st = optimizers.state_bytes(opt)
+    st = state_bytes(opt)
     return {"weights": nbytes(params), "gradients": nbytes(grads), "exp_avg": st["exp_avg"],
             "exp_avg_sq": st["exp_avg_sq"], "kahan_comp": st.get("kahan_comp", 0),
             "n_params": sum(p.numel() for p in params)}
@@ -280,7 +282,7 @@ def fsdp_worker(out_dir: str) -> None:
     import json
     import os
 
-    from mptrain.parallel import setup
+    from mptrain.distributed.parallel import setup
 
     out = {}
     for case in FSDP_CASES:
@@ -289,7 +291,7 @@ def fsdp_worker(out_dir: str) -> None:
         out[case] = rank_bytes(*step_once(cfg, FSDP_VOCAB, ctx))
     with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
         json.dump(out, f)
-    from mptrain.launch import exit_process
+    from mptrain.distributed.launch import exit_process
 
     exit_process(0)
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from mptrain.model import GPT, GPTShape, LayerNorm
+from mptrain.model.gpt import GPT, GPTShape, LayerNorm
 
 S = GPTShape(vocab_size=128, n_layer=2, n_head=2, d_model=64, block_size=32)
 
@@ -55,7 +55,7 @@ def test_cpu_gelu_equals_torchs_tanh_gelu():
     same inf/nan behaviour."""
     import torch.nn.functional as F
 
-    from mptrain.model import gelu_tanh
+    from mptrain.model.gpt import gelu_tanh
 
     x = torch.cat([torch.linspace(-12, 12, 4001), torch.randn(5000) * 3,
                    torch.tensor([0.0, -0.0, 1e30, -1e30, float("inf"), float("-inf"), float("nan")])])

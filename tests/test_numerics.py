@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mptrain import formats, numerics
-from mptrain.model import GPT, GPTShape
-from mptrain.numerics import (MONITORED, NumericsMonitor, count_index, format_counts, hist_edges, layer_groups,
-                              log2_histogram, update_underflow_counts)
+from mptrain.precision import formats
+from mptrain.observe import numerics
+from mptrain.model.gpt import GPT, GPTShape
+from mptrain.observe.numerics import MONITORED, NumericsMonitor, count_index, format_counts, hist_edges, log2_histogram, update_underflow_counts
+from mptrain.model.names import layer_groups
 
 F32 = torch.float32
 
@@ -352,7 +353,7 @@ def test_tiny_lr_in_bf16_loses_updates_but_fp32_master_weights_change():
         s, _ = monitored_step(mon, model, opt, idx, tgt, step, autocast=torch.autocast("cpu", dtype=torch.bfloat16))
         assert s["numerics/update_underflow/bf16"] > 0.9, s["numerics/update_underflow/bf16"]
         assert 0.0 <= s["numerics/update_underflow/fp16"] <= 1.0
-    changed = sum(int((p.detach() != p0).sum()) for p, p0 in zip(model.parameters(), start))
+    changed = sum(int((p.detach() != p0).sum()) for p, p0 in zip(model.parameters(), start, strict=True))
     total = sum(p.numel() for p in model.parameters())
     assert changed / total > 0.9  # the fp32 master weights did move
 

@@ -10,13 +10,15 @@ import shutil
 import pytest
 import torch
 
-from mptrain.checkpoint import complete_checkpoints, load_full_state, quantized_layout_refusal, read_meta
-from mptrain.optimizers import choice_of, state_parts, stored_as
-from mptrain.parallel import setup
-from mptrain.resume import ResumeRefused, compare
-from mptrain.resume import plan as resume_plan
-from mptrain.shards import local_shard
-from mptrain.trainer import Trainer
+from mptrain.precision.optim_layout import quantized_layout_refusal
+from mptrain.run.checkpoint import load_full_state
+from mptrain.run.integrity import complete_checkpoints, read_meta
+from mptrain.precision.optimizers import choice_of, state_parts, stored_as
+from mptrain.distributed.parallel import setup
+from mptrain.run.resume import ResumeRefused, compare
+from mptrain.run.resume import plan as resume_plan
+from mptrain.core.shards import local_shard
+from mptrain.run.trainer import Trainer
 
 from .conftest import TINY, make_cfg, read_rows, train
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mptrain.memory import param_count
-from mptrain.model import GPT, GPTShape
-from mptrain.perf import PEAK_TFLOPS, device_key, flops_per_token, matmul_kind, peak_flops
+from mptrain.model.gpt import GPT, GPTShape
+from mptrain.observe.perf import PEAK_TFLOPS, device_key, flops_per_token, matmul_kind, peak_flops
 
+from .aids import param_count
 from .conftest import train
 
 

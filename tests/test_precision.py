@@ -7,12 +7,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mptrain.model import GPT, GPTShape
-from mptrain.parallel import DistContext
-from mptrain.config import ParallelMode
-from mptrain.precision import LossScaler, PrecisionPolicy
-from mptrain.trainer import build_optimizer, decay_names, train_step
+from mptrain.model.gpt import GPT, GPTShape
+from mptrain.distributed.parallel import DistContext
+from mptrain.config.schema import ParallelMode
+from mptrain.precision.policy import LossScaler, PrecisionPolicy
+from mptrain.run.step import build_optimizer, decay_names, train_step
 
+from .aids import inf_grad_at
 from .conftest import make_cfg, train
 
 CPU = torch.device("cpu")
@@ -39,7 +40,7 @@ def _state(model, opt):
 
 def _same(a, b):
     if isinstance(a, tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if torch.is_tensor(a):
@@ -52,10 +53,10 @@ def test_injected_inf_skips_step_halves_scale_counts():
     train_step(model, opt, scaler, policy, ctx, _batch(0), 1.0)  # one clean step: optimizer state exists
     assert int(scaler.skipped) == 0 and scaler.get_scale() == 65536.0
     before = _state(model, opt)
-    out = train_step(model, opt, scaler, policy, ctx, _batch(1), 1.0, inject_inf=True)
+    out = train_step(model, opt, scaler, policy, ctx, _batch(1), 1.0, faults=inf_grad_at(0))
     after = _state(model, opt)
-    assert int(out["skipped"]) == 1
-    assert not torch.isfinite(out["grad_norm"])
+    assert int(out.skipped) == 1
+    assert not torch.isfinite(out.grad_norm)
     assert _same(before[0], after[0]), "parameters changed on a skipped step"
     assert _same(before[1], after[1]), "optimizer state changed on a skipped step"
     assert scaler.get_scale() == 32768.0
@@ -80,7 +81,7 @@ def test_static_scale_skips_but_never_moves():
                                              "precision.loss_scale.init_scale=512",
                                              "precision.loss_scale.growth_interval=1")
     for i, bad in enumerate([False, True, False, False]):
-        train_step(model, opt, scaler, policy, ctx, _batch(i), 1.0, inject_inf=bad)
+        train_step(model, opt, scaler, policy, ctx, _batch(i), 1.0, step=i, faults=inf_grad_at(1))
         assert scaler.get_scale() == 512.0
     assert int(scaler.skipped) == 1
 
@@ -105,7 +106,7 @@ def test_scaler_state_across_a_precision_change():
     assert fp16.get_scale() == 1024.0 and int(fp16.skipped) == 0
     assert fp16.scale(torch.tensor(2.0)).item() == 2048.0
 
-    train_step(model, opt, used, policy, ctx, _batch(0), 1.0, inject_inf=True)  # backs off to 512, one skip
+    train_step(model, opt, used, policy, ctx, _batch(0), 1.0, faults=inf_grad_at(0))  # backs off to 512, one skip
     saved = used.state_dict()
     bf16 = LossScaler(off, CPU)
     bf16.load_state_dict(saved)
@@ -139,7 +140,7 @@ def test_fp16_without_scaling_warns(tmp_path, capsys):
 def test_device_side_skip_leaves_weights_and_optimizer_untouched(mode):
     """Fused AdamW skips a bad step on the device (no host sync): weights, moments and
     the step count stay exactly as they were; under abort every later step is skipped too."""
-    from mptrain.faults import NonFiniteGuard
+    from mptrain.run.faults import NonFiniteGuard
 
     model, opt, _, _, ctx = _setup("precision=fp32", "optim.fused=true")
     policy = PrecisionPolicy(make_cfg("precision=fp32").precision, CPU)
@@ -148,13 +149,14 @@ def test_device_side_skip_leaves_weights_and_optimizer_untouched(mode):
     assert guard.on_device
     train_step(model, opt, scaler, policy, ctx, _batch(0), 1.0, guard=guard, step=0)
     before = _state(model, opt)
-    out = train_step(model, opt, scaler, policy, ctx, _batch(1), 1.0, inject_inf=True, guard=guard, step=1)
-    assert bool(out["skipped"]) and _same(_state(model, opt), before)
+    out = train_step(model, opt, scaler, policy, ctx, _batch(1), 1.0, guard=guard, step=1,
+                     faults=inf_grad_at(1))
+    assert bool(out.skipped) and _same(_state(model, opt), before)
     out = train_step(model, opt, scaler, policy, ctx, _batch(2), 1.0, guard=guard, step=2)  # a clean step
     if mode == "abort":
-        assert bool(out["skipped"]) and _same(_state(model, opt), before) and guard.first_bad_step() == 1
+        assert bool(out.skipped) and _same(_state(model, opt), before) and guard.first_bad_step() == 1
     else:
-        assert not bool(out["skipped"]) and not _same(_state(model, opt), before)
+        assert not bool(out.skipped) and not _same(_state(model, opt), before)
         assert int(opt.state[next(iter(model.parameters()))]["step"]) == 2  # the skipped step did not count
     assert int(guard.skipped) == (2 if mode == "abort" else 1)
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mptrain import data as D
+from mptrain.data import batches as D
 
 
 def _batches(windows_cls=D.Windows, n_windows=50, seed=5):
@@ -17,7 +17,7 @@ def _batches(windows_cls=D.Windows, n_windows=50, seed=5):
 
 
 def _same(a, b):
-    return len(a) == len(b) and all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("start", [0, 5])  # 5: a resumed run, starting mid-epoch

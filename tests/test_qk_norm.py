@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import mptrain.model as model_mod
-from mptrain.model import GPT, CausalSelfAttention, GPTShape
+import mptrain.model.gpt as model_mod
+from mptrain.model.gpt import GPT, CausalSelfAttention, GPTShape
 
 from .conftest import load_script, make_cfg, train
 
@@ -145,11 +145,11 @@ def test_qk_norm_model_shape_init_and_memory_estimate():
     without drawing random numbers (the other weights equal a model without
     them at the same seed), are not weight-decayed, and the memory estimate
     counts them exactly: parameters, gradients and Adam state after a real step."""
-    from mptrain.config import ParallelMode
-    from mptrain.memory import estimate
-    from mptrain.parallel import DistContext, wrap
-    from mptrain.precision import PrecisionPolicy
-    from mptrain.step import build_optimizer, decay_names, train_step
+    from mptrain.config.schema import ParallelMode
+    from mptrain.observe.memory import estimate
+    from mptrain.distributed.parallel import DistContext, wrap
+    from mptrain.precision.policy import PrecisionPolicy
+    from mptrain.run.step import build_optimizer, decay_names, train_step
 
     cfg = make_cfg("model.qk_norm=true", "model.vocab_size=64")
     m = cfg.model
@@ -186,7 +186,7 @@ def test_gpt_nano_with_qk_norm_trains_samples_and_refuses_export(tmp_path, capsy
     """A real run: the loss falls, the checkpoint holds the norms (so the trainer
     built the model with them), sampling rebuilds it from the checkpoint, and
     the GPT-2 export refuses it in one line that points to sampling."""
-    from mptrain.checkpoint import complete_checkpoints, read_meta
+    from mptrain.run.integrity import complete_checkpoints, read_meta
     from mptrain.sample import build_model, model_weights
 
     run = tmp_path / "run"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mptrain.config import ConfigError
-from mptrain.resume import ResumeRefused
+from mptrain.core.errors import ConfigError
+from mptrain.run.resume import ResumeRefused
 
 from .conftest import ROOT, TINY, read_rows, train
 
@@ -159,7 +159,7 @@ def test_refused_launches_leave_no_trace(tmp_path):
         "default": _launch(tmp_path, "model.n_head=3"),
         "unwritable": _launch(tmp_path, "hydra.run.dir=/sys/mptrain-test/run"),
     }
-    results = dict(zip(procs, _finish(list(procs.values()))))
+    results = dict(zip(procs, _finish(list(procs.values())), strict=True))
     for name, (rc, out, err) in results.items():
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert rc == 2 and "Traceback" not in err and len(lines) == 1, (name, err[-2000:])

@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from mptrain.checkpoint import CheckpointError, load_full_state, reseal
-from mptrain.safeload import load_plain
+from mptrain.run.checkpoint import load_full_state
+from mptrain.run.integrity import CheckpointError, reseal
+from mptrain.run.safeload import load_plain
 
 from .conftest import ROOT, train
 

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from mptrain.checkpoint import CheckpointError, complete_checkpoints, read_meta
-from mptrain.config import ConfigError
-from mptrain.sample import build_model, find_checkpoint, generate, main, model_weights
+from mptrain.run.integrity import CheckpointError, complete_checkpoints, read_meta
+from mptrain.sample import build_model, find_checkpoint, main, model_weights
+from mptrain.model.generate import generate
 
 from .conftest import ROOT, TINY, train
 from .test_export import _export_module
@@ -58,7 +58,7 @@ def test_greedy_equals_transformers_greedy(trained, tmp_path):
 
     run_dir, ckpt = trained
     export_hf = _export_module()
-    with pytest.raises(ConfigError, match="holds the checkpoint being exported"):  # replacing it would delete it
+    with pytest.raises(export_hf.ExportError, match="holds the checkpoint being exported"):  # replacing it would delete it
         export_hf.export(run_dir, run_dir.parent)
     export_hf.export(run_dir, tmp_path / "hf")
     meta, weights = read_meta(ckpt), model_weights(ckpt)

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mptrain import formats
-from mptrain.model import GPT, GPTShape
-from mptrain.numerics import NumericsMonitor
-from mptrain.stability import StabilityWarnings, logit_stats
+from mptrain.precision import formats
+from mptrain.model.gpt import GPT, GPTShape
+from mptrain.observe.numerics import NumericsMonitor
+from mptrain.observe.stability import StabilityWarnings, logit_stats
 
 from .conftest import train
 
@@ -155,7 +155,7 @@ def adam_model():
 
 
 def group_params(model, group):
-    from mptrain.numerics import layer_groups
+    from mptrain.model.names import layer_groups
 
     return [p for _, p in layer_groups(model.named_parameters())[group]]
 

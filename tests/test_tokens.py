@@ -10,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mptrain import data as D
-from mptrain.config import ConfigError
-from mptrain.tokens import ShardedTokens, ShardWriter, open_token_dir, token_dtype
+from mptrain.data.batches import Batches, Windows
+from mptrain.core.errors import ConfigError
+from mptrain.data.sources import load_hf_dataset
+from mptrain.data.store import ShardedTokens, ShardWriter, open_token_dir, prepare, token_dtype
+from mptrain.data.tokenizers import EOT, load_hf_tokenizer
 
 from .conftest import ROOT, TINY, make_cfg, train
 
@@ -29,10 +31,10 @@ def saved_tokenizer(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=[D.EOT], show_progress=False,
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=[EOT], show_progress=False,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     d = tmp_path_factory.mktemp("tok")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=D.EOT).save_pretrained(d)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT).save_pretrained(d)
     return d
 
 
@@ -100,30 +102,30 @@ def test_resuming_the_stream_at_step_k(tmp_path):
     w = ShardWriter(tmp_path, "train", np.dtype(np.uint16), shard_tokens=333)
     w.write(ids)
     st = ShardedTokens(tmp_path, w.close(), np.dtype(np.uint16))
-    windows = D.Windows(st, 64)
+    windows = Windows(st, 64)
 
     def batches():
-        return D.Batches(windows, global_batch=8, micro_batch=2, rank=1, world=2, seed=5)
+        return Batches(windows, global_batch=8, micro_batch=2, rank=1, world=2, seed=5)
 
     straight = batches()
     run = [straight.batch(s) for s in range(12)]  # through an epoch boundary (50 windows / 8 per step)
     resumed = batches()  # a fresh reader started at step 7: nothing but the step is needed
     for s in range(7, 12):
-        for (x1, y1), (x2, y2) in zip(run[s], resumed.batch(s)):
+        for (x1, y1), (x2, y2) in zip(run[s], resumed.batch(s), strict=True):
             assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
 
 
 def test_hf_data_errors(tmp_path, saved_tokenizer):
     with pytest.raises(ConfigError, match="could not be loaded"):
-        D.prepare(make_cfg("data=hf", f"data.path={tmp_path}/missing.jsonl", f"data.tokenizer={saved_tokenizer}").data)
+        prepare(make_cfg("data=hf", f"data.path={tmp_path}/missing.jsonl", f"data.tokenizer={saved_tokenizer}").data)
     src = _write(tmp_path / "d.jsonl", "jsonl")
     with pytest.raises(ConfigError, match="Offline, a hub tokenizer must already be in the Hugging Face cache"):
-        D.prepare(make_cfg("data=hf", f"data.path={src}", "data.tokenizer=nobody/no-such-tokenizer").data)
+        prepare(make_cfg("data=hf", f"data.path={src}", "data.tokenizer=nobody/no-such-tokenizer").data)
     with pytest.raises(ConfigError, match="data.text_field='body' is not a column"):
-        D.prepare(make_cfg("data=hf", f"data.path={src}", f"data.tokenizer={saved_tokenizer}",
+        prepare(make_cfg("data=hf", f"data.path={src}", f"data.tokenizer={saved_tokenizer}",
                            "data.text_field=body").data)
     with pytest.raises(ConfigError, match="no meta.json"):
-        D.prepare(make_cfg("data=tokens", f"data.path={tmp_path}").data)
+        prepare(make_cfg("data=tokens", f"data.path={tmp_path}").data)
 
 
 def test_a_failed_hf_preparation_leaves_nothing_and_cleans_up_after_killed_builders(
@@ -141,7 +143,7 @@ def test_a_failed_hf_preparation_leaves_nothing_and_cleans_up_after_killed_build
     said = []
     with pytest.raises(ConfigError, match=r"^row 1100 \(0-based\) of .*docs.jsonl, split train, holds None instead "
                                           r"of text in data.text_field='text'; fill or drop such rows"):
-        D.prepare(cfg, log=said.append)
+        prepare(cfg, log=said.append)
     building = Path(said[-1].rsplit(" into ", 1)[1])  # the log names the temporary directory
     cache = building.parent
     assert list(cache.iterdir()) == []
@@ -156,7 +158,7 @@ def test_a_failed_hf_preparation_leaves_nothing_and_cleans_up_after_killed_build
         d.mkdir()
         (d / "train-00000.bin").write_bytes(b"partial")
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))  # the data fixed, the same cache key
-    D.prepare(cfg, log=lambda *a: None)
+    prepare(cfg, log=lambda *a: None)
     assert sorted(p.name for p in cache.iterdir()) == sorted([name] + [d.name for d in kept])
 
 
@@ -198,8 +200,6 @@ def make_remote_code_tokenizer(root):
 
 
 def test_a_tokenizer_with_custom_code_is_refused(tmp_path):
-    from mptrain.tokens import load_hf_tokenizer
-
     tok_dir, marker = make_remote_code_tokenizer(tmp_path)
     with pytest.raises(ConfigError, match=r"data.trust_remote_code=true") as e:
         load_hf_tokenizer(str(tok_dir), trust_remote_code=False)
@@ -210,7 +210,7 @@ def test_a_tokenizer_with_custom_code_is_refused(tmp_path):
                 make_cfg(f"data.tokenizer={tok_dir}").data):
         assert cfg.trust_remote_code is False
         with pytest.raises(ConfigError, match=r"data.trust_remote_code=true"):
-            D.prepare(cfg)
+            prepare(cfg)
     assert not marker.exists()
 
 
@@ -228,7 +228,7 @@ def test_trust_remote_code_reaches_transformers_explicitly(monkeypatch, setting)
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake)
     with pytest.raises(ConfigError, match="could not be loaded"):
-        D.prepare(make_cfg("data=hf", "data.path=unused.jsonl", "data.tokenizer=nobody/no-such-tokenizer",
+        prepare(make_cfg("data=hf", "data.path=unused.jsonl", "data.tokenizer=nobody/no-such-tokenizer",
                            f"data.trust_remote_code={setting}").data)
     assert seen and seen[0]["trust_remote_code"] is setting
 
@@ -245,8 +245,6 @@ def _script_dataset(root, name="myds"):
 
 def test_dataset_loading_scripts_are_refused(tmp_path):
     import datasets
-
-    from mptrain.tokens import load_hf_dataset
 
     d, marker = _script_dataset(tmp_path)
     for path in (d, d / "myds.py"):

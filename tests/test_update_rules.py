@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mptrain import optimizers
-from mptrain.config import ConfigError
-from mptrain.numerics import stochastic_stay_probability
+from mptrain.precision import optimizers
+from mptrain.core.errors import ConfigError
+from mptrain.observe.numerics import stochastic_stay_probability
 
 from .conftest import make_cfg, train
 
@@ -152,7 +152,7 @@ def test_lr_follows_set_lr_in_every_optimizer():
     (["precision=bf16-pure-sr", "optim.state_dtype=8bit", "parallel=fsdp"], "keep fp32 master weights"),
 ])
 def test_impossible_combinations_are_refused_in_one_sentence(overrides, words):
-    from mptrain.config_checks import validate
+    from mptrain.precision.rules import validate
 
     with pytest.raises(ConfigError) as e:
         validate(make_cfg(*overrides))

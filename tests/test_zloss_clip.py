@@ -9,14 +9,15 @@ import math
 import torch
 import torch.nn as nn
 
-from mptrain.config import ParallelMode
-from mptrain.faults import NonFiniteGuard
-from mptrain.model import GPT, GPTShape
-from mptrain.parallel import DistContext
-from mptrain.perf import HostSyncCounter
-from mptrain.precision import PrecisionPolicy
-from mptrain.step import build_optimizer, decay_names, train_step, update_clipping, update_rms
+from mptrain.config.schema import ParallelMode
+from mptrain.run.faults import NonFiniteGuard
+from mptrain.model.gpt import GPT, GPTShape
+from mptrain.distributed.parallel import DistContext
+from mptrain.observe.perf import HostSyncCounter
+from mptrain.precision.policy import PrecisionPolicy
+from mptrain.run.step import build_optimizer, decay_names, train_step, update_clipping, update_rms
 
+from .aids import inf_grad_at
 from .conftest import make_cfg
 
 CPU = torch.device("cpu")
@@ -49,16 +50,16 @@ def test_z_loss_is_coefficient_times_mean_log_z_squared_and_reaches_the_gradient
         log_z = logits.double().exp().sum(-1).log()
         terms.append(coef * log_z.pow(2).mean())
         ces.append(-logits.double().log_softmax(-1).gather(-1, y[..., None]).mean())
-    assert math.isclose(out["loss"].item(), torch.stack(ces).mean().item(), rel_tol=1e-6)  # the CE alone
-    assert math.isclose(out["z_loss"].item(), torch.stack(terms).mean().item(), rel_tol=1e-6)
-    assert out["z_loss"].item() > 1.0  # log Z ~ log(64) at init: the term is not negligible
+    assert math.isclose(out.loss.item(), torch.stack(ces).mean().item(), rel_tol=1e-6)  # the CE alone
+    assert math.isclose(out.z_loss.item(), torch.stack(terms).mean().item(), rel_tol=1e-6)
+    assert out.z_loss.item() > 1.0  # log Z ~ log(64) at init: the term is not negligible
 
     # The step's gradients (left in .grad) are those of mean(CE + term), and the term's
     # share is far above the tolerance, so a step that dropped it would fail.
     params = list(ref.parameters())
     g_ce = torch.autograd.grad(torch.stack(ces).mean(), params, retain_graph=True)
     g_z = torch.autograd.grad(torch.stack(terms).mean(), params)
-    for (name, p), a, b in zip(model.named_parameters(), g_ce, g_z):
+    for (name, p), a, b in zip(model.named_parameters(), g_ce, g_z, strict=True):
         torch.testing.assert_close(p.grad, (a + b).float(), rtol=1e-4, atol=1e-7, msg=name)
     assert max(b.abs().max().item() for b in g_z) > 1e-3
 
@@ -137,16 +138,16 @@ def _run(fused: bool, steps: int = 8):
 def test_training_with_z_loss_and_update_clipping_lowers_the_loss_fused_or_not():
     runs = {fused: _run(fused) for fused in (False, True)}
     for fused, (_, opt, _, outs, syncs) in runs.items():
-        losses = [o["loss"].item() for o in outs]
+        losses = [o.loss.item() for o in outs]
         assert losses[-1] < losses[0] - 1.0, (fused, losses)
-        assert all(o["z_loss"].item() > 0 and 0 < o["update_clip_max"].item() < 10 for o in outs)
+        assert all(o.z_loss.item() > 0 and 0 < o.update_clip_max.item() < 10 for o in outs)
         assert all(isinstance(g["lr"], float) for g in opt.param_groups)  # never left as a tensor
         # foreach/for-loop: the learning rates come back once per step; fused: no read at all
         assert [name for name, _ in syncs] == ([] if fused else ["tolist"] * len(outs)), syncs
     # the fused kernel takes the clipped rates as device tensors and makes the same steps
-    a, b = ([o["loss"].item() for o in runs[f][3]] for f in (False, True))
-    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
-    assert max(o["update_clip_max"].item() for o in runs[True][3]) > 1.0  # some step was clipped
+    a, b = ([o.loss.item() for o in runs[f][3]] for f in (False, True))
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+    assert max(o.update_clip_max.item() for o in runs[True][3]) > 1.0  # some step was clipped
 
     # A step with an inf gradient is skipped on the device (fused + guard) with clipping on:
     # weights and moments stay as they were, the rates are restored. No gradient clipping
@@ -154,9 +155,9 @@ def test_training_with_z_loss_and_update_clipping_lowers_the_loss_fused_or_not()
     model, opt, policy, _, _ = runs[True]
     before = copy.deepcopy((model.state_dict(), opt.state_dict()["state"]))
     guard = NonFiniteGuard("skip", opt, CPU)
-    out = train_step(model, opt, policy.make_scaler(), policy, CTX, _batches(1), 0.0, inject_inf=True,
-                     guard=guard, step=8, z_loss=1e-4)
-    assert out["skipped"].item() == 1 and out["update_clip_max"].item() == 0
+    out = train_step(model, opt, policy.make_scaler(), policy, CTX, _batches(1), 0.0, guard=guard, step=8,
+                     z_loss=1e-4, faults=inf_grad_at(8))
+    assert out.skipped.item() == 1 and out.update_clip_max.item() == 0
     after = (model.state_dict(), opt.state_dict()["state"])
     assert all(torch.equal(before[0][k], after[0][k]) for k in after[0])
     assert all(torch.equal(before[1][i][k], after[1][i][k]) for i in after[1] for k in after[1][i])

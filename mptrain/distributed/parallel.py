@@ -1,0 +1,520 @@
+"""Process-group life cycle, model wrapping and the collectives the step needs.
+
+Everything that depends on ``parallel=none|ddp|fsdp|fsdp1`` is here, so the
+trainer and the step never branch on it: they call ``ctx.grad_sync``,
+``ctx.clip_grad_norm`` and ``ctx.all_reduce_mean``.
+
+Launch: ``torchrun`` sets RANK / WORLD_SIZE / LOCAL_RANK; without them the run
+is one process. A wrapper asked for in a single process still wraps (over a
+one-rank group), so ``python train.py parallel=fsdp`` runs the same code path
+as the multi-rank job.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from mptrain.config.schema import ParallelMode
+from mptrain.core.errors import ConfigError
+from mptrain.model.gpt import Block
+from mptrain.precision.formats import dtype_name
+from mptrain.precision.policy import PrecisionPolicy
+
+
+def _pick_device(spec: str, local_rank: int) -> torch.device:
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda but this torch build sees no CUDA device; use train.device=cpu.")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if spec == "cpu":
+        return torch.device("cpu")
+    raise ConfigError(f"train.device='{spec}' is not one of auto, cpu, cuda.")
+
+
+@dataclass
+class DistContext:
+    """Who this process is and how its model is wrapped."""
+
+    mode: ParallelMode
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    owns_group: bool = False
+    wrapper_dtypes: dict = field(default_factory=dict)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def has_group(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    # ---------------------------------------------------------------- collectives
+    def barrier(self) -> None:
+        if self.has_group:
+            dist.barrier()
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks (SUM then divide: gloo has no AVG)."""
+        if self.has_group and self.world > 1:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            t /= self.world
+        return t
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over every rank (statistics of per-rank data, such as activations)."""
+        if self.has_group and self.world > 1:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def shard_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks that *shard* the parameters (FSDP); identity where
+        every rank holds full copies (none, DDP)."""
+        if self.mode in (ParallelMode.fsdp, ParallelMode.fsdp1) and self.has_group and self.world > 1:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def shard_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.mode in (ParallelMode.fsdp, ParallelMode.fsdp1):
+            return self.all_reduce_max(t)
+        return t
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.has_group and self.world > 1:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any (a collective when world > 1)."""
+        if not (self.has_group and self.world > 1):
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)  # int32: NCCL reduces it, unlike bool
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Stack of every rank's ``t`` (world, *t.shape); just ``t[None]`` alone."""
+        if not (self.has_group and self.world > 1):
+            return t[None]
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.stack(parts)
+
+    def ranks_agree(self, t: torch.Tensor) -> bool:
+        """True when every rank holds exactly the same values (nan equal to nan).
+        A collective: every rank must call it."""
+        g = self.all_gather(t)
+        return bool(all(torch.equal(g[0].nan_to_num(nan=7.0), g[i].nan_to_num(nan=7.0)) for i in range(len(g))))
+
+    def replica_fingerprint(self, model: nn.Module) -> torch.Tensor:
+        """(sum, sum of squares, non-finite count) of the full, gathered
+        parameters in fp64. A collective under FSDP (gathers shards)."""
+        acc = torch.zeros(3, dtype=torch.float64, device=self.device)
+
+        def add(p: torch.Tensor) -> None:
+            x = p.detach().double()
+            acc[0] += x.nan_to_num().sum()
+            acc[1] += x.nan_to_num().pow(2).sum()
+            acc[2] += (~torch.isfinite(x)).sum()
+
+        if self.mode == ParallelMode.fsdp1:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            with FSDP.summon_full_params(model, writeback=False):
+                for p in model.parameters():
+                    add(p)
+        else:
+            for p in model.parameters():
+                add(p.full_tensor() if hasattr(p, "full_tensor") else p)
+        return acc
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj`` (small, picklable), in rank order; ``[obj]`` alone.
+        A collective: every rank must call it, so it also serves as a barrier."""
+        if not (self.has_group and self.world > 1):
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj):
+        if self.has_group and self.world > 1:
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return obj
+
+    def shutdown(self) -> None:
+        if self.owns_group and self.has_group:
+            dist.destroy_process_group()
+
+    # ---------------------------------------------------------------- step hooks
+    def grad_sync(self, model: nn.Module, enabled: bool):
+        """Context for one micro-batch's forward+backward: gradients are
+        reduced across ranks only when ``enabled`` (the last micro-batch)."""
+        if enabled or self.mode == ParallelMode.none:
+            if self.mode == ParallelMode.fsdp:
+                model.set_requires_gradient_sync(True)
+            return contextlib.nullcontext()
+        if self.mode == ParallelMode.fsdp:
+            model.set_requires_gradient_sync(False)
+            return contextlib.nullcontext()
+        return model.no_sync()  # ddp and fsdp1
+
+    def reshard(self, model: nn.Module) -> None:
+        """Free the unsharded parameters FSDP2 keeps after a forward without a
+        backward (evaluation): the root does not reshard after forward."""
+        if self.mode == ParallelMode.fsdp:
+            for mod in model.modules():
+                if hasattr(mod, "reshard"):
+                    mod.reshard()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the (unscaled) gradients before clipping, in fp32, the
+        same on every rank; clips to ``max_norm`` when it is > 0."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        if self.mode != ParallelMode.fsdp1 and all(g.dtype == torch.float32 for g in grads):
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+        else:
+            norm = _fp32_norm(grads, self.device)
+        if self.mode == ParallelMode.fsdp1:
+            # Not FSDP.clip_grad_norm_: it returns the norm cast to the gradients'
+            # dtype, rounding what the log and the inf/nan guard see (an fp16 norm
+            # overflows past 65504). With use_orig_params=True each .grad is this
+            # rank's slice of the flat shard (padding excluded), so summing the
+            # squares over ranks counts every gradient value once, as FSDP1 does.
+            if self.has_group and self.world > 1:
+                norm = norm ** 2
+                dist.all_reduce(norm, op=dist.ReduceOp.SUM)
+                norm = norm ** 0.5
+        elif self.mode == ParallelMode.fsdp and hasattr(norm, "full_tensor"):
+            # FSDP2 gradients are DTensor shards: the norm is a partial value
+            # until it is reduced over ranks.
+            norm = norm.full_tensor()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
+        return norm
+
+
+def _fp32_norm(grads: list, device: torch.device) -> torch.Tensor:
+    """L2 norm of ``grads`` accumulated *and* returned in fp32. torch's foreach norm
+    hands back half-precision gradients' norm in their dtype, rounding the clip
+    factor (and overflowing fp16 past 65504). Zero for a rank that holds no gradient."""
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]), 2.0)
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def export_submitit_env() -> None:
+    """Under a submitit (Slurm or local) job with several tasks and no torchrun,
+    turn the task layout into the env:// variables torch.distributed reads."""
+    if "RANK" in os.environ or not any(k in os.environ for k in ("SUBMITIT_EXECUTOR", "SUBMITIT_LOCAL_JOB_ID")):
+        return
+    try:
+        from submitit.helpers import TorchDistributedEnvironment
+    except ImportError:
+        return
+    env = TorchDistributedEnvironment()
+    if env.world_size > 1:
+        env.export(set_cuda_visible_devices=False)
+
+
+def setup(pcfg, device_spec: str) -> DistContext:
+    """Join (or create) the process group and pick this rank's device."""
+    mode = pcfg.name
+    export_submitit_env()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and mode == ParallelMode.none:
+        raise ConfigError(
+            f"launched with {world} processes but parallel=none: every rank would train its own copy. "
+            "Use parallel=ddp, parallel=fsdp or parallel=fsdp1 under torchrun."
+        )
+    device = _pick_device(device_spec, local_rank)
+    ctx = DistContext(mode=mode, rank=rank, world=world, local_rank=local_rank, device=device)
+    if mode == ParallelMode.none:
+        return ctx
+    if not dist.is_available():
+        raise ConfigError(f"parallel={mode.value} needs torch.distributed, which this torch build lacks.")
+    backend = pcfg.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("parallel.backend=nccl needs CUDA devices; on CPU use parallel.backend=gloo (or auto).")
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"parallel.backend='{backend}' is not one of auto, gloo, nccl.")
+    ctx.backend = backend
+    if dist.is_initialized():
+        if dist.get_backend() != backend:
+            raise ConfigError(
+                f"this process already joined a '{dist.get_backend()}' process group; parallel.backend={backend} "
+                "cannot change inside one torchrun launch (e.g. across multirun jobs)."
+            )
+        return ctx
+    timeout = datetime.timedelta(minutes=10)
+    if "MASTER_ADDR" in os.environ:
+        # The torchrun group lives as long as the process: Hydra multirun runs several
+        # jobs in one process, and tearing the group down and re-creating it between
+        # jobs races on the rendezvous store (a rank still leaving job 1 meets a rank
+        # entering job 2). Every job reuses it; it is destroyed at exit.
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        atexit.register(_destroy_at_exit)
+    else:  # one process without torchrun: an in-memory one-rank group, just for this run
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        ctx.owns_group = True
+    return ctx
+
+
+def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation_checkpointing: bool = False,
+         compile_blocks: bool = False, init_seed: Optional[int] = None) -> nn.Module:
+    """Wrap ``model`` for ``ctx.mode`` and record the dtypes the wrapper uses.
+
+    Order (the one place it is decided): move to device -> float8 conversion
+    -> activation checkpointing -> torch.compile per block -> data-parallel
+    wrapper last, so the wrapper sees the final module tree.
+
+    A model built on the meta device (``with torch.device("meta")``) has no
+    storage yet; it is materialized here and filled by its
+    ``reset_parameters`` from a generator seeded with ``init_seed``. Under
+    FSDP2 that happens after sharding, so no rank ever holds the whole model;
+    under the other wrappers, on the device, before wrapping. Either way the
+    weights equal those of a model built on the CPU and reset with the same seed.
+    """
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and init_seed is None:
+        raise ValueError("a model on the meta device needs init_seed to be materialized")
+    model = model.to(dtype=policy.param_dtype)  # fp32 unless master_weights=false
+    if on_meta and ctx.mode != ParallelMode.fsdp:
+        materialize(model, ctx.device, init_seed)
+        on_meta = False
+    if not on_meta:
+        model = model.to(ctx.device)
+    model = policy.convert_model(model)  # float8 linears first: FSDP must shard the converted weights
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+        # Non-reentrant checkpointing: works with FSDP, autocast and float8; the
+        # wrapper hides its own name from state_dict keys, so checkpoints do not change.
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(blk, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if compile_blocks:
+        for blk in model.blocks:
+            blk.compile()  # in place: module names (and checkpoints) stay as they are
+        # The loss too: eager, its fp32 upcast and log-softmax write B x T x vocab fp32
+        # tensors out whole, about a third of gpt-small's step on an H200 (gpu_check's profile).
+        model.loss_fn = torch.compile(model.loss_fn)
+    mode = ctx.mode
+    if mode == ParallelMode.none:
+        ctx.wrapper_dtypes = {"wrapper": "none"}
+        return model
+    if mode == ParallelMode.ddp:
+        return _wrap_ddp(model, policy, ctx)
+    if mode == ParallelMode.fsdp:
+        model = _wrap_fsdp2(model, policy, ctx)
+        if on_meta:
+            materialize(model, ctx.device, init_seed)
+        return model
+    if mode == ParallelMode.fsdp1:
+        return _wrap_fsdp1(model, policy, ctx)
+    raise ConfigError(f"parallel={mode} is unknown")  # unreachable: the schema's Enum rejects it
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Give a meta-device model storage on ``device`` and its initial weights
+    (``reset_parameters`` with a generator seeded ``seed``), in place. Under
+    FSDP2 only this rank's shards get storage."""
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module its own new tensor: tie them again
+    model.reset_parameters(torch.Generator().manual_seed(seed))
+    for m in model.modules():  # state that to_empty left uninitialized (delayed float8 scaling's histories)
+        if hasattr(m, "reset_delayed_state"):
+            m.reset_delayed_state()
+
+
+def _sharded_dtypes(wrapper: str, storage: str, policy) -> dict:
+    """What an FSDP wrapper was given, for the banner and run_info: which parts
+    are all-gathered in which dtype (see ``PrecisionPolicy.gather_dtype``)."""
+    linears = dtype_name(policy.wrapper_param_dtype)
+    kept = dtype_name(policy.param_dtype)
+    if policy.splits_gather:
+        gathered = {
+            "compute_params": f"{linears} (all-gathered: linear layers"
+                              + ("; inputs cast to it)" if policy.wrapper_casts_inputs else ")"),
+            "norm_emb_params": f"{kept} (all-gathered: embeddings + tied head, norms)",
+        }
+    else:
+        gathered = {"compute_params": f"{linears} (all-gathered: every parameter)"}
+    return {
+        "wrapper": wrapper,
+        "param_storage": f"{dtype_name(policy.param_dtype)} ({storage})",
+        **gathered,
+        "grad_reduce": dtype_name(policy.reduce_dtype) + " (reduce-scatter)",
+        "buffers": dtype_name(policy.buffer_dtype),
+    }
+
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    # DDP and FSDP2 have no buffer dtype of their own; floating buffers are
+    # cast here so `precision.buffer_dtype` means the same under every wrapper.
+    for mod in model.modules():
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if buf.is_floating_point():
+                setattr(mod, name, buf.to(dtype))
+
+
+def _gloo_bf16_compress_hook(process_group, bucket):
+    """PyTorch's bf16 compression hook, for gloo.
+
+    DDP refuses a hook *named* ``bf16_compress_hook`` unless NCCL >= 2.10 is
+    present, but gloo all-reduces bf16 fine; this runs the very same
+    implementation (cast the bucket to bf16, divide by world size, all-reduce,
+    copy back) under another name so CPU runs can use it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def _no_buffer_sync(model: nn.Module) -> dict:
+    """DDP's arguments that stop it from copying rank 0's buffers to the others before
+    every forward. The model's only buffers are delayed float8 scaling's, whose
+    running amaxes each rank records for ``update_histories`` to all-reduce: a copy
+    would erase the other ranks' records. Nothing to pass without buffers; newer
+    torch names the switch ``forward_sync_buffers`` (still syncing once at start,
+    when every rank's buffers are equal anyway)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if not any(True for _ in model.buffers()):
+        return {}
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def _wrap_ddp(model, policy, ctx):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _cast_buffers(model, policy.buffer_dtype)
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, **_no_buffer_sync(model))
+    comm = "fp32 (all-reduce)"
+    if policy.reduce_dtype != torch.float32:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}[policy.reduce_dtype]
+        if policy.reduce_dtype == torch.bfloat16 and ctx.backend == "gloo":
+            hook = _gloo_bf16_compress_hook
+        ddp.register_comm_hook(dist.group.WORLD, hook)
+        comm = f"{dtype_name(policy.reduce_dtype)} (compress comm hook)"
+    ctx.wrapper_dtypes = {
+        "wrapper": "DistributedDataParallel",
+        "param_storage": dtype_name(policy.param_dtype),
+        "compute_params": dtype_name(policy.compute_dtype) + (" (autocast casts per op)" if policy.autocast_enabled else ""),
+        "grad_reduce": comm,
+        "buffers": dtype_name(policy.buffer_dtype),
+    }
+    return ddp
+
+
+def _wrap_fsdp2(model, policy, ctx):
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError as e:  # torch < 2.6
+        raise ConfigError(f"parallel=fsdp needs FSDP2 (torch>=2.6); this torch is {torch.__version__}. Use parallel=fsdp1.") from e
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _cast_buffers(model, policy.buffer_dtype)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+
+    def mp(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
+        # Explicit on every field: FSDP2 defaults have changed between releases.
+        # No input casting under autocast: casting a block's input to the gathered
+        # dtype would make the residual stream bf16/fp16 (see PrecisionPolicy).
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=policy.reduce_dtype, output_dtype=None,
+                                    cast_forward_inputs=policy.wrapper_casts_inputs)
+
+    # Units, bottom-up (a parameter belongs to the first unit that claims it):
+    # 1. per block, its norms, gathered in the storage dtype: one group for all of
+    #    a block's norms (fully_shard takes a list), so they cost one collective;
+    # 2. the block itself: what is left of it, the linear layers, in the compute dtype;
+    # 3. the root: embeddings, the head tied to the token embedding, the final norm,
+    #    in the storage dtype. The embedding output is then fp32 as autocast leaves
+    #    it, and autocast casts the tied weight per op for the head's matmul.
+    # When both dtypes are one (fp32, bf16-pure), step 1 is skipped: no split needed.
+    for blk in model.blocks:  # (possibly checkpoint-wrapped or compiled: modules() sees inside)
+        kept = [m for m in blk.modules() if policy.keeps_storage_dtype(m)]
+        if kept and policy.splits_gather:
+            fully_shard(kept, mesh=mesh, mp_policy=mp(policy.gather_dtype(kept[0])))
+        fully_shard(blk, mesh=mesh, mp_policy=mp(policy.wrapper_param_dtype))
+    fully_shard(model, mesh=mesh, mp_policy=mp(policy.param_dtype))
+    ctx.wrapper_dtypes = _sharded_dtypes("FSDP2 fully_shard (per block + its norms, root)", "sharded", policy)
+    return model
+
+
+def _wrap_fsdp1(model, policy, ctx):
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision
+    except ImportError as e:
+        raise ConfigError(f"parallel=fsdp1 is not available in torch {torch.__version__}; use parallel=fsdp.") from e
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+
+    def mp(param_dtype: torch.dtype) -> MixedPrecision:
+        # No input casting under autocast (root included): it would make the
+        # residual stream bf16/fp16 (see PrecisionPolicy.gather_dtype).
+        return MixedPrecision(param_dtype=param_dtype, reduce_dtype=policy.reduce_dtype,
+                              buffer_dtype=policy.buffer_dtype, cast_forward_inputs=policy.wrapper_casts_inputs,
+                              cast_root_forward_inputs=policy.wrapper_casts_inputs,
+                              _module_classes_to_ignore=())  # norms are handled below, not by FSDP1's fp32 override
+
+    # Blocks gather their linears in the compute dtype; each norm inside a block is
+    # its own unit in the storage dtype (FSDP1 flattens a unit into one flat
+    # parameter of one dtype, so a block's two norms cannot share a unit the way
+    # FSDP2's module list lets them). The root keeps the rest, in the storage
+    # dtype: embeddings, the tied head and the final norm.
+    kept = {m for blk in model.blocks for m in blk.modules() if policy.keeps_storage_dtype(m)} \
+        if policy.splits_gather else set()
+
+    def unit(module: nn.Module):
+        if isinstance(module, Block):
+            return {"mixed_precision": mp(policy.wrapper_param_dtype)}
+        if module in kept:
+            return {"mixed_precision": mp(policy.gather_dtype(module))}
+        return False
+
+    wrapped = FSDP(
+        model,
+        auto_wrap_policy=CustomPolicy(unit),
+        mixed_precision=mp(policy.param_dtype),
+        device_id=ctx.device,  # explicit: FSDP1 otherwise refuses a CPU-only machine
+        use_orig_params=True,
+    )
+    ctx.wrapper_dtypes = _sharded_dtypes("FullyShardedDataParallel (FSDP1, per-block auto-wrap)", "flat, sharded", policy)
+    return wrapped

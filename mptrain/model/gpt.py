@@ -1,0 +1,320 @@
+"""A GPT-2 style decoder as a plain ``nn.Module``.
+
+No distributed or precision code lives here; the one precision rule the model
+does own is that numerically sensitive ops run in fp32 on every device:
+LayerNorm and the loss upcast their input explicitly, because CPU autocast
+(unlike CUDA autocast) leaves them in half precision. Attention softmax runs
+inside ``scaled_dot_product_attention``, whose fused kernels accumulate the
+softmax in fp32.
+
+Two pieces serve the stability monitor (``mptrain/observe/stability.py``): the
+optional QK-layernorm (``GPTShape.qk_norm``: LayerNorm on each head's queries
+and keys, which bounds the attention logits), and the attention probe, which
+recomputes the logits the fused kernel hides, on the steps where a monitor
+switches it on (``CausalSelfAttention.probe``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTShape:
+    """The numbers that define a model; built from ``ModelConfig`` + vocab size."""
+
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    d_model: int
+    block_size: int
+    dropout: float = 0.0
+    bias: bool = True
+    qk_norm: bool = False  # last, so positional constructions from before it keep their meaning
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm computed in fp32 whatever the input dtype, output in the input dtype.
+
+    Under CUDA autocast ``layer_norm`` is already on the fp32 list; under CPU
+    autocast it is not, so a bf16/fp16 activation would be normalised in half
+    precision. Upcasting here makes the model behave the same on both.
+    """
+
+    def __init__(self, dim: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Autocast off: otherwise it would cast our fp32 operands back down.
+        with torch.autocast(x.device.type, enabled=False):
+            w = self.weight.float()
+            b = self.bias.float() if self.bias is not None else None
+            y = F.layer_norm(x.float(), (x.shape[-1],), w, b, 1e-5)
+        return y.to(x.dtype)
+
+
+# Largest number of attention logits the probe holds at once (fp32, 64 MiB per intermediate):
+# it walks the (batch x head) rows in slices of this size so that a monitored
+# step of a long-context model does not need a (B, H, T, T) tensor.
+PROBE_ELEMENTS = 2**24
+
+
+def attention_logit_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(largest logit, mean entropy in nats) of causal attention with queries
+    ``q`` and keys ``k`` (B, H, T, head_dim): logits ``q.k / sqrt(head_dim)``
+    over the allowed (key <= query) positions only, entropy of each query's
+    softmax averaged over batch, heads and query positions. fp32 0-d tensors,
+    left on the device (no host sync)."""
+    B, H, T, hd = q.shape
+    q, k = q.float().reshape(B * H, T, hd), k.float().reshape(B * H, T, hd)
+    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    rows = max(1, PROBE_ELEMENTS // (T * T))
+    top = torch.full((), float("-inf"), device=q.device)
+    ent = torch.zeros((), device=q.device)
+    for i in range(0, B * H, rows):
+        s = (q[i:i + rows] @ k[i:i + rows].transpose(-2, -1)) / math.sqrt(hd)
+        s = s.masked_fill(~allowed, float("-inf"))
+        top = torch.maximum(top, s.amax())
+        logp = torch.log_softmax(s, dim=-1)
+        # masked positions have p = 0 and log p = -inf: their 0 * -inf is dropped, not summed as NaN
+        ent = ent - torch.where(allowed, logp.exp() * logp, 0.0).sum()
+    return top, ent / (B * H * T)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``scaled_dot_product_attention``.
+
+    With ``qk_norm``, each head's queries and keys pass through a LayerNorm
+    over ``head_dim`` first, so a logit can only grow through the norms'
+    weights, not through the whole q/k projection. ``probe`` (off unless a
+    monitor sets it) makes each forward also fold the largest logit and the
+    mean entropy into ``probe_stats`` (see :meth:`_probe`)."""
+
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.n_head = s.n_head
+        self.qkv = nn.Linear(s.d_model, 3 * s.d_model, bias=s.bias)
+        self.proj = nn.Linear(s.d_model, s.d_model, bias=s.bias)
+        self.dropout = s.dropout
+        self.resid_drop = nn.Dropout(s.dropout)
+        head_dim = s.d_model // s.n_head
+        self.q_norm = LayerNorm(head_dim, s.bias) if s.qk_norm else None
+        self.k_norm = LayerNorm(head_dim, s.bias) if s.qk_norm else None
+        self.probe: bool = False
+        self.probe_stats: Optional[dict[str, torch.Tensor]] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, heads, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.probe:
+            self._probe(q, k)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_drop(self.proj(y))
+
+    # Eager even inside a compiled block: the dict it mutates lives outside the
+    # graph, and the probe runs on monitored steps only.
+    @torch.compiler.disable
+    def _probe(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Fold this call's attention statistics into ``probe_stats``: the max of
+        the largest logits, the sum of the mean entropies, and the number of
+        calls (so ``entropy_sum / calls`` is the mean). Computed in fp32 from
+        detached q and k; the forward's own result is untouched."""
+        with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+            top, ent = attention_logit_stats(q.detach(), k.detach())
+        st = self.probe_stats
+        if st is None:
+            self.probe_stats = {"logit_max": top, "entropy_sum": ent, "calls": torch.ones((), device=top.device)}
+        else:
+            st["logit_max"] = torch.maximum(st["logit_max"], top)
+            st["entropy_sum"] = st["entropy_sum"] + ent
+            st["calls"] = st["calls"] + 1
+
+
+# GELU's tanh approximation, 0.5 x (1 + tanh(c (x + 0.044715 x^3))) with c = sqrt(2 / pi),
+# is the same function as x * sigmoid(u) with u = x (B + A x^2), B = 2c, A = 0.044715 B.
+_GELU_B = 2.0 * math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715 * _GELU_B
+
+
+class _SigmoidTanhGelu(torch.autograd.Function):
+    """The tanh-approximated GELU, evaluated as ``x * sigmoid(u)``: the same
+    function as ``F.gelu(x, approximate="tanh")``, to fp32 rounding (closer to
+    the exact value where ``1 + tanh`` cancels, for x below about -3), with the
+    same inf/nan behaviour. It exists for speed on CPU, where torch's tanh
+    kernel is slow: forward and backward take about half the time of
+    ``F.gelu``'s there. Saves only ``x``, as ``F.gelu`` does, and recomputes
+    the sigmoid in the backward pass. Each step works in place on as few fresh
+    tensors as it can (one in the forward pass, two in the backward), since a
+    fresh tensor of this size can cost page faults on CPU."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        b = x.new_tensor(_GELU_B)
+        return torch.addcmul(b, x, x, value=_GELU_A).mul_(x).sigmoid_().mul_(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        b = x.new_tensor(_GELU_B)
+        s = torch.addcmul(b, x, x, value=_GELU_A).mul_(x).sigmoid_()
+        # d/dx x sigmoid(u) = s + x u' s (1 - s), u' = B + 3 A x^2. s (1 - s) is formed
+        # first (sigmoid_backward, exactly 0 where the sigmoid saturates), so a huge |x|
+        # gives the finite gradient F.gelu gives instead of inf * 0.
+        g = torch.addcmul(b, x, x, value=3 * _GELU_A)
+        torch.ops.aten.sigmoid_backward.grad_input(g, s, grad_input=g)
+        return g.mul_(x).add_(s).mul_(grad)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (GPT-2's ``gelu_new``). fp32 on CPU in eager mode
+    goes through :class:`_SigmoidTanhGelu` (faster there); everything else, compiled
+    graphs included, through ``F.gelu``, whose kernel is fast on GPU and which a
+    compiler fuses."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return _SigmoidTanhGelu.apply(x)
+    return F.gelu(x, approximate="tanh")
+
+
+class MLP(nn.Module):
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.fc = nn.Linear(s.d_model, 4 * s.d_model, bias=s.bias)
+        self.proj = nn.Linear(4 * s.d_model, s.d_model, bias=s.bias)
+        self.drop = nn.Dropout(s.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(gelu_tanh(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.ln_1 = LayerNorm(s.d_model, s.bias)
+        self.attn = CausalSelfAttention(s)
+        self.ln_2 = LayerNorm(s.d_model, s.bias)
+        self.mlp = MLP(s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def _write_whole(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy ``full`` (the whole tensor, on the CPU) into ``p``: all of it, or,
+    when ``p`` is a DTensor shard, the part this rank holds (cut locally, no
+    communication: every rank has drawn the same ``full``)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        part = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(part.to_local())
+    else:
+        p.copy_(full)
+
+
+def cross_entropy_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T),
+    computed in fp32: log-softmax over the vocabulary loses digits in half
+    precision. Eager, it writes the fp32 logits and their log-probabilities out
+    whole (two B x T x V fp32 tensors: 13 GB for gpt-small's batch of 32 x 1024
+    with GPT-2's vocabulary); compiled (``GPT.loss_fn`` under ``train.compile``),
+    the upcast, log-softmax and pick fuse into passes over the 16-bit logits."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``n_layer`` blocks, final norm, tied head.
+
+    ``loss_fn`` computes the loss from the logits (:func:`cross_entropy_fp32`);
+    ``parallel.wrap`` replaces it by its compiled version when blocks are compiled."""
+
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.shape = s
+        self.wte = nn.Embedding(s.vocab_size, s.d_model)
+        self.wpe = nn.Embedding(s.block_size, s.d_model)
+        self.drop = nn.Dropout(s.dropout)
+        self.blocks = nn.ModuleList(Block(s) for _ in range(s.n_layer))
+        self.ln_f = LayerNorm(s.d_model, s.bias)
+        self.lm_head = nn.Linear(s.d_model, s.vocab_size, bias=False)
+        self.tie_weights()
+        self.loss_fn = cross_entropy_fp32
+        if not self.wte.weight.is_meta:  # on the meta device there is nothing to fill yet
+            self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """The head shares the token embedding's matrix, as in GPT-2."""
+        self.lm_head.weight = self.wte.weight
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        """GPT-2 init: N(0, 0.02), residual output projections scaled by
+        1/sqrt(2 * n_layer) so the residual stream's variance does not grow
+        with depth; zero biases; unit norm weights (QK-layernorm's too).
+
+        Every tensor is drawn whole, in fp32 on the CPU, from ``generator``
+        (the global generator when None), one parameter after another in
+        ``named_parameters`` order, and then written into the parameter
+        whatever its device, dtype or sharding: a parameter that is an FSDP2
+        shard (a DTensor) keeps only its part of the tensor every rank drew.
+        So one seeded generator gives the same initial weights on one rank or
+        many, on CPU or GPU, built on the meta device or not. Drawing on the
+        CPU costs time on large models (about 1 s per 200M parameters), never
+        more memory than the largest single tensor. A generator on a GPU draws
+        there, much faster, but other numbers than the CPU's (scripts/gpu_check.py's
+        speed runs, where the values do not matter, use one)."""
+        std = 0.02
+        # every norm weight, the QK-layernorm's included; ones draw no random
+        # numbers, so adding qk_norm leaves the other weights' initial values as they were
+        norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, LayerNorm)}
+        for name, p in self.named_parameters():
+            full = torch.empty(p.shape, dtype=torch.float32, device=generator.device if generator is not None else "cpu")
+            if name.endswith("bias"):
+                full.zero_()
+            elif name in norms:
+                full.fill_(1.0)
+            elif name.endswith("proj.weight"):
+                full.normal_(0.0, std / math.sqrt(2 * self.shape.n_layer), generator=generator)
+            else:
+                full.normal_(0.0, std, generator=generator)
+            _write_whole(p, full)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; the position embedding is left out by default (as
+        in the usual 6N FLOPs estimate). The tied head is counted once."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits for ``idx`` (B, T); with ``targets``, also the mean
+        cross-entropy, computed from fp32 logits."""
+        B, T = idx.shape
+        if T > self.shape.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.shape.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        loss = self.loss_fn(logits, targets)
+        return logits, loss

@@ -1,0 +1,216 @@
+"""What a run's float8 casts do, layer by layer, on the numerics monitor's steps."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from mptrain.core.shards import local_shard
+from mptrain.core.text import text_table
+from mptrain.distributed.comm import uncounted
+from mptrain.model.names import canonical_name, layer_name
+from mptrain.precision.fp8casts import FORMATS, SUMS, cast_counts, summarize
+
+# ------------------------------------------------------------------ in a run
+OPERANDS = ("input", "weight", "grad_output")
+
+
+STATS = ("flush", "saturate", "sqnr_db", "amax", "scale_min", "scale_max")
+
+
+WHATIF_STATS = ("flush", "saturate", "sqnr_db")
+
+
+RUN = "run"  # the store tag of the run's own casts; what-ifs are tagged by their recipe
+
+
+def _is_float8(t: torch.Tensor) -> bool:
+    """A weight that arrived already cast (FSDP2's float8 all-gather): torchao's
+    float8 tensor, whose ``_scale`` is the multiplier it was cast with."""
+    return hasattr(t, "_data") and hasattr(t, "_scale") and getattr(t._data, "dtype", None) in FORMATS.values()
+
+
+def _operands(mod: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input and weight as ``mod``'s casts receive them. Our own float8 layers
+    say (``cast_operands``); torchao's ``Float8Linear`` casts the input to the
+    autocast dtype under CUDA autocast only (its own test), so on CPU an fp32
+    input goes to float8 directly, and the weight as the layer holds it."""
+    if hasattr(mod, "cast_operands"):
+        return mod.cast_operands(x)
+    if torch.is_autocast_enabled("cuda") and x.is_floating_point():
+        x = x.to(torch.get_autocast_dtype("cuda"))
+    return x, mod.weight
+
+
+def _own_scale(mod: nn.Module, op: str, t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The scale ``mod`` casts ``t`` with when its recipe keeps scales as state
+    (delayed scaling: ``scale_for``); None where the recipe's rule computes it."""
+    return mod.scale_for(op, t) if hasattr(mod, "scale_for") else None
+
+
+class CastWatch:
+    """What the float8 casts of a run do, layer by layer, on monitored steps.
+
+    The numerics monitor owns one when the run has float8 linears
+    (``monitor.fp8_casts``) and drives it like its other parts: :meth:`start`
+    hooks the linears for one step, the hooks add :func:`cast_counts` sums
+    into ``sum_all`` and maxima into ``max_all`` (reduced over every rank by
+    the monitor's one collective per kind), :meth:`scalars` turns the
+    reduced values into metrics.
+
+    Each operand is measured as the cast receives it (see :func:`_operands`):
+    the input after any cast to the autocast dtype the layer makes first,
+    the weight as the layer holds it in the forward pass (the fp32 master
+    without a sharding wrapper, the gathered copy under FSDP; bf16 for MX
+    layers under autocast), the output gradient as it arrives in the
+    backward pass. The run's own scales follow its recipe; a layer whose
+    scales are state (delayed scaling) gives them (``scale_for``); and a
+    weight that FSDP2 all-gathered in float8 is measured whole, from the
+    fp32 master, with the scale all ranks cast their shards with.
+
+    Only shares and maxima are reported, never raw counts: a tensor measured
+    twice (an activation-checkpointed forward runs again in the backward; a
+    weight, measured at the step's first forward, is measured on every rank,
+    since each holds it whole) adds the same counts to numerator and
+    denominator.
+    """
+
+    @classmethod
+    def of_run(cls, fp8, model: nn.Module, whatif: list[str]) -> Optional["CastWatch"]:
+        """The watch of a run's converted linears (``fp8``: the policy's
+        :class:`~mptrain.precision.policy.Fp8Linears`); None for a recipe the
+        statistics do not model (nvfp4)."""
+        rules = fp8.cast_rules(whatif)
+        return None if rules is None else cls(model, fp8.report["converted"], *rules)
+
+    def __init__(self, model: nn.Module, converted: list[str], recipe: str, formats: dict[str, str],
+                 whatif: list[str], mx_rounding: str = "rceil"):
+        wanted = {canonical_name(c) for c in converted}
+        self.layers: dict[str, nn.Module] = {}
+        for name, mod in model.named_modules():
+            c = canonical_name(name)
+            if c in wanted:
+                self.layers.setdefault(layer_name(c), mod)
+        # The parameter object each layer holds between steps: under FSDP2 the fp32
+        # shard (a DTensor), which the forward pass swaps for the gathered copy.
+        self.master = {k: m.weight for k, m in self.layers.items()}
+        self.recipe, self.formats, self.mx_rounding = recipe, formats, mx_rounding
+        self.tags = {RUN: recipe, **{r: r for r in whatif}}
+        self.clear()
+
+    def clear(self) -> None:
+        self._weighed: set[str] = set()
+        self.sum_all: dict[str, torch.Tensor] = {}
+        self.max_all: dict[str, torch.Tensor] = {}
+
+    def start(self, device: torch.device) -> list:
+        """Zeros for every figure, in a fixed order (every rank packs the same
+        layout for the collectives), and one forward hook per float8 linear."""
+        self.clear()
+        for layer in self.layers:
+            for op in OPERANDS:
+                for tag in self.tags:
+                    self.sum_all[f"fp8s/{layer}/{op}/{tag}"] = torch.zeros(len(SUMS), dtype=torch.float64,
+                                                                            device=device)
+                    self.max_all[f"fp8m/{layer}/{op}/{tag}"] = torch.tensor([0.0, 0.0, -math.inf], device=device)
+        return [mod.register_forward_hook(self._hook(layer)) for layer, mod in self.layers.items()]
+
+    def _hook(self, layer: str):
+        def hook(mod, args, out):
+            x, w = _operands(mod, args[0].detach())
+            self._add(layer, "input", x, _own_scale(mod, "input", x))
+            if layer not in self._weighed:  # once per step: the weight does not change within one
+                self._weighed.add(layer)
+                w = w.detach()
+                if _is_float8(w):
+                    # All-gathered already cast: measure the fp32 master, gathered whole (one
+                    # all-gather, monitored steps only: block what-ifs must not be cut at shard
+                    # edges), with the scale every rank cast its shard with.
+                    master = self.master[layer].detach()
+                    with uncounted():  # the monitor's gather, not the step's: out of the comm/* figures
+                        full = master.full_tensor() if hasattr(master, "full_tensor") else master
+                    self._add(layer, "weight", full, w._scale)
+                else:
+                    self._add(layer, "weight", local_shard(w), _own_scale(mod, "weight", w))
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                # The output's gradient is the layer's grad_output (a bias adds after the matmul).
+                out.register_hook(lambda g: self._add(layer, "grad_output", g, _own_scale(mod, "grad_output", g)))
+        return hook
+
+    def _add(self, layer: str, op: str, t: torch.Tensor, own_scale: Optional[torch.Tensor]) -> None:
+        fmt = self.formats[op]
+        t = t.detach().float()  # once here; cast_counts' own .float() is then free for every recipe
+        for tag, recipe in self.tags.items():
+            sums, maxes = cast_counts(t, recipe, fmt, self.mx_rounding, own_scale if tag == RUN else None)
+            ks, km = f"fp8s/{layer}/{op}/{tag}", f"fp8m/{layer}/{op}/{tag}"
+            self.sum_all[ks] = self.sum_all[ks] + sums
+            self.max_all[km] = torch.maximum(self.max_all[km], maxes)
+
+    def scalars(self, vals: dict[str, torch.Tensor]) -> dict[str, float]:
+        """``fp8.<layer>/<operand>/<stat>`` for the run's casts,
+        ``fp8.<layer>/<operand>/<recipe>/<stat>`` for the what-ifs, and the worst
+        over layers and operands as ``fp8/worst/[<recipe>/]<stat>``. The layer
+        leads the name so that TensorBoard and W&B make one section per layer."""
+        out: dict[str, float] = {}
+        worst: dict[str, dict[str, float]] = {}
+        for layer in self.layers:
+            for op in OPERANDS:
+                for tag in self.tags:
+                    s = vals.get(f"fp8s/{layer}/{op}/{tag}")
+                    if s is None or s[0] <= 0:
+                        continue  # nothing cast (a layer that did not run): left out
+                    fig = summarize(s, vals[f"fp8m/{layer}/{op}/{tag}"])
+                    if tag == RUN:
+                        out.update({f"fp8.{layer}/{op}/{k}": fig[k] for k in STATS})
+                    else:
+                        out.update({f"fp8.{layer}/{op}/{tag}/{k}": fig[k] for k in WHATIF_STATS})
+                    w = worst.setdefault(tag, {"flush": 0.0, "saturate": 0.0, "sqnr_db": math.inf})
+                    w["flush"], w["saturate"] = max(w["flush"], fig["flush"]), max(w["saturate"], fig["saturate"])
+                    w["sqnr_db"] = min(w["sqnr_db"], fig["sqnr_db"])
+        for tag, w in worst.items():
+            prefix = "fp8/worst/" if tag == RUN else f"fp8/worst/{tag}/"
+            out.update({prefix + k: v for k, v in w.items()})
+        return out
+
+
+def report(scalars: dict[str, float], recipe: str, step: int) -> dict:
+    """``summary.json``'s ``fp8_casts``: the figures of one monitored step's
+    :meth:`CastWatch.scalars`, nested as layer -> operand -> figures, with the
+    what-ifs under ``whatif`` -> recipe, and the worst over layers."""
+    layers: dict = {}
+    for key, v in scalars.items():
+        if not key.startswith("fp8."):
+            continue
+        layer, op, *rest = key[len("fp8."):].split("/")
+        figs = layers.setdefault(layer, {}).setdefault(op, {})
+        if len(rest) == 1:
+            figs[rest[0]] = v
+        else:
+            figs.setdefault("whatif", {}).setdefault(rest[0], {})[rest[1]] = v
+    worst = {k[len("fp8/worst/"):]: v for k, v in scalars.items() if k.startswith("fp8/worst/")}
+    return {"recipe": recipe, "step": step, "worst": worst, "layers": layers}
+
+
+def _pct(v: float) -> str:
+    return "0" if v == 0 else f"{100 * v:.3g}%"
+
+
+def table(rep: dict) -> str:
+    """The console table of :func:`report`: one row per layer and operand, the
+    run's casts and the what-if recipe with the best SQNR beside them."""
+    head = ["layer", "operand", "flush", "saturate", "SQNR dB", "amax", "scale", "best what-if (SQNR dB, flush)"]
+    rows = []
+    for layer, ops in rep["layers"].items():
+        for op, f in ops.items():
+            scale = (f"{f['scale_min']:.4g}" if f["scale_min"] == f["scale_max"]
+                     else f"{f['scale_min']:.3g}..{f['scale_max']:.3g}")
+            alt = max((f.get("whatif") or {}).items(), key=lambda kv: kv[1]["sqnr_db"], default=None)
+            best = f"{alt[0]} ({alt[1]['sqnr_db']:.1f}, {_pct(alt[1]['flush'])})" if alt else ""
+            rows.append([layer, op, _pct(f["flush"]), _pct(f["saturate"]), f"{f['sqnr_db']:.1f}",
+                         f"{f['amax']:.4g}", scale, best])
+    w = rep["worst"]
+    return "\n".join([f"float8 casts at step {rep['step']} (recipe {rep['recipe']}):", *text_table(head, rows),
+                      f"worst: flush {_pct(w.get('flush', 0))}, saturate {_pct(w.get('saturate', 0))}, "
+                      f"SQNR {w.get('sqnr_db', math.nan):.1f} dB"])

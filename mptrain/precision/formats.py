@@ -1,0 +1,173 @@
+"""Facts about the floating-point formats a mixed-precision run touches.
+
+fp32, bf16, fp16 and the two OCP float8 formats (E4M3 "fn": no infinities,
+one NaN pattern; E5M2: IEEE-like, with inf). Every number here is derived
+from ``torch.finfo`` of the torch dtype, never typed in, so the table is
+whatever the installed torch says a cast does. ``mptrain.observe.numerics`` builds its
+underflow / subnormal / overflow thresholds from these facts.
+
+``python -m mptrain.formats`` prints the table.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+FORMATS: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "e4m3": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+}
+"""Short name (as used in configs and metric names) -> torch dtype."""
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """What one format can hold. Values are Python floats (doubles), which
+    represent every one of them exactly."""
+
+    name: str
+    """Short name, a key of :data:`FORMATS`."""
+    dtype: torch.dtype
+    """The torch dtype."""
+    bits: int
+    """Storage width: sign + exponent + mantissa."""
+    exponent_bits: int
+    """Width of the exponent field (``bits - 1 - mantissa_bits``)."""
+    mantissa_bits: int
+    """Explicitly stored fraction bits (the implicit leading 1 not counted)."""
+    max: float
+    """Largest finite value."""
+    smallest_normal: float
+    """Smallest positive normal value (``finfo.smallest_normal``)."""
+    smallest_subnormal: float
+    """Smallest positive subnormal value: one unit in the last place at the
+    bottom of the exponent range (``smallest_normal * eps``)."""
+    eps: float
+    """Distance from 1.0 to the next larger value (``2**-mantissa_bits``)."""
+    dynamic_range_binades: float
+    """``log2(max / smallest_subnormal)``: how many powers of two fit between
+    the smallest and the largest non-zero magnitude."""
+
+    @property
+    def ulp_of_max(self) -> float:
+        """Spacing of representable values just below ``max`` (exact: a power of two)."""
+        return 2.0 ** math.floor(math.log2(self.max)) * self.eps
+
+
+def _derive(name: str) -> FormatInfo:
+    dtype = FORMATS[name]
+    fi = torch.finfo(dtype)
+    eps = float(fi.eps)
+    # eps = 2**-m exactly for a binary format with m stored fraction bits.
+    mantissa = round(-math.log2(eps))
+    assert 2.0 ** -mantissa == eps, f"{name}: finfo.eps={eps} is not a power of two"
+    smallest_normal = float(fi.smallest_normal)
+    # Subnormals are spaced by one ulp of the smallest binade: smallest_normal * eps.
+    smallest_subnormal = smallest_normal * eps
+    return FormatInfo(
+        name=name,
+        dtype=dtype,
+        bits=int(fi.bits),
+        exponent_bits=int(fi.bits) - 1 - mantissa,  # 1 bit is the sign
+        mantissa_bits=mantissa,
+        max=float(fi.max),
+        smallest_normal=smallest_normal,
+        smallest_subnormal=smallest_subnormal,
+        eps=eps,
+        dynamic_range_binades=math.log2(float(fi.max) / smallest_subnormal),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def info(name: str) -> FormatInfo:
+    """The :class:`FormatInfo` of format ``name`` (one of :data:`FORMATS`); cached."""
+    if name not in FORMATS:
+        raise KeyError(f"unknown format '{name}'; valid formats: {', '.join(FORMATS)}")
+    return _derive(name)
+
+
+def table() -> list[FormatInfo]:
+    """Every format, in the order of :data:`FORMATS` (widest first)."""
+    return [info(n) for n in FORMATS]
+
+
+def _num(x: float, spec: str = ".4g") -> str:
+    """A compact number; powers of two also as ``2^k``, which is how one thinks of them."""
+    k = math.log2(x)
+    if k == int(k):
+        return f"{x:{spec}} (2^{int(k)})"
+    return f"{x:{spec}}"
+
+
+def format_table() -> str:
+    """The table as aligned text, one row per format."""
+    head = ["format", "dtype", "bits", "exp", "mant", "max", "smallest normal",
+            "smallest subnormal", "eps", "range (binades)"]
+    rows = [[f.name, str(f.dtype).replace("torch.", ""), str(f.bits), str(f.exponent_bits),
+             str(f.mantissa_bits), _num(f.max, ".6g"), _num(f.smallest_normal), _num(f.smallest_subnormal),
+             _num(f.eps), f"{f.dynamic_range_binades:.1f}"] for f in table()]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    # Names and dtypes left-aligned, numbers right-aligned so magnitudes line up.
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+
+# ----------------------------------------------------------------- thresholds
+@dataclass(frozen=True)
+class CastThresholds:
+    """Magnitudes (fp32 values) where a cast to one format changes behaviour.
+
+    All three are exactly representable in fp32, so comparing an fp32 tensor
+    with them is exact (checked when they are built)."""
+
+    name: str
+    last_underflow: float
+    """Largest |x| that rounds to 0: half the smallest subnormal."""
+    first_normal: float
+    """Smallest |x| that rounds to a normal value: ``smallest_normal - smallest_subnormal / 2``."""
+    first_overflow: float
+    """Smallest fp32 |x| that rounds beyond ``max`` (see the module docstring)."""
+
+
+def _fp32_exact(x: float) -> bool:
+    return torch.tensor(x, dtype=torch.float32).item() == x
+
+
+@functools.lru_cache(maxsize=None)
+def thresholds(name: str) -> CastThresholds:
+    """The :class:`CastThresholds` of format ``name``, derived from :func:`info`."""
+    f = info(name)
+    if name == "fp32":
+        # Its own thresholds are not fp32 numbers (2^-150...), and an fp32 value
+        # cast to fp32 never changes: there is nothing to monitor.
+        raise ValueError("thresholds are defined for formats narrower than fp32")
+    half_sub = f.smallest_subnormal / 2
+    midpoint = f.max + f.ulp_of_max / 2
+    # Round half to even at the midpoint: it goes up (overflow) iff max's last
+    # mantissa bit is odd. max / ulp(max) is the integer significand of max.
+    max_is_odd = int(f.max / f.ulp_of_max) % 2 == 1
+    if max_is_odd:
+        first_overflow = midpoint
+    else:
+        first_overflow = torch.nextafter(torch.tensor(midpoint, dtype=torch.float32),
+                                         torch.tensor(math.inf, dtype=torch.float32)).item()
+    th = CastThresholds(name, last_underflow=half_sub, first_normal=f.smallest_normal - half_sub,
+                        first_overflow=first_overflow)
+    for v in (th.last_underflow, th.first_normal, th.first_overflow):
+        assert _fp32_exact(v), f"{name}: threshold {v!r} is not an fp32 number"
+    return th
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    if hasattr(torch, "float8_e4m3fn"):
+        names.update({torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"})
+    return names.get(dt, str(dt).replace("torch.", ""))

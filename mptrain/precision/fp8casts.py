@@ -1,0 +1,143 @@
+"""What a float8 cast does to a tensor, for each way of choosing its scales.
+
+A float8 cast multiplies a tensor by a scale, clamps it to the format's
+largest value and rounds it to float8. Each recipe chooses the scales
+differently:
+
+- ``tensorwise``: one scale for the tensor, ``max / amax`` (torchao's
+  tensorwise recipe);
+- ``rowwise``: one per row of the tensor's last dimension, rounded down to a
+  power of two (torchao's rowwise recipes);
+- ``block1x32``: one per 32 consecutive elements of a row, a power of two as
+  in the OCP MX formats (E8M0 scales). ``mx_rounding`` picks the exponent:
+  ``rceil`` rounds ``amax / max`` up, so nothing saturates (torchao's MXFP8
+  training recipes); ``floor`` is the spec's rule, which can clamp a block's
+  largest values by up to 2x;
+- ``block1x128`` and ``block128x128``: one fp32 scale, ``max / amax``, per 128
+  consecutive elements of a row, or per 128 x 128 tile (DeepSeek-V3's
+  activation and weight blocks).
+
+:func:`cast_counts` returns, for one tensor and one recipe, the sums a
+statistic needs, so that shards can be added up (and amaxes maxed) before
+anything is read back. :func:`summarize` turns them into figures:
+
+- ``flush``: the share of non-zero elements that become 0;
+- ``saturate``: the share that the clamp to the format's largest value
+  changed (beyond rounding to it: the numerics monitor's overflow threshold);
+- ``sqnr_db``: the signal-to-quantization-noise ratio of the round trip
+  (x cast, then divided by its scale), in dB;
+- ``scale_min`` / ``scale_max``: the smallest and largest scale used;
+- ``amax``: the largest magnitude seen.
+
+Everything stays on the device: no host sync.
+
+:class:`CastWatch` applies this to a run: on the numerics monitor's steps it
+hooks every float8 linear and measures the casts of its three float8
+operands, with the run's own scales and with the other recipes' (what-if),
+from the same tensors.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mptrain.precision.formats import thresholds
+from mptrain.precision.fp8delayed import EPS, scale_from_amax  # noqa: F401  EPS: the amax floor of every recipe here
+
+RECIPES = ("tensorwise", "rowwise", "block1x32", "block1x128", "block128x128")
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+# [n_nonzero, n_flush, n_saturate, signal (sum x^2), noise (sum (x - x~)^2)]; then maxima
+# [amax, scale_max, -scale_min] (scale_min negated so that every maximum reduces with max).
+SUMS = ("nonzero", "flush", "saturate", "signal", "noise")
+MAXES = ("amax", "scale_max", "neg_scale_min")
+
+
+def _groups(x: torch.Tensor, recipe: str) -> torch.Tensor:
+    """``x`` (2-D) viewed as ``(groups, elements)``: each row of the result
+    shares one scale. Rows (or tile rows and columns) that do not divide evenly
+    are padded with zeros, which change no amax and count as no element."""
+    r, c = x.shape
+    if recipe == "tensorwise":
+        return x.reshape(1, -1)
+    if recipe == "rowwise":
+        return x
+    if recipe in ("block1x32", "block1x128"):
+        b = 32 if recipe == "block1x32" else 128
+        x = torch.nn.functional.pad(x, (0, (-c) % b))
+        return x.reshape(-1, b)
+    if recipe == "block128x128":
+        x = torch.nn.functional.pad(x, (0, (-c) % 128, 0, (-r) % 128))
+        rr, cc = x.shape
+        return x.reshape(rr // 128, 128, cc // 128, 128).permute(0, 2, 1, 3).reshape(-1, 128 * 128)
+    raise ValueError(f"unknown recipe {recipe!r}; one of {', '.join(RECIPES)}")
+
+
+def scales(amax: torch.Tensor, recipe: str, fmt: str = "e4m3", mx_rounding: str = "rceil") -> torch.Tensor:
+    """The multiplier each group is cast with, from its ``amax`` (fp32)."""
+    top = torch.finfo(FORMATS[fmt]).max
+    amax = amax.double().clamp(min=EPS)
+    if recipe == "block1x32":
+        if mx_rounding == "rceil":  # smallest power of two with amax * s <= max
+            return torch.exp2(torch.floor(torch.log2(top / amax))).float()
+        if mx_rounding == "floor":  # OCP MX: shared exponent floor(log2 amax) - emax of the element format
+            emax = math.floor(math.log2(top))
+            return torch.exp2(emax - torch.floor(torch.log2(amax))).float()
+        raise ValueError(f"mx_rounding={mx_rounding!r}: one of rceil, floor")
+    s = scale_from_amax(amax, FORMATS[fmt])  # max / amax, computed as torchao computes it
+    if recipe == "rowwise":
+        s = torch.exp2(torch.floor(torch.log2(s)))  # torchao rounds rowwise scales down to a power of two
+    return s
+
+
+def cast_counts(t: torch.Tensor, recipe: str, fmt: str = "e4m3", mx_rounding: str = "rceil",
+                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sums, maxima)`` of casting ``t`` to ``fmt`` with ``recipe``'s scales
+    (fp64 ``SUMS`` and fp32 ``MAXES``, see the module docstring). The last
+    dimension is the row; leading dimensions are flattened into rows.
+    ``scale``: use these scales instead of computing them from ``t`` (shaped
+    as the groups: one per group), as a recipe with stale scales would."""
+    x = t.detach().float()
+    x = x.reshape(1, -1) if x.dim() < 2 else x.reshape(-1, x.shape[-1])
+    g = _groups(x, recipe)
+    amax = g.abs().amax(dim=1)
+    s = scales(amax, recipe, fmt, mx_rounding) if scale is None else scale.float().reshape(-1)
+    top = torch.finfo(FORMATS[fmt]).max
+    # Clamped means: would not have rounded to the largest value without the clamp (the
+    # numerics monitor's overflow threshold), not merely a product a rounding above it.
+    overflow = thresholds(fmt).first_overflow
+    scaled = g * s[:, None]
+    q = scaled.clamp(-top, top).to(FORMATS[fmt]).float()
+    # The round trip's error in fp32 is exact: a value cast within a factor of 2 of itself
+    # subtracts exactly (Sterbenz), and a flushed one leaves itself. Sums of squares
+    # accumulate in fp64 without an fp64 copy of the tensor (vector_norm's dtype).
+    err = g - q / s[:, None]
+    nonzero = g != 0
+    sums = torch.stack([
+        nonzero.sum().double(),
+        (nonzero & (q == 0)).sum().double(),
+        (scaled.abs() >= overflow).sum().double(),
+        torch.linalg.vector_norm(g, dtype=torch.float64).square(),
+        torch.linalg.vector_norm(err, dtype=torch.float64).square(),
+    ])
+    # The scale range over groups holding a non-zero value: an all-zero group's scale
+    # (from the EPS floor, ~1e14) scales nothing and would hide the real range.
+    live = amax > 0
+    s_live = s.expand_as(amax) if s.numel() == 1 else s
+    maxes = torch.stack([amax.max(), torch.where(live, s_live, 0.0).max(), -torch.where(live, s_live, math.inf).min()])
+    return sums, maxes
+
+
+def summarize(sums: torch.Tensor, maxes: torch.Tensor) -> dict[str, float]:
+    """The figures of (possibly reduced) :func:`cast_counts` results, read back once."""
+    n, flush, sat, signal, noise = sums.tolist()
+    amax, smax, neg_smin = maxes.tolist()
+    if noise > 0:
+        sqnr = 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+    else:
+        sqnr = math.inf
+    return {"flush": flush / n if n else 0.0, "saturate": sat / n if n else 0.0, "sqnr_db": sqnr,
+            "amax": amax, "scale_min": -neg_smin, "scale_max": smax}
+
+

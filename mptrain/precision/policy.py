@@ -1,0 +1,481 @@
+"""PrecisionPolicy: which dtype is used for what, as objects the step can call
+without asking which precision it is in.
+
+- ``policy.autocast()`` is a real ``torch.autocast`` in bf16/fp16 and a
+  ``nullcontext`` in fp32.
+- ``policy.scaler`` is a :class:`LossScaler`; with loss scaling off it is the
+  identity (``GradScaler(enabled=False)``), so the step calls it
+  unconditionally.
+- ``policy.describe()`` is the table of dtypes printed at start-up and written
+  to the run directory.
+- ``policy.gather_dtype(module)`` tells a sharding wrapper (FSDP) which dtype
+  to all-gather a module's parameters in, so that a preset computes the same
+  numbers under every wrapper (see "One preset, every wrapper" below).
+- ``policy.attach_optimizer(optimizer, model)``, once per run, keeps the
+  float8 all-gather scales in step with the weights (an optimizer post-step
+  hook; nothing without float8 all-gather); ``policy.refresh_fp8_scales``
+  does it by hand after a checkpoint load.
+
+Storage. Parameters, gradients and optimizer state are stored in
+``policy.param_dtype``: fp32 ("fp32 master weights") in every preset except
+the ``master_weights=false`` study case (``precision=bf16-pure``), which
+stores all three in bf16. With master weights, autocast casts weights to the
+compute dtype on the fly, per op, and gradients flow back into the fp32
+parameters.
+
+One preset, every wrapper. Autocast decides what runs in half precision:
+matmuls (the tied output head included) run in the compute dtype; the
+embedding output and the residual stream (every block's output) stay in the
+storage dtype, fp32 with master weights; norms and the loss compute in fp32
+(the model upcasts them). A sharding wrapper must not change that, and FSDP
+casts whole parameter groups, so the policy hands it two dtypes: linear
+layers are gathered in ``wrapper_param_dtype`` (the very values autocast
+would cast them to, at half the bytes), embeddings and norms in the storage
+dtype; and under autocast the wrapper never casts a unit's inputs.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from mptrain.config.schema import DType, ScaleMode
+from mptrain.core.errors import ConfigError
+from mptrain.model.gpt import LayerNorm
+from mptrain.precision import fp8mx
+from mptrain.precision.formats import dtype_name
+from mptrain.precision.fp8delayed import DelayedFloat8Linear, update_histories
+from mptrain.precision.support import fp8_software_problem, torchao_version
+
+
+class LossScaler:
+    """Dynamic or static loss scaling on top of ``torch.amp.GradScaler``.
+
+    ``GradScaler`` gives the standard dynamic semantics (skip the step and
+    multiply the scale by ``backoff_factor`` when any gradient is inf/nan;
+    multiply by ``growth_factor`` after ``growth_interval`` clean steps). This
+    wrapper adds what the harness reports and needs:
+
+    - a static mode (the scale is put back to ``init_scale`` after every
+      update; steps with inf/nan gradients are still skipped);
+    - a cumulative skipped-step counter kept as a device tensor, so counting
+      costs no host sync (it is read at the logging cadence);
+    - under several ranks, ``ShardedGradScaler``, whose ``unscale_`` all-reduces
+      the inf/nan flag, so every rank takes the same skip decision even when
+      only one rank's gradient shard overflowed.
+
+    Host sync: ``GradScaler.step`` reads the inf/nan flag with ``.item()`` to
+    decide whether to call ``optimizer.step()``; that is the one sync per step
+    that fp16 loss scaling needs. With scaling off there is none.
+    """
+
+    def __init__(self, cfg, device: torch.device, distributed: bool = False):
+        self.enabled = bool(cfg.enabled)
+        self.static = cfg.mode == ScaleMode.static
+        self.init_scale = float(cfg.init_scale)
+        kwargs = dict(
+            init_scale=self.init_scale,
+            growth_factor=cfg.growth_factor,
+            backoff_factor=cfg.backoff_factor,
+            growth_interval=cfg.growth_interval,
+            enabled=self.enabled,
+        )
+        if distributed:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device.type, **kwargs)  # the default group: every rank
+        else:
+            self.scaler = torch.amp.GradScaler(device.type, **kwargs)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._zero = torch.zeros((), device=device)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Step unless gradients hold inf/nan; update the scale. Returns a 0-d
+        tensor, 1 when the step was skipped. Call after :meth:`unscale_`."""
+        if not self.enabled:
+            optimizer.step()
+            return self._zero
+        # _found_inf_per_device is GradScaler's record of what unscale_ saw
+        # (already all-reduced over ranks by ShardedGradScaler).
+        found = sum(self.scaler._found_inf_per_device(optimizer).values())
+        self.scaler.step(optimizer)
+        self.scaler.update(new_scale=self.init_scale if self.static else None)
+        skipped = (found > 0).to(self.skipped.dtype).reshape(())  # ShardedGradScaler keeps shape [1]
+        self.skipped += skipped
+        return skipped
+
+    def scale_tensor(self) -> Optional[torch.Tensor]:
+        """The current scale as a device tensor (no host sync), or None when off."""
+        return getattr(self.scaler, "_scale", None) if self.enabled else None
+
+    def get_scale(self) -> Optional[float]:
+        """Current scale (host sync), or None when scaling is off."""
+        return float(self.scaler.get_scale()) if self.enabled else None
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict(), "skipped": int(self.skipped)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore the scale, its growth tracker and the skip counter from :meth:`state_dict`.
+
+        A resume that changes precision (``resume.allow_changes=[precision]``)
+        can hand over the other kind of state. A disabled scaler (fp32/bf16)
+        saved an empty GradScaler state, which GradScaler refuses to load:
+        there is no scale to continue from, so an enabled scaler keeps its
+        fresh ``init_scale``, as a new fp16 run starts. Saved fp16 state is
+        ignored by a disabled scaler: without loss scaling there is no scale
+        to use, and no skipped steps to count."""
+        if not self.enabled:
+            return
+        if sd["scaler"]:
+            self.scaler.load_state_dict(sd["scaler"])
+        self.skipped.fill_(sd["skipped"])
+
+
+class Fp8Linears:
+    """Converts ``nn.Linear`` layers to float8 linears, whichever the recipe
+    makes them: torchao's ``Float8Linear`` (tensorwise, rowwise,
+    rowwise_with_gw_hp), our ``DelayedFloat8Linear`` (delayed,
+    ``fp8delayed.py``) or ``MXLinear`` (mxfp8, ``fp8mx.py``). Keeps the FSDP2
+    float8 all-gather scales fresh, closes each step for delayed scaling
+    (:meth:`update_histories`), and builds the cast statistics' watch
+    (:meth:`watch`).
+
+    Which linears: every ``nn.Linear`` except those a rule keeps out, by name
+    (``precision.fp8.exclude``), position, size or alignment (see
+    :meth:`_excluded_because`); ``report`` says which and why.
+    """
+
+    MX = ("mxfp8", "nvfp4")  # block-scaled recipes: mptrain/precision/fp8mx.py, not torchao's Float8Linear
+
+    def __init__(self, fcfg, fsdp2: bool, device: torch.device = torch.device("cpu")):
+
+        problem = fp8_software_problem()
+        if problem:
+            raise ConfigError(f"precision=fp8 cannot run: {problem}")
+        self.cfg, self.device = fcfg, device
+        self.recipe = fcfg.recipe.value
+        self.report: dict = {}
+        self.all_gather = False
+        self.delayed: list[nn.Module] = []  # the delayed-scaling layers, whose histories close every step
+        if self.recipe in self.MX:
+
+            why = fp8mx.problem(self.recipe, device)
+            if why:
+                raise ConfigError(f"precision.fp8.recipe={self.recipe} cannot run here: {why}")
+            return
+        if self.recipe == "delayed":
+            return  # our own layers (fp8delayed.py): no torchao config
+        from torchao.float8 import Float8LinearConfig
+
+        base = Float8LinearConfig.from_recipe_name(self.recipe)
+        grad = getattr(torch, fcfg.grad_dtype.value)
+        # The recipe fixes the scaling granularity; the output-gradient format is ours to choose.
+        # torchao requires both uses of grad_output to name the same dtype, even when the
+        # weight-gradient one is disabled (kept in high precision).
+        changes = {
+            "cast_config_grad_output": dataclasses.replace(base.cast_config_grad_output, target_dtype=grad),
+            "cast_config_grad_output_for_grad_weight": dataclasses.replace(
+                base.cast_config_grad_output_for_grad_weight, target_dtype=grad),
+        }
+        self.all_gather = bool(fsdp2 and self.recipe == "tensorwise" and fcfg.fsdp_float8_all_gather)
+        changes["enable_fsdp_float8_all_gather"] = self.all_gather
+        self.float8_config = dataclasses.replace(base, **changes)
+
+    def _keep(self, mod: nn.Module, fqn: str) -> bool:
+        if not isinstance(mod, nn.Linear):
+            return False
+        why = self._excluded_because(mod, fqn)
+        if why:
+            self.report["excluded"][fqn] = why
+        return why is None
+
+    def _excluded_because(self, mod: nn.Linear, fqn: str) -> Optional[str]:
+        """Why linear ``fqn`` stays out of float8, or None: by name, by position
+        (first/last blocks), by size, by alignment, in that order."""
+        c = self.cfg
+        for pat in c.exclude:
+            if fnmatch.fnmatch(fqn, pat):
+                return f"matches precision.fp8.exclude '{pat}'"
+        parts = fqn.split(".")
+        if len(parts) > 1 and parts[0] == "blocks" and parts[1].isdigit():
+            i, n = int(parts[1]), self._n_blocks
+            if i < c.bf16_first_blocks:
+                return f"block {i} of {n}: precision.fp8.bf16_first_blocks={c.bf16_first_blocks}"
+            if i >= n - c.bf16_last_blocks:
+                return f"block {i} of {n}: precision.fp8.bf16_last_blocks={c.bf16_last_blocks}"
+        if min(mod.in_features, mod.out_features) < c.min_features:
+            return (f"{mod.in_features}x{mod.out_features} below precision.fp8.min_features={c.min_features} "
+                    "(the casts would cost more than the float8 matmul saves)")
+        m = c.dim_multiple
+        if mod.in_features % m or mod.out_features % m:
+            return f"{mod.in_features}x{mod.out_features} not multiples of {m}"
+        return None
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        from torchao.float8 import convert_to_float8_training
+
+        self.report = {"converted": [], "excluded": {}}
+        self._n_blocks = len(getattr(model, "blocks", ()))
+        first, last = self.cfg.bf16_first_blocks, self.cfg.bf16_last_blocks
+        if self._n_blocks and first + last >= self._n_blocks:
+            raise ConfigError(
+                f"precision.fp8.bf16_first_blocks={first} and bf16_last_blocks={last} keep all "
+                f"{self._n_blocks} blocks out of float8; lower them, or use precision=bf16.")
+        if self.recipe in self.MX:
+            return self._convert_mx(model)
+        if self.recipe == "delayed":
+            return self._convert_delayed(model)
+        convert_to_float8_training(model, config=self.float8_config, module_filter_fn=self._keep)
+        self.report["converted"] = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+        if self.recipe == "rowwise_with_gw_hp":
+            # This recipe's high-precision weight-gradient matmul reuses the layer's
+            # input as it arrived; autocast never sees it, so an fp32 residual stream
+            # would meet a bf16 gradient. Cast inputs to the autocast dtype first.
+            for n, m in model.named_modules():
+                if n in self.report["converted"]:
+                    m.register_forward_pre_hook(_cast_input_to_autocast)
+        f = self.float8_config
+        self.report.update({
+            "recipe": self.recipe,
+            "forward": f"input {dtype_name(f.cast_config_input.target_dtype)}, weight "
+                       f"{dtype_name(f.cast_config_weight.target_dtype)} "
+                       f"({f.cast_config_input.scaling_granularity.value} scales from amax)",
+            "backward": f"grad_output {dtype_name(f.cast_config_grad_output.target_dtype)}",
+            "fsdp_float8_all_gather": self.all_gather,
+            "torchao": torchao_version(),
+        })
+        return model
+
+    def _convert_delayed(self, model: nn.Module) -> nn.Module:
+        """Delayed-scaling float8 linears (``fp8delayed.py``), sharing the weights
+        of the linears they replace (on the meta device too)."""
+        c = self.cfg
+        grad = getattr(torch, c.grad_dtype.value)
+        for fqn, mod in list(model.named_modules()):
+            if type(mod) is nn.Linear and self._keep(mod, fqn):
+                new = DelayedFloat8Linear.from_linear(mod, c.amax_history_len, c.amax_compute.value, c.margin, grad)
+                parent, _, name = fqn.rpartition(".")
+                setattr(model.get_submodule(parent), name, new)
+                self.delayed.append(new)
+                self.report["converted"].append(fqn)
+        self.report.update({
+            "recipe": "delayed", "torchao": torchao_version(), "fsdp_float8_all_gather": False,
+            "forward": f"input e4m3, weight e4m3 (one scale per tensor from the amax history: "
+                       f"{c.amax_history_len} steps, {c.amax_compute.value}, margin {c.margin})",
+            "backward": f"grad_output {dtype_name(grad)} (delayed likewise)",
+        })
+        return model
+
+    def update_histories(self, reduce_max) -> None:
+        """Close the step for delayed scaling: every layer's amaxes into its history
+        (one all-reduce MAX over ranks, ``reduce_max``), the next step's scales
+        from them. Nothing without delayed-scaling layers."""
+        if self.delayed:
+
+            update_histories(self.delayed, reduce_max)
+
+    def _convert_mx(self, model: nn.Module) -> nn.Module:
+        """Block-scaled linears (``fp8mx.convert``); its report joins ours, with the
+        layers the block size rules out added to the excluded ones."""
+        mx = fp8mx.convert(model, self.recipe, self.device, module_filter_fn=self._keep)
+        excluded = {**self.report["excluded"], **mx.pop("excluded")}
+        elem = mx["elem_dtype"]
+        self.report.update(mx, excluded=excluded, fsdp_float8_all_gather=False,
+                           forward=f"input {elem}, weight {elem} (blocks of {mx['block_size']}, "
+                                   f"{mx['scale_dtype']} scales, {mx['scale_rounding']}; kernel {mx['kernel']})",
+                           backward=f"grad_output {elem} (blocks of {mx['block_size']})")
+        return model
+
+    # The scale rule of each recipe, in fp8stats' terms (delayed: tensorwise with the
+    # scales the layers hold, see DelayedFloat8Linear.scale_for). nvfp4's 4-bit casts
+    # have no rule there: no statistics for it.
+    STATS_RECIPE = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_with_gw_hp": "rowwise",
+                    "delayed": "tensorwise", "mxfp8": "block1x32"}
+
+    def cast_rules(self, whatif: list[str]) -> Optional[tuple[str, dict[str, str], list[str]]]:
+        """How the float8 cast statistics (``observe/fp8watch.py``) must see this
+        run's casts: the scale rule, each operand's format, and the what-if
+        recipes worth measuring beside it; None for a recipe the statistics do
+        not model (nvfp4)."""
+        if self.recipe not in self.STATS_RECIPE:
+            return None
+        grad = "e5m2" if self.cfg.grad_dtype.value == "float8_e5m2" and self.recipe not in self.MX else "e4m3"
+        formats = {"input": "e4m3", "weight": "e4m3", "grad_output": grad}
+        rule = self.STATS_RECIPE[self.recipe]
+        # The run's own rule is no what-if, except under delayed scaling, whose tensorwise
+        # scales come from history: there tensorwise is current scaling, the comparison to make.
+        return rule, formats, [r for r in whatif if r != rule or self.recipe == "delayed"]
+
+    def refresh_scales(self, model: nn.Module) -> None:
+        """With float8 all-gather, each weight's scale is computed once per step for
+        all ranks (one all-reduce of every weight's amax) and stored on the weight;
+        the all-gather then casts with it. It must be recomputed whenever the
+        weights change: after every optimizer step and after a checkpoint load.
+        A stale scale does not fail, it silently saturates or wastes range."""
+        if self.all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+class _NoHook:
+    """The handle of a hook that was not needed: removing it does nothing."""
+
+    def remove(self) -> None:
+        pass
+
+
+# Modules autocast never computes in half precision and whose parameters FSDP
+# must therefore not gather in it (the project's own LayerNorm and torch's).
+_STORAGE_DTYPE_MODULES = (nn.Embedding, nn.LayerNorm, LayerNorm)
+
+
+def _cast_input_to_autocast(mod, args):
+    x = args[0]
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and x.is_floating_point():
+        return (x.to(torch.get_autocast_dtype(dev)), *args[1:])
+    return None
+
+
+class PrecisionPolicy:
+    """The dtypes of one run, built from ``cfg.precision`` and the device."""
+
+    def __init__(self, pcfg, device: torch.device, fsdp2: bool = False):
+        self.cfg = pcfg
+        self.fp8_enabled = bool(pcfg.fp8.enabled)
+        # Float8 linears, or nothing: the model is converted and stepped through
+        # the same two calls either way.
+        self.fp8 = Fp8Linears(pcfg.fp8, fsdp2, device) if self.fp8_enabled else None
+        self.device = device
+        self.name = pcfg.name
+        self.compute_dtype: torch.dtype = pcfg.compute_dtype.torch
+        # Storage: fp32 master weights, except in the bf16-pure study case.
+        self.param_dtype = torch.float32 if pcfg.master_weights else self.compute_dtype
+        self.wrapper_param_dtype: torch.dtype = (pcfg.param_dtype or pcfg.compute_dtype).torch
+        self.reduce_dtype: torch.dtype = pcfg.reduce_dtype.torch
+        self.buffer_dtype: torch.dtype = pcfg.buffer_dtype.torch
+        self.autocast_enabled = self.compute_dtype != torch.float32
+        if pcfg.compute_dtype == DType.fp16 and not pcfg.loss_scale.enabled:
+            # Allowed (the precision study compares it), but never silently.
+            self.warning = (
+                "fp16 compute with loss scaling off: small gradients will flush to zero. "
+                "Set precision.loss_scale.enabled=true unless that is what you are studying."
+            )
+        else:
+            self.warning = None
+
+    def convert_model(self, model: nn.Module) -> nn.Module:
+        """Swap layers for their low-precision versions (float8 linears), before wrapping."""
+        return self.fp8.convert(model) if self.fp8 else model
+
+    # ------------------------------------------------------------ float8 all-gather scales
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module):
+        """Keep what depends on the weights in step with them, once per run: with
+        float8 all-gather, an optimizer post-step hook recomputes the weights'
+        float8 scales after every ``optimizer.step()``. Returns the hook's handle
+        (``.remove()`` detaches it); a handle that does nothing when there is
+        nothing to refresh, so callers never ask which precision they are in.
+
+        Skipped steps: ``GradScaler`` skips by not calling ``optimizer.step()``,
+        so the hook does not run and the scales still match the unchanged
+        weights. A fused optimizer told ``found_inf`` is stepped (and skips on
+        the device), so the hook runs and recomputes the same scales: harmless.
+        """
+        if not (self.fp8 and self.fp8.all_gather):
+            return _NoHook()
+        fp8 = self.fp8
+        return optimizer.register_step_post_hook(lambda opt, args, kwargs: fp8.refresh_scales(model))
+
+    def end_backward(self, reduce_max) -> None:
+        """After the backward pass of every step: delayed-scaling float8 layers push
+        the step's amaxes into their histories (``Fp8Linears.update_histories``).
+        A no-op for every other precision."""
+        if self.fp8:
+            self.fp8.update_histories(reduce_max)
+
+    def refresh_fp8_scales(self, model: nn.Module) -> None:
+        """Recompute the float8 all-gather scales now (after weights changed outside
+        an optimizer step, e.g. a checkpoint load). A no-op without float8 all-gather."""
+        if self.fp8:
+            self.fp8.refresh_scales(model)
+
+    # ------------------------------------------------------------ what a sharding wrapper gathers
+    def keeps_storage_dtype(self, module: nn.Module) -> bool:
+        """Modules whose parameters a sharding wrapper must hand to compute in the
+        storage dtype: embeddings and norms. Autocast computes neither in half
+        precision, so under ``parallel=none``/``ddp`` their outputs (the embedding
+        output, hence the residual stream) are fp32; gathering them in bf16/fp16
+        would round the embedding table and the norm weights and make the
+        residual stream half precision. The output head tied to the token
+        embedding follows the embedding: gathered fp32, cast per op by autocast."""
+        return isinstance(module, _STORAGE_DTYPE_MODULES)
+
+    def gather_dtype(self, module: nn.Module) -> torch.dtype:
+        """The dtype a sharding wrapper all-gathers ``module``'s parameters in:
+        the storage dtype for embeddings and norms, ``wrapper_param_dtype`` for
+        the rest (linear layers, whose matmuls autocast runs in the compute
+        dtype anyway: gathering them in it moves half the bytes and computes
+        bit-identical products)."""
+        return self.param_dtype if self.keeps_storage_dtype(module) else self.wrapper_param_dtype
+
+    @property
+    def splits_gather(self) -> bool:
+        """True when the linears and the embeddings/norms are gathered in different
+        dtypes, so a sharding wrapper needs separate groups for them."""
+        return self.wrapper_param_dtype != self.param_dtype
+
+    @property
+    def wrapper_casts_inputs(self) -> bool:
+        """Whether a sharding wrapper should cast each unit's floating inputs to its
+        gathered dtype. Never under autocast (it would turn the fp32 residual stream
+        into bf16/fp16, which autocast does not do). Only when the linears are
+        gathered in a low dtype *without* autocast (e.g. ``precision=fp32
+        precision.param_dtype=bf16``, a study setting): then nothing else would make
+        an fp32 activation meet a bf16 weight, and the matmul would refuse."""
+        return self.splits_gather and not self.autocast_enabled
+
+    def autocast(self):
+        """The forward-pass context: autocast to the compute dtype, or nothing in fp32."""
+        if not self.autocast_enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def make_scaler(self, distributed: bool = False) -> LossScaler:
+        return LossScaler(self.cfg.loss_scale, self.device, distributed)
+
+    def loss_scaling_text(self) -> str:
+        ls = self.cfg.loss_scale
+        if not ls.enabled:
+            return "off"
+        if ls.mode == ScaleMode.static:
+            return f"static {ls.init_scale:g}"
+        return (f"dynamic (init {ls.init_scale:g}, x{ls.growth_factor:g} every {ls.growth_interval} "
+                f"clean steps, x{ls.backoff_factor:g} + skip on inf/nan)")
+
+    def _fp8_formats(self) -> str:
+        """The float8 linears' formats, forward then backward, for the dtype table."""
+        block = {"mxfp8": "E4M3, backward E4M3 (blocks of 32)", "nvfp4": "E2M1, backward E2M1 (blocks of 16)"}
+        return block.get(self.fp8.recipe, f"E4M3, backward {dtype_name(getattr(torch, self.cfg.fp8.grad_dtype.value))}")
+
+    def describe(self) -> dict:
+        """Intended dtypes; the trainer replaces entries with observed ones after step 1."""
+        return {
+            "parameters": dtype_name(self.param_dtype),
+            "compute": dtype_name(self.compute_dtype) + (" (autocast)" if self.autocast_enabled else ""),
+            "gradients": dtype_name(self.param_dtype),
+            "optimizer_state": dtype_name(self.param_dtype),
+            "loss_scaling": self.loss_scaling_text(),
+            **({"fp8_linears": f"{self.fp8.recipe}: forward {self._fp8_formats()}"} if self.fp8 else {}),
+        }

@@ -1,0 +1,121 @@
+"""What a run is built from, in the order the Trainer builds it: the precision
+policy, the data, then the model (made on the meta device, wrapped for its parallelism and precision)
+with its optimizer and loss scaler.
+
+Each builder takes the config and the process group's context and returns a
+small dataclass of what the loop needs; the Trainer keeps those parts and the
+order, nothing else. Keeping the construction here is what lets ``trainer.py``
+read as a table of contents.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from mptrain.config.checks import micro_steps
+from mptrain.config.schema import ParallelMode
+from mptrain.core.errors import ConfigError
+from mptrain.data.batches import Batches, Windows, padded_vocab
+from mptrain.data.store import TokenData, prepare
+from mptrain.distributed.parallel import DistContext, wrap
+from mptrain.model.gpt import GPT, GPTShape
+from mptrain.precision.optimizers import Choice, choose
+from mptrain.precision.policy import LossScaler, PrecisionPolicy
+from mptrain.precision.support import check_precision
+from mptrain.run.step import build_optimizer, decay_names
+
+
+def _quiet(*_a, **_k) -> None:
+    pass
+
+
+@dataclass
+class RunData:
+    """The tokens and how the loop cuts them: windows, this rank's batches."""
+
+    tokens: TokenData
+    vocab: int
+    """Embedding rows: ``model.vocab_size``, or the tokenizer's rounded up to 64."""
+    micro_batch: int
+    accum: int
+    """Micro-batches per optimizer step on this rank."""
+    train_windows: Windows
+    val_windows: Windows
+    batches: Batches
+    tokens_per_step: int
+    """Tokens of one optimizer step over all ranks."""
+
+
+def build_data(cfg: DictConfig, ctx: DistContext, say: Callable[[str], None]) -> RunData:
+    """Tokenize (once; cached) and lay out the batches of this rank."""
+    tc = cfg.train
+    mbs, accum = micro_steps(cfg, ctx.world)
+    # The first rank of each node builds the caches (they live on node-local
+    # disk); the others wait, then read them.
+    if ctx.local_rank == 0:
+        tokens = prepare(cfg.data, log=say)
+    ctx.barrier()
+    if ctx.local_rank != 0:
+        tokens = prepare(cfg.data, log=_quiet)
+    vocab = cfg.model.vocab_size or padded_vocab(tokens.vocab_size)
+    if vocab < tokens.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
+            f"({tokens.vocab_size}); leave model.vocab_size=null to take it from the tokenizer.")
+    block = cfg.model.block_size
+    train_windows = Windows(tokens.train, block)
+    return RunData(tokens, vocab, mbs, accum, train_windows, Windows(tokens.val, block),
+                   Batches(train_windows, tc.global_batch_size, mbs, ctx.rank, ctx.world, tc.seed),
+                   tc.global_batch_size * block)
+
+
+@dataclass
+class RunModel:
+    """The wrapped model, its optimizer and loss scaler, and how they were chosen."""
+
+    model: nn.Module
+    n_params: int
+    """Parameters without position embeddings (the N of 6N), counted before wrapping."""
+    compile_blocks: bool
+    opt_choice: Choice
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+
+
+def build_model(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, vocab: int) -> RunModel:
+    """The GPT on the meta device, wrapped (``wrap``: storage, initial weights,
+    precision, parallelism, compile), then its optimizer and loss scaler."""
+    tc, m = cfg.train, cfg.model
+    torch.manual_seed(tc.seed)  # dropout's stream: the same on every rank
+    # Built on the meta device (no memory, no random draws); wrap() gives it storage
+    # and its initial weights from a generator seeded with train.seed: after sharding
+    # under FSDP2, so a large model never exists whole on one rank, and the same
+    # values whatever the world size or device (GPT.reset_parameters says how).
+    with torch.device("meta"):
+        model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
+                             qk_norm=m.qk_norm))
+    n_params = model.num_params()
+    decay = decay_names(model)  # before wrapping: FSDP1 flattens shapes
+    if ctx.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tc.tf32
+        torch.backends.cudnn.allow_tf32 = tc.tf32
+    compile_blocks = tc.compile if tc.compile is not None else ctx.device.type == "cuda"
+    model = wrap(model, policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
+                 compile_blocks=compile_blocks, init_seed=tc.seed)
+    choice = choose(cfg)
+    optimizer = build_optimizer(model, decay, cfg.optim, ctx.device, choice)
+    policy.attach_optimizer(optimizer, model)  # float8 scales follow every optimizer step
+    scaler = policy.make_scaler(distributed=ctx.has_group and ctx.world > 1)
+    return RunModel(model, n_params, compile_blocks, choice, optimizer, scaler)
+
+
+def build_policy(cfg: DictConfig, ctx: DistContext) -> tuple[PrecisionPolicy, list[str]]:
+    """The precision policy and this machine's warnings about it; what the
+    machine cannot do at all (fp8 without fp8 hardware or software) is refused
+    here, before any work."""
+    policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=ctx.mode == ParallelMode.fsdp)
+    return policy, check_precision(policy, ctx.device)

@@ -1,0 +1,199 @@
+"""The run record: what was run, on what, with which dtypes, and how it ended.
+
+``config.yaml`` (the resolved config plus ``run_info``: dtypes, versions, git
+commit, sizes), the start-up banner, ``summary.json`` and the peak-memory
+figures. Only rank 0 writes; every write is atomic.
+"""
+from __future__ import annotations
+
+import platform
+import resource
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
+
+from mptrain.core import files
+from mptrain.precision.formats import dtype_name
+from mptrain.precision.optimizers import stored_as
+from mptrain.run.step import describe_schedule
+
+
+def git_commit() -> str:
+    """The project's commit, ``-dirty`` when tracked files differ from it; ``unknown`` outside git."""
+    here = Path(__file__).resolve().parents[2]  # the checkout: mptrain/run/record.py
+    try:
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+        if out.returncode:
+            return "unknown"
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> dict:
+    """Versions of what the run's numbers depend on. Read from the installed
+    packages' metadata, not by importing them: importing transformers alone costs
+    about a second of every launch that does not otherwise need it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return {"python": platform.python_version(), "torch": str(torch.__version__), "hydra": of("hydra-core"),
+            "numpy": of("numpy"), "tokenizers": of("tokenizers"), "transformers": of("transformers"),
+            "platform": platform.platform()}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start this run's peak from here (several runs can share a process: multirun)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 to clear_refs resets the process's peak RSS (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory(device: torch.device) -> dict:
+    """``mem/peak_gib`` (CUDA allocator) or ``mem/peak_rss_gib`` (CPU process)."""
+    if device.type == "cuda":
+        return {"mem/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    # On CPU there is no allocator counter; the process's peak RSS is the honest figure.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return {"mem/peak_rss_gib": int(line.split()[1]) / 2**20}  # kB
+    except OSError:
+        pass
+    return {"mem/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+class ComputeDtypeProbe:
+    """Records the output dtype of the model's first Linear in the first forward:
+    the compute dtype the run actually used, not the one it asked for."""
+
+    def __init__(self, model: nn.Module):
+        self.seen: Optional[str] = None
+        lin = next(m for m in model.modules() if isinstance(m, nn.Linear))
+        self._handle = lin.register_forward_hook(self._hook)
+
+    def _hook(self, _m, _inp, out) -> None:
+        if self.seen is None:
+            self.seen = dtype_name(out.dtype)
+
+    def close(self) -> str:
+        self._handle.remove()
+        return self.seen or "?"
+
+
+def observed_dtypes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Dtypes read off the live objects after a step."""
+    pd = sorted({dtype_name(p.dtype) for p in model.parameters()})
+    gd = sorted({dtype_name(p.grad.dtype) for p in model.parameters() if p.grad is not None})
+    # torchao's quantized moments wear the parameter's dtype: name what they store.
+    od = sorted({stored_as(v) for s in optimizer.state.values() for v in s.values()
+                 if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0})
+    return {"parameters": ",".join(pd), "gradients": ",".join(gd) or "none", "optimizer_state": ",".join(od) or "none"}
+
+
+def sweep_identity() -> tuple[Optional[str], Optional[str]]:
+    """(W&B group, job name) for a Hydra multirun job: the sweep directory and
+    the job's overrides; (None, None) otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None, None
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None, None
+    group = "sweep-" + Path(hc.sweep.dir).as_posix().strip("/").replace("/", "_")
+    return group, hc.job.override_dirname or f"job{hc.job.num}"
+
+
+class RunRecord:
+    """``run_info`` and the files that describe the run, written by rank 0 only."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, is_main: bool):
+        self.cfg, self.run_dir, self.is_main = cfg, run_dir, is_main
+        self.info: dict = {"git_commit": git_commit(), "versions": versions(), "argv": sys.argv}
+        if is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+
+    def names(self) -> tuple[str, list[str]]:
+        """(run name, tags) for W&B; a sweep job is named by its overrides, and the
+        sweep becomes the W&B group unless one is configured."""
+        cfg = self.cfg
+        name = f"{cfg.model.name}-{cfg.precision.name}-{cfg.parallel.name.value}"
+        group, job = sweep_identity()
+        if group and not cfg.log.wandb.group:
+            cfg.log.wandb.group = group
+            name = job or name
+        self.info["run_name"] = cfg.log.wandb.name or name
+        tags = [f"precision:{cfg.precision.name}", f"parallel:{cfg.parallel.name.value}", f"model:{cfg.model.name}"]
+        return name, tags
+
+    def resolved(self) -> dict:
+        """The resolved config with ``run_info``, as config.yaml and W&B hold it."""
+        return OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True) | {"run_info": self.info}
+
+    def write_config(self) -> None:
+        if self.is_main:
+            files.write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(self.resolved())))
+
+    def write_json(self, name: str, obj: dict) -> Path:
+        path = self.run_dir / name
+        if self.is_main:
+            files.write_json(path, obj)
+        return path
+
+
+def _switch(v) -> str:
+    return ("on" if v else "off") if isinstance(v, bool) else (f"{v:g}" if v else "off")
+
+
+def _steps_text(tc) -> str:
+    if tc.audit_only:
+        return f"1 step (train.audit_only: the audit ends the run; the schedule is that of {tc.max_steps} steps)"
+    return f"{tc.max_steps} steps"
+
+
+def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run_dir: Path) -> str:
+    """The start-up lines: model, device, data, batch, and every dtype in use."""
+    m = cfg.model
+    lines = [
+        f"mptrain | {m.name} ({info['params'] / 1e6:.2f}M params, "
+        f"{m.n_layer}x{m.d_model}, {m.n_head} heads, block {m.block_size}, vocab {info['vocab_size']})",
+        f"  device {ctx.device} | world size {ctx.world} | parallel={cfg.parallel.name.value}"
+        + (f" ({ctx.backend})" if ctx.backend else ""),
+        f"  data {info['corpus']} | tokenizer {tokens.tokenizer.name} | {info['train_tokens']:,} train / "
+        f"{info['val_tokens']:,} val tokens | unigram baseline {tokens.unigram_nats:.4f} nats/token",
+        f"  batch {cfg.train.global_batch_size} seqs = {tokens_per_step:,} tokens/step | micro-batch "
+        f"{info['micro_batch_size']} x {info['grad_accum_steps']} accumulation | " + _steps_text(cfg.train),
+        f"  AdamW lr {cfg.optim.lr:.1e} | {describe_schedule(cfg.optim, cfg.train.max_steps)}",
+        f"  optimizer {info['optimizer']}",
+        "  stability switches: " + ", ".join(f"{k}={_switch(v)}" for k, v in info["stability"].items()),
+        f"  precision={cfg.precision.name}:",
+    ]
+    lines += [f"    {k:<16} {v}" for k, v in dtypes.items()]
+    if "fp8" in info:
+        r = info["fp8"]
+        lines.append(f"  fp8: {len(r['converted'])} linears converted ({r['forward']}; {r['backward']}; "
+                     f"float8 all-gather {'on' if r['fsdp_float8_all_gather'] else 'off'}; "
+                     f"torchao {r.get('torchao', '?')})")
+        lines += [f"    kept high precision: {n} ({why})" for n, why in r["excluded"].items()]
+    lines.append(f"  run directory {run_dir}")
+    return "\n".join(lines)

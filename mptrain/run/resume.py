@@ -1,0 +1,309 @@
+"""Whether, and from where, a run continues: decided before anything is built or written.
+
+:func:`plan` picks the checkpoint (``resume.source``, through
+:func:`resolve_resume`: the newest intact one, a damaged one passed over with
+one line saying so), compares the config it was saved with against this
+launch's, and tells the trainer one of three things:
+
+- start fresh (no checkpoint; ``resume=none`` is refused in a directory that
+  holds checkpoints, which a new run would interleave with);
+- continue from a checkpoint, with the history of accepted config changes;
+- nothing to do: the run already reached ``train.max_steps``. Its records stay
+  as they are; raising ``train.max_steps`` continues it.
+
+A config change that alters the training math is refused with the list of
+differences unless the user names it in ``resume.allow_changes``; then it is
+recorded (``history``: from step N, key: [before, after]) in config.yaml,
+summary.json and every later checkpoint, so that no record says the whole run
+used a setting that only its later steps did.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from omegaconf import OmegaConf
+
+from mptrain.core.errors import ConfigError, UserError
+from mptrain.precision import optimizers
+from mptrain.precision.optim_layout import quantized_layout_refusal
+from mptrain.run.checkpoint import flatten
+from mptrain.run.integrity import CheckpointDamaged, CheckpointError, complete_checkpoints, read_meta, step_of, verify
+from mptrain.run.step import describe_schedule, lr_at
+
+# Keys whose change alters what the model computes or learns.
+MATH = ("model.", "precision.", "optim.", "data.", "train.seed", "train.global_batch_size",
+        "train.micro_batch_size", "train.grad_clip", "train.tf32")
+# Inside ``data.``: where the tokens are cached and how fast they are read, not which tokens.
+NOT_MATH = ("data.cache_dir", "data.num_proc", "data.trust_remote_code", "data.shard_tokens")
+# Changes that are always allowed but worth a line in the history: more (or fewer)
+# steps move the learning-rate schedule; another wrapper or world size reshards.
+RECORDED = ("train.max_steps", "parallel.name", "world_size")
+
+# Changes no allow list can make: the checkpoint's optimizer state has another
+# structure. Per key: what of its value decides the structure, the value a
+# checkpoint saved before the key existed had, and why the structure differs.
+STRUCTURAL = {
+    "optim.update_clip": (bool, 0.0, "a value above 0 gives every parameter its own param group"),
+    "precision.update_rounding": (
+        str, "nearest", "each rounding runs another optimizer: torch's AdamW, torchao's with stochastic "
+                        "rounding (its learning rate a tensor), torch-optimi's with Kahan compensation buffers"),
+    "optim.state_dtype": (
+        str, None, "the moments are stored as other tensors: plain ones of a dtype, or torchao's quantized "
+                   "codes and block scales"),
+}
+
+
+class ResumeRefused(UserError):
+    """The checkpoint cannot be continued under this config."""
+
+    kind = "resume refused"
+
+
+@dataclass
+class ResumePlan:
+    path: Optional[Path] = None  # checkpoint to load; None: start from step 0
+    step: int = 0
+    history: list = field(default_factory=list)  # [{"from_step": N, "changes": {key: [before, after]}}]
+    finished: Optional[str] = None  # set when there is nothing to train: the message to print
+
+
+def plan(cfg, run_dir: Path, ctx, say: Callable[[str], None]) -> ResumePlan:
+    """Rank 0 decides (one listing of the directory, one verification of the
+    checkpoint) and every rank gets the same plan, or the same error."""
+    decided: tuple = (None, None)
+    if ctx.is_main:
+        try:
+            decided = (_decide(cfg, Path(run_dir), ctx.world, say), None)
+        except UserError as e:
+            decided = (None, e)
+    result, error = ctx.broadcast_object(decided)
+    if error is not None:
+        raise error
+    return result
+
+
+def _decide(cfg, run_dir: Path, world: int, say) -> ResumePlan:
+    source = cfg.resume.source
+    path = resolve_resume(source, run_dir, log=say)
+    if path is None:
+        return _fresh(cfg, run_dir, source)
+    meta = read_meta(path)
+    now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    changes, refused = compare({**meta.get("config", {}), "world_size": meta.get("world_size")},
+                               {**now, "world_size": world}, list(cfg.resume.allow_changes))
+    _check_optimizer(cfg, path, meta, world)
+    step = int(meta["step"])
+    if refused:
+        raise ResumeRefused(
+            f"resume from {path}: this launch's config differs from the checkpoint's where it changes the "
+            f"training math ({'; '.join(refused)}). Resume with the settings it was saved with, or accept "
+            f"the change with resume.allow_changes=[{','.join(_suggest(refused))}] (recorded as a history "
+            f"from step {step}).")
+    history = list(meta.get("history", []))
+    if "train.max_steps" in changes:
+        say(schedule_change(cfg, meta.get("config", {}).get("optim", {}), changes["train.max_steps"][0], step))
+    if changes:
+        history.append({"from_step": step, "changes": changes})
+    finished = None
+    if step >= cfg.train.max_steps:
+        finished = (f"{path} is at step {step} and train.max_steps={cfg.train.max_steps}: nothing to train; "
+                    "the run's records are left as they are. Raise train.max_steps to continue it.")
+    return ResumePlan(path=path, step=step, history=history, finished=finished)
+
+
+def _check_optimizer(cfg, path: Path, meta: dict, world: int) -> None:
+    """ResumeRefused when this launch's optimizer cannot load the checkpoint's state:
+    another implementation (a change of precision can switch it even where
+    neither structural key changed: ``optim.state_dtype=bf16`` is torch's AdamW
+    under ``bf16-pure`` and torchao's under ``bf16``), or quantized moments saved
+    per rank on another world size."""
+    saved = meta.get("optimizer")  # recorded since the optimizer could be other than torch's
+    if saved:
+        try:
+            impl = optimizers.choose(cfg).impl
+        except ConfigError:
+            impl = None  # a config that cannot run at all: the trainer says why, in its own words
+        if impl is not None and impl != saved["impl"]:
+            names = {"torch": "torch's AdamW", "torchao": "torchao's AdamW", "optimi": "torch-optimi's AdamW"}
+            raise ResumeRefused(
+                f"resume from {path}: its optimizer state was written by {names[saved['impl']]} and this "
+                f"launch's precision={cfg.precision.name} with optim.state_dtype="
+                f"{getattr(cfg.optim.state_dtype, 'value', None) or 'null'} runs {names[impl]}, whose state has "
+                "another layout (even with resume.allow_changes); resume with the precision and "
+                "optim.state_dtype it was saved with, or start a new run.")
+    refused = quantized_layout_refusal(path, meta, cfg, world)
+    if refused:
+        raise ResumeRefused(refused)
+
+
+def schedule_change(cfg, saved_optim: dict, old_max: int, step: int) -> str:
+    """What a new ``train.max_steps`` does to the learning-rate schedule from
+    ``step`` on: warmup and decay lengths follow the run's length."""
+    schema = OmegaConf.structured(OmegaConf.get_type(cfg.optim))
+    old = OmegaConf.merge(schema, {k: v for k, v in saved_optim.items() if k in schema})  # keys it knew
+    new, new_max = cfg.optim, cfg.train.max_steps
+    before, after = lr_at(step, old, old_max), lr_at(step, new, new_max)
+    return (f"train.max_steps {old_max} -> {new_max} stretches the learning-rate schedule: it was "
+            f"{describe_schedule(old, old_max)}; it is now {describe_schedule(new, new_max)}. "
+            f"The learning rate at step {step + 1} is {after:.2e} (the saved run would have used {before:.2e}).")
+
+
+def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = print,
+                   label: Optional[str] = None) -> Optional[Path]:
+    """The checkpoint directory to resume from, verified against its manifest, or
+    None to start from scratch. Messages name it ``label`` (default
+    ``resume=<resume>``, the trainer's argument; tools pass their own).
+
+    ``auto`` (and a run directory given as a path) takes the newest intact
+    checkpoint: a damaged one is skipped with one line through ``log`` naming the
+    file and the reason. A checkpoint named by its own path is used as it is or
+    refused (:class:`CheckpointDamaged`), offering the previous intact one."""
+    if resume == "none":
+        return None
+    label = label or f"resume={resume}"
+    if resume == "auto":
+        return _newest_intact(complete_checkpoints(run_dir / "checkpoints"), label, log)
+    p = Path(os.path.expanduser(resume))
+    if not p.exists():
+        raise CheckpointError(f"{label}: no such file or directory.")
+    if (p / "meta.json").is_file():
+        _verify_named(p, log)
+        return p
+    for root in (p / "checkpoints", p):
+        found = complete_checkpoints(root)
+        if found:
+            return _newest_intact(found, label, log)
+    if p.name.endswith(".tmp"):
+        raise CheckpointError(f"{label}: this checkpoint was never completed (its save was interrupted).")
+    raise CheckpointError(f"{label}: not a checkpoint (no meta.json) and holds no complete checkpoints/step-N.")
+
+
+def _newest_intact(found: list[Path], label: str, log) -> Optional[Path]:
+    """The newest of ``found`` (oldest first) that passes :func:`verify`; a line
+    through ``log`` for each damaged one passed over."""
+    damaged: list[CheckpointDamaged] = []
+    for older, ckpt in zip([None, *found[:-1]][::-1], found[::-1]):
+        try:
+            verify(ckpt, log)
+            return ckpt
+        except CheckpointDamaged as e:
+            damaged.append(e)
+            if older is not None:
+                log(f"{label}: checkpoint {ckpt.name} is damaged ({e.ckpt / e.file} {e.reason}); "
+                    f"falling back to {older.name}")
+    if not damaged:
+        return None
+    what = "; ".join(f"{e.ckpt.name}: {e.file} {e.reason}" for e in damaged)
+    raise CheckpointError(f"{label}: every checkpoint in {found[0].parent} is damaged ({what}); restore the "
+                          "damaged files from a copy, or start afresh in a new run directory.")
+
+
+def _verify_named(path: Path, log) -> None:
+    """:func:`verify` a checkpoint the user named; when damaged, the error offers
+    the newest intact checkpoint older than it, if its directory holds one."""
+    try:
+        verify(path, log)
+    except CheckpointDamaged as e:
+        step = step_of(path)
+        older = [c for c in complete_checkpoints(path.parent)
+                 if c != path and (step is None or (step_of(c) or 0) < step)]
+        previous = None
+        for c in reversed(older):
+            with contextlib.suppress(CheckpointError):
+                verify(c, log=_quiet)
+                previous = c
+                break
+        offer = (f"resume from the previous complete checkpoint with resume={previous}" if previous else
+                 "no earlier intact checkpoint is beside it, so restore the file from a copy or start afresh")
+        raise CheckpointDamaged(e.ckpt, e.file, e.reason,
+                                f"checkpoint {path} is damaged: {e.ckpt / e.file} {e.reason}; {offer}.") from None
+
+
+def _quiet(*_a, **_k) -> None:
+    pass
+
+
+def _fresh(cfg, run_dir: Path, source: str) -> ResumePlan:
+    """Start from step 0, unless that would mix with or replace a run already here."""
+    found = complete_checkpoints(run_dir / "checkpoints")
+    if source == "none" and found:
+        raise ResumeRefused(
+            f"resume=none, but {run_dir} holds checkpoints of a run (newest {found[-1].name}) that a new run "
+            "would be mixed with. Pick a new hydra.run.dir, or delete its checkpoints/ to start over here.")
+    summary = _read_summary(run_dir)
+    if source == "auto" and summary and "stopped_early" not in summary:
+        steps = summary.get("steps", 0)
+        if steps >= cfg.train.max_steps:
+            return ResumePlan(finished=(
+                f"{run_dir} holds a finished run ({steps} steps, summary.json): nothing to train; its records "
+                "are left as they are."))
+        raise ResumeRefused(
+            f"{run_dir} holds a finished run of {steps} steps that saved no checkpoint "
+            "(checkpoint.at_end=false, checkpoint.every=0), so it cannot continue to "
+            f"train.max_steps={cfg.train.max_steps}. Pick a new hydra.run.dir, or pass resume=none to train "
+            "again from scratch here (replacing its records).")
+    return ResumePlan()
+
+
+def _read_summary(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def finished_summary(run_dir: Path) -> dict:
+    """The summary a finished run left (returned again by a no-op rerun)."""
+    return _read_summary(run_dir)
+
+
+def compare(saved: dict, now: dict, allow: list[str]) -> tuple[dict, list[str]]:
+    """(accepted changes ``{key: [before, after]}``, refused changes as text).
+    Keys absent on one side (a checkpoint from an older version) are not compared,
+    except the STRUCTURAL ones: a checkpoint saved before such a key existed ran
+    with the value it has there (round to nearest, moments in the parameters' dtype)."""
+    old, new = flatten(saved), flatten(now)
+    for key, (_, before_it_existed, _why) in STRUCTURAL.items():
+        if key in new and key not in old:  # a checkpoint older than the key had its default
+            old[key] = before_it_existed
+    for entry in allow:
+        if not any(k == entry or k.startswith(entry + ".") for k in new):
+            raise ConfigError(f"resume.allow_changes: '{entry}' is not a config key or section "
+                              "(e.g. precision, optim.lr, train.seed).")
+    accepted, refused = {}, []
+    for key in sorted(old.keys() & new.keys()):
+        if old[key] == new[key]:
+            continue
+        if key in STRUCTURAL:
+            decides, _, why = STRUCTURAL[key]
+            if decides(old[key]) != decides(new[key]):
+                raise ResumeRefused(f"{key}: {old[key]!r} -> {new[key]!r} changes the layout of the saved "
+                                    f"optimizer state ({why}), so this checkpoint cannot be loaded under it "
+                                    "(even with resume.allow_changes); resume with the value it was saved "
+                                    "with, or start a new run.")
+        math = key.startswith(MATH) and not key.startswith(NOT_MATH)
+        allowed = any(key == a or key.startswith(a + ".") for a in allow)
+        if math and not allowed:
+            refused.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+        elif math or key in RECORDED:
+            accepted[key] = [old[key], new[key]]
+    return accepted, refused
+
+
+def _suggest(refused: list[str]) -> list[str]:
+    """The shortest allow list that covers the refused keys: whole sections for
+    a preset (precision, model, data), the key itself otherwise."""
+    out: list[str] = []
+    for item in refused:
+        key = item.split(":", 1)[0]
+        section = key.split(".", 1)[0]
+        name = section if section in ("precision", "model", "data") else key
+        if name not in out:
+            out.append(name)
+    return out
+

@@ -1,0 +1,320 @@
+"""The math of one training step, free of any schedule.
+
+``train_step`` is a function of the model, the optimizer, the precision
+objects and one step's micro-batches, returning a :class:`StepResult`; it
+knows nothing about logging, checkpoints or which wrapper is in use beyond
+the ``DistContext`` calls it is handed. ``lr_at`` is the learning-rate
+schedule (``set_lr_at`` applies it), ``build_optimizer`` the
+AdamW with its weight-decay groups, ``update_clipping`` the optional
+per-tensor update clipping (StableAdamW), ``evaluate`` the validation loss.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from mptrain.core.shards import local_shard
+from mptrain.distributed.parallel import DistContext
+from mptrain.model.names import canonical_name
+from mptrain.precision import optimizers
+from mptrain.precision.optimizers import Choice, bias_correction
+from mptrain.precision.policy import LossScaler, PrecisionPolicy
+from mptrain.run.faults import NO_FAULTS, FaultInjector, NonFiniteGuard
+
+
+def schedule_lengths(ocfg, max_steps: int) -> tuple[int, int]:
+    """(warmup steps, decay steps) of a ``max_steps`` run: the ``*_steps`` keys
+    when set, else the fractions. The decay is clamped to what follows warmup."""
+    warm = ocfg.warmup_steps if ocfg.warmup_steps is not None else round(ocfg.warmup_fraction * max_steps)
+    after = max(1, max_steps - 1 - max(warm - 1, 0))  # steps from the peak to the last step
+    decay = ocfg.decay_steps if ocfg.decay_steps is not None else round(ocfg.decay_fraction * after)
+    return warm, min(decay, after)
+
+
+def lr_at(step: int, ocfg, max_steps: int) -> float:
+    """Learning rate for 0-based ``step``.
+
+    Linear warmup ends at the peak on step ``warm - 1`` (step 0 with no
+    warmup). The peak holds until the decay's last ``decay`` steps, which end at
+    the floor ``lr * min_lr_ratio`` on the last step, ``max_steps - 1``; with
+    the whole run decaying (``decay_fraction=1``) the peak is a single step.
+    """
+    peak = ocfg.lr
+    warm, decay = schedule_lengths(ocfg, max_steps)
+    if step < warm:
+        return peak * (step + 1) / warm
+    sched = ocfg.schedule.value
+    if sched == "constant" or decay == 0:
+        return peak
+    floor = peak * ocfg.min_lr_ratio
+    start = max(warm - 1, 0, max_steps - 1 - decay)  # the last step at the peak
+    progress = min(1.0, max(0.0, (step - start) / decay))
+    if sched == "linear":
+        return peak - (peak - floor) * progress
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr_at(optimizer: torch.optim.Optimizer, step: int, ocfg, max_steps: int) -> float:
+    """Give every group the learning rate of 0-based ``step`` (:func:`lr_at`); returns it."""
+    lr = lr_at(step, ocfg, max_steps)
+    optimizers.set_lr(optimizer, lr)
+    return lr
+
+
+def describe_schedule(ocfg, max_steps: int) -> str:
+    """The schedule in words, for the banner: ``warmup 50 steps (10% of the run), cosine decay over the last 450 steps to 2.0e-04``."""
+    warm, decay = schedule_lengths(ocfg, max_steps)
+    how = "steps" if ocfg.warmup_steps is not None else f"{ocfg.warmup_fraction * 100:g}% of the run"
+    text = f"warmup {warm} steps ({how})"
+    if ocfg.schedule.value == "constant" or decay == 0:
+        return text + f", then constant at {ocfg.lr:.1e}"
+    return text + (f", {ocfg.schedule.value} decay over the last {decay} steps "
+                   f"to {ocfg.lr * ocfg.min_lr_ratio:.1e}")
+
+
+def decay_names(model: nn.Module) -> set[str]:
+    """Parameters that get weight decay: matrices (embeddings, linears), not
+    biases or norm gains. Taken before wrapping, since FSDP1 flattens shapes."""
+    return {n for n, p in model.named_parameters() if p.dim() >= 2}
+
+
+def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.device,
+                    choice: Optional[Choice] = None) -> torch.optim.Optimizer:
+    """AdamW over two groups: ``decay`` (by canonical name) with ``weight_decay``, the
+    rest without; with update clipping, one group per parameter instead.
+
+    ``choice`` (``optimizers.choose(cfg)``) says which AdamW: torch's (the
+    default; moments in the parameters' dtype, fused on CUDA, so a step needs
+    no host sync, see :class:`NonFiniteGuard`), torchao's (stochastic rounding,
+    moments in another dtype or quantized) or torch-optimi's (Kahan summation).
+
+    With ``optim.update_clip > 0`` every parameter gets a group of its own
+    (with its weight decay), because torch's AdamW takes one learning rate per
+    group and the clipping sets one per tensor (:func:`update_clipping`). That
+    costs one foreach/fused launch per tensor instead of per group. The
+    threshold is kept as ``optimizer.update_clip``, an attribute rather than a
+    group entry: loading a checkpoint overwrites the groups' entries with the
+    saved ones, and the current config must decide. The layout itself is in
+    every checkpoint, so one saved with the switch off does not load with it
+    on, nor the other way round.
+    """
+    clip = float(ocfg.get("update_clip") or 0.0)
+    params = [(canonical_name(n) in decay, p) for n, p in model.named_parameters() if p.requires_grad]
+    if clip > 0:
+        groups = [{"params": [p], "weight_decay": ocfg.weight_decay if d else 0.0} for d, p in params]
+    else:
+        groups = [
+            {"params": [p for d, p in params if d], "weight_decay": ocfg.weight_decay},
+            {"params": [p for d, p in params if not d], "weight_decay": 0.0},
+        ]
+    optimizer = optimizers.make(groups, ocfg, choice or optimizers.TORCH_ADAMW, device)
+    optimizer.update_clip = clip
+    return optimizer
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step returns: 0-d device tensors, so that returning
+    them costs no host sync; the loop reads them back at its logging cadence."""
+
+    loss: torch.Tensor
+    """The cross-entropy, mean over micro-batches, this rank."""
+    grad_norm: torch.Tensor
+    """Global, unscaled, before clipping, fp32 (inf/nan on a bad step)."""
+    skipped: torch.Tensor
+    """1 if the step was not applied, else 0."""
+    z_loss: Optional[torch.Tensor] = None
+    """With ``z_loss > 0``: the term added to the loss, mean over micro-batches; else None."""
+    update_clip_max: Optional[torch.Tensor] = None
+    """With ``optimizer.update_clip > 0`` (see :func:`build_optimizer`): the largest
+    ``RMS / update_clip`` over tensors (above 1, that tensor's step was shrunk;
+    0 on a skipped step); else None."""
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler,
+               policy: PrecisionPolicy, ctx: DistContext, micro_batches: list, grad_clip: float,
+               monitor=None, guard: Optional[NonFiniteGuard] = None, step: int = 0, z_loss: float = 0.0,
+               faults: FaultInjector = NO_FAULTS) -> StepResult:
+    """One optimizer step over this rank's micro-batches (:class:`StepResult`).
+
+    Host syncs: none with a fused optimizer; with a foreach/for-loop
+    optimizer, one inside ``GradScaler.step`` (fp16 loss scaling) or one in
+    ``guard`` (inf/nan check without a scaler), and one more with update
+    clipping (the learning rates, see :func:`update_clipping`).
+
+    ``guard`` (runs without a loss scaler) decides whether a step with inf/nan
+    gradients is applied; ``None`` does not look. ``monitor`` is the numerics
+    monitor (its calls return at once on unmonitored steps). ``faults`` is the
+    run's ``debug.*`` injector (``faults.py``), told when the backward is done;
+    without ``debug.*`` it does nothing.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    loss, z = _forward_backward(model, scaler, policy, ctx, micro_batches, z_loss)
+    policy.end_backward(ctx.all_reduce_max)  # delayed float8 scaling: the step's amaxes into the histories
+    faults.after_backward(model, step)
+    if monitor is not None:
+        monitor.after_backward(model, scaler.scale_tensor())  # gradients as held: still scaled
+    scaler.unscale_(optimizer)  # clipping and the norm must see true gradients
+    grad_norm = ctx.clip_grad_norm(model, grad_clip).float().detach()
+    found_inf, skip_now = guard.gate(grad_norm, step) if guard is not None else (None, False)
+    clip = getattr(optimizer, "update_clip", 0.0)
+    if skip_now:  # read back on the host (non-fused optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss, grad_norm, torch.ones((), device=ctx.device), z,
+                          torch.zeros((), device=ctx.device) if clip > 0 else None)
+    if monitor is not None:
+        monitor.before_optimizer(model)
+    with update_clipping(optimizer, ctx, clip) as clip_max:
+        skipped = _apply(optimizer, scaler, found_inf)
+    if monitor is not None:
+        monitor.after_optimizer(model, skipped)
+    return StepResult(loss, grad_norm, skipped, z, clip_max)
+
+
+def _forward_backward(model: nn.Module, scaler: LossScaler, policy: PrecisionPolicy, ctx: DistContext,
+                      micro_batches: list, z_loss: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Forward and backward over the micro-batches, gradients accumulated in
+    ``.grad``; returns (loss, z_loss): the cross-entropy and, with ``z_loss > 0``,
+    the z-loss term (else None), each the mean over micro-batches, on the device."""
+    n = len(micro_batches)
+    loss_sum = torch.zeros((), device=ctx.device)
+    z_sum = torch.zeros((), device=ctx.device) if z_loss > 0 else None
+    for i, (x, y) in enumerate(micro_batches):
+        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)  # no-op when prefetched
+        # Gradients cross ranks only on the last micro-batch.
+        with ctx.grad_sync(model, enabled=(i == n - 1)):
+            with policy.autocast():
+                logits, loss = model(x, y)
+            total = loss
+            if z_loss > 0:
+                # Outside autocast and in fp32, like the cross-entropy: log Z of
+                # half-precision logits would lose the digits the penalty acts on.
+                z = z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+                total = loss + z
+                z_sum += z.detach()
+            # Dividing by n makes K micro-batches sum to the mean over the whole batch.
+            scaler.scale(total / n).backward()
+        loss_sum += loss.detach()
+    return loss_sum / n, (z_sum / n if z_loss > 0 else None)
+
+
+@torch.no_grad()
+def update_rms(optimizer: torch.optim.Optimizer, ctx: DistContext) -> torch.Tensor:
+    """Per one-parameter group, StableAdamW's ``RMS = sqrt(mean(g^2 / max(v, eps^2)))``
+    (fp32, on the device), from the current (unscaled, clipped) gradient ``g``.
+
+    ``v`` is the second moment AdamW is about to form, this step's gradient
+    included and bias-corrected as AdamW's own update divides by it:
+    ``(beta2 * exp_avg_sq + (1 - beta2) * g^2) / (1 - beta2^t)``, ``t`` the
+    step being taken (``exp_avg_sq`` is zero before the first step). Without
+    the correction every tensor would be clipped on the early steps (by
+    ``sqrt(1 / (1 - beta2))`` on the first), which is not what the rule is for.
+
+    The mean is over the whole tensor under every wrapper: each rank sums its
+    local part (a DTensor shard under FSDP2; under FSDP1 with
+    ``use_orig_params`` this rank's slice of each original parameter, possibly
+    empty), and the sums and element counts of all tensors are added over the
+    shard group in one collective (``ctx.shard_sum``). A tensor without a
+    gradient gets 0.
+    """
+    sums, counts = [], []
+    for group in optimizer.param_groups:
+        (p,) = group["params"]  # update clipping builds one group per parameter
+        counts.append(local_shard(p).numel())  # with no gradient the sum is 0, and so is the RMS
+        if p.grad is None:
+            sums.append(torch.zeros((), device=ctx.device))
+            continue
+        g2 = local_shard(p.grad).float().square()
+        beta2 = group["betas"][1]
+        state = optimizer.state.get(p, {})
+        v = g2 * (1 - beta2)  # two temporaries of the tensor's size, updated in place
+        if "exp_avg_sq" in state:
+            v.add_(local_shard(state["exp_avg_sq"]), alpha=beta2)
+        t = state["step"] + 1 if "step" in state else 1.0  # a tensor (host or device): no sync
+        v.div_(bias_correction(beta2, t)).clamp_(min=group["eps"] ** 2)
+        sums.append(g2.div_(v).sum())
+    # Counts go up without waiting on the device (an asynchronous copy from a
+    # host list); sums and counts then cross the shard group in one collective.
+    count = torch.tensor(counts, dtype=torch.float64).to(ctx.device, non_blocking=True)
+    totals = ctx.shard_sum(torch.cat([torch.stack(sums).double(), count]))
+    s, c = totals.split(len(sums))
+    return (s / c.clamp(min=1)).sqrt().float()
+
+
+@contextlib.contextmanager
+def update_clipping(optimizer: torch.optim.Optimizer, ctx: DistContext,
+                    update_clip: float) -> Iterator[Optional[torch.Tensor]]:
+    """Around ``optimizer.step()``: each tensor's learning rate becomes
+    ``lr / max(1, RMS / update_clip)`` (:func:`update_rms`) for this step, and
+    the group's own value is put back afterwards (what the trainer set, and
+    what a checkpoint saves). Yields the step's largest ``RMS / update_clip``
+    (0-d, on the device), or None when ``update_clip`` is 0 (nothing happens).
+
+    A step whose gradients hold inf/nan has a non-finite RMS: every factor
+    is then 1, the yielded maximum 0, and the step is skipped as ever
+    (GradScaler or the guard's flag).
+
+    Host sync: a fused optimizer takes each learning rate as a 0-d device
+    tensor, so none; the foreach and for-loop optimizers need floats, read
+    back with one ``.tolist()`` per step: the price of the switch there.
+    """
+    if update_clip <= 0:
+        yield None
+        return
+    ratio = update_rms(optimizer, ctx) / update_clip
+    ratio = torch.where(torch.isfinite(ratio).all(), ratio, torch.zeros_like(ratio))  # a step to be skipped
+    factors = 1.0 / ratio.clamp(min=1.0)
+    groups = optimizer.param_groups
+    base = [g["lr"] for g in groups]
+    if any(g.get("fused") for g in groups):
+        # fp32 0-d tensors, as the fused kernel reads them (one copy up, one multiply).
+        lrs = (factors * torch.tensor(base, dtype=torch.float32).to(ctx.device, non_blocking=True)).unbind()
+    else:
+        lrs = [lr * f for lr, f in zip(base, factors.tolist())]  # host sync: the one the switch adds
+    try:
+        for g, lr in zip(groups, lrs):
+            g["lr"] = lr
+        yield ratio.max()
+    finally:
+        for g, lr in zip(groups, base):
+            g["lr"] = lr
+
+
+def _apply(optimizer: torch.optim.Optimizer, scaler: LossScaler, found_inf: Optional[torch.Tensor]) -> torch.Tensor:
+    """Run the optimizer step; returns the 0-d "skipped" flag. The precision
+    policy's post-step hooks (float8 scale refresh) run inside ``optimizer.step``."""
+    if found_inf is None:
+        return scaler.step(optimizer)
+    # The fused kernel reads found_inf on the device: 1 leaves weights, moments
+    # and the step count as they were (GradScaler drives it the same way).
+    optimizer.found_inf = found_inf.float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+    return found_inf.float()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, batches) -> float:
+    """Mean validation loss per token over every rank's batches (a host sync;
+    only at the eval cadence). Each micro-batch's mean loss is weighted by its
+    token count, so a short last micro-batch counts for what it holds."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)  # sum over tokens
+    tokens = 0
+    for x, y in batches:
+        with policy.autocast():
+            _, loss = model(x.to(ctx.device), y.to(ctx.device))
+        loss_sum += loss.double() * y.numel()
+        tokens += y.numel()
+    model.train()
+    ctx.reshard(model)
+    # The mean over ranks scales both sums alike, so their ratio is the global per-token mean.
+    sums = ctx.all_reduce_mean(torch.stack([loss_sum, loss_sum.new_tensor(float(tokens))]))
+    return float(sums[0] / sums[1].clamp(min=1))

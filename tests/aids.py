@@ -1,0 +1,59 @@
+"""What tests measure the package against, kept out of the package: nothing in
+mptrain needs these.
+
+- :func:`inf_grad_at`: the run's fault injector as ``debug.*`` configures it,
+  for a test that calls ``train_step`` itself;
+- :func:`param_count`: mptrain's GPT parameter count, by hand;
+- :func:`cast_stats`: the float8 cast figures of one whole tensor;
+- :func:`state_bytes`: the bytes an optimizer's state really holds.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mptrain.config.schema import DebugConfig
+from mptrain.precision.fp8casts import cast_counts, summarize
+from mptrain.precision.optimizers import state_parts
+from mptrain.run.faults import FaultInjector
+
+
+def inf_grad_at(*steps: int, value: float = math.inf) -> FaultInjector:
+    """The injector of ``debug.inject_inf_grad_steps=[steps]`` (``debug.inject_grad_value=value``)."""
+    return FaultInjector(DebugConfig(inject_inf_grad_steps=list(steps), inject_grad_value=value))
+
+
+def param_count(n_layer: int, d_model: int, vocab: int, block: int, bias: bool = True, qk_norm_dim: int = 0) -> int:
+    """Exact parameter count of mptrain's GPT (tied head counted once);
+    ``qk_norm_dim`` is the head size of a model with QK-layernorm, 0 without."""
+    d = d_model
+    per_block = 3 * d * d + d * d + 4 * d * d + 4 * d * d  # qkv, attn proj, mlp fc, mlp proj weights
+    norms = 2 * d + 2 * qk_norm_dim  # ln_1, ln_2, and the q/k norms (one per attention, shared by its heads)
+    if bias:
+        per_block += 3 * d + d + 4 * d + d  # the linears' biases
+        final_norm = 2 * d
+    else:
+        final_norm = d
+    per_block += norms * (2 if bias else 1)  # norm weights, and their biases
+    return n_layer * per_block + vocab * d + block * d + final_norm
+
+
+def cast_stats(t: torch.Tensor, recipe: str, fmt: str = "e4m3", mx_rounding: str = "rceil") -> dict[str, float]:
+    """``fp8casts.summarize`` of ``fp8casts.cast_counts`` for one whole tensor."""
+    return summarize(*cast_counts(t, recipe, fmt, mx_rounding))
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds per state entry (``exp_avg``, ``exp_avg_sq``,
+    ``kahan_comp``), counting every part of a quantized moment. Step counters
+    (0-d) are left out, as in the memory estimate."""
+    out: dict[str, int] = {}
+    for st in optimizer.state.values():
+        for k, v in st.items():
+            if not torch.is_tensor(v) or v.dim() == 0 or k == "step":
+                continue
+            if k == "kahan_comp" and v.numel() == 1 and v.dtype == torch.uint8:
+                continue  # optimi's placeholder where there is no compensation
+            out[k] = out.get(k, 0) + sum(x.numel() * x.element_size() for _, x in state_parts(v))
+    return out

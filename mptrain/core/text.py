@@ -1,4 +1,5 @@
-"""Plain-text formatting shared by every layer: durations, numbers, tables."""
+"""Plain-text output shared by every layer: durations, numbers, tables, and a
+log callback that says nothing."""
 from __future__ import annotations
 
 from typing import Optional
@@ -28,3 +29,8 @@ def text_table(head: list[str], rows: list[list[str]]) -> list[str]:
         return " | ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
 
     return [line(head), "-+-".join("-" * w for w in widths), *(line(r) for r in rows)]
+
+
+def quiet(*_a, **_k) -> None:
+    """A ``log``/``say`` callback that prints nothing: for the ranks that must not
+    speak and for checks whose findings the caller reports itself."""

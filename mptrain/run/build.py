@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from mptrain.config.checks import micro_steps
 from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError
+from mptrain.core.text import quiet
 from mptrain.data.batches import Batches, Windows, padded_vocab
 from mptrain.data.store import TokenData, prepare
 from mptrain.distributed.parallel import DistContext, wrap
@@ -27,10 +28,6 @@ from mptrain.precision.optimizers import Choice, choose
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
 from mptrain.precision.support import check_precision
 from mptrain.run.step import build_optimizer, decay_names
-
-
-def _quiet(*_a, **_k) -> None:
-    pass
 
 
 @dataclass
@@ -60,7 +57,7 @@ def build_data(cfg: DictConfig, ctx: DistContext, say: Callable[[str], None]) ->
         tokens = prepare(cfg.data, log=say)
     ctx.barrier()
     if ctx.local_rank != 0:
-        tokens = prepare(cfg.data, log=_quiet)
+        tokens = prepare(cfg.data, log=quiet)
     vocab = cfg.model.vocab_size or padded_vocab(tokens.vocab_size)
     if vocab < tokens.vocab_size:
         raise ConfigError(

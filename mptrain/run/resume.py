@@ -29,6 +29,7 @@ from typing import Callable, Optional
 from omegaconf import OmegaConf
 
 from mptrain.core.errors import ConfigError, UserError
+from mptrain.core.text import quiet
 from mptrain.precision import optimizers
 from mptrain.precision.optim_layout import quantized_layout_refusal
 from mptrain.run.checkpoint import flatten
@@ -215,17 +216,13 @@ def _verify_named(path: Path, log) -> None:
         previous = None
         for c in reversed(older):
             with contextlib.suppress(CheckpointError):
-                verify(c, log=_quiet)
+                verify(c, log=quiet)
                 previous = c
                 break
         offer = (f"resume from the previous complete checkpoint with resume={previous}" if previous else
                  "no earlier intact checkpoint is beside it, so restore the file from a copy or start afresh")
         raise CheckpointDamaged(e.ckpt, e.file, e.reason,
                                 f"checkpoint {path} is damaged: {e.ckpt / e.file} {e.reason}; {offer}.") from None
-
-
-def _quiet(*_a, **_k) -> None:
-    pass
 
 
 def _fresh(cfg, run_dir: Path, source: str) -> ResumePlan:

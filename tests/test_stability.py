@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mptrain.precision import formats
-from mptrain.model.gpt import GPT, GPTShape
-from mptrain.observe.numerics import NumericsMonitor
-from mptrain.observe.stability import StabilityWarnings, logit_stats
+from mptrain.model.gpt import GPT, GPTShape, attention_logit_stats
+from mptrain.observe.numerics import NumericsMonitor, applied_update_stats
+from mptrain.observe.stability import StabilityWarnings, logit_stats, update_sq_sum
 
 from .conftest import train
 
@@ -218,6 +218,56 @@ def test_adam_known_state_gives_known_share_and_update_rms():
     # a step the loss scaler skipped reports neither Adam figure
     s = collect_step(mon, model, [(x, y)], opt, skipped=1)
     assert "stability/attn_logit_max" in s and not any(k.startswith("stability/adam") for k in s)
+
+
+# ------------------------------------------------------------------ on any number of threads
+def _on_threads(fn, counts=(1, 2, 3)):
+    """``[fn() on each of torch's intra-op thread counts]``, the count restored after."""
+    n = torch.get_num_threads()
+    try:
+        out = []
+        for c in counts:
+            torch.set_num_threads(c)
+            out.append(fn())
+        return out
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_figures_do_not_depend_on_the_number_of_threads():
+    """A CPU ``sum()`` adds one partial sum per thread, so its last bits follow the
+    thread count; a monitor figure must not (the same run then logs other bits beside
+    a busy process). The same tensors on 1, 2 and 3 threads: the same bits, in the
+    forward figures of a monitored step (the attention probe's entropy fails without
+    the fixed-order sums) and in each sum behind Adam's and the optimizer's figures,
+    over tensors well past the size a CPU reduction splits between threads."""
+    torch.manual_seed(2)
+    model = GPT(GPTShape(vocab_size=64, n_layer=1, n_head=4, d_model=64, block_size=64))
+    x, y = torch.randint(0, 64, (8, 64)), torch.randint(0, 64, (8, 64))
+    forward = ("stability/attn_", "stability/output_", "stability/act_")  # gradients come from torch's own kernels
+
+    def step_figures():
+        model.zero_grad()
+        s = collect_step(NumericsMonitor(mcfg(), model), model, [(x, y)])
+        return {k: v for k, v in s.items() if k.startswith(forward)}
+
+    figs = _on_threads(step_figures)
+    assert "stability/attn_entropy/block0" in figs[0] and figs[0] == figs[1] == figs[2]
+
+    g = torch.Generator().manual_seed(5)
+    n = 3 * 2**16 + 11
+    m_hat, v_hat = torch.randn(n, generator=g), torch.rand(n, generator=g)
+    before, intended = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3
+    comp = torch.randn(n, generator=g) * 1e-6
+    logits = torch.randn(n // 2, 2, generator=g)
+    q, k = (torch.randn(8, 4, 64, 16, generator=g) * 0.1 for _ in range(2))
+
+    def sums():
+        return (attention_logit_stats(q, k)[1].item(), update_sq_sum(m_hat, v_hat, EPS).item(),
+                logit_stats(logits)[1].item(), applied_update_stats(before, before + intended, intended, True, comp).tolist())
+
+    got = _on_threads(sums)
+    assert got[0] == got[1] == got[2]
 
 
 # ------------------------------------------------------------------ early warning

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -24,6 +25,7 @@ import torch.nn as nn
 
 from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError
+from mptrain.core.shards import local_shard
 from mptrain.model.gpt import Block
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.policy import PrecisionPolicy
@@ -189,40 +191,45 @@ class DistContext:
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the (unscaled) gradients before clipping, in fp32, the
-        same on every rank; clips to ``max_norm`` when it is > 0."""
+        same on every rank; clips to ``max_norm`` when it is > 0.
+
+        The same figure under every wrapper: the squares are summed in float64
+        (:func:`_sq_sum`) over this rank's part of each gradient, then over the
+        ranks that shard them (FSDP2's DTensor shards; FSDP1's slices of its flat
+        shard, padding excluded: each value counted once), and only the square
+        root is rounded to fp32. In fp32 the shards' partial sums would round
+        otherwise than one full tensor's, and a norm one ulp off moves the clip
+        factor, then every weight: a bf16 run under fsdp then left ddp's (and
+        one process's with as many micro-batches) after 3 steps. The range stays
+        fp32's: a sum of squares past fp32's max is inf, as an fp32 sum would
+        be (the guard's "global norm overflowed" diagnosis). Not
+        ``FSDP.clip_grad_norm_`` (FSDP1): it returns the norm cast to the
+        gradients' dtype, rounding what the log and the inf/nan guard see (an
+        fp16 norm overflows past 65504)."""
         params = [p for p in model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        if self.mode != ParallelMode.fsdp1 and all(g.dtype == torch.float32 for g in grads):
-            norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
-        else:
-            norm = _fp32_norm(grads, self.device)
-        if self.mode == ParallelMode.fsdp1:
-            # Not FSDP.clip_grad_norm_: it returns the norm cast to the gradients'
-            # dtype, rounding what the log and the inf/nan guard see (an fp16 norm
-            # overflows past 65504). With use_orig_params=True each .grad is this
-            # rank's slice of the flat shard (padding excluded), so summing the
-            # squares over ranks counts every gradient value once, as FSDP1 does.
-            if self.has_group and self.world > 1:
-                norm = norm ** 2
-                dist.all_reduce(norm, op=dist.ReduceOp.SUM)
-                norm = norm ** 0.5
-        elif self.mode == ParallelMode.fsdp and hasattr(norm, "full_tensor"):
-            # FSDP2 gradients are DTensor shards: the norm is a partial value
-            # until it is reduced over ranks.
-            norm = norm.full_tensor()
+        sq = _sq_sum([local_shard(p.grad) for p in params], self.device)
+        if self.mode in (ParallelMode.fsdp, ParallelMode.fsdp1) and self.has_group and self.world > 1:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+        # on the device (no host sync); NaN stays NaN
+        sq = sq.masked_fill(sq > torch.finfo(torch.float32).max, math.inf)
+        norm = sq.sqrt().float()
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
         return norm
 
 
-def _fp32_norm(grads: list, device: torch.device) -> torch.Tensor:
-    """L2 norm of ``grads`` accumulated *and* returned in fp32. torch's foreach norm
-    hands back half-precision gradients' norm in their dtype, rounding the clip
-    factor (and overflowing fp16 past 65504). Zero for a rank that holds no gradient."""
-    if not grads:
-        return torch.zeros((), device=device)
-    return torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]), 2.0)
+def _sq_sum(grads: list, device: torch.device) -> torch.Tensor:
+    """Sum of the squares of every value of ``grads`` (plain tensors), as a float64
+    0-d tensor. An fp32 (or bf16/fp16) value's square is exact in float64 and
+    the sum's rounding is some 2^-29 of fp32's ulp, so splitting the values
+    otherwise (shards, another world size) moves the fp32 norm only when it sits
+    that close to an fp32 rounding boundary. One gradient at a time is upcast
+    (``vector_norm``'s dtype), never all of them. Zero for a rank that holds no
+    gradient."""
+    norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads if g.numel()]
+    if not norms:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(norms).square().sum()
 
 
 def _destroy_at_exit() -> None:

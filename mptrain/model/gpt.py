@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mptrain.core.sums import fixed_sum
+
 
 @dataclass
 class GPTShape:
@@ -71,21 +73,23 @@ def attention_logit_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tenso
     ``q`` and keys ``k`` (B, H, T, head_dim): logits ``q.k / sqrt(head_dim)``
     over the allowed (key <= query) positions only, entropy of each query's
     softmax averaged over batch, heads and query positions. fp32 0-d tensors,
-    left on the device (no host sync)."""
+    left on the device (no host sync); the entropies are summed in float64, in
+    an order that does not depend on the number of threads
+    (:func:`~mptrain.core.sums.fixed_sum`): the same figure, bit for bit, on any."""
     B, H, T, hd = q.shape
     q, k = q.float().reshape(B * H, T, hd), k.float().reshape(B * H, T, hd)
     allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     rows = max(1, PROBE_ELEMENTS // (T * T))
     top = torch.full((), float("-inf"), device=q.device)
-    ent = torch.zeros((), device=q.device)
+    ent = torch.zeros((), dtype=torch.float64, device=q.device)
     for i in range(0, B * H, rows):
         s = (q[i:i + rows] @ k[i:i + rows].transpose(-2, -1)) / math.sqrt(hd)
         s = s.masked_fill(~allowed, float("-inf"))
         top = torch.maximum(top, s.amax())
         logp = torch.log_softmax(s, dim=-1)
         # masked positions have p = 0 and log p = -inf: their 0 * -inf is dropped, not summed as NaN
-        ent = ent - torch.where(allowed, logp.exp() * logp, 0.0).sum()
-    return top, ent / (B * H * T)
+        ent = ent - fixed_sum(torch.where(allowed, logp.exp() * logp, 0.0))
+    return top, (ent / (B * H * T)).float()
 
 
 class CausalSelfAttention(nn.Module):

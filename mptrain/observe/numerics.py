@@ -10,7 +10,11 @@ Design rules:
 
 - Everything stays on the device until :meth:`NumericsMonitor.collect`, which
   does the cross-rank reductions and one host sync. Counts are int64 (exact,
-  and NCCL/gloo sum them), norms are fp32.
+  and NCCL/gloo sum them), norms are fp32, accumulated in fp64.
+- Every figure comes out the same, bit for bit, on any number of threads:
+  sums of real values go through :func:`mptrain.core.sums.fixed_sum` (a plain
+  CPU ``sum()`` adds one partial sum per thread), norms through
+  ``vector_norm``, which reduces a whole tensor on one thread.
 - The thresholds are derived from :mod:`mptrain.precision.formats` (``torch.finfo``) and
   the round-to-nearest-even rule, never typed in; the tests check them
   against real casts at and next to every boundary.
@@ -48,6 +52,7 @@ import torch
 import torch.nn as nn
 
 from mptrain.core.shards import local_shard
+from mptrain.core.sums import fixed_sum
 from mptrain.model.names import canonical_name, group_of, layer_groups
 from mptrain.observe.stability import StabilityMonitor, unless_skipped
 from mptrain.precision import formats, optimizers
@@ -202,13 +207,15 @@ def applied_update_stats(before: torch.Tensor, after: torch.Tensor, intended: to
     moved = intended != 0
     out = [moved.sum(), (moved & (after == before)).sum()]
     zero = torch.zeros((), device=before.device)
-    out.append((stochastic_stay_probability(before, intended) * moved).sum() if stochastic else zero)
+    # Counts are exact; the sums of magnitudes and probabilities go through
+    # fixed_sum, whose rounding does not depend on the number of threads.
+    out.append(fixed_sum(stochastic_stay_probability(before, intended) * moved) if stochastic else zero)
     if comp is not None:
         c = comp.reshape(-1).float()
-        out += [(c != 0).sum(), c.abs().sum()]
+        out += [(c != 0).sum(), fixed_sum(c.abs())]
     else:
         out += [zero, zero]
-    out.append(intended.abs().sum())
+    out.append(fixed_sum(intended.abs()))
     return torch.stack([t.to(torch.float64) for t in out])
 
 

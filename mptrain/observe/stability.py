@@ -22,6 +22,12 @@ the one host sync of a monitored step stays the only one:
 - ``sum_all`` (summed over every rank): sums and counts behind the means
   (attention entropy, log Z, block output RMS), since each rank sees its own data.
 
+Every sum goes through :func:`mptrain.core.sums.fixed_sum` (norms through
+``vector_norm``, which reduces a whole tensor on one thread), whose rounding
+does not depend on the number of threads: two runs of the same config log the
+same figures, bit for bit (a plain ``sum()`` on CPU adds one partial sum per
+thread, and another split moves the last bits).
+
 Metric names (groups as in ``numerics/``: ``block0``, ``embed``, ``head``...):
 ``stability/attn_logit_max[/<group>]``, ``stability/attn_entropy/<group>``,
 ``stability/output_logit_max``, ``stability/output_log_z``,
@@ -38,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from mptrain.core.shards import local_shard
+from mptrain.core.sums import fixed_sum
 from mptrain.model.names import canonical_name, group_of, layer_groups
 from mptrain.precision import formats, optimizers
 
@@ -56,20 +63,22 @@ large vocabulary does not need a second full fp32 copy of the logits."""
 # ----------------------------------------------------------------- statistics
 def logit_stats(logits: torch.Tensor, chunk_elems: int = _LSE_CHUNK_ELEMS) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(max |logit|, sum over positions of log Z, number of positions)`` of
-    ``logits`` (..., vocab), in fp32; log Z is ``logsumexp`` over the vocabulary.
-    No host sync."""
+    ``logits`` (..., vocab): the max in fp32, the sum in float64 (in a fixed
+    order, :func:`~mptrain.core.sums.fixed_sum`); log Z is ``logsumexp`` over the
+    vocabulary, in fp32. No host sync."""
     x = logits.detach().reshape(-1, logits.shape[-1])
     absmax = x.abs().amax().float()
     rows = max(1, chunk_elems // max(1, x.shape[1]))
-    lse_sum = torch.zeros((), dtype=torch.float32, device=x.device)
+    lse_sum = torch.zeros((), dtype=torch.float64, device=x.device)
     for i in range(0, x.shape[0], rows):
-        lse_sum = lse_sum + torch.logsumexp(x[i:i + rows].float(), dim=-1).sum()
+        lse_sum = lse_sum + fixed_sum(torch.logsumexp(x[i:i + rows].float(), dim=-1))
     return absmax, lse_sum, x.shape[0]
 
 
 def update_sq_sum(m_hat: torch.Tensor, v_hat: torch.Tensor, eps: float) -> torch.Tensor:
-    """Sum of squares (fp32) of Adam's update before the learning rate, ``m_hat / (sqrt(v_hat) + eps)``."""
-    return (m_hat / (v_hat.sqrt() + eps)).square().sum()
+    """Sum of squares (float64, in a fixed order) of Adam's update before the
+    learning rate, ``m_hat / (sqrt(v_hat) + eps)``."""
+    return fixed_sum((m_hat / (v_hat.sqrt() + eps)).square())
 
 
 def g2_exceed_count(grad: torch.Tensor, v_hat: torch.Tensor, factor: float = G2_FACTOR) -> torch.Tensor:
@@ -134,8 +143,10 @@ class StabilityMonitor:
         the same layout for the collectives in ``collect``."""
         self.clear()
 
-        def z() -> torch.Tensor:
-            return torch.zeros((), dtype=torch.float32, device=device)
+        def z(dtype: torch.dtype = torch.float64) -> torch.Tensor:
+            # Sums and counts in float64 (the fixed-order sums' own dtype; a count
+            # stays exact past fp32's 2^24); maxima in fp32
+            return torch.zeros((), dtype=dtype, device=device)
 
         for group in blocks:
             self.sum_all[f"stab/act_sq/{group}"], self.sum_all[f"stab/act_n/{group}"] = z(), z()
@@ -147,7 +158,7 @@ class StabilityMonitor:
             self.sum_all[f"stab/attn_calls/{group}"] = z()
         if self._head is None:
             return []
-        self.max_all["stab/out_max"] = z()
+        self.max_all["stab/out_max"] = z(torch.float32)
         self.sum_all["stab/out_lse"] = z()
         self.sum_all["stab/out_rows"] = z()
         return [self._head.register_forward_hook(self._head_hook)]
@@ -177,8 +188,8 @@ class StabilityMonitor:
                 continue
             key = f"stab/attn_max/{group}"
             self.max_all[key] = torch.maximum(self.max_all[key], st["logit_max"].detach().float())
-            self.sum_all[f"stab/attn_ent/{group}"] = self.sum_all[f"stab/attn_ent/{group}"] + st["entropy_sum"].float()
-            self.sum_all[f"stab/attn_calls/{group}"] = self.sum_all[f"stab/attn_calls/{group}"] + st["calls"].float()
+            self.sum_all[f"stab/attn_ent/{group}"] = self.sum_all[f"stab/attn_ent/{group}"] + st["entropy_sum"].double()
+            self.sum_all[f"stab/attn_calls/{group}"] = self.sum_all[f"stab/attn_calls/{group}"] + st["calls"].double()
 
     # -- Adam
     def _states(self, model: nn.Module):

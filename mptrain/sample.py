@@ -11,6 +11,11 @@ tokenizer (the one ``meta.json`` names). Only the text goes to stdout; notes
 (a damaged checkpoint passed over) go to stderr. A user error is one line,
 ``sample: <problem>; <fix>``, exit status 2.
 
+A live run may be sampled: one that keeps only its ``checkpoint.keep_last``
+newest checkpoints deletes older ones as it saves, possibly the one being
+read. Such a checkpoint is given up and the newest intact one read instead,
+up to :data:`READ_TRIES` times in all (:func:`read_newest`).
+
 Decoding: ``--temperature 0`` is greedy (argmax); otherwise the logits are
 divided by the temperature, cut to the ``--top-k`` most likely tokens (0 keeps
 all) and sampled with a generator seeded by ``--seed``, so the same seed gives
@@ -32,7 +37,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
 
@@ -50,6 +55,17 @@ class SampleError(UserError):
     """A sampling request that cannot run; main() prints it as one ``sample:`` line."""
 
     kind = "sample error"
+
+
+READ_TRIES = 3
+"""Checkpoints :func:`read_newest` tries before it says that the run prunes them
+faster than they can be read (each try is a new, newer checkpoint)."""
+
+# Top-level names of a run directory that has saved no checkpoint yet (rundir.py:
+# its records), as opposed to a directory that was never one.
+_RUN_RECORDS = ("checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "train.log", ".hydra")
+
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------ user errors
@@ -81,6 +97,11 @@ def find_checkpoint(path: Path, log: Callable[[str], None] = print) -> Path:
         raise CheckpointError(f"{path} is a checkpoint whose save was interrupted, so it is incomplete; give the "
                               "run directory instead, which uses the newest complete checkpoint.")
     if not (path / "meta.json").is_file() and not any(complete_checkpoints(d) for d in (path / "checkpoints", path)):
+        if not any((path / name).exists() for name in _RUN_RECORDS):
+            raise CheckpointError(
+                f"{path} is not a run directory or a checkpoint: it holds no meta.json (a checkpoint's), no "
+                "checkpoints/ and no run records (config.yaml, metrics.jsonl); give the directory a run wrote, "
+                "or one of its checkpoints/step-N directories.")
         raise CheckpointError(
             f"{path} holds no checkpoint because the run saved none; runs save one when they end by default "
             "(checkpoint.at_end=true), so rerun an older run with checkpoint.every=N to get one.")
@@ -92,6 +113,55 @@ def find_checkpoint(path: Path, log: Callable[[str], None] = print) -> Path:
         raise CheckpointError(f"checkpoint {e.ckpt} is damaged ({e.ckpt / e.file} {e.reason}); give the run "
                               "directory or an earlier checkpoints/step-N directory, or restore the file "
                               "from a copy.") from None
+
+
+def read_newest(path: Path, read: Callable[[Path], T], log: Callable[[str], None] = print,
+                picked: Callable[[Path], None] = lambda ckpt: None) -> tuple[Path, T]:
+    """The checkpoint ``path`` names (:func:`find_checkpoint`) and ``read(ckpt)`` of it.
+
+    A live run deletes its older checkpoints as it saves (``checkpoint.keep_last``),
+    so the one chosen may vanish while ``read`` reads it. When it did, and
+    ``path`` is a run directory, the newest intact checkpoint is chosen again
+    (a line through ``log`` says so), up to :data:`READ_TRIES` checkpoints in
+    all; a vanished checkpoint named by its own path, or one more vanished
+    than that, is a :class:`SampleError` naming the fix. A failure of a
+    checkpoint that is still there is raised as it is. ``picked(ckpt)`` runs
+    between choosing and reading: a seam where tests delete the checkpoint,
+    as a pruning run would."""
+    lost: list[str] = []
+    while True:
+        ckpt = find_checkpoint(path, log)
+        named = ckpt == Path(os.path.expanduser(str(path)))  # by its own path: no newer one to take instead
+        newest = complete_checkpoints(ckpt.parent)[-1:]
+        picked(ckpt)
+        try:
+            return ckpt, read(ckpt)
+        except (CheckpointError, OSError):
+            if (ckpt / "meta.json").is_file() and (named or not _newer_saved(ckpt, newest)):
+                raise  # still there: a failure of its own
+            lost.append(ckpt.name)
+        if named:
+            raise SampleError(
+                f"checkpoint {ckpt} was deleted while it was read (its run keeps only its checkpoint.keep_last "
+                "newest checkpoints); give the run directory, which reads the newest one, or copy the checkpoint "
+                "out of the run first (cp -r) and give the copy.") from None
+        if len(lost) >= READ_TRIES:
+            raise SampleError(
+                f"the run in {path} deletes its checkpoints faster than they can be read ({', '.join(lost)} "
+                "vanished while read, each pruned by checkpoint.keep_last); wait until it has finished (its "
+                f"last checkpoint stays), or copy a checkpoint out of it (cp -r {ckpt.parent}/step-N elsewhere) "
+                "and give the copy; a run saves fewer to prune with a larger checkpoint.every or keeps more with "
+                "a larger checkpoint.keep_last.") from None
+        log(f"{path}: checkpoint {ckpt.name} was deleted while it was read (the run keeps its "
+            "checkpoint.keep_last newest); reading the newest one now")
+
+
+def _newer_saved(ckpt: Path, newest: list[Path]) -> bool:
+    """Whether the run of ``ckpt`` saved a checkpoint since ``newest`` (``[its
+    newest]`` when ``ckpt`` was chosen): that is when a run prunes, so a read of
+    ``ckpt`` that failed meanwhile met its deletion under way (the shards may go
+    before meta.json does)."""
+    return complete_checkpoints(ckpt.parent)[-1:] != newest
 
 
 def model_weights(ckpt: Path, log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
@@ -194,15 +264,21 @@ def _autocast(meta: dict, precision: str, device: torch.device) -> Callable:
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
-def sample_text(a: argparse.Namespace, log: Callable[[str], None]) -> str:
-    """The prompt followed by the model's continuation, for parsed arguments ``a``."""
-    ckpt = find_checkpoint(a.src, log)
-    meta = read_meta(ckpt)
-    tok = checkpoint_tokenizer(ckpt, meta, a.trust_remote_code, byte=ByteTokenizer)
+def sample_text(a: argparse.Namespace, log: Callable[[str], None],
+                picked: Callable[[Path], None] = lambda ckpt: None) -> str:
+    """The prompt followed by the model's continuation, for parsed arguments ``a``
+    (``picked``: :func:`read_newest`'s seam)."""
+
+    def read(ckpt: Path):
+        meta = read_meta(ckpt)
+        tok = checkpoint_tokenizer(ckpt, meta, a.trust_remote_code, byte=ByteTokenizer)
+        return meta, tok, model_weights(ckpt, log)
+
+    ckpt, (meta, tok, weights) = read_newest(a.src, read, log, picked)
     if not isinstance(tok, ByteTokenizer):
         tok = HFTokenizer(tok, meta["tokenizer"].get("name", ""), meta["tokenizer"]["path"])
     device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = build_model(meta, model_weights(ckpt, log)).to(device)
+    model = build_model(meta, weights).to(device)
     # An empty prompt starts a new document: training put end-of-text before every one.
     prompt_ids = tok.encode_batch([a.prompt])[0] if a.prompt else [tok.eos_id]
     new = sample_ids(model, prompt_ids, a.tokens, temperature=a.temperature, top_k=a.top_k,

@@ -1,10 +1,12 @@
 """Export an mptrain checkpoint as a Hugging Face ``transformers`` GPT-2 model.
 
-    python scripts/export_hf.py <run dir | checkpoint dir> <out dir> [--trust-remote-code]
+    python scripts/export_hf.py <run dir | checkpoint dir> <out dir> [--overwrite] [--trust-remote-code]
 
 Writes ``config.json``, the weights and the tokenizer into ``<out dir>``, so
 that ``AutoModelForCausalLM.from_pretrained(out)`` and
-``AutoTokenizer.from_pretrained(out)`` load them. mptrain's GPT is GPT-2's
+``AutoTokenizer.from_pretrained(out)`` load them, with ``mptrain_export.json``
+beside them: the checkpoint exported, its step, the time and the list of
+files the export is made of. mptrain's GPT is GPT-2's
 architecture (pre-norm blocks, learned positions, tanh-GELU MLP, tied head), so
 the export is a renaming plus a transpose: GPT-2 stores its linears as
 ``Conv1D`` with (in, out) weights. A model trained without biases gets zero
@@ -22,30 +24,60 @@ from the checkpoint.
 Before it finishes, the script loads the export back and checks that its
 logits match mptrain's on random tokens (max abs difference < 1e-4, fp32).
 
+The output directory: the export never deletes what it did not write. A new
+directory, or an empty one, receives the export; a directory holding other
+files is refused; one holding a previous export (its ``mptrain_export.json``)
+is refused unless ``--overwrite`` is given, and then only the files that
+export listed are replaced (anything else in it stays). The export is built
+and checked in a hidden sibling directory first (``.<out>.export-tmp...``), then
+renamed into place, or, into an existing directory, moved in file by file
+under a marker that says the export is incomplete until the last file is in
+(an interrupted ``--overwrite`` is finished by running it again). So an
+interrupted export never leaves a half directory that passes for an export.
+
 The checkpoint, its weights and its tokenizer are found by the functions
 ``python -m mptrain.sample`` uses (``mptrain/sample.py``). A user error (no
 checkpoint there, a damaged one, a tokenizer refused or missing, an output
-directory that cannot be written or that holds the checkpoint) is one line,
+directory that cannot be written, holds the checkpoint, holds files of its
+own or a previous export without ``--overwrite``) is one line,
 ``export_hf: <problem>; <fix>``, naming the argument given, exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Optional
 
 import torch
-from mptrain.core.errors import UserError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mptrain.run.integrity import CheckpointError, read_meta  # noqa: E402
+from mptrain.core.errors import UserError  # noqa: E402
+from mptrain.core.files import write_json  # noqa: E402
 from mptrain.data.tokenizers import EOT  # noqa: E402
-from mptrain.sample import OneLineParser, build_model, checkpoint_tokenizer, find_checkpoint, model_weights, one_line_errors
+from mptrain.run.integrity import CheckpointError, read_meta  # noqa: E402
+from mptrain.sample import (  # noqa: E402
+    OneLineParser,
+    build_model,
+    checkpoint_tokenizer,
+    model_weights,
+    one_line_errors,
+    read_newest,
+)
 
 TOLERANCE = 1e-4
+MARKER = "mptrain_export.json"
+"""The file that makes a directory a previous export: what it was made from and of."""
+MARKER_FORMAT = "mptrain-export-1"
+# Moved into an existing directory last (before the marker): until they are in,
+# transformers cannot load the directory, so it never loads a partial export.
+_LOADED_FIRST = ("config.json", "tokenizer_config.json")
 
 
 class ExportError(UserError):
@@ -111,46 +143,150 @@ def umask() -> int:
     return mask
 
 
-def export(src: Path, out: Path, trust_remote_code: bool = False) -> float:
+def export(src: Path, out: Path, trust_remote_code: bool = False, overwrite: bool = False) -> float:
     """Write checkpoint ``src`` (a run directory or a checkpoint) as a transformers
-    GPT-2 with its tokenizer into ``out`` (replaced), check it, and return the
-    largest logit difference from mptrain's model."""
-    ckpt = find_checkpoint(src)
-    meta = read_meta(ckpt)
+    GPT-2 with its tokenizer into ``out`` (new, empty, or with ``overwrite`` a
+    previous export), check it, and return the largest logit difference from
+    mptrain's model."""
+    out = Path(os.path.expanduser(str(out)))
+
+    def read(ckpt: Path):
+        meta = read_meta(ckpt)
+        if meta["config"]["model"].get("qk_norm", False):
+            raise ExportError(f"{src} was trained with model.qk_norm=true, and GPT-2 has no layer for the LayerNorm "
+                              f"on each head's queries and keys, so it cannot be exported; "
+                              f"python -m mptrain.sample {src} runs it as it is.")
+        _check_out(ckpt, out)
+        _check_target(out, overwrite)
+        # The tokenizer first: a refused one stops the export before the weights are read.
+        return meta, checkpoint_tokenizer(ckpt, meta, trust_remote_code, byte=byte_tokenizer), model_weights(ckpt)
+
+    ckpt, (meta, tokenizer, sd) = read_newest(src, read)
     m = meta["config"]["model"]
-    if m.get("qk_norm", False):
-        raise ExportError(f"{src} was trained with model.qk_norm=true, and GPT-2 has no layer for the LayerNorm on "
-                          f"each head's queries and keys, so it cannot be exported; "
-                          f"python -m mptrain.sample {src} runs it as it is.")
-    _check_out(ckpt, out)
-    # The tokenizer first: a refused one stops the export before the weights are read.
-    tokenizer = checkpoint_tokenizer(ckpt, meta, trust_remote_code, byte=byte_tokenizer)
-    sd = model_weights(ckpt)
     print(f"export_hf: {ckpt} (step {meta['step']}, {m['n_layer']}x{m['d_model']}, vocab {meta['vocab_size']})")
-    write(gpt2_model(meta, sd, tokenizer.eos_token_id), tokenizer, out)
-    return self_check(out, build_model(meta, sd), meta)
-
-
-def write(hf, tokenizer, out: Path) -> None:
-    """Save the model and the tokenizer into ``out`` (replaced); an OS error
-    (no permission, no such parent) is one line naming ``out``."""
+    staging = _staging_dir(out)
     try:
-        if out.exists():
-            shutil.rmtree(out)
-        hf.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        write(gpt2_model(meta, sd, tokenizer.eos_token_id), tokenizer, staging, out)
+        diff = self_check(staging, build_model(meta, sd), meta)
+        publish(staging, out, ckpt, meta)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # ours alone; after a rename into place it is gone already
+    print(f"export_hf: wrote {out}; logits max |transformers - mptrain| = {diff:.2e}")
+    return diff
+
+
+def write(hf, tokenizer, staging: Path, out: Path) -> None:
+    """Save the model and the tokenizer into ``staging`` (the export to be, a new
+    directory); an OS error (no permission, a full disk) is one line naming ``out``."""
+    try:
+        hf.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
         # safetensors writes model.safetensors through a private temporary file and
         # renames it, so it lands 0600 while its neighbours follow the umask (0644
         # under 022): a group that can read the export would get the config but not
         # the weights. Give every file the export wrote the mode an ordinary new
         # file gets (0o666 & ~umask), as everything else mptrain writes does.
         mode = 0o666 & ~umask()
-        for root, _, names in os.walk(out):
+        for root, _, names in os.walk(staging):
             for name in names:
                 os.chmod(os.path.join(root, name), mode)
     except OSError as e:
-        raise ExportError(f"the export could not be written to {out} ({e.strerror or e}); give an output "
-                          "directory you can write to.") from None
+        raise _unwritable(out, e) from None
+
+
+def _unwritable(out: Path, e: OSError) -> ExportError:
+    return ExportError(f"the export could not be written to {out} ({e.strerror or e}); give an output "
+                       "directory you can write to (and whose parent you can write to).")
+
+
+def _staging_dir(out: Path) -> Path:
+    """A new hidden directory beside ``out`` (the same filesystem, so the export
+    can be renamed into place), with the mode a directory gets under the umask
+    (mkdtemp makes it 0700)."""
+    parent = out.absolute().parent  # out may be "."
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.absolute().name}.export-tmp", dir=parent))
+        os.chmod(staging, 0o777 & ~umask())
+    except OSError as e:
+        raise _unwritable(out, e) from None
+    return staging
+
+
+def previous_export(out: Path) -> Optional[dict]:
+    """The marker of the export ``out`` holds, or None when it holds none: a
+    ``mptrain_export.json`` that is a plain file (not a link), of this format,
+    listing plain file names only (a crafted list cannot reach outside ``out``)."""
+    marker = out / MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    try:
+        record = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("format") != MARKER_FORMAT:
+        return None
+    files = record.get("files")
+    plain = lambda f: isinstance(f, str) and f not in ("", ".", "..", MARKER) and Path(f).name == f  # noqa: E731
+    return record if isinstance(files, list) and all(plain(f) for f in files) else None
+
+
+def _check_target(out: Path, overwrite: bool) -> None:
+    """Refuse an output directory whose files the export would mix with or
+    replace without being asked: one holding anything but a previous export, or a
+    previous export without ``overwrite``."""
+    if not out.is_dir():
+        if out.exists():
+            raise ExportError(f"the output directory {out} is a file; give a directory path (new or empty).")
+        return
+    if not any(out.iterdir()):
+        return
+    record = previous_export(out)
+    if record is None:
+        raise ExportError(f"the output directory {out} is not empty and holds no previous export (no {MARKER}), "
+                          "so the export would mix with its files; give another directory (new or empty), or "
+                          "empty it yourself.")
+    if not overwrite:
+        what = (f"an export of {record.get('checkpoint')} (step {record.get('step')}, {record.get('time')})"
+                if record.get("complete") else "an export interrupted while it was written")
+        raise ExportError(f"the output directory {out} holds {what}; pass --overwrite to replace it (only its "
+                          f"files, listed in {MARKER}), or give another directory.")
+
+
+def publish(staging: Path, out: Path, ckpt: Path, meta: dict) -> None:
+    """Put the checked export in ``staging`` in place as ``out``.
+
+    A new ``out`` is the staging directory renamed (one atomic step). An existing
+    one (empty, or a previous export being overwritten) keeps its inode, so a
+    shell inside it stays there: first a marker marked incomplete that lists
+    the previous files and the new ones, then the previous export's files are
+    deleted (files and links only, never what it did not list), the new files
+    moved in one by one (config files last), and the final marker last. An
+    interruption anywhere leaves a directory whose marker says incomplete, which
+    --overwrite finishes."""
+    names = sorted(p.name for p in staging.iterdir())
+    record = {"format": MARKER_FORMAT, "checkpoint": str(ckpt.resolve()), "step": meta["step"],
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": names, "complete": True}
+    try:
+        if not out.exists():
+            write_json(staging / MARKER, record)
+            os.replace(staging, out)
+            return
+        _check_target(out, overwrite=True)  # again: the directory may have changed while the export was built
+        old = (previous_export(out) or {}).get("files", [])
+        theirs = [n for n in names if n not in old and os.path.lexists(out / n)]
+        if theirs:
+            raise ExportError(f"the output directory {out} holds {theirs[0]}, which its previous export did not "
+                              "write and this one would replace; move it out of the way, or give another "
+                              "directory.")
+        write_json(out / MARKER, {**record, "files": sorted({*old, *names}), "complete": False})
+        for name in old:
+            if (out / name).is_symlink() or (out / name).is_file():
+                (out / name).unlink()  # a link itself, never what it points to
+        for name in sorted(names, key=lambda n: n in _LOADED_FIRST):
+            os.replace(staging / name, out / name)
+        write_json(out / MARKER, record)
+    except OSError as e:
+        raise _unwritable(out, e) from None
 
 
 def _check_out(ckpt: Path, out: Path) -> None:
@@ -193,7 +329,6 @@ def self_check(out: Path, ours, meta: dict) -> float:
     x = torch.randint(0, vocab, (2, min(32, block)), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (back(x).logits - ours(x)).abs().max().item()
-    print(f"export_hf: wrote {out}; logits max |transformers - mptrain| = {diff:.2e}")
     if diff > TOLERANCE:
         raise SystemExit(f"export_hf: logits differ by {diff:.2e} > {TOLERANCE}: the export is wrong")
     return diff
@@ -204,13 +339,15 @@ def main(argv: list[str] | None = None) -> None:
     ap = OneLineParser(prog="python scripts/export_hf.py", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path, help="run directory or checkpoints/step-N directory")
-    ap.add_argument("out", type=Path, help="output directory (replaced)")
+    ap.add_argument("out", type=Path, help="output directory: new, empty, or a previous export with --overwrite")
+    ap.add_argument("--overwrite", action="store_true",
+                    help=f"replace a previous export in <out> (only the files its {MARKER} lists)")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="allow a tokenizer that ships its own Python code to run it (off by default; "
                          "never taken from the checkpoint)")
     with one_line_errors("export_hf"):
         a = ap.parse_args(argv)
-        export(a.src, a.out, trust_remote_code=a.trust_remote_code)
+        export(a.src, a.out, trust_remote_code=a.trust_remote_code, overwrite=a.overwrite)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,24 @@ def _umask() -> int:
     return mask
 
 
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory):
+    """An 8-step byte-tokenizer run with checkpoints step-4 and step-8 (shared by the tests of this file)."""
+    run_dir = tmp_path_factory.mktemp("export") / "run"
+    train(run_dir, *TINY, "train.max_steps=8", "checkpoint.every=4", tiny=False)
+    return run_dir
+
+
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
-def test_export_round_trip(tmp_path, tokenizer, monkeypatch, capsys):
+def test_export_round_trip(tmp_path, tokenizer, monkeypatch, capsys, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    extra = ["data.tokenizer=bpe", "data.bpe_vocab_size=512", "data.max_chars=200000"] if tokenizer == "bpe" else []
-    run_dir = tmp_path / "run"
-    train(run_dir, *TINY, *extra, "train.max_steps=8", "checkpoint.every=4", tiny=False)
+    if tokenizer == "byte":
+        run_dir = request.getfixturevalue("byte_run")
+    else:
+        run_dir = tmp_path / "run"
+        train(run_dir, *TINY, "data.tokenizer=bpe", "data.bpe_vocab_size=512", "data.max_chars=200000",
+              "train.max_steps=8", "checkpoint.every=4", tiny=False)
     out = tmp_path / "hf"
     if tokenizer == "byte":  # the script as a user runs it
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_hf.py"), str(run_dir), str(out)],
@@ -74,12 +85,62 @@ def test_export_of_a_dir_without_checkpoints_fails_clearly(tmp_path, capsys):
     """One line on stderr, exit status 2, no traceback, speaking of the export's own
     argument and the fix (not of the trainer's resume=). In this process: a launch
     would only add its start-up."""
+    (tmp_path / "metrics.jsonl").write_text("")  # a run directory whose run saved no checkpoint
     with pytest.raises(SystemExit) as e:
         _export_module().main([str(tmp_path), str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"export_hf: {tmp_path} holds no checkpoint") and "checkpoint.every=" in err, err
     assert "resume=" not in err, err
+
+
+def test_export_never_deletes_what_it_did_not_write(byte_run, tmp_path, monkeypatch, capsys):
+    """The output directory: one holding a user's files (``.`` included) is refused,
+    one line, and left as it was; a new one gets the export and its marker,
+    renamed into place from a hidden sibling; a previous export is replaced only
+    with --overwrite, and then only its own files; an export that fails its
+    check (the real check, its tolerance made impossible) leaves nothing and
+    replaces nothing. In this process: a launch per export would only add its
+    start-up."""
+    export_hf = _export_module()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    monkeypatch.chdir(mine)
+    for out in (".", str(mine)):
+        with pytest.raises(SystemExit) as e:
+            export_hf.main([str(byte_run), out])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"export_hf: the output directory {out} is not empty") and "empty it yourself" in err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep"
+
+    out = tmp_path / "hf"
+    export_hf.main([str(byte_run), str(out)])
+    marker = json.loads((out / export_hf.MARKER).read_text())
+    assert marker["checkpoint"] == str((byte_run / "checkpoints" / "step-8").resolve()) and marker["step"] == 8
+    assert sorted(marker["files"]) == sorted(p.name for p in out.iterdir() if p.name != export_hf.MARKER)
+    assert "model.safetensors" in marker["files"] and marker["complete"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]  # no staging directory left beside it
+
+    (out / "NOTES.md").write_text("mine")
+    capsys.readouterr()  # the export's own lines and transformers' progress bars
+    with pytest.raises(SystemExit) as e:
+        export_hf.main([str(byte_run), str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "holds an export of" in err and "--overwrite" in err, err
+    step4 = str(byte_run / "checkpoints" / "step-4")
+    monkeypatch.setattr(export_hf, "TOLERANCE", -1.0)  # no export can pass: the check fails after the write
+    for argv in ([step4, str(out), "--overwrite"], [step4, str(tmp_path / "hf2")]):
+        with pytest.raises(SystemExit, match="the export is wrong"):
+            export_hf.main(argv)
+    assert json.loads((out / export_hf.MARKER).read_text()) == marker  # the previous export is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]
+    monkeypatch.undo()
+    export_hf.main([step4, str(out), "--overwrite"])
+    assert json.loads((out / export_hf.MARKER).read_text())["step"] == 4
+    assert (out / "NOTES.md").read_text() == "mine"  # not the export's: kept
+    assert sorted(p.name for p in out.iterdir()) == sorted([*marker["files"], export_hf.MARKER, "NOTES.md"])
 
 
 def _export_module():

@@ -1,6 +1,7 @@
 """Resuming or exporting a checkpoint never runs code from it."""
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -9,12 +10,17 @@ import sys
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from mptrain.run.checkpoint import load_full_state
 from mptrain.run.integrity import CheckpointError, reseal
-from mptrain.run.safeload import load_plain
+from mptrain.run.safeload import OutsideCheckpoint, SafeReader, check_metadata, load_plain
+from mptrain.sample import main as sample_main
 
 from .conftest import ROOT, train
+from .test_export import _export_module
 
 
 class Plant:
@@ -105,3 +111,86 @@ def test_no_unrestricted_torch_load_in_the_project():
                     if kw.arg == "weights_only" and not (isinstance(kw.value, ast.Constant) and kw.value.value):
                         found.append(f"{path.name}:{node.lineno}")
     assert not found, found
+
+
+# ------------------------------------------------- reads stay inside the folder
+_WATCHED: list[set] = []  # while non-empty: the real paths to record an open of, and the opens seen
+
+
+def _audit(event: str, args) -> None:
+    """Records every open() (Python's and os.open) of a watched path: the proof that
+    a refused checkpoint never read the file outside it. Installed once; an
+    audit hook cannot be removed, so it does nothing while nothing is watched."""
+    if event == "open" and _WATCHED and isinstance(args[0], (str, bytes, os.PathLike)):
+        watched, seen = _WATCHED[-1]
+        if os.path.realpath(os.fsdecode(args[0])) in watched:
+            seen.add(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_audit)
+
+
+@contextlib.contextmanager
+def _opens_of(path):
+    """The set of opens of ``path`` (under any name) made inside the block."""
+    seen: set = set()
+    _WATCHED.append(({os.path.realpath(path)}, seen))
+    try:
+        yield seen
+    finally:
+        _WATCHED.pop()
+
+
+def _point_outside(src, tmp_path, how: str):
+    """A copy of checkpoint ``src`` whose weights file lies outside it, reached by
+    a .metadata entry (``..`` or ``absolute``) or by a symbolic ``link`` in place
+    of the shard; resealed, so that its manifest matches and only the new check
+    can refuse it. Returns (checkpoint, outside file, the storage path named)."""
+    ckpt, outside = tmp_path / "step-2", tmp_path / "outside.distcp"
+    shutil.copytree(src, ckpt)
+    shutil.move(ckpt / "__0_0.distcp", outside)
+    rel = {"..": "../outside.distcp", "absolute": str(outside), "link": "__0_0.distcp"}[how]
+    if how == "link":
+        os.symlink(outside, ckpt / "__0_0.distcp")
+    else:
+        md = SafeReader(str(ckpt)).read_metadata()
+        for info in md.storage_data.values():
+            info.relative_path = rel
+        with open(ckpt / ".metadata", "wb") as f:
+            pickle.dump(md, f)
+    reseal(ckpt)
+    return ckpt, outside, rel
+
+
+@pytest.mark.parametrize("how", ["..", "absolute", "link"])
+def test_a_checkpoint_never_reads_a_file_outside_its_folder(checkpoint, tmp_path, how, capsys):
+    """A checkpoint whose weights are another folder's file (a crafted .metadata
+    path, or a shard that is a symlink) is refused in one line naming the entry
+    by sample, export and resume, and by the loaders themselves, and the outside
+    file is never opened; DCP's own reader would load it as the model."""
+    ckpt, outside, rel = _point_outside(checkpoint, tmp_path, how)
+    named = f"{ckpt}/__0_0.distcp is a link to {outside}" if how == "link" else f"{ckpt}/.metadata maps '"
+    with _opens_of(outside) as opened:
+        with pytest.raises(SystemExit) as e:
+            sample_main([str(ckpt), "--tokens", "2"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("sample: "), err
+        assert named in err and "outside the checkpoint" in err and (how == "link" or f"to {rel}," in err), err
+        with pytest.raises(SystemExit) as e:
+            _export_module().main([str(ckpt), str(tmp_path / "hf")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and named in err, err
+        with pytest.raises(CheckpointError, match="outside the checkpoint"):
+            train(tmp_path / "run", "train.max_steps=4", f"resume={ckpt}")
+        with pytest.raises(CheckpointError, match="outside the checkpoint"):
+            load_full_state(ckpt)
+        # the DCP reader itself, for a folder changed after verification
+        with pytest.raises(OutsideCheckpoint, match=f"^refused to load {ckpt}/.metadata: it maps '.*' to {rel}"):
+            check_metadata(ckpt)
+    assert not opened and not (tmp_path / "hf").exists()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
+    with _opens_of(outside) as opened:  # the threat is real: DCP's own reader loads the outside file
+        sd: dict = {}
+        _load_state_dict(sd, storage_reader=FileSystemReader(str(ckpt)), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+    assert opened and "wte.weight" in sd["model"]

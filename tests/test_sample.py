@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mptrain.run.integrity import CheckpointError, complete_checkpoints, read_meta
-from mptrain.sample import build_model, find_checkpoint, main, model_weights
+from mptrain.sample import SampleError, build_model, find_checkpoint, main, model_weights, parse_args, sample_text
 from mptrain.model.generate import generate
 
 from .conftest import ROOT, TINY, train
@@ -25,9 +25,9 @@ EOS = 256  # the byte tokenizer's end-of-text id
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A 10-step byte-tokenizer run with one checkpoint, and that checkpoint."""
+    """A 10-step byte-tokenizer run with two checkpoints (step-5, step-10), and the newest."""
     run_dir = tmp_path_factory.mktemp("sample") / "run"
-    train(run_dir, *TINY, "train.max_steps=10", "checkpoint.every=10")
+    train(run_dir, *TINY, "train.max_steps=10", "checkpoint.every=5")
     return run_dir, complete_checkpoints(run_dir / "checkpoints")[-1]
 
 
@@ -118,3 +118,42 @@ def test_damaged_checkpoint_errors_name_the_path_given(trained, tmp_path):
             find_checkpoint(given, log=print)
         msg = str(e.value)
         assert str(given) in msg and "train_state.pt" in msg and "resume=" not in msg and "\n" not in msg, msg
+
+
+def test_a_directory_no_run_wrote_is_named_so(tmp_path, capsys):
+    """A folder that is neither a checkpoint nor a run directory (``/etc``, a typo'd
+    path): one line saying so, not that "the run saved none"."""
+    (tmp_path / "hosts").write_text("127.0.0.1 localhost\n")
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"sample: {tmp_path} is not a run directory or a checkpoint") and "saved none" not in err
+
+
+def test_a_checkpoint_pruned_while_read_gives_way_to_the_newest(trained, tmp_path):
+    """A live run (checkpoint.every=1, keep_last) deletes the checkpoint sample chose
+    while it reads it (through sample_text's ``picked`` seam, between choosing and
+    reading). Once: the newest intact checkpoint is read instead, with a note, and
+    the text is that checkpoint's. Every time (each pick pruned as the run saves a
+    newer one): after READ_TRIES picks, one line naming the fix."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained[0], run_dir)
+    args = [str(run_dir), "--prompt", PROMPT, "--tokens", "8", "--temperature", "1.0"]
+    notes: list[str] = []
+    text = sample_text(parse_args(args), notes.append,
+                       picked=lambda ckpt: ckpt.name == "step-10" and shutil.rmtree(ckpt))  # pruned once
+    assert [c.name for c in complete_checkpoints(run_dir / "checkpoints")] == ["step-5"]
+    assert text == sample_text(parse_args([str(run_dir / "checkpoints" / "step-5"), *args[1:]]), print)
+    assert any("step-10 was deleted while it was read" in n for n in notes), notes
+
+    def save_newer_then_prune(ckpt):  # the run saves step N+1, then starts deleting step N (shards first)
+        newer = ckpt.parent / f"step-{int(ckpt.name[5:]) + 1}"
+        shutil.copytree(ckpt, newer)
+        (ckpt / "__0_0.distcp").unlink()
+
+    with pytest.raises(SampleError) as e:
+        sample_text(parse_args(args), notes.append, picked=save_newer_then_prune)
+    msg = str(e.value)
+    assert "deletes its checkpoints faster than they can be read (step-5, step-6, step-7" in msg, msg
+    assert "checkpoint.keep_last" in msg and "\n" not in msg, msg

@@ -18,6 +18,14 @@ plain data only:
 
 A file that holds anything else is refused (:class:`RefusedFile`) before any of
 its code runs.
+
+Every read also stays inside the checkpoint's folder. ``.metadata`` maps each
+tensor to a storage file by a path DCP joins to the folder without looking at
+it, so a crafted entry (an absolute path, ``../``) or a shard that is a
+symbolic link would load another file's bytes as the model's weights:
+:func:`check_inside` (called by ``integrity.verify`` before it reads a byte)
+and :class:`SafeReader` (for every DCP load) refuse such a checkpoint, naming
+the entry, before anything outside it is opened.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import io
 import os
 import pickle
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -90,22 +99,80 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise RefusedFile(self.path, f"a reference to {module}.{name}, which is not DCP metadata")
 
 
+# ------------------------------------------------- reads stay inside the folder
+def _leaves(root: Path, rel) -> Optional[str]:
+    """None when reading ``rel`` (a storage path from ``.metadata``, or a file
+    name) relative to checkpoint folder ``root`` opens a file inside it; else
+    what a message adds after the path to show where it leads (empty for an
+    absolute path or ``..``, which show it themselves)."""
+    try:
+        rel = os.fspath(rel)
+    except TypeError:
+        return f" (a {type(rel).__name__}, not a path)"
+    if os.path.isabs(rel) or ".." in Path(rel).parts:
+        return ""
+    target = (root / rel).resolve()  # follows every link on the way, as open() would
+    if not target.is_relative_to(root.resolve()):
+        return f", a link to {target}"
+    return None
+
+
+def _outside_entry(root: Path, md) -> Optional[str]:
+    """The first storage entry of metadata ``md`` whose file lies outside ``root``,
+    described for a message (``'model.wte.weight' to ../w.distcp``, or ``... to
+    __0_0.distcp, a link to /elsewhere/w.distcp``), or None. Storage data that
+    is not a dict is left to DCP's own checks."""
+    entries = getattr(md, "storage_data", None)
+    for index, info in (entries.items() if isinstance(entries, dict) else ()):
+        rel = getattr(info, "relative_path", None)
+        why = _leaves(root, rel)
+        if why is not None:
+            return f"{getattr(index, 'fqn', index)!r} to {rel}{why}"
+    return None
+
+
+class OutsideCheckpoint(RefusedFile):
+    """A checkpoint whose DCP metadata or files would send a read outside its folder."""
+
+    def __init__(self, path, what: str):
+        self.path = str(path)
+        pickle.UnpicklingError.__init__(
+            self, f"refused to load {self.path}: {what}, outside the checkpoint (a checkpoint reads only its own "
+                  "files). Resume or export only checkpoints you trust the origin of.")
+
+
 class SafeReader(FileSystemReader):
-    """DCP's file-system reader, with ``.metadata`` read through :class:`_MetadataUnpickler`."""
+    """DCP's file-system reader, with ``.metadata`` read through :class:`_MetadataUnpickler`
+    and every storage path it names kept inside the checkpoint's folder."""
 
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")  # newer DCP also looks for per-rank metadata files
         name = _METADATA_FILE if rank is None else f"__{rank}{_METADATA_FILE}"
         path = os.path.join(str(self.path), name)
+        if _leaves(Path(self.path), name) is not None:
+            raise OutsideCheckpoint(path, f"it is a link to {Path(path).resolve()}")
         with open(path, "rb") as f:
             md = _MetadataUnpickler(f, path).load()
         if not isinstance(md, dcp_metadata.Metadata):
             raise RefusedFile(path, f"a {type(md).__name__}, not DCP metadata")
+        self._check_storage(md, path)
         # What FileSystemReader.read_metadata does after unpickling.
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = dcp_metadata.StorageMeta()
         md.storage_meta.load_id = getattr(self, "load_id", None)
         return md
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        """DCP's set-up, after the storage paths are checked: under a process group
+        the metadata may come from the coordinator rank rather than read_metadata,
+        and the folder may have changed since it was read."""
+        self._check_storage(metadata, os.path.join(str(self.path), _METADATA_FILE))
+        return super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def _check_storage(self, md, path: str) -> None:
+        bad = _outside_entry(Path(self.path), md)
+        if bad is not None:
+            raise OutsideCheckpoint(path, f"it maps {bad}")
 
 
 def check_metadata(path: Path) -> None:
@@ -113,6 +180,34 @@ def check_metadata(path: Path) -> None:
     fails here, in one sentence, instead of inside DCP's retries (which log
     their tracebacks to the root logger)."""
     SafeReader(str(path)).read_metadata()
+
+
+def check_inside(path: Path, damaged: Callable[[Path, str, str], Exception]) -> None:
+    """Raise ``damaged(path, file, reason)`` when reading checkpoint ``path`` would
+    open a file outside its folder: one of its files is a link that leads out, or
+    ``.metadata`` maps a tensor to a storage path that does. Nothing outside is
+    opened (links are resolved, not read); ``.metadata`` is read as
+    :class:`SafeReader` reads it.
+
+    ``damaged`` is integrity's ``CheckpointDamaged``, passed in because
+    integrity's ``verify`` calls this first and this module sits below it. A
+    ``.metadata`` that is missing, corrupt or refused is left to the checks that
+    follow (the manifest, the loader), which name those problems in their own
+    words."""
+    path = Path(path)
+    for entry in sorted(path.iterdir()):
+        if entry.is_symlink() and _leaves(path, entry.name) is not None:
+            raise damaged(path, entry.name, f"is a link to {entry.resolve()}, outside the checkpoint (a checkpoint "
+                                            "reads only its own files)")
+    try:
+        with open(path / _METADATA_FILE, "rb") as f:
+            md = _MetadataUnpickler(f, path / _METADATA_FILE).load()
+    except Exception:  # noqa: BLE001 - missing, truncated or refused: reported by the checks that follow
+        return
+    bad = _outside_entry(path, md)
+    if bad is not None:
+        raise damaged(path, _METADATA_FILE, f"maps {bad}, outside the checkpoint (a checkpoint reads only its "
+                                            "own files)")
 
 
 class _PlainBytes:

@@ -3,8 +3,11 @@ steps the model went through, resumes that refuse a silently changed config, and
 launches refused before training that leave the directory as they found it."""
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ import yaml
 
 from mptrain.core.errors import ConfigError
 from mptrain.run.resume import ResumeRefused
+from mptrain.run.rundir import Claim, RunDirError
 
 from .conftest import ROOT, TINY, read_rows, train
 
@@ -168,3 +172,30 @@ def test_refused_launches_leave_no_trace(tmp_path):
     assert _tree(kept) == before and not (kept / ".hydra").exists()
     assert not (tmp_path / "fresh").exists()
     assert not (tmp_path / "outputs").exists()  # not even the empty outputs/<date>/ it made
+
+
+def test_a_lock_left_to_another_process_names_it(tmp_path):
+    """The lock is held, but .lock names a pid that now belongs to an unrelated
+    program (pid reuse; the holder is a process that kept the run's descriptor):
+    the message said that program was the run. It now names both, and the lock is
+    not taken over."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    unrelated = subprocess.Popen(["sleep", "30"])
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # this process holds it, as a leftover worker of the run would
+        os.write(fd, f"process {unrelated.pid} on {socket.gethostname()} (started 2026-01-01 09:00:00)\n".encode())
+        with pytest.raises(RunDirError) as e:
+            Claim(run_dir).acquire()
+        msg = str(e.value)
+        assert msg.startswith(f"run directory {run_dir} is locked, but not by the run its .lock names: process "
+                              f"{unrelated.pid} has ended: pid {unrelated.pid} now belongs to an unrelated process "
+                              f"(sleep 30). The lock is held by process {os.getpid()} ("), msg
+        assert "stop it, then run again, or pick another hydra.run.dir" in msg and "\n" not in msg
+        with pytest.raises(BlockingIOError):  # still ours: nothing took it over
+            fcntl.flock(os.open(run_dir / ".lock", os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+        unrelated.kill()
+        unrelated.wait()

@@ -6,28 +6,105 @@ into place; ``os.replace`` is atomic within one filesystem, and the temporary
 file sits in the same directory so it is on the same filesystem. A write that
 fails removes its temporary file or directory, and :func:`build_dir` also
 removes what builders that were killed left behind.
+
+No write follows a symbolic link planted where a file goes (a run directory
+may be shared, or prepared by someone else): the temporary file is created new
+(``O_EXCL | O_NOFOLLOW``), and the rename then replaces a link at the target
+itself, never the file it points to. :class:`AppendFile`, for the files a run
+appends to, refuses a link at its path instead (``O_NOFOLLOW``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import socket
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 
-def write_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` (UTF-8) in one step."""
+def write_bytes(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` in one step; a symbolic link at ``path`` is
+    replaced by the new file, and what it pointed to is left as it was."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # pid: two writers never share a temp name
     try:
-        tmp.write_text(text, encoding="utf-8")
+        with open(_create_new(tmp), "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)  # a full disk must not also leave half a file beside the target
+        if isinstance(e, OSError) and e.filename is None:  # a failed write names no file
+            e.filename = str(path)
         raise
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` (UTF-8) in one step (see :func:`write_bytes`)."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+
+
+def _create_new(path: Path) -> int:
+    """A file descriptor on a file created at ``path`` by this call: never an
+    existing file, nor the target of a link waiting there (O_EXCL refuses both)."""
+    try:
+        return os.open(path, _NEW_FILE, 0o666)
+    except FileExistsError:
+        # Left by a writer with our pid that was killed, or planted: removing it
+        # touches nothing else (a link is removed itself, not its target).
+        path.unlink()
+        return os.open(path, _NEW_FILE, 0o666)
+
+
+class AppendFile:
+    """A file that grows by whole records, opened without following a link.
+
+    - Opened with ``O_NOFOLLOW``: a symbolic link at ``path`` is refused (an
+      OSError, ELOOP, naming the path) rather than appended through, so a link
+      planted in a run directory cannot make the run write outside it.
+    - Each :meth:`write` lands whole or not at all: a write the OS cuts short
+      (disk full, file-size limit) is undone by cutting the file back to its
+      length before it, so a reader never meets half a record, and the OSError
+      is raised. Unbuffered: what ``write`` returned from is in the file.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        self.size = os.fstat(self.fd).st_size
+
+    def read(self) -> bytes:
+        """Everything the file holds."""
+        chunks, at = [], 0
+        while chunk := os.pread(self.fd, 1 << 20, at):
+            chunks.append(chunk)
+            at += len(chunk)
+        return b"".join(chunks)
+
+    def write(self, text: str) -> None:
+        """Append ``text`` (UTF-8), all of it or none of it."""
+        data = memoryview(text.encode("utf-8"))
+        done = 0
+        try:
+            while done < len(data):
+                done += os.write(self.fd, data[done:])
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, self.size)  # only shrinks: no room needed
+            if e.filename is None:  # os.write's error names no file
+                e.filename = str(self.path)
+            raise
+        self.size += done
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def write_json(path: Path, obj) -> None:

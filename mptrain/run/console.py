@@ -11,6 +11,10 @@ returns); when the output goes to a file or a pipe, one plain line every
 ``log.plain_every`` steps instead, since a redrawn bar turns into a wall of
 partial lines there. The plain lines also go to ``train.log`` in both cases,
 so the log of an interactive run still shows how it progressed.
+
+``train.log`` is appended to line by line, each line whole or not at all, and
+never through a symbolic link (``core/files.py``); a full disk or a planted
+link stops the run with one line (``rundir.writing``).
 """
 from __future__ import annotations
 
@@ -27,8 +31,10 @@ from typing import Iterator, Optional
 
 from tqdm import tqdm
 
-from mptrain.core.errors import ConfigError
+from mptrain.core import files
+from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.text import duration, fmt
+from mptrain.run.rundir import link_refused, writing
 
 LOG_NAME = "train.log"
 
@@ -39,18 +45,23 @@ class RunLog:
     def __init__(self, path: Optional[Path], enabled: bool = True):
         self.path, self.enabled = path, enabled
         self.bar: Optional[tqdm] = None  # set while a progress bar is drawn: lines go above it
-        self._f = None
+        self._f: Optional[files.AppendFile] = None
+        # A line a logging handler could not write: raised by the next line the run
+        # itself writes (logging would print a traceback of its own and go on).
+        self._deferred: Optional[UserError] = None
         # Lines wait here until keep(): a launch that ends up writing nothing (a
         # finished run rerun, a refused launch) leaves train.log as it was.
         self._pending: Optional[list[str]] = [] if (path is not None and enabled) else None
+        if self._pending is not None and path.is_symlink():
+            raise link_refused(path)  # now, not after the build; keep() refuses one planted later too
 
     def keep(self) -> None:
         """From now on the run writes its records: open the log and write what waited."""
         if self._pending is None or self._f is not None:
             return
-        self._f = open(self.path, "a", encoding="utf-8")
-        self._f.write("".join(self._pending))
-        self._f.flush()
+        with writing(self.path.parent):
+            self._f = files.AppendFile(self.path)
+            self._f.write("".join(self._pending))
         self._pending = []
 
     def say(self, msg: str) -> None:
@@ -72,8 +83,11 @@ class RunLog:
         if self._f is None:
             self._pending.append(text)
             return
-        self._f.write(text)
-        self._f.flush()  # a killed run keeps every line written so far
+        if self._deferred is not None:
+            e, self._deferred = self._deferred, None
+            raise e
+        with writing(self.path.parent):
+            self._f.write(text)  # unbuffered: a killed run keeps every line written so far
 
     def failure(self, e: BaseException) -> None:
         """Record why the run ended early (the console shows it from the entry point).
@@ -81,10 +95,14 @@ class RunLog:
         of the directory; anything else is kept, with what led to it."""
         if isinstance(e, ConfigError) and self._f is None:
             return
-        self.keep()
-        self.to_file(f"run ended by {type(e).__name__}: {e}")
-        if not isinstance(e, (KeyboardInterrupt, SystemExit)) and type(e).__module__.split(".")[0] != "mptrain":
-            self.to_file("".join(traceback.format_exception(e)).rstrip())
+        self._deferred = None  # the run is ending on its own error already
+        try:
+            self.keep()
+            self.to_file(f"run ended by {type(e).__name__}: {e}")
+            if not isinstance(e, (KeyboardInterrupt, SystemExit)) and type(e).__module__.split(".")[0] != "mptrain":
+                self.to_file("".join(traceback.format_exception(e)).rstrip())
+        except (UserError, OSError):
+            pass  # the full disk (or planted link) that ended the run may refuse this line too; e says it
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator["RunLog"]:
@@ -134,7 +152,10 @@ class _ToLog(logging.Handler):
         self.log = log
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.log.to_file(f"{record.levelname}: {record.name}: {record.getMessage()}")
+        try:
+            self.log.to_file(f"{record.levelname}: {record.name}: {record.getMessage()}")
+        except UserError as e:
+            self.log._deferred = e  # raised by the run's next line, not printed by logging with a traceback
 
 
 def interactive() -> bool:

@@ -4,32 +4,59 @@ Names follow the run-directory contract in docs/outputs.md (``train/loss``, ``am
 same key in every sink. Only rank 0 builds sinks; other ranks get a
 ``Metrics`` with none, so the trainer calls ``metrics.log`` unconditionally.
 A metric that does not apply to a run is simply absent from the dict.
+
+What the sinks write into the run directory is never written through a
+symbolic link planted there (``metrics.jsonl`` refuses one; TensorBoard's
+directory must not be one, and its event file gets a name no one can guess),
+and a write the OS refuses for lack of room (disk full, quota, file-size limit)
+stops the run with one line naming what is kept (``rundir.writing``).
 """
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import math
+import secrets
+import threading
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 from mptrain.core import files
+from mptrain.core.errors import UserError
 from mptrain.run.console import Console, RunLog
+from mptrain.run.rundir import RunDirError, link_refused, writing
 
 
 class JsonlSink:
-    """One JSON object per logged step, flushed every row so a crash loses nothing.
+    """One JSON object per logged step, written whole (or not at all) with every
+    row, so a crash loses nothing and a reader never meets half a row.
 
     A run (re)starting from step N (0 when it starts fresh) first drops the rows
     after N: they were logged by a launch whose later state was lost (killed, or
-    never saved), and the steps are about to run again, so every step has one row."""
+    never saved), and the steps are about to run again, so every step has one row.
+    A partial last row (a write cut short by a full disk, a size limit or a kill,
+    in a version that did not undo it) is dropped too, with one line to ``say``."""
 
-    def __init__(self, path: Path, start_step: int = 0):
-        if path.exists():
-            keep = [ln for ln in path.read_text(encoding="utf-8").splitlines()
-                    if ln.strip() and json.loads(ln)["step"] <= start_step]
-            files.write_text(path, "".join(ln + "\n" for ln in keep))
-        self.f = open(path, "a", encoding="utf-8")
+    def __init__(self, path: Path, start_step: int = 0, say: Callable[[str], None] = print):
+        self.path = path
+        with writing(path.parent):
+            self.f = files.AppendFile(path)  # refuses a symbolic link at path
+            try:
+                old = self.f.read()
+                rows, partial = _rows(old, path)
+            except BaseException:
+                self.f.close()
+                raise
+            keep = b"".join(line for line, step in rows if step <= start_step)
+            if keep != old:  # rewritten in one step: a crash now leaves the old file or the new one
+                self.f.close()
+                files.write_bytes(path, keep)
+                self.f = files.AppendFile(path)
+        if partial:
+            after = f"the row of step {rows[-1][1]}" if rows else "the start of the file"
+            say(f"{path}: dropped a partial last row ({partial} bytes after {after}: a write cut short by a full "
+                "disk, a size limit or a kill); the complete rows before it are kept")
 
     def log(self, step: int, metrics: dict, hists: Optional[dict] = None) -> None:
         # Non-finite values are written as JSON's Infinity/NaN extension, which
@@ -39,22 +66,87 @@ class JsonlSink:
         for name, (counts, edges) in (hists or {}).items():
             # bin i counts values with log2|x| in [log2_lo + i, log2_lo + i + 1)
             row[name] = {"log2_lo": int(round(math.log2(float(edges[0])))), "counts": [int(c) for c in counts]}
-        self.f.write(json.dumps(row) + "\n")
-        self.f.flush()
+        with writing(self.path.parent):
+            self.f.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
         self.f.close()
 
 
+def _rows(data: bytes, path: Path) -> tuple[list[tuple[bytes, int]], int]:
+    """The complete rows of a metrics.jsonl (each line with its newline, and its
+    step), and the length of a partial last row (0 when there is none). A last
+    line without its newline that parses is complete; one that does not is the
+    partial row. A line before it that does not parse is not the work of a cut
+    write: refused, naming it."""
+    lines = data.split(b"\n")
+    tail = lines.pop()  # what follows the last newline
+    rows, partial = [], 0
+    for i, line in enumerate(lines + ([tail] if tail else [])):
+        if not line.strip():
+            continue
+        try:
+            rows.append((line + b"\n", int(json.loads(line)["step"])))
+        except (ValueError, TypeError, KeyError) as e:
+            if i == len(lines):  # the tail
+                partial = len(tail)
+                continue
+            raise RunDirError(f"{path} line {i + 1} is not a metrics row ({type(e).__name__}: {e}); "
+                              "correct or delete that line, then run again.") from None
+    return rows, partial
+
+
+class _QuietTensorBoardThread:
+    """``threading.excepthook`` while a SummaryWriter is open. TensorBoard writes
+    from a thread, which on an OSError (a full disk) prints its traceback and
+    ends; the next call from the run raises that same error, and the run reports
+    it in one line. Only that thread's OSError is kept from printing."""
+
+    def __init__(self):
+        self.before = threading.excepthook
+        threading.excepthook = self
+
+    def __call__(self, args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+            return
+        self.before(args)
+
+    def restore(self) -> None:
+        if threading.excepthook is self:
+            threading.excepthook = self.before
+
+
 class TensorBoardSink:
+    """TensorBoard event files in ``<run>/tensorboard``: scalars, log2 histograms, text."""
+
     def __init__(self, logdir: Path, start_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
+        if logdir.is_symlink():  # its event files would be written wherever it points
+            raise link_refused(logdir)
+        self.logdir = logdir
+        self.hook = _QuietTensorBoardThread()
         # purge_step: TensorBoard hides events at or after it from earlier files,
-        # so steps run again after a restart are not drawn twice.
-        self.w = SummaryWriter(log_dir=str(logdir), purge_step=start_step + 1)
+        # so steps run again after a restart are not drawn twice. The random suffix
+        # makes the event file's name unguessable: no link can be waiting there
+        # (TensorBoard's writer opens it with open(), which would follow one).
+        try:
+            with self._os_errors():
+                self.w = SummaryWriter(log_dir=str(logdir), purge_step=start_step + 1,
+                                       filename_suffix=f".{secrets.token_hex(4)}")
+        except BaseException:
+            self.hook.restore()
+            raise
+
+    def _os_errors(self):
+        """TensorBoard's writes, as ``rundir.writing``; its OS errors name no file: the directory is named."""
+        return writing(self.logdir.parent, what=self.logdir)
 
     def log(self, step: int, metrics: dict, hists: Optional[dict] = None) -> None:
+        with self._os_errors():
+            self._log(step, metrics, hists)
+
+    def _log(self, step: int, metrics: dict, hists: Optional[dict]) -> None:
         for k, v in metrics.items():
             self.w.add_scalar(k, v, step)
         for name, (counts, edges) in (hists or {}).items():
@@ -72,11 +164,16 @@ class TensorBoardSink:
                 bucket_limits=[float(x + 1) for x in k], bucket_counts=c, global_step=step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
-        self.w.add_text(tag, text, step)
+        with self._os_errors():
+            self.w.add_text(tag, text, step)
 
     def close(self) -> None:
-        self.w.flush()
-        self.w.close()
+        try:
+            with self._os_errors():
+                self.w.flush()
+                self.w.close()
+        finally:
+            self.hook.restore()
 
 
 class WandbSink:
@@ -125,6 +222,7 @@ class Metrics:
                  wandb_config: Optional[dict] = None, run_name: str = "", tags: Optional[list[str]] = None,
                  start_step: int = 0, runlog: Optional[RunLog] = None, plain_every: int = 1):
         self.enabled = enabled
+        self.failed = False  # a sink refused a write (disk full, a link): close() then stays quiet
         self.sinks: list = []
         self.runlog = runlog or RunLog(None, enabled)
         # The bar starts at console.start(), after the banner.
@@ -132,7 +230,7 @@ class Metrics:
         if not enabled:
             return
         if log_cfg.jsonl:
-            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl", start_step))
+            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl", start_step, self.runlog.say))
         self.tb = TensorBoardSink(run_dir / "tensorboard", start_step) if log_cfg.tensorboard else None
         if self.tb:
             self.sinks.append(self.tb)
@@ -141,33 +239,54 @@ class Metrics:
             self.wandb = WandbSink(run_dir, log_cfg.wandb, wandb_config or {}, run_name, tags or [])
             self.sinks.append(self.wandb)
 
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A call into the sinks; a write one of them refused is remembered (see close)."""
+        try:
+            yield
+        except UserError:
+            self.failed = True
+            raise
+
     def log(self, step: int, metrics: dict, hists: Optional[dict] = None) -> None:
         if not self.enabled:
             return
         metrics = {k: v if isinstance(v, int) else float(v) for k, v in metrics.items()}
-        for s in self.sinks:
-            s.log(step, metrics, hists)
-        if "train/loss" in metrics:
-            self.console.update(step, metrics)
+        with self._writing():
+            for s in self.sinks:
+                s.log(step, metrics, hists)
+            if "train/loss" in metrics:
+                self.console.update(step, metrics)
 
     def write(self, msg: str) -> None:
         if self.enabled:
-            self.console.write(msg)
+            with self._writing():
+                self.console.write(msg)
 
     def text(self, tag: str, text: str, step: int = 0, wandb: bool = True) -> None:
         """Text for TensorBoard's text tab and W&B (the config, generated samples)."""
         if not self.enabled:
             return
-        if self.tb:
-            self.tb.text(tag, text, step)
-        if self.wandb and wandb:
-            self.wandb.text(tag, text, step)
+        with self._writing():
+            if self.tb:
+                self.tb.text(tag, text, step)
+            if self.wandb and wandb:
+                self.wandb.text(tag, text, step)
 
     def summary(self, summary: dict) -> None:
         if self.enabled and self.wandb:
             self.wandb.summary(summary)
 
     def close(self) -> None:
+        """Close every sink, each even when another fails. A refused write is raised
+        once all are closed, unless the run is already ending on one: then the
+        first error is the one the user sees (the same full disk refuses the rest)."""
         self.console.close()
+        error = None
         for s in self.sinks:
-            s.close()
+            try:
+                s.close()
+            except (OSError, UserError) as e:
+                error = error or e
+        if error is not None and not self.failed:
+            raise error

@@ -2,7 +2,9 @@
 
 ``config.yaml`` (the resolved config plus ``run_info``: dtypes, versions, git
 commit, sizes), the start-up banner, ``summary.json`` and the peak-memory
-figures. Only rank 0 writes; every write is atomic.
+figures. Only rank 0 writes; every write is atomic, and replaces a symbolic
+link planted in place of a record instead of writing through it; no room for
+one (disk full, quota, file-size limit) is one line (``rundir.writing``).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from mptrain.core import files
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.optimizers import stored_as
+from mptrain.run.rundir import writing
 from mptrain.run.step import describe_schedule
 
 
@@ -152,12 +155,14 @@ class RunRecord:
 
     def write_config(self) -> None:
         if self.is_main:
-            files.write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(self.resolved())))
+            with writing(self.run_dir):
+                files.write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(self.resolved())))
 
     def write_json(self, name: str, obj: dict) -> Path:
         path = self.run_dir / name
         if self.is_main:
-            files.write_json(path, obj)
+            with writing(self.run_dir):
+                files.write_json(path, obj)
         return path
 
 

@@ -20,13 +20,25 @@ A launch refused before training starts (a bad config, a refused resume, a
 busy directory) undoes what it wrote: a directory this launch created is
 removed, and in a directory that already held a run, Hydra's ``.hydra/`` files
 are restored and its log cut back to its old length.
+
+The run writes its records only into files of its own directory. A symbolic
+link planted in place of one (pointing outside) is never written through: a
+file the run appends to (``.lock``, ``train.log``, ``metrics.jsonl``) refuses
+it, naming it (:func:`link_refused`); a file it replaces whole (``config.yaml``,
+``summary.json``, ...) replaces the link itself (``core/files.py``).
+:func:`writing` turns the OS errors of those writes that a user can fix into
+one line: the link, or no room left (disk full, quota, file-size limit: a
+:class:`~mptrain.core.errors.DiskError` naming what is kept).
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
+import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -35,14 +47,17 @@ from typing import Iterator, Optional
 
 from hydra.experimental.callback import Callback
 
-from mptrain.core.errors import UserError
-from mptrain.distributed.launch import CREATED_PARENTS
+from mptrain.core import files
+from mptrain.core.errors import NO_ROOM_FIXES, DiskError, UserError
+from mptrain.distributed.launch import CREATED_PARENTS, LIVE_CLAIMS
+from mptrain.run.integrity import complete_checkpoints
 
 LOCK_NAME = ".lock"
 
 
 class RunDirError(UserError):
-    """The run directory cannot be used: locked by another run, or not writable."""
+    """The run directory cannot be used: locked by another run, not writable, or
+    a symbolic link where the run writes one of its records."""
 
     kind = "run directory error"
 
@@ -62,21 +77,30 @@ class Claim:
         lock = self.run_dir / LOCK_NAME
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a planted link is refused
         except OSError as e:
+            if _is_link(e):
+                raise link_refused(lock) from None
             raise RunDirError(f"run directory {self.run_dir} is not writable ({e.strerror}); "
                               "pick another hydra.run.dir.") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise RunDirError(f"run directory {self.run_dir} is in use by {holder}: one run per directory. "
-                              "Wait for that run to end (or stop it), or pick another hydra.run.dir.") from None
+            recorded = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            try:
+                message = _busy(self.run_dir, fd, recorded)
+            finally:
+                os.close(fd)
+            raise RunDirError(message) from None
         # Who holds it, for the message a second run prints.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()} (started "
-                      f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S})\n".encode(), 0)
+        try:
+            with writing(self.run_dir):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()} (started "
+                              f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S})\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
         self._fd = fd
 
     def release(self) -> None:
@@ -116,13 +140,16 @@ def _snapshot(run_dir: Path) -> dict:
     """What a launch may change before training starts: the top-level entries
     (a new one is removed on undo), Hydra's ``.hydra/*`` files (whole; None for a
     file that did not exist) and the job logs (their length: they are appended to)."""
-    files: dict[Path, object] = {}
+    # A symbolic link is left out: restoring it would write through it.
+    kept: dict[Path, object] = {}
     for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
         f = run_dir / ".hydra" / name
-        files[f] = f.read_bytes() if f.is_file() else None
+        if not f.is_symlink():
+            kept[f] = f.read_bytes() if f.is_file() else None
     for f in run_dir.glob("*.log"):
-        files[f] = f.stat().st_size
-    return {"entries": {p.name for p in run_dir.iterdir()}, "files": files}
+        if not f.is_symlink():
+            kept[f] = f.stat().st_size
+    return {"entries": {p.name for p in run_dir.iterdir()}, "files": kept}
 
 
 def _restore(path: Path, old) -> None:
@@ -130,12 +157,174 @@ def _restore(path: Path, old) -> None:
         if old is None:
             path.unlink(missing_ok=True)
         elif isinstance(old, bytes):
-            path.write_bytes(old)
-        elif path.is_file() and path.stat().st_size > old:
-            os.truncate(path, old)
+            files.write_bytes(path, old)
+        else:
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)  # a link planted since the snapshot: refused
+            try:
+                if os.fstat(fd).st_size > old:
+                    os.ftruncate(fd, old)
+            finally:
+                os.close(fd)
 
 
-_HELD: dict[Path, Claim] = {}
+# ------------------------------------------------------------ who holds the lock
+# A held lock whose .lock names a process that is gone, or one that is not
+# holding it (its pid reused by an unrelated program), was left to a process
+# that inherited the descriptor: a worker forked by that run, which outlived it.
+# It is never taken over: while any process holds it, that process may still
+# write into the directory. The message names the holder instead (Linux: from
+# /proc; elsewhere the .lock's own words).
+
+_RECORD = re.compile(r"process (\d+) on (\S+)")
+
+
+def _busy(run_dir: Path, fd: int, recorded: str) -> str:
+    """Why ``run_dir`` cannot be locked, naming the process that holds it."""
+    plain = (f"run directory {run_dir} is in use by {recorded or 'another process'}: one run per directory. "
+             "Wait for that run to end (or stop it), or pick another hydra.run.dir.")
+    m = _RECORD.match(recorded)
+    if not m or m.group(2) != socket.gethostname() or not os.path.isdir("/proc/self/fd"):
+        return plain  # another machine's pid, or no /proc to look in: the .lock's own words
+    pid, lock = int(m.group(1)), os.fstat(fd)
+    holds, command = _holds(pid, lock), _command(pid)
+    if holds or (holds is None and command is not None and _looks_like_a_run(command)):
+        return plain
+    if command is None:
+        then = "has ended"
+    elif _looks_like_a_run(command):
+        then = f"no longer holds it ({command})"  # e.g. a multirun gone on to its next job
+    else:
+        then = f"has ended: pid {pid} now belongs to an unrelated process ({command})"
+    holders = _holders(lock, own_fd=fd)
+    now = (", ".join(f"process {p} ({_command(p) or '?'})" for p in holders) if holders
+           else f"a process this user cannot see (fuser -v {run_dir / LOCK_NAME} names it)")
+    return (f"run directory {run_dir} is locked, but not by the run its .lock names: process {pid} {then}. "
+            f"The lock is held by {now}, likely left over from that run; stop it, then run again, or pick "
+            "another hydra.run.dir (a held lock is never taken over: its holder may still write there).")
+
+
+def _fds(pid: int) -> list[str]:
+    """The paths of ``pid``'s open descriptors under /proc; PermissionError for another user's process."""
+    base = f"/proc/{pid}/fd"
+    return [f"{base}/{n}" for n in os.listdir(base)]
+
+
+def _same_file(path: str, st: os.stat_result) -> bool:
+    try:
+        other = os.stat(path)
+    except OSError:  # closed meanwhile
+        return False
+    return (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _holds(pid: int, lock: os.stat_result) -> Optional[bool]:
+    """Whether process ``pid`` has the lock file open; None when this user cannot tell."""
+    try:
+        return any(_same_file(f, lock) for f in _fds(pid))
+    except FileNotFoundError:  # no such process
+        return False
+    except OSError:
+        return None
+
+
+def _holders(lock: os.stat_result, own_fd: int) -> list[int]:
+    """Processes of this machine (those this user may look into) with the lock file
+    open, this process counted only for descriptors other than ``own_fd``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            fds = _fds(pid)
+        except OSError:
+            continue
+        if pid == os.getpid():
+            fds = [f for f in fds if f != f"/proc/{pid}/fd/{own_fd}"]
+        if any(_same_file(f, lock) for f in fds):
+            out.append(pid)
+    return out
+
+
+def _command(pid: int) -> Optional[str]:
+    """``pid``'s command line (shortened), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return "?"
+    text = " ".join(" ".join(a.decode(errors="replace").split()) for a in argv if a) or "?"  # one line
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _looks_like_a_run(command: str) -> bool:
+    return "train.py" in command or "mptrain" in command
+
+
+# ------------------------------------------------------------ writing records
+def _is_link(e: OSError) -> bool:
+    """Whether ``e`` is an O_NOFOLLOW open refusing a symbolic link (ELOOP; EMLINK on FreeBSD)."""
+    return e.errno in (errno.ELOOP, errno.EMLINK) and e.filename is not None and os.path.islink(e.filename)
+
+
+def link_refused(path: Path) -> RunDirError:
+    """The error for a symbolic link found where the run writes one of its records."""
+    try:
+        target = f" (to {os.readlink(path)})"
+    except OSError:
+        target = ""
+    return RunDirError(f"{path} is a symbolic link{target}: a run writes its records only into files of its own "
+                       "directory, never through a link. Remove the link, or pick another hydra.run.dir.")
+
+
+@contextlib.contextmanager
+def writing(run_dir: Path, what: Optional[Path] = None) -> Iterator[None]:
+    """Write records into ``run_dir``, with the OS errors a user can fix raised as
+    one-line errors: a symbolic link in place of a record (:func:`link_refused`),
+    no room for it (:class:`DiskError`, naming what is kept). ``what`` is the file
+    to name when the error names none (TensorBoard's writer thread's errors)."""
+    try:
+        yield
+    except OSError as e:
+        if _is_link(e):
+            raise link_refused(Path(e.filename)) from None
+        if e.errno in NO_ROOM_FIXES:
+            raise _no_room(e, Path(run_dir), what) from None
+        raise
+
+
+def _no_room(e: OSError, run_dir: Path, what: Optional[Path]) -> DiskError:
+    name = errno.errorcode.get(e.errno, "")
+    file = e.filename or what or run_dir
+    step = _last_logged_step(run_dir / "metrics.jsonl")
+    kept = [f"metrics.jsonl holds every row up to step {step}"] if step is not None else []
+    try:
+        last = complete_checkpoints(run_dir / "checkpoints")
+        kept.append(f"the last complete checkpoint, {last[-1]}, is intact" if last else "no checkpoint was saved yet")
+    except OSError:
+        kept.append("the checkpoints were not touched")
+    return DiskError(f"{file} could not be written: {e.strerror} ({name}); {' and '.join(kept)}; "
+                     f"{NO_ROOM_FIXES[e.errno]}, then run again with hydra.run.dir={run_dir} (resume=auto "
+                     "continues from the last complete checkpoint).")
+
+
+def _last_logged_step(path: Path) -> Optional[int]:
+    """The step of the last complete row of ``metrics.jsonl`` (its last 4 MiB are read), or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - (4 << 20)))
+            lines = f.read().split(b"\n")[:-1]  # what follows the last newline is no complete row
+    except OSError:
+        return None
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            return int(json.loads(line)["step"])
+    return None
+
+
+_HELD: dict[Path, Claim] = LIVE_CLAIMS  # launch.py's, so that a signal before training can undo them
 
 
 def _is_rank0() -> bool:

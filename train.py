@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from mptrain.config.checks import check_overrides, composition_error, expand_shorthands
 from mptrain.core.errors import UserError
-from mptrain.distributed.launch import exit_process, rank_overrides
+from mptrain.distributed.launch import exit_process, rank_overrides, say_once, stop_cleanly_before_training
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -62,11 +62,11 @@ def main(cfg: DictConfig) -> None:
     except UserError as e:
         # One clear message, no traceback: the problem is the user's to fix, not
         # the code's; its kind (configuration, run directory, checkpoint, save...)
-        # says where to look.
-        print(f"mptrain: {e.one_line()}", file=sys.stderr)
+        # says where to look. Under torchrun, once for all the ranks that meet it.
+        say_once(f"mptrain: {e.one_line()}")
         sys.exit(2)
     except NonFiniteError as e:
-        print(f"mptrain: training stopped: {e}", file=sys.stderr)
+        say_once(f"mptrain: training stopped: {e}")
         sys.exit(3)
 
 
@@ -81,6 +81,7 @@ def _launch() -> int:
     except UserError as e:
         return _user_error(e)
     sys.argv += rank_overrides()
+    stop_cleanly_before_training()  # until training starts, a SIGTERM leaves the run directory as it was
     _raise_composition_errors()
     try:
         main()

@@ -29,14 +29,30 @@ What changes, and only while workers are running:
   (which interrupts a worker mid-step) still stops everything.
 - Several nodes: each node's launcher forwards to its own workers; the ranks
   agree on stopping at the next step boundary, so one signalled node suffices.
+- Workers still starting (no training step yet) exit 0 at once on the
+  forwarded signal and leave the run directory as it was
+  (``distributed/launch.py``'s ``stop_cleanly_before_training``).
+
+And whatever stops the job: a rank that exits 2 (a user error) or 3 (numerics
+stopped the run) has printed its one line, once for all ranks; the launcher
+exits with that code, without torch's agent adding its failure report (an
+error log line and a ``ChildFailedError`` traceback of some 40 lines, exit 1),
+so a scheduler sees what the rank said. Any other failure is reported as
+torch reports it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 
 from torch.distributed.elastic.multiprocessing import api as _elastic
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as _torch_main
+
+REPORTED = (2, 3)
+"""Exit codes whose rank said why in one line (``docs/outputs.md``, Exit codes): passed on as they are."""
 
 # Signal received -> signal sent to the workers.
 FORWARD = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGTERM}
@@ -84,14 +100,31 @@ class Forwarder:
                 pass
         name = signal.Signals(signum).name
         # os.write, not print: a handler may interrupt a print on this thread.
-        os.write(2, f"mptrain.torchrun: {name} forwarded to workers {pids}; they finish the step, "
-                    f"save and exit (a second signal shuts them down)\n".encode())
+        os.write(2, f"mptrain.torchrun: {name} forwarded to workers {pids}; training ones finish the step, "
+                    f"save and exit, starting ones exit at once (a second signal shuts them down)\n".encode())
+
+
+class _ReportedFailure(logging.Filter):
+    """Drops the agent's ``failed (exitcode: N) local_rank: ...`` error line for
+    the exit codes in :data:`REPORTED`: the rank has already said why."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (str(record.msg).startswith("failed (exitcode: ") and args and args[0] in REPORTED)
 
 
 def main(args=None) -> None:
-    """``torch.distributed.run.main`` with the first stop signal forwarded to the workers."""
+    """``torch.distributed.run.main`` with the first stop signal forwarded to the
+    workers, and a rank's exit code 2 or 3 passed on as the launcher's."""
     Forwarder().install()
-    _torch_main(args)
+    logging.getLogger(_elastic.__name__).addFilter(_ReportedFailure())
+    try:
+        _torch_main(args)
+    except ChildFailedError as e:
+        _, failure = e.get_first_failure()  # the root cause: the other ranks were stopped after it
+        if failure.exitcode in REPORTED:
+            sys.exit(failure.exitcode)
+        raise
 
 
 if __name__ == "__main__":

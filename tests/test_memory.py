@@ -184,17 +184,23 @@ def test_fsdp_shards_each_tensor_by_rows():
     assert eight.bytes_per_param()["state"] == 16.0
 
 
-def kept_for_backward(cfg, vocab: int, micro_batch: int) -> tuple[int, set[str]]:
+def kept_for_backward(cfg, vocab: int, micro_batch: int, checkpointed: bool = False) -> tuple[int, set[str]]:
     """(bytes, autograd node names) of one real training forward of ``cfg`` on
     the CPU: the distinct storages autograd saves for the backward pass, seen
     through ``saved_tensors_hooks``, the parameters themselves left out (they
-    are rows of their own)."""
+    are rows of their own). ``checkpointed``: each block wrapped as
+    ``train.activation_checkpointing=block`` wraps it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
     from mptrain.precision.policy import PrecisionPolicy
 
     m = cfg.model
     torch.manual_seed(0)
     model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
                          qk_norm=m.qk_norm))
+    if checkpointed:
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(blk, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     model.train()
     params = {q.untyped_storage().data_ptr() for q in model.parameters()}
     kept: dict[int, int] = {}
@@ -242,6 +248,24 @@ def test_activations_against_what_a_real_forward_keeps(precision):
         assert est[3] - est[2] == pytest.approx(real[3] - real[2], rel=0.06 if qk_norm else 0.01), (block, qk_norm)
         if not qk_norm:
             assert real[3] <= est[3] <= real[3] + b * block * VOCAB * c * 1.05, block
+
+
+def test_checkpointed_activations_against_what_a_real_forward_keeps():
+    """With ``train.activation_checkpointing=block`` a block keeps only its fp32
+    input for the backward pass (b x T x 4d bytes, counted exactly), and the
+    estimate says so: it is what the memory check compares, and the check's
+    own advice is to turn checkpointing on."""
+    b = 2
+    cfg = make_cfg("precision=fp32", f"model.vocab_size={VOCAB}", "train.activation_checkpointing=block")
+    plain = make_cfg("precision=fp32", f"model.vocab_size={VOCAB}")
+    est, real = {}, {}
+    for layers in (2, 3):
+        cfg.model.n_layer = plain.model.n_layer = layers
+        e = estimate(cfg, VOCAB, world=1, micro_batch=b)
+        est[layers], (real[layers], _) = e.activations, kept_for_backward(cfg, VOCAB, b, checkpointed=True)
+        assert real[layers] <= est[layers] < estimate(plain, VOCAB, world=1, micro_batch=b).activations
+        assert "block checkpointing" in e.labels["activations"]
+    assert est[3] - est[2] == real[3] - real[2] == b * cfg.model.block_size * 4 * cfg.model.d_model
 
 
 def test_cli_prints_bytes_per_param(capsys):
@@ -324,3 +348,71 @@ def test_fsdp_rows_are_rank_zeros_shard_exactly(tmp_path):
 
 if __name__ == "__main__":
     fsdp_worker(sys.argv[1])
+
+
+# -------------------------------------------------------- the check before a run allocates
+# gpt-6.7b deepened to 128 layers: ~26B parameters, about 1 TB per rank with its
+# activations, more than any machine the suite runs on; nothing of it is ever allocated.
+TOO_BIG = ["model=gpt-6.7b", "model.n_layer=128"]
+
+
+def test_the_fit_check_gives_both_figures_and_can_be_switched_off():
+    """The comparison itself, the margin that lets a close estimate through, a
+    host shared by the ranks of a node, and ``train.memory_check`` reaching the
+    check (on a composed config, against this machine's real free memory)."""
+    from mptrain.config.schema import ParallelMode
+    from mptrain.core.errors import NotEnoughMemory
+    from mptrain.distributed.parallel import DistContext
+    from mptrain.observe.memory import fit_check, fit_problem, host_available
+    from mptrain.run.build import check_memory
+
+    gib = 2**30
+    said = fit_problem(10 * gib, 4 * gib, "model=x", "this host has", ["a smaller model"])
+    assert said == ("model=x needs about 10.0 GiB per rank but this host has 4.0 GiB free. "
+                    "Fixes: a smaller model; train.memory_check=false skips this check.")
+    assert fit_problem(10 * gib, int(9.5 * gib), "model=x", "this host has", []) is None  # within the margin
+    assert fit_problem(10 * gib, None, "model=x", "this host has", []) is None  # free memory unknown: no check
+    assert host_available() > 0  # (Linux: /proc/meminfo)
+
+    ctx = DistContext(mode=ParallelMode.none)
+    with pytest.raises(NotEnoughMemory) as e:
+        check_memory(make_cfg(*TOO_BIG), ctx, 4096)
+    line = e.value.one_line()
+    assert line.startswith("not enough memory: model=gpt-6.7b (parallel=none, 1 rank, micro-batch 8 x 2048")
+    for fix in ("more ranks with parallel=fsdp", "train.activation_checkpointing=block",
+                "train.micro_batch_size=4", "a smaller model", "train.memory_check=false"):
+        assert fix in line, fix
+    check_memory(make_cfg(*TOO_BIG, "train.memory_check=false"), ctx, 4096)  # switched off: no refusal
+    check_memory(make_cfg(), ctx, 4096)  # gpt-nano fits
+    # two ranks on one host share it; under FSDP "more ranks" is the advice left
+    shared = fit_check(make_cfg(*TOO_BIG, "parallel=fsdp"), 4096, 2, 2, 4, torch.device("cpu"))
+    assert "per rank (" in shared and "shared by 2 ranks)" in shared and "more ranks (torchrun" in shared
+
+
+def test_a_run_that_cannot_fit_is_refused_before_it_allocates(tmp_path):
+    """``python train.py`` of a model that cannot fit: one line with both
+    figures, exit code 2, no traceback, and the run directory left as it was
+    (none). Its address space is capped at 8 GiB: had the check let the run
+    through, the allocation would fail there instead of filling the machine."""
+    import re
+    import resource
+    import subprocess
+    import time
+
+    from .conftest import ROOT, TINY
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, *TOO_BIG, "train.max_steps=1",
+                        f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300, preexec_fn=cap)
+    took = time.monotonic() - t0
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-3000:])
+    assert lines[0].startswith("mptrain: not enough memory: model=gpt-6.7b"), lines
+    need, free = re.search(r"needs about ([\d.]+) GiB per rank but this host has ([\d.]+) GiB free", lines[0]).groups()
+    assert float(need) > float(free) > 0
+    assert not run_dir.exists()
+    print(f"refused after {took:.1f} s")

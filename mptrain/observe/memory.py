@@ -10,11 +10,18 @@ what autograd keeps for the backward pass of mptrain's GPT, counted tensor by
 tensor on real steps) and for FSDP's gathered copies. ``summary.json`` puts
 the estimate beside the measured peak; :func:`summary_figures` gives its
 bytes per parameter.
+
+The same figure guards a run before it allocates anything
+(:func:`fit_check`, ``train.memory_check``): a configuration whose estimate
+exceeds the device's free memory, or the host's available memory, is refused
+with both figures instead of climbing into the out-of-memory killer.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
 
 from mptrain.model.gpt import GPT, GPTShape
 from mptrain.precision.optimizers import BLOCK, MIN_QUANTIZED, QUANTIZED, choose, moment_bytes
@@ -118,7 +125,8 @@ ATTENTION_KERNEL = "flash/mem-efficient SDPA, no T x T"
 """What the activation estimate assumes attention keeps (the activations row's label says it)."""
 
 
-def activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_copies: int = 0) -> int:
+def activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_copies: int = 0,
+                     checkpointed: bool = False) -> int:
     """Bytes autograd keeps between the forward and the backward pass of one
     micro-batch of ``micro_batch`` sequences of model ``m`` (a ``ModelConfig``),
     computing in ``compute`` (``fp32``/``bf16``/``fp16``), plus ``weight_copies``
@@ -138,7 +146,12 @@ def activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_copie
     takes the math kernel, which does keep T x T, not counted here.
     QK-layernorm adds the fp32 q and k its norms keep and the normed q and k.
     Once per micro-batch: the final norm and head input, and the logits with
-    their fp32 log-probabilities for the loss."""
+    their fp32 log-probabilities for the loss.
+
+    ``checkpointed`` (``train.activation_checkpointing=block``): each block
+    keeps only its fp32 input (4d bytes per token, as counted on real steps)
+    and one block's activations exist at a time, while the backward pass
+    recomputes it."""
     b, t, d, h = micro_batch, m.block_size, m.d_model, m.n_head
     c = BYTES[compute]
     per_token = 8 * d + 16 + 14 * c * d + 4 * h
@@ -147,6 +160,8 @@ def activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_copie
     if m.qk_norm:
         per_token += 8 * d + 2 * c * d + 16 * h
     head = 4 * d + 8 + c * d + vocab * (c + 4) + (d if m.dropout else 0)
+    if checkpointed and m.n_layer:
+        return m.n_layer * b * t * 4 * d + b * t * per_token + b * t * head + weight_copies
     return m.n_layer * b * t * per_token + b * t * head + weight_copies
 
 
@@ -181,12 +196,14 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
         # one block gathered for compute, one prefetched, in the gather dtype
         gathered = 2 * block_numel * BYTES[(p.param_dtype or p.compute_dtype).name]
     b = micro_batch or micro_batch_of(cfg, world)
+    checkpointed = cfg.train.activation_checkpointing.value == "block"
     copies = 0
     if mode not in ("fsdp", "fsdp1") and BYTES[compute] < pb and not p.fp8.enabled:
         # Autocast casts each linear's weight once per forward and the backward keeps
-        # the copy (FSDP gathers weights already in the compute dtype: nothing to cast).
-        copies = BYTES[compute] * (m.n_layer * 12 * m.d_model**2 + vocab * m.d_model)
-    activations = activation_bytes(m, b, vocab, compute, copies)
+        # the copy (FSDP gathers weights already in the compute dtype: nothing to cast);
+        # a checkpointed block keeps none of its own, only the one being recomputed.
+        copies = BYTES[compute] * ((1 if checkpointed else m.n_layer) * 12 * m.d_model**2 + vocab * m.d_model)
+    activations = activation_bytes(m, b, vocab, compute, copies, checkpointed)
 
     # labels: what each row is made of, so that a reader sees where the bytes go
     if store == "fp32" and compute == "fp32":
@@ -207,6 +224,7 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
               "kahan_comp": f"Kahan compensation ({store})" if choice.kahan else "Kahan compensation (none)",
               "gathered": "FSDP gathered copies (estimate)",
               "activations": f"activations (estimate; {ATTENTION_KERNEL}"
+                             + (", block checkpointing" if checkpointed else "")
                              + (", + autocast weight copies)" if copies else ")"),
               "total": "total"}
     return Estimate(weights, grads, exp_avg, exp_avg_sq, kahan, gathered, activations, n, labels)
@@ -221,6 +239,149 @@ def summary_figures(e: Estimate) -> dict:
             "mem/bytes_per_param_parts": {k: round(bpp[k], 4) for k in STATE_ROWS},
             "mem/state_gib": e.state / 2**30,
             "mem/params_per_rank": e.n_params}
+
+
+# -------------------------------------------------------------- does it fit?
+REFUSE_BELOW = 0.9
+"""A run is refused when less than this fraction of its estimate is free. The
+estimate's activation rows can sit a few per cent above what compiled kernels
+keep (gpt-6.7b bf16 with checkpointed blocks, micro-batch 2 x 2048 on an H200:
+103.8 GiB estimated, 100.6 GiB peak), so a run within that margin is let
+through: a refusal means it cannot fit, not that it might not."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _cgroup_headroom() -> Optional[int]:
+    """Bytes a cgroup memory limit still leaves this process: the tightest over
+    its cgroup and their parents (v2, or v1's memory controller); None with no
+    limit. In a container ``/proc/meminfo`` describes the whole machine, while
+    the OOM killer enforces the limit. Reclaimable page cache (inactive file
+    pages) counts as free: the kernel drops it before it kills."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    best: Optional[int] = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            root, names = Path("/sys/fs/cgroup"), ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            root = Path("/sys/fs/cgroup/memory")
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        here = root / path.lstrip("/")
+        while True:  # a limit may sit on any ancestor, up to the mount's root
+            room = _headroom(here, *names)
+            if room is not None:
+                best = room if best is None else min(best, room)
+            if here == root or root not in here.parents:
+                break
+            here = here.parent
+    return best
+
+
+def _headroom(d: Path, limit_name: str, usage_name: str, inactive_key: str) -> Optional[int]:
+    """``limit - usage + inactive file pages`` of cgroup folder ``d``; None without a limit there."""
+    try:
+        limit = (d / limit_name).read_text().strip()
+        usage = int((d / usage_name).read_text())
+    except (OSError, ValueError):
+        return None
+    if not limit.isdigit() or int(limit) >= 2**60:  # "max" (v2) or v1's page-rounded "unlimited"
+        return None
+    inactive = 0
+    try:
+        for row in (d / "memory.stat").read_text().splitlines():
+            key, _, value = row.partition(" ")
+            if key == inactive_key:
+                inactive = int(value)
+    except (OSError, ValueError):
+        pass
+    return max(0, int(limit) - usage + inactive)
+
+
+def host_available() -> Optional[int]:
+    """Bytes this host can still give a process: ``MemAvailable`` of
+    ``/proc/meminfo`` (free memory plus what the kernel can reclaim), lowered to
+    a cgroup limit's headroom; None where neither can be read (not Linux)."""
+    available: Optional[int] = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024  # the file says kB and means KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    room = _cgroup_headroom()
+    if room is not None:
+        available = room if available is None else min(available, room)
+    return available
+
+
+def device_free(device) -> Optional[int]:
+    """Free bytes on a CUDA ``device`` (``torch.cuda.mem_get_info``); None for any other device."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def fit_problem(needed: int, available: Optional[int], what: str, where: str, fixes: Sequence[str],
+                detail: str = "") -> Optional[str]:
+    """The refusal when ``needed`` bytes per rank cannot fit in ``available``
+    (less than :data:`REFUSE_BELOW` of it is free), or None: it fits, or the
+    free memory is unknown. ``what`` names the run, ``where`` the memory
+    (``"cuda:0 has"``, ``"this host has"``), ``detail`` follows the free
+    figure; ``fixes`` are the ways out, to which the check's own override is added."""
+    if available is None or available >= REFUSE_BELOW * needed:
+        return None
+    return (f"{what} needs about {_gib(needed)} per rank but {where} {_gib(available)} free{detail}. "
+            f"Fixes: {', '.join(fixes)}; train.memory_check=false skips this check.")
+
+
+def fit_fixes(cfg, micro_batch: int) -> list[str]:
+    """What would bring the estimate of ``cfg`` down, leaving out what it already does."""
+    mode = cfg.parallel.name.value
+    fixes = ["more ranks (torchrun --nproc_per_node, --nnodes)" if mode in ("fsdp", "fsdp1")
+             else "more ranks with parallel=fsdp"]
+    if cfg.train.activation_checkpointing.value != "block":
+        fixes.append("train.activation_checkpointing=block")
+    if micro_batch > 1:
+        fixes.append(f"a smaller micro-batch (train.micro_batch_size={micro_batch // 2})")
+    return fixes + ["a smaller model"]
+
+
+def fit_check(cfg, vocab: int, world: int, local_world: int, micro_batch: int, device) -> Optional[str]:
+    """Why one rank of ``cfg`` cannot start on ``device``, or None.
+
+    The estimate per rank against the memory that will hold it: a CUDA
+    device's free memory; for any other device the host's available memory,
+    shared by the ``local_world`` ranks of this node. A CUDA run keeps no
+    copy of the model on the host, but initialisation draws each weight whole
+    in fp32 on the CPU (``GPT.reset_parameters``), which is also the most a
+    checkpoint write stages there at once: the largest weight must fit in the
+    host's share of each local rank."""
+    e = estimate(cfg, vocab, world, micro_batch)
+    mode = cfg.parallel.name.value
+    what = (f"model={cfg.model.name} (parallel={mode}, {world} rank{'s' if world > 1 else ''}, "
+            f"micro-batch {micro_batch} x {cfg.model.block_size}; estimate: python -m mptrain.memory)")
+    host = host_available()
+    local_world = max(1, local_world)
+    share = None if host is None else host // local_world  # the ranks of one node share its memory
+    among = f" per rank ({_gib(host)} shared by {local_world} ranks)" if host is not None and local_world > 1 else ""
+    if device.type != "cuda":
+        return fit_problem(e.total, share, what, "this host has", fit_fixes(cfg, micro_batch), among)
+    problem = fit_problem(e.total, device_free(device), what, f"{device} has", fit_fixes(cfg, micro_batch))
+    if problem:
+        return problem
+    largest = 4 * max((math.prod(s) for s in shapes(cfg, vocab)[0]), default=0)
+    return fit_problem(largest, share, f"initialising model={cfg.model.name} (its largest weight, whole, in fp32 "
+                       "on the CPU)", "this host has", ["fewer ranks per node", "a host with more memory"], among)
 
 
 def format_table(e: Estimate) -> list[str]:

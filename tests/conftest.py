@@ -24,6 +24,7 @@ TINY = [
     "data.max_chars=300000",
     "train.global_batch_size=8",
     "train.eval_every=0",
+    "train.eval_tokens=4096",  # when a test turns evaluation on: 64 windows, not the default 256
     "train.log_every=1",
     "log.progress=false",
     "log.tensorboard=false",

@@ -1,17 +1,23 @@
 """Corpus, tokenizers, token cache and deterministic, rank-sharded batches."""
 from __future__ import annotations
 
+import functools
+import json
+import os
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mptrain.data.batches import Batches, Windows, val_batches
+from mptrain.data.batches import Batches, ValSet, Windows
 from mptrain.data.sources import read_corpus
-from mptrain.data.store import prepare
+from mptrain.data.store import TokenCacheDamaged, fingerprint, prepare
 from mptrain.data.tokenizers import EOT, ByteTokenizer, build_tokenizer
 from mptrain.core.errors import ConfigError
 
-from .conftest import make_cfg
+from .conftest import make_cfg, train
 
 
 def test_embedded_corpus_needs_no_network_and_is_deterministic():
@@ -169,9 +175,96 @@ def test_no_window_twice_per_epoch_and_batches_depend_only_on_step():
     assert (x[:, 1:] == y[:, :-1]).all()  # targets are inputs shifted by one
 
 
-def test_val_batches_last_micro_batch_may_be_smaller():
-    # 2 ranks share 10 windows: 5 each, in micro-batches of 2 -> 2, 2, 1. Callers
-    # average by tokens, so the short one must come through as it is.
-    w = Windows(np.arange(10 * 8 + 1, dtype=np.uint16), 8)
-    sizes = [x.shape[0] for x, _ in val_batches(w, n_batches=5, global_batch=2, micro_batch=2, rank=1, world=2)]
-    assert sizes == [2, 2, 1]
+def test_val_set_is_spread_over_the_split_and_shared_by_ranks_window_for_window():
+    """The validation windows are evenly spaced from the start of the val split to its end and
+    depend only on the split, the block and eval_tokens. However the set is cut into ranks and
+    micro-batches, each window counts once, every rank makes the same number of forwards (each
+    one a collective under FSDP), and a short share ends with fillers that count for nothing."""
+    w = Windows(np.arange(100 * 8 + 1, dtype=np.uint16), 8)  # window k starts with token 8k
+    vs = ValSet(w, eval_tokens=9 * 8)
+    assert (vs.windows, vs.tokens) == (9, 72)
+    assert vs.idx.tolist() == [0, 11, 22, 33, 44, 55, 66, 77, 88]
+    assert ValSet(w, eval_tokens=10**6).idx.tolist() == list(range(100))  # the whole split when smaller
+    assert ValSet(w, eval_tokens=3).windows == 1  # never empty
+    for world in (1, 2, 4):
+        for micro in (1, 2, 4, 8):
+            shares = [list(vs.batches(micro, r, world)) for r in range(world)]
+            assert len({len(b) for b in shares}) == 1, (world, micro)
+            seen = []
+            for x, y, counted in (b for share in shares for b in share):
+                assert counted in (0, y.numel()) and x.shape[0] <= micro
+                seen += x[:, 0].tolist() if counted else []
+            assert seen == [8 * k for k in vs.idx.tolist()], (world, micro)
+
+
+# One set of weights: optim.lr=0 leaves the seeded initial weights (the same on any batch or world
+# size) as they are through the one step, then the run evaluates. 9 windows of 64: shares of 4 and 5
+# on two ranks, so one rank needs a filler (tests/test_distributed.py runs it under FSDP).
+SAME_WEIGHTS_VAL = ["train.max_steps=1", "optim.lr=0", "train.eval_every=1", "train.sample_tokens=0",
+                    "train.eval_tokens=576"]
+
+
+def test_validation_loss_is_the_same_whatever_the_batch_and_micro_batch(tmp_path):
+    """One set of weights, one validation loss: global batch 8 or 16, micro-batches of 8 or 2
+    (shares of 2, 2, 2, 2 and 1 windows), up to fp32 summation order; summary.json says what
+    the loss was measured on."""
+    batches = {"8": [], "16": ["train.global_batch_size=16"], "8x2": ["train.micro_batch_size=2"]}
+    runs = {name: train(tmp_path / name, *SAME_WEIGHTS_VAL, *ov)[0] for name, ov in batches.items()}
+    losses = {name: s["final/val_loss"] for name, s in runs.items()}
+    assert max(losses.values()) - min(losses.values()) <= 1e-6 * losses["8"], losses
+    assert all(s["eval/tokens"] == 576 and s["eval/windows"] == 9 for s in runs.values())
+
+
+def test_a_damaged_token_cache_is_built_again_saying_which_file_and_why(tmp_path, monkeypatch):
+    """Truncated, rewritten as an object array (never unpickled), ids out of the vocabulary:
+    each is found when the cache is opened and the cache is built again, with one line naming
+    the file and why. A healthy cache opens without a word; an id out of range that the opening
+    checks did not read (a large file is checked by sample) stops the read that meets it."""
+    monkeypatch.setenv("MPTRAIN_CACHE", str(tmp_path / "cache"))
+    cfg = make_cfg("data.max_chars=50000").data
+    good = prepare(cfg, log=lambda *a: None)
+    cache = next((tmp_path / "cache" / "tokens").iterdir())
+    want = {s: np.array(getattr(good, s)) for s in ("train", "val")}
+    marker = tmp_path / "unpickled"
+
+    class Trap:  # unpickling it would touch the marker file
+        def __reduce__(self):
+            return marker.touch, ()
+
+    def out_of_range(f: Path, rerecord: bool = False) -> None:
+        ids = np.load(f).copy()
+        ids[1000] = 300  # the byte vocabulary has 257 ids, the model's embedding 320 rows
+        np.save(f, ids)
+        if rerecord:  # as if the damage fell between the sampled blocks of a large file
+            meta = json.loads((cache / "meta.json").read_text())
+            meta[f.stem].update(fingerprint(f, sampled=False))
+            (cache / "meta.json").write_text(json.dumps(meta))
+
+    damages = [
+        ("val.npy", lambda f: os.truncate(f, f.stat().st_size // 2),
+         r"\d+ bytes, \d+ for \d+ uint16 tokens: truncated or overwritten"),
+        ("train.npy", lambda f: np.save(f, np.array([Trap()] * 10, dtype=object)),
+         r"an array of object with shape \(10,\), not \d+ uint16 token ids"),
+        ("train.npy", out_of_range, "its bytes differ from the CRC-32 recorded when it was written"),
+        ("val.npy", lambda f: out_of_range(f, rerecord=True),
+         "val token 1000 is id 300, outside the vocabulary of 257"),
+    ]
+    for name, damage, why in damages:
+        damage(cache / name)
+        said = []
+        again = prepare(cfg, log=said.append)
+        assert re.fullmatch(rf"token cache {re.escape(str(cache / name))} is damaged \({why}\); building it again "
+                            rf"from python-stdlib .*", said[0]), said
+        assert all(np.array_equal(getattr(again, s), want[s]) for s in want)
+        prepare(cfg, log=lambda *a: pytest.fail(f"a healthy cache was rebuilt: {a}"))
+    assert not marker.exists()
+
+    bad = want["train"].copy()
+    bad[100] = 300
+    w = Windows(bad, 64, good.vocab_size, functools.partial(good.out_of_range, "train"))
+    w.get(np.array([0, 2]))  # windows that do not hold it read as usual
+    with pytest.raises(TokenCacheDamaged) as e:
+        w.get(np.array([0, 1]))
+    assert e.value.one_line() == (f"damaged token data: {cache / 'train.npy'} is damaged (train token 100 is id 300, "
+                                  f"outside the vocabulary of 257); remove {cache} and run again: the cache is built "
+                                  "anew.")

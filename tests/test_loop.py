@@ -91,7 +91,8 @@ def test_validation_loss_is_weighted_by_tokens():
     ctx = DistContext(mode=ParallelMode.none)
     policy = PrecisionPolicy(make_cfg("precision=fp32").precision, ctx.device)
     x = torch.randint(0, 64, (5, 17))
-    batches = [(x[:4, :-1], x[:4, 1:]), (x[4:, :-1], x[4:, 1:])]  # 4 sequences, then 1
+    # (x, y, tokens that count): 4 sequences, then 1, then a filler that counts for nothing
+    batches = [(x[:4, :-1], x[:4, 1:], 64), (x[4:, :-1], x[4:, 1:], 16), (x[:1, :-1], x[:1, 1:], 0)]
     got = evaluate(model, policy, ctx, batches)
     with torch.no_grad():
         _, whole = model(x[:, :-1], x[:, 1:])  # the mean over all 5 x 16 tokens

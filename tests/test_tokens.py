@@ -1,8 +1,11 @@
 """Hugging Face datasets -> token shards -> memory maps (all offline, on local files)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +16,8 @@ import pytest
 from mptrain.data.batches import Batches, Windows
 from mptrain.core.errors import ConfigError
 from mptrain.data.sources import load_hf_dataset
-from mptrain.data.store import ShardedTokens, ShardWriter, open_token_dir, prepare, token_dtype
+from mptrain.data.store import (SAMPLE_BLOCK_BYTES, ShardedTokens, ShardWriter, TokenCacheDamaged, TokenData,
+                                check_fingerprint, fingerprint, open_token_dir, prepare, token_dtype)
 from mptrain.data.tokenizers import EOT, load_hf_tokenizer
 
 from .conftest import ROOT, TINY, make_cfg, train
@@ -160,6 +164,69 @@ def test_a_failed_hf_preparation_leaves_nothing_and_cleans_up_after_killed_build
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))  # the data fixed, the same cache key
     prepare(cfg, log=lambda *a: None)
     assert sorted(p.name for p in cache.iterdir()) == sorted([name] + [d.name for d in kept])
+
+
+def test_damaged_shards_are_built_again_in_the_cache_and_refused_in_a_prepared_directory(
+        tmp_path, saved_tokenizer, monkeypatch):
+    """Token shards are checked when opened (size, and the fingerprint recorded when they were
+    written). In the data=hf cache a damaged shard is built again, saying which file and why;
+    a directory of scripts/prepare_data.py is the user's (its source may be gone), so train.py
+    refuses it in one line naming the file, before any work, and leaves it as it is."""
+    monkeypatch.setenv("MPTRAIN_CACHE", str(tmp_path / "cache"))
+    cfg = make_cfg("data=hf", f"data.path={_write(tmp_path / 'd.jsonl', 'jsonl')}",
+                   f"data.tokenizer={saved_tokenizer}", "data.num_proc=1").data  # no worker processes to start
+    good = prepare(cfg, log=lambda *a: None)
+    cache = next((tmp_path / "cache" / "hf").iterdir())
+    shard = cache / "train-00000.bin"
+    os.truncate(shard, shard.stat().st_size - 2)
+    said = []
+    again = prepare(cfg, log=said.append)
+    assert said[0] == (f"token cache {shard} is damaged ({shard.stat().st_size - 2} bytes, "
+                       f"{len(good.train)} uint16 tokens in meta.json: truncated or overwritten); "
+                       f"building it again from {cfg.path}")
+    assert np.array_equal(again.train[0:len(again.train)], good.train[0:len(good.train)])
+
+    prepared = tmp_path / "prepared"
+    shutil.copytree(cache, prepared)
+    ids = np.fromfile(prepared / "train-00000.bin", dtype=np.uint16)
+    ids[7] = 310  # outside the tokenizer's 300 ids, inside the embedding's 320 rows: it would train silently
+    ids.tofile(prepared / "train-00000.bin")
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "data=tokens", f"data.path={prepared}",
+                        "train.max_steps=1"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"mptrain: damaged token data: {prepared / 'train-00000.bin'} is damaged (its bytes differ from the "
+        "CRC-32 recorded when it was written); write the directory again with scripts/prepare_data.py "
+        "(nothing in it was changed)."], r.stderr[-3000:]
+    assert np.fromfile(prepared / "train-00000.bin", dtype=np.uint16)[7] == 310
+
+
+def test_a_large_split_is_checked_by_sample_and_every_window_read_by_range(tmp_path):
+    """Above FULL_CHECK_BYTES a split's files are fingerprinted by sample: a damaged byte in a
+    sampled block is found on opening, one between blocks is not; an id outside the
+    vocabulary there is found by the window that reads it, naming its shard."""
+    w = ShardWriter(tmp_path, "train", np.dtype(np.uint16), shard_tokens=400_000)
+    w.write(np.arange(800_000) % 300)  # two shards of 800 KB, each sampled by 8 blocks of 64 KiB
+    shards = w.close()
+    f = tmp_path / shards[1]["file"]
+    rec = fingerprint(f, sampled=True)
+    assert check_fingerprint(f, rec) is None and rec["sampled"]
+    ids = np.fromfile(f, dtype=np.uint16)
+    for pos, found in ((0, True), (SAMPLE_BLOCK_BYTES // 2 + 10, False)):  # in the first block; after it
+        ids[pos] += 1
+        ids.tofile(f)
+        assert (check_fingerprint(f, rec) is not None) == found, pos
+        ids[pos] -= 1
+    ids[SAMPLE_BLOCK_BYTES // 2 + 10] = 310  # between blocks, outside the tokenizer's 300 ids
+    ids.tofile(f)
+    assert check_fingerprint(f, rec) is None
+    st = ShardedTokens(tmp_path, [*shards[:1], {**shards[1], **rec}], np.dtype(np.uint16))
+    td = TokenData(st, st, None, 300, 0.0, "test", {"train": tmp_path, "val": tmp_path}, fix="prepare it again.")
+    windows = Windows(st, 64, 300, functools.partial(td.out_of_range, "train"))
+    position = 400_000 + SAMPLE_BLOCK_BYTES // 2 + 10
+    windows.get(np.array([0, position // 64 + 1]))
+    with pytest.raises(TokenCacheDamaged, match=re.escape(
+            f"{f} is damaged (train token {position} is id 310, outside the vocabulary of 300); prepare it again.")):
+        windows.get(np.array([0, position // 64]))
 
 
 def test_vocabulary_larger_than_the_model(tmp_path, saved_tokenizer):

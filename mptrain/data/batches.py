@@ -8,7 +8,8 @@
    (seed, step, rank, world), so resuming needs nothing but the step.
 3. ``Prefetcher``: builds the next steps' batches on a background thread
    (pinned and copied asynchronously on CUDA) while the current step runs.
-4. ``val_batches``: the same val windows at every evaluation, this rank's share.
+4. ``ValSet``: the validation windows, evenly spaced over the val split and the
+   same at every evaluation whatever the batch or world size; each rank's share.
 
 The token streams come from :func:`mptrain.data.store.prepare`; any 1-D
 sliceable array of token ids will do. ``padded_vocab`` rounds a vocabulary up
@@ -20,7 +21,7 @@ import math
 import queue
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -30,11 +31,20 @@ from mptrain.core.errors import ConfigError
 
 # ------------------------------------------------------------------------ batches
 class Windows:
-    """Non-overlapping windows of ``block + 1`` tokens (inputs and shifted targets)."""
+    """Non-overlapping windows of ``block + 1`` tokens (inputs and shifted targets).
 
-    def __init__(self, tokens: np.ndarray, block: int):
+    With ``vocab``, every window read is checked against it, and an id at or
+    above it raises ``out_of_range(position, id)``: the opening checks of a
+    large token file read only a sample of it (:mod:`mptrain.data.store`), and
+    such an id would otherwise be an index error deep in the embedding (a
+    device-side assert on CUDA), or, below the padded vocabulary, a row that
+    trains on nothing real without a word."""
+
+    def __init__(self, tokens: np.ndarray, block: int, vocab: Optional[int] = None,
+                 out_of_range: Optional[Callable[[int, int], Exception]] = None):
         self.tokens = tokens
         self.block = block
+        self.vocab, self.out_of_range = vocab, out_of_range
         self.n = (len(tokens) - 1) // block
         if self.n <= 0:
             raise ConfigError(
@@ -45,6 +55,12 @@ class Windows:
     def get(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         starts = idx.astype(np.int64) * self.block
         rows = np.stack([np.asarray(self.tokens[s : s + self.block + 1], dtype=np.int64) for s in starts])
+        if self.vocab is not None and rows.max() >= self.vocab:  # a few thousand ids: nothing next to a step
+            r, c = np.argwhere(rows >= self.vocab)[0]
+            position, token = int(starts[r] + c), int(rows[r, c])
+            if self.out_of_range is not None:
+                raise self.out_of_range(position, token)
+            raise ValueError(f"token {position} is id {token}, outside the vocabulary of {self.vocab}")
         t = torch.from_numpy(rows)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
@@ -237,25 +253,51 @@ class Prefetcher:
         self.close()
 
 
-def val_batches(windows: Windows, n_batches: int, global_batch: int, micro_batch: int,
-                rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The first ``n_batches * global_batch`` val windows in order (fewer if val
-    is short), this rank's share, in micro-batches. The same every evaluation.
+class ValSet:
+    """The validation set: whole windows worth ``eval_tokens`` target tokens,
+    evenly spaced over the whole val split (all of it when it is smaller).
 
-    The last micro-batch is smaller than the others when this rank's share is
-    not a multiple of ``micro_batch``: a caller averaging losses must weight
-    each (x, y) by its number of tokens, ``y.numel()``, not count batches."""
-    total = min(n_batches * global_batch, windows.n)
-    total -= total % world
-    if total == 0:
-        raise ConfigError(
-            f"the validation split has {windows.n} windows, fewer than the world size {world}; "
-            "raise data.val_fraction or use more data."
-        )
-    per = total // world
-    idx = np.arange(rank * per, (rank + 1) * per)
-    for i in range(0, per, micro_batch):
-        yield windows.get(idx[i : i + micro_batch])
+    Which windows depends only on the split, the block size and
+    ``eval_tokens``, never on the batch, micro-batch or world size: two runs
+    that differ only in those are measured on the same text, and the text is
+    spread over the split rather than its first pages. :meth:`batches` cuts it
+    into each rank's share.
+    """
+
+    def __init__(self, windows: Windows, eval_tokens: int):
+        self.w = windows
+        n = min(windows.n, max(1, eval_tokens // windows.block))
+        # Window k * N // n for k < n: from the start of the split to its end, deterministic.
+        self.idx = np.arange(n, dtype=np.int64) * windows.n // n
+
+    @property
+    def windows(self) -> int:
+        """Windows in the set."""
+        return len(self.idx)
+
+    @property
+    def tokens(self) -> int:
+        """Target tokens in the set: what the validation loss is the mean over."""
+        return len(self.idx) * self.w.block
+
+    def batches(self, micro_batch: int, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """This rank's share of the set, in micro-batches: ``(x, y, counted)``,
+        ``counted`` being the target tokens that count towards the loss.
+
+        Rank ``r`` takes windows ``[r*n//world, (r+1)*n//world)``, so shares may
+        differ by one window; a caller averaging losses weights each micro-batch
+        by ``counted``, which makes the mean the same however the set is split.
+        Every rank yields the same number of micro-batches (under FSDP each
+        forward is a collective): a rank with a shorter share ends with
+        one-window fillers whose ``counted`` is 0."""
+        n = len(self.idx)
+        mine = self.idx[rank * n // world:(rank + 1) * n // world]
+        longest = -(-n // world)  # ceil(n / world): the largest share
+        forwards = -(-longest // micro_batch)
+        for i in range(forwards):
+            part = mine[i * micro_batch:(i + 1) * micro_batch]
+            x, y = self.w.get(part if len(part) else self.idx[:1])
+            yield x, y, y.numel() if len(part) else 0
 
 
 def padded_vocab(vocab: int, multiple: int = 64) -> int:

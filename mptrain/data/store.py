@@ -20,6 +20,14 @@ size trains with a few pages in RAM. Documents are joined with the
 tokenizer's end-of-text token, as the in-memory corpora are. Caches are built
 under a temporary name and renamed into place, so several processes may
 prepare the same data at once.
+
+Every token file is checked when it is opened (:func:`fingerprint`, recorded
+in ``meta.json`` when it was written: its size and a CRC-32 of its bytes; for
+``.npy`` files also the header's dtype and shape), and the ids read are
+checked against the vocabulary (:class:`TokenCacheDamaged`). A damaged cache
+is rebuilt from its source, with a line saying which file and why; a damaged
+token directory of ``scripts/prepare_data.py`` is refused, since its source
+may be gone.
 """
 from __future__ import annotations
 
@@ -28,18 +36,86 @@ import json
 import os
 import shutil
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 
 from mptrain.core import files
-from mptrain.core.errors import ConfigError
+from mptrain.core.errors import ConfigError, UserError
 from mptrain.data.sources import load_hf_dataset, read_corpus
 from mptrain.data.tokenizers import build_tokenizer, load_hf_tokenizer
 
 META = "meta.json"
 FORMAT = "mptrain-tokens-1"
+CACHE_FORMAT = "mptrain-token-cache-2"
+"""The ``train.npy``/``val.npy`` cache with its fingerprints; part of the cache key, so a
+cache written before fingerprints were recorded is built anew beside it, not trusted."""
+# What opening a token file reads to check its bytes. When a split's files hold at most
+# FULL_CHECK_BYTES (32M uint16 tokens: a few tens of milliseconds) every byte; above that
+# SAMPLE_BLOCKS blocks spread evenly over each file (0.25% of a default 200 MB shard), because
+# reading a multi-GB corpus in full on every launch would cost seconds to minutes. What the
+# sample misses, the exact size and header checks and the range check of every window read
+# (batches.Windows) still catch: a truncated or rewritten file, and ids a damaged region puts
+# outside the vocabulary. Few large blocks rather than many small ones: seeks are what cost
+# on network filesystems.
+FULL_CHECK_BYTES = 64 << 20
+SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 8, 64 << 10
+
+
+class TokenCacheDamaged(UserError):
+    """A token file that is not what was written: truncated, of another dtype,
+    other bytes than its fingerprint says, or ids outside the vocabulary."""
+
+    kind = "damaged token data"
+
+    def __init__(self, file: Path, why: str, fix: str = ""):
+        self.file, self.why = Path(file), why
+        super().__init__(f"{file} is damaged ({why}); "
+                         + (fix or f"remove {Path(file).parent} and run again: the cache is built anew."))
+
+
+def fingerprint(path: Path, sampled: bool) -> dict:
+    """The size of a token file and the CRC-32 of its bytes: all of them, or
+    ``SAMPLE_BLOCKS`` evenly spaced blocks when ``sampled`` (when its split
+    holds more than ``FULL_CHECK_BYTES``). What :func:`check_fingerprint`
+    compares on every open."""
+    size = path.stat().st_size
+    sampled = sampled and size > SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES
+    crc = 0
+    with open(path, "rb") as f:
+        if not sampled:
+            while chunk := f.read(1 << 22):
+                crc = zlib.crc32(chunk, crc)
+        else:
+            for off in np.linspace(0, size - SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS).astype(np.int64):
+                f.seek(int(off))
+                crc = zlib.crc32(f.read(SAMPLE_BLOCK_BYTES), crc)
+    return {"bytes": size, "crc32": crc, "sampled": sampled}
+
+
+def check_fingerprint(path: Path, recorded: dict) -> Optional[str]:
+    """Why ``path`` is not the file ``recorded`` describes, or None when it is.
+    A file recorded without a fingerprint (older token directories) is only size-checked by its reader."""
+    if "crc32" not in recorded:
+        return None
+    size = path.stat().st_size
+    if size != recorded["bytes"]:
+        return f"{size} bytes, {recorded['bytes']} when written: truncated or overwritten"
+    if fingerprint(path, recorded["sampled"])["crc32"] != recorded["crc32"]:
+        return "its bytes differ from the CRC-32 recorded when it was written"
+    return None
+
+
+class IdsOutOfRange(ValueError):
+    """A token id at or above the vocabulary size (raised by :func:`bincount_chunked`)."""
+
+    def __init__(self, position: int, token: int, vocab: int):
+        self.position, self.token = position, token
+        self.split = ""  # which stream, when the caller knows (unigram_cross_entropy)
+        super().__init__(f"token {position} is id {token}, outside the vocabulary of {vocab}")
 
 
 # ------------------------------------------------------------------ token shards
@@ -79,9 +155,13 @@ class ShardWriter:
             a = a[take:]
 
     def close(self) -> list[dict]:
+        """Close the last shard; returns the shard list, each with its :func:`fingerprint`."""
         if self._f is not None:
             self._f.close()
             self._f = None
+            sampled = self.total * self.dtype.itemsize > FULL_CHECK_BYTES
+            for s in self.shards:
+                s.update(fingerprint(self.dir / s["file"], sampled))
         return self.shards
 
     @property
@@ -94,12 +174,24 @@ class ShardedTokens:
 
     def __init__(self, root: Path, shards: list[dict], dtype: np.dtype):
         self.dtype = np.dtype(dtype)
-        self.maps = [np.memmap(root / s["file"], dtype=self.dtype, mode="r") for s in shards if s["tokens"]]
-        for m, s in zip(self.maps, [s for s in shards if s["tokens"]]):
-            if len(m) != s["tokens"]:
-                raise ConfigError(f"{root / s['file']} holds {len(m)} tokens, meta.json says {s['tokens']}: "
-                                  "the token directory is damaged; prepare it again.")
+        used = [s for s in shards if s["tokens"]]
+        self.files = [Path(root) / s["file"] for s in used]
+        for f, s in zip(self.files, used):
+            if not f.is_file():
+                raise TokenCacheDamaged(f, "missing")
+            size = f.stat().st_size
+            if size != s["tokens"] * self.dtype.itemsize:
+                raise TokenCacheDamaged(f, f"{size} bytes, {s['tokens']} {self.dtype.name} tokens in {META}: "
+                                           "truncated or overwritten")
+            why = check_fingerprint(f, s)
+            if why:
+                raise TokenCacheDamaged(f, why)
+        self.maps = [np.memmap(f, dtype=self.dtype, mode="r") for f in self.files]
         self.starts = np.cumsum([0] + [len(m) for m in self.maps])
+
+    def file_at(self, position: int) -> Path:
+        """The shard that holds token ``position``."""
+        return self.files[int(np.searchsorted(self.starts, position, side="right")) - 1]
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -131,10 +223,11 @@ def read_meta(path: Path) -> dict:
                           "scripts/prepare_data.py first.")
     try:
         meta = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{f} is corrupt ({e}); prepare the data again.") from None
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{f}: format {meta.get('format')!r} is not {FORMAT!r}.")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenCacheDamaged(f, f"not JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise TokenCacheDamaged(f, f"format {meta.get('format') if isinstance(meta, dict) else None!r} "
+                                   f"is not {FORMAT!r}")
     return meta
 
 
@@ -258,6 +351,17 @@ class TokenData:
     vocab_size: int
     unigram_nats: float  # cross-entropy of val under the train unigram distribution
     source: str
+    files: Optional[dict] = None
+    """Split -> where its tokens are on disk (a file, or a token directory), for the errors that name them."""
+    fix: str = ""
+    """What a user does about a damaged file here (:class:`TokenCacheDamaged`): ``""`` for a cache, which is rebuilt."""
+
+    def out_of_range(self, split: str, position: int, token: int) -> TokenCacheDamaged:
+        """The error for id ``token`` at ``position`` of ``split``, naming the file that holds it."""
+        stream = self.train if split == "train" else self.val
+        where = stream.file_at(position) if isinstance(stream, ShardedTokens) else self.files[split]
+        return TokenCacheDamaged(where, f"{split} token {position} is id {token}, outside the vocabulary of "
+                                        f"{self.vocab_size}", self.fix)
 
 
 def _split_docs(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
@@ -286,21 +390,38 @@ def _encode_stream(tok, docs: list[str]) -> np.ndarray:
 
 
 def bincount_chunked(tokens, vocab: int, limit: int, chunk: int = 1 << 22) -> np.ndarray:
-    """Token counts of the first ``limit`` tokens, read a chunk at a time."""
+    """Token counts of the first ``limit`` tokens, read a chunk at a time.
+    Raises :class:`IdsOutOfRange` at the first id ``>= vocab``: a count dropped
+    silently here would hide a damaged file (this read is the range check of
+    the tokens it covers, at no extra cost)."""
     counts = np.zeros(vocab, dtype=np.int64)
     n = min(limit, len(tokens))
     for a in range(0, n, chunk):
-        counts += np.bincount(np.asarray(tokens[a:min(n, a + chunk)], dtype=np.int64), minlength=vocab)[:vocab]
+        part = np.asarray(tokens[a:min(n, a + chunk)], dtype=np.int64)
+        c = np.bincount(part, minlength=vocab)
+        if len(c) > vocab:
+            bad = int(np.argmax(part >= vocab))
+            raise IdsOutOfRange(a + bad, int(part[bad]), vocab)
+        counts += c
     return counts
 
 
 def unigram_cross_entropy(train, val, vocab: int, limit: int = 20_000_000) -> float:
     """Nats per token a model that ignores context (add-one smoothed unigram
     frequencies of train) scores on val: the baseline a LM must beat. On large
-    corpora it is estimated from the first ``limit`` tokens of each split."""
-    counts = bincount_chunked(train, vocab, limit).astype(np.float64) + 1.0
-    logp = np.log(counts / counts.sum())
-    val_counts = bincount_chunked(val, vocab, limit // 10)
+    corpora it is estimated from the first ``limit`` tokens of each split,
+    which are checked against the vocabulary on the way (:class:`IdsOutOfRange`,
+    naming the split)."""
+    counts = {}
+    for split, tokens, n in (("train", train, limit), ("val", val, limit // 10)):
+        try:
+            counts[split] = bincount_chunked(tokens, vocab, n)
+        except IdsOutOfRange as e:
+            e.split = split
+            raise
+    smoothed = counts["train"] + 1.0
+    logp = np.log(smoothed / smoothed.sum())
+    val_counts = counts["val"]
     return float(-(val_counts * logp).sum() / max(val_counts.sum(), 1))
 
 
@@ -318,10 +439,85 @@ class _TokenizerInfo:
         self.eos_id = meta.get("eos_id")
 
 
-def _prepare_tokens(path: Path, source: str) -> TokenData:
+def _checked(train, val, vocab: int, tokenizer, source: str, files_: dict, fix: str = "") -> TokenData:
+    """TokenData, once the unigram baseline's read of both splits found every id in the vocabulary."""
+    td = TokenData(train, val, tokenizer, vocab, float("nan"), source, files_, fix)
+    try:
+        td.unigram_nats = unigram_cross_entropy(train, val, vocab)
+    except IdsOutOfRange as e:
+        raise td.out_of_range(e.split, e.position, e.token) from None
+    return td
+
+
+def _open_shards(path: Path, source: str, fix: str = "") -> TokenData:
+    """A token directory (``scripts/prepare_data.py``'s, or the ``data=hf`` cache), checked."""
     train, val, meta = open_token_dir(path)
-    return TokenData(train, val, _TokenizerInfo(meta), meta["vocab_size"],
-                     unigram_cross_entropy(train, val, meta["vocab_size"]), source)
+    return _checked(train, val, meta["vocab_size"], _TokenizerInfo(meta), source,
+                    {"train": path, "val": path}, fix)
+
+
+def _open_npy(f: Path, recorded: dict, dtype: np.dtype) -> np.ndarray:
+    """A cache's ``.npy`` file as a memory map, once its header (dtype, shape),
+    size and fingerprint agree with what was recorded when it was written.
+    Nothing here unpickles: an object array is refused by its header."""
+    if not f.is_file():
+        raise TokenCacheDamaged(f, "missing")
+    n = recorded["tokens"]
+    try:
+        with open(f, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, _fortran, got = read_header(fh)  # a 1-D array's order changes nothing
+            offset = fh.tell()
+    except (ValueError, OSError, EOFError) as e:  # not an .npy file, or its header cut short
+        raise TokenCacheDamaged(f, f"not a .npy array: {e}") from None
+    if got != dtype or shape != (n,):
+        raise TokenCacheDamaged(f, f"an array of {got} with shape {shape}, not {n} {dtype.name} token ids")
+    size = f.stat().st_size
+    if size != offset + n * dtype.itemsize:
+        raise TokenCacheDamaged(f, f"{size} bytes, {offset + n * dtype.itemsize} for {n} {dtype.name} tokens: "
+                                   "truncated or overwritten")
+    why = check_fingerprint(f, recorded)
+    if why:
+        raise TokenCacheDamaged(f, why)
+    return np.load(f, mmap_mode="r")  # allow_pickle stays False
+
+
+def _open_cache(path: Path, tok, source: str) -> TokenData:
+    """The ``train.npy``/``val.npy`` cache of ``path``, checked (raises :class:`TokenCacheDamaged`)."""
+    meta_file = path / META
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as e:  # missing, unreadable, not JSON
+        raise TokenCacheDamaged(meta_file, f"unreadable: {e}") from None
+    if not (isinstance(meta, dict) and meta.get("format") == CACHE_FORMAT and meta.get("vocab_size") == tok.vocab_size
+            and all(isinstance(meta.get(s), dict) for s in ("train", "val"))):
+        raise TokenCacheDamaged(meta_file, f"not a {CACHE_FORMAT} cache of a {tok.vocab_size}-token vocabulary")
+    dtype = token_dtype(tok.vocab_size)
+    train, val = (_open_npy(path / meta[s]["file"], meta[s], dtype) for s in ("train", "val"))
+    return _checked(train, val, tok.vocab_size, tok, source, {s: path / meta[s]["file"] for s in ("train", "val")})
+
+
+def _cached(path: Path, build: Callable[[Path], None], open_: Callable[[Path], TokenData], log,
+            what: str) -> TokenData:
+    """The cache at ``path``, opened and checked; built first when it is missing,
+    built again (one line saying which file and why) when it is damaged."""
+    if path.exists():
+        try:
+            return open_(path)
+        except TokenCacheDamaged as e:
+            log(f"token cache {e.file} is damaged ({e.why}); building it again from {what}")
+            aside = path.with_name(f"{path.name}.damaged{os.getpid()}")
+            try:
+                os.replace(path, aside)  # out of the way in one step: a reader sees the old cache or none
+            except FileNotFoundError:
+                pass  # another process moved it first
+            shutil.rmtree(aside, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        files.build_dir(path, build)
+    return open_(path)  # a cache that fails its check right after being built is refused, not rebuilt again
 
 
 def prepare(data_cfg, log=print) -> TokenData:
@@ -332,7 +528,12 @@ def prepare(data_cfg, log=print) -> TokenData:
         if not data_cfg.path:
             raise ConfigError("data=tokens needs data.path: the directory scripts/prepare_data.py wrote.")
         p = Path(os.path.expanduser(data_cfg.path))
-        return _prepare_tokens(p, f"token shards ({p})")
+        # The user's own directory, and its source may be gone: refused when damaged, never rebuilt.
+        fix = "write the directory again with scripts/prepare_data.py (nothing in it was changed)."
+        try:
+            return _open_shards(p, f"token shards ({p})", fix)
+        except TokenCacheDamaged as e:
+            raise TokenCacheDamaged(e.file, e.why, fix) from None
     if data_cfg.kind == "hf":
         if data_cfg.tokenizer in ("bpe",):
             raise ConfigError("data=hf needs a transformers tokenizer (data.tokenizer=gpt2 or a saved directory); "
@@ -340,28 +541,26 @@ def prepare(data_cfg, log=print) -> TokenData:
 
         fields = ("path", "name", "split", "val_split", "text_field", "tokenizer", "max_documents", "val_fraction")
         key = hashlib.sha256("|".join(str(data_cfg[f]) for f in fields).encode()).hexdigest()[:20]
-        out = cache / "hf" / key
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            files.build_dir(out, lambda d: prepare_hf(data_cfg, d, log))
-        return _prepare_tokens(out, f"{data_cfg.path}" + (f" ({data_cfg.name})" if data_cfg.name else ""))
+        source = f"{data_cfg.path}" + (f" ({data_cfg.name})" if data_cfg.name else "")
+        return _cached(cache / "hf" / key, lambda d: prepare_hf(data_cfg, d, log),
+                       lambda d: _open_shards(d, source), log, source)
     corpus = read_corpus(data_cfg)
     tok = build_tokenizer(data_cfg, corpus, cache, log)
-    key = hashlib.sha256(f"{corpus.digest}|{tok.name}|{tok.vocab_size}|{data_cfg.val_fraction}".encode()).hexdigest()[:20]
+    key = hashlib.sha256(f"{CACHE_FORMAT}|{corpus.digest}|{tok.name}|{tok.vocab_size}|{data_cfg.val_fraction}"
+                         .encode()).hexdigest()[:20]
     path = cache / "tokens" / key
-    if not path.exists():
+
+    def write(d: Path) -> None:
         log(f"tokenizing {len(corpus.docs)} documents with {tok.name} (once; cached in {path})")
-        train_docs, val_docs = _split_docs(corpus.docs, data_cfg.val_fraction)
+        d.mkdir(parents=True)
+        meta = {"format": CACHE_FORMAT, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+                "source": corpus.source, "docs": len(corpus.docs)}
+        for split, docs in zip(("train", "val"), _split_docs(corpus.docs, data_cfg.val_fraction)):
+            ids = _encode_stream(tok, docs)
+            np.save(d / f"{split}.npy", ids)
+            # read back from the file: the fingerprint is of the bytes on disk
+            meta[split] = {"file": f"{split}.npy", "tokens": len(ids),
+                           **fingerprint(d / f"{split}.npy", sampled=ids.nbytes > FULL_CHECK_BYTES)}
+        (d / META).write_text(json.dumps(meta))
 
-        def write(d: Path) -> None:
-            d.mkdir(parents=True)
-            np.save(d / "train.npy", _encode_stream(tok, train_docs))
-            np.save(d / "val.npy", _encode_stream(tok, val_docs))
-            (d / "meta.json").write_text(json.dumps({"tokenizer": tok.name, "vocab_size": tok.vocab_size,
-                                                      "source": corpus.source, "docs": len(corpus.docs)}))
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        files.build_dir(path, write)
-    train = np.load(path / "train.npy", mmap_mode="r")
-    val = np.load(path / "val.npy", mmap_mode="r")
-    return TokenData(train, val, tok, tok.vocab_size, unigram_cross_entropy(train, val, tok.vocab_size), corpus.source)
+    return _cached(path, write, lambda d: _open_cache(d, tok, corpus.source), log, corpus.source)

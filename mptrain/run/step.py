@@ -303,18 +303,21 @@ def _apply(optimizer: torch.optim.Optimizer, scaler: LossScaler, found_inf: Opti
 @torch.no_grad()
 def evaluate(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, batches) -> float:
     """Mean validation loss per token over every rank's batches (a host sync;
-    only at the eval cadence). Each micro-batch's mean loss is weighted by its
-    token count, so a short last micro-batch counts for what it holds."""
+    only at the eval cadence). ``batches`` yields ``(x, y, counted)``
+    (:meth:`mptrain.data.batches.ValSet.batches`): each micro-batch's mean loss
+    is weighted by the ``counted`` tokens it holds, so a short last micro-batch
+    counts for what it holds, a filler for nothing, and the mean over the whole
+    set does not depend on how it was split into micro-batches and ranks."""
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)  # sum over tokens
     tokens = 0
-    for x, y in batches:
+    for x, y, counted in batches:
         with policy.autocast():
             _, loss = model(x.to(ctx.device), y.to(ctx.device))
-        loss_sum += loss.double() * y.numel()
-        tokens += y.numel()
+        loss_sum += loss.double() * counted
+        tokens += counted
     model.train()
     ctx.reshard(model)
-    # The mean over ranks scales both sums alike, so their ratio is the global per-token mean.
-    sums = ctx.all_reduce_mean(torch.stack([loss_sum, loss_sum.new_tensor(float(tokens))]))
+    # Summed over ranks, shares of any size: the ratio is the per-token mean of the whole set.
+    sums = ctx.all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(float(tokens))]))
     return float(sums[0] / sums[1].clamp(min=1))

@@ -19,7 +19,7 @@ from mptrain.run.resume import resolve_resume
 
 from .conftest import ROOT, TINY, make_cfg, read_rows, run_cli, train
 
-BASE = [*TINY, "train.max_steps=20", "train.eval_every=5", "train.eval_batches=2"]
+BASE = [*TINY, "train.max_steps=20", "train.eval_every=5", "train.eval_tokens=1024"]
 VOLATILE = ("perf/", "mem/")  # wall-clock figures: the only keys allowed to differ
 
 
@@ -72,6 +72,33 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path):
     assert s["steps"] == 20 and not (ckpts / "step-10.tmp").exists()
     _, straight = train(tmp_path / "straight", *BASE)
     assert _values(read_rows(run_dir)) == _values(straight)
+
+
+def test_a_kill_after_the_final_checkpoint_is_closed_by_the_rerun(tmp_path, capsys):
+    """Killed between the final checkpoint and summary.json: the rerun used to say
+    "nothing to train" and leave the run without a summary for good."""
+    run_dir = tmp_path / "run"
+    args = [*TINY, "train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=1", "train.eval_every=2",
+            "train.eval_tokens=512", f"hydra.run.dir={run_dir}"]
+    r = run_cli(*args, "debug.kill_after_save_at_step=4")
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-2000:])
+    ckpts = run_dir / "checkpoints"
+    assert [p.name for p in complete_checkpoints(ckpts)] == ["step-2", "step-4"]  # killed before pruning
+    assert not (run_dir / "summary.json").exists()
+    rows = read_rows(run_dir)
+    capsys.readouterr()
+    s, after = train(run_dir, *args)
+    said = capsys.readouterr().out
+    assert "step-4 is the run's final checkpoint (step 4), but the launch that saved it ended before" in said
+    assert after == rows  # nothing trained: the rows are the killed launch's, untouched
+    assert s["steps"] == 4 and s["resumed_from"].endswith("step-4") and "stopped_early" not in s
+    assert s["final/train_loss"] == rows[-1]["train/loss"] and s["final/val_loss"] == rows[-1]["val/loss"]
+    assert s["dtypes"]["gradients"] == "fp32"  # the run's, not "none" from a launch that ran no backward
+    assert json.loads((run_dir / "summary.json").read_text()) == s
+    assert [p.name for p in complete_checkpoints(ckpts)] == ["step-4"]  # keep_last=1, as the save would have
+    assert "done in" in (run_dir / "train.log").read_text().splitlines()[-2]
+    again, _ = train(run_dir, *args)  # and now it is finished: a no-op
+    assert "nothing to train" in capsys.readouterr().out and again == s
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):

@@ -194,7 +194,7 @@ OUT_OF_RANGE = [
     ("optim.warmup_steps", -5, ">= 0"), ("optim.min_lr_ratio", 1.5, "[0, 1]"), ("optim.min_lr_ratio", -0.1, "[0, 1]"),
     ("optim.weight_decay", -0.1, ">= 0"), ("optim.beta1", 1.0, "[0, 1)"), ("optim.beta2", -0.1, "[0, 1)"),
     ("optim.eps", 0.0, "> 0"), ("train.grad_clip", -1.0, ">= 0"), ("train.eval_every", -1, ">= 0"),
-    ("train.eval_batches", 0, "positive"), ("train.seed", -1, "[0, 2^64)"), ("train.seed", 2**64, "[0, 2^64)"),
+    ("train.eval_tokens", 0, "positive"), ("train.seed", -1, "[0, 2^64)"), ("train.seed", 2**64, "[0, 2^64)"),
     ("train.micro_batch_size", 0, "positive"), ("train.peak_tflops", 0.0, "> 0"), ("train.max_steps", 0, "positive"),
     ("precision.loss_scale.min_loss_scale", 0.0, "> 0"), ("precision.loss_scale.warn_skip_rate", 1.5, "[0, 1]"),
     ("precision.loss_scale.warn_after_steps", -1, ">= 0"), ("precision.loss_scale.growth_factor", 1.0, "> 1"),
@@ -208,7 +208,7 @@ OUT_OF_RANGE = [
 
 @pytest.mark.parametrize("key,value,valid", OUT_OF_RANGE, ids=[f"{k}={v}" for k, v, _ in OUT_OF_RANGE])
 def test_value_out_of_range_is_one_sentence_naming_key_value_and_range(fp16_cfg, key, value, valid):
-    cfg = _with(fp16_cfg, train__eval_every=1) if key == "train.eval_batches" else fp16_cfg
+    cfg = _with(fp16_cfg, train__eval_every=1) if key == "train.eval_tokens" else fp16_cfg
     with pytest.raises(ConfigError) as e:
         validate(_with(cfg, **{key.replace(".", "__"): value}))
     msg = str(e.value)
@@ -218,7 +218,7 @@ def test_value_out_of_range_is_one_sentence_naming_key_value_and_range(fp16_cfg,
 
 def test_values_on_the_edge_of_their_range_are_accepted(fp16_cfg):
     validate(_with(fp16_cfg, optim__lr=0.0, optim__warmup_steps=0, optim__min_lr_ratio=1.0, optim__beta1=0.0,
-                   optim__weight_decay=0.0, train__grad_clip=0.0, train__eval_every=0, train__eval_batches=0,
+                   optim__weight_decay=0.0, train__grad_clip=0.0, train__eval_every=0, train__eval_tokens=0,
                    train__seed=0, train__micro_batch_size=None, model__dropout=0.0, data__num_proc=0,
                    data__bpe_vocab_size=257, precision__loss_scale__warn_skip_rate=0.0, checkpoint__keep_last=0,
                    debug__nan_rank=-1, debug__nan_at_steps=[0]))
@@ -341,3 +341,18 @@ def test_user_errors_name_their_kind():
     assert len(set(kinds.values())) == len(kinds), kinds  # and no two share one
     assert not issubclass(CheckpointSaveError, ConfigError)
     assert CheckpointSaveError("disk full").one_line() == "save error: disk full"
+
+
+def test_a_replaced_key_names_its_successor_on_the_command_line_and_in_a_config_file(tmp_path):
+    """train.eval_batches became train.eval_tokens: an old command line or experiment file gets
+    one line naming the new key, not the list of train's keys."""
+    with pytest.raises(ConfigError) as e:
+        check_overrides(["train.eval_batches=2"], str(CONFIGS))
+    assert str(e.value).startswith("train.eval_batches was replaced by train.eval_tokens, the size of the "
+                                   "validation set in tokens") and "\n" not in str(e.value)
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "old.yaml").write_text("# @package _global_\ntrain:\n  eval_batches: 4\n")
+    r = run_cli(f"hydra.searchpath=[file://{tmp_path}]", "experiment=old", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"mptrain: configuration error: {e.value} It is set in a config file: "
+                               "In 'experiment/old'"), r.stderr

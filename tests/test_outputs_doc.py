@@ -66,7 +66,7 @@ def runs(tmp_path_factory):
     """(metrics.jsonl keys, summary.json keys) over the two runs."""
     root = tmp_path_factory.mktemp("outputs-doc")
     half = train(root / "fp16", "precision=fp16", "train.max_steps=3", "monitor.every=2", "train.eval_every=3",
-                 "train.eval_batches=1", "train.z_loss=1e-4", "optim.update_clip=1.0")
+                 "train.eval_tokens=512", "train.z_loss=1e-4", "optim.update_clip=1.0")
     fp8 = train(root / "fp8", "precision=fp8", "parallel=ddp", "train.max_steps=2", "train.stop_after=1",
                 "monitor.every=1", "monitor.fp8_whatif=[rowwise]", "train.audit=true", "train.on_nonfinite=skip")
     metrics = {k for _, rows in (half, fp8) for r in rows for k in r}

@@ -82,6 +82,15 @@ def _user_key(ov: str) -> Optional[str]:
     return None if "/" in key else key
 
 
+# Keys that were replaced: an old command line or config file is told the new key
+# and what it means, not shown a list of the section's keys. Old key -> that sentence.
+RENAMED = {
+    "train.eval_batches": "train.eval_batches was replaced by train.eval_tokens, the size of the validation "
+                          "set in tokens (the same set whatever the batch and world size); set "
+                          "train.eval_tokens=N instead (default 16384).",
+}
+
+
 def check_override_keys(overrides: list[str], config_dir: str) -> None:
     """Reject a misspelt key in command-line overrides with the valid choices.
 
@@ -96,6 +105,8 @@ def check_override_keys(overrides: list[str], config_dir: str) -> None:
         key = _user_key(ov)
         if key is None:
             continue
+        if key in RENAMED:
+            raise ConfigError(RENAMED[key])
         parts = key.split(".")
         if len(parts) == 1 and (groups is None or parts[0] in groups):
             continue  # a group choice (experiment=..., model=...): its option is a value
@@ -321,6 +332,10 @@ def composition_error(exc: BaseException) -> ConfigError:
     cause = exc.__cause__
     if cause is not None and str(cause).strip():
         msg += f": {_one_line(str(cause))}"
+    raw = f"{exc}\n{cause or ''}"  # OmegaConf names the key in a "full_key:" line that _one_line drops
+    for old, instead in RENAMED.items():
+        if f"full_key: {old}\n" in raw + "\n":
+            return ConfigError(f"{instead} It is set in a config file: {msg}.")
     return ConfigError(f"{msg}; check the overrides on the command line.")
 
 
@@ -390,7 +405,7 @@ _RANGES: tuple = (
      None),
     ("train.grad_clip", _non_negative, "a value >= 0 (0: no clipping)", None),
     ("train.eval_every", _non_negative, "an integer >= 0 (0: no evaluation)", None),
-    ("train.eval_batches", _positive, "a positive integer, or train.eval_every=0 to turn evaluation off",
+    ("train.eval_tokens", _positive, "a positive number of tokens, or train.eval_every=0 to turn evaluation off",
      lambda cfg: cfg.train.eval_every > 0),
     ("train.log_every", _positive, "a positive integer", None),
     ("train.seed", lambda v: 0 <= v < 2**64, "an integer in [0, 2^64)", None),
@@ -424,6 +439,7 @@ _RANGES: tuple = (
     ("debug.inject_inf_grad_steps", _steps, "0-based step numbers (>= 0)", None),
     ("debug.nan_at_steps", _steps, "0-based step numbers (>= 0)", None),
     ("debug.kill_during_save_at_step", _optional(_non_negative), "a 0-based step number (>= 0), or null", None),
+    ("debug.kill_after_save_at_step", _optional(_positive), "the step of a checkpoint (>= 1), or null", None),
 )
 
 

@@ -14,6 +14,8 @@ at the bottom, so that every layer can raise and catch it.
 """
 from __future__ import annotations
 
+import errno
+
 
 class UserError(Exception):
     """Something the user can fix; the message names the problem and the fix."""
@@ -30,3 +32,30 @@ class ConfigError(UserError, ValueError):
     """A configuration that cannot run. The message names the key and the fix."""
 
     kind = "configuration error"
+
+
+class NotEnoughMemory(UserError):
+    """A run whose memory estimate per rank exceeds what its device or host has
+    free, refused before anything is allocated (``train.memory_check``). The
+    message gives both figures and the ways to bring the estimate down."""
+
+    kind = "not enough memory"
+
+
+class DiskError(UserError):
+    """A record of the run (metrics.jsonl, TensorBoard, train.log, config.yaml,
+    summary.json) that the operating system would not let it write: disk full,
+    quota, file-size limit. The message names the file and what is kept (the
+    rows written, the last complete checkpoint); checkpoint saves report their
+    own (``save error``). Not a "configuration error": the config was fine, the
+    disk was not."""
+
+    kind = "disk error"
+
+
+NO_ROOM_FIXES = {
+    errno.ENOSPC: "free disk space",
+    errno.EDQUOT: "free space within your disk quota",
+    errno.EFBIG: "raise the file-size limit (ulimit -f) or write the run to a filesystem that takes larger files",
+}
+"""The OS errors that mean "no room for this write", each with the fix to name."""

@@ -9,6 +9,8 @@ read as a table of contents.
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,12 +20,13 @@ from omegaconf import DictConfig
 
 from mptrain.config.checks import micro_steps
 from mptrain.config.schema import ParallelMode
-from mptrain.core.errors import ConfigError
+from mptrain.core.errors import ConfigError, NotEnoughMemory
 from mptrain.core.text import quiet
 from mptrain.data.batches import Batches, Windows, padded_vocab
 from mptrain.data.store import TokenData, prepare
 from mptrain.distributed.parallel import DistContext, wrap
 from mptrain.model.gpt import GPT, GPTShape
+from mptrain.observe.memory import fit_check
 from mptrain.precision.optimizers import Choice, choose
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
 from mptrain.precision.support import check_precision
@@ -64,8 +67,11 @@ def build_data(cfg: DictConfig, ctx: DistContext, say: Callable[[str], None]) ->
             f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
             f"({tokens.vocab_size}); leave model.vocab_size=null to take it from the tokenizer.")
     block = cfg.model.block_size
-    train_windows = Windows(tokens.train, block)
-    return RunData(tokens, vocab, mbs, accum, train_windows, Windows(tokens.val, block),
+    # Every window read is checked against the tokenizer's vocabulary (not the padded one).
+    train_windows, val_windows = (
+        Windows(ids, block, tokens.vocab_size, functools.partial(tokens.out_of_range, split))
+        for split, ids in (("train", tokens.train), ("val", tokens.val)))
+    return RunData(tokens, vocab, mbs, accum, train_windows, val_windows,
                    Batches(train_windows, tc.global_batch_size, mbs, ctx.rank, ctx.world, tc.seed),
                    tc.global_batch_size * block)
 
@@ -83,9 +89,25 @@ class RunModel:
     scaler: LossScaler
 
 
+def check_memory(cfg: DictConfig, ctx: DistContext, vocab: int) -> None:
+    """Refuse a run that cannot fit in memory, before anything is allocated:
+    the memory estimate of one rank against its device's free memory (a CPU
+    run's device is the host, shared by the ranks of this node). Off with
+    ``train.memory_check=false``."""
+    if not cfg.train.memory_check:
+        return
+    # torchrun and submitit say how many ranks share this node; a single process is alone
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    problem = fit_check(cfg, vocab, ctx.world, local_world, micro_steps(cfg, ctx.world)[0], ctx.device)
+    if problem:
+        raise NotEnoughMemory(problem)
+
+
 def build_model(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, vocab: int) -> RunModel:
     """The GPT on the meta device, wrapped (``wrap``: storage, initial weights,
-    precision, parallelism, compile), then its optimizer and loss scaler."""
+    precision, parallelism, compile), then its optimizer and loss scaler; a
+    run that cannot fit in memory is refused first (:func:`check_memory`)."""
+    check_memory(cfg, ctx, vocab)  # before wrap() gives the model storage: nothing big exists yet
     tc, m = cfg.train, cfg.model
     torch.manual_seed(tc.seed)  # dropout's stream: the same on every rank
     # Built on the meta device (no memory, no random draws); wrap() gives it storage

@@ -152,7 +152,7 @@ class Checkpointer:
         phase(lambda: self._seal(tmp, step, {k: v for part in shares for k, v in part.items()}, model_sd,
                                  states["progress"], optimizer) if main else None)
         self.faults.during_save(step)  # debug.kill_during_save_at_step: shards written, nothing visible yet
-        phase(lambda: self._publish(tmp, final) if main else None)
+        phase(lambda: self._publish(step, tmp, final) if main else None)
         return final
 
     def _prepare(self, tmp: Path, final: Path) -> None:
@@ -192,7 +192,7 @@ class Checkpointer:
         }
         write_file(tmp / "meta.json", json.dumps(meta, indent=2).encode())
 
-    def _publish(self, tmp: Path, final: Path) -> None:
+    def _publish(self, step: int, tmp: Path, final: Path) -> None:
         """The atomic step: from the rename on, ``final`` is a checkpoint."""
         old = final.with_name(final.name + ".old")
         if final.exists():  # the same step saved again (e.g. a resumed run that ends where it began):
@@ -204,7 +204,8 @@ class Checkpointer:
                 os.replace(old, final)
             raise
         shutil.rmtree(old, ignore_errors=True)
-        self._prune()
+        self.faults.after_save(step)  # debug.kill_after_save_at_step: visible, older ones not yet pruned
+        self.prune()
 
     def _phase(self, step: int, tmp: Path, work: Callable, fs: Optional["_KeepOSError"] = None) -> list:
         """Run ``work`` (one part of a save) on this rank, then learn every rank's
@@ -244,8 +245,11 @@ class Checkpointer:
             f"half-written {tmp.name} is discarded; {fix}, then run again (resume=auto continues from the last "
             "complete checkpoint).")
 
-    def _prune(self) -> None:
-        if self.cfg.keep_last <= 0:
+    def prune(self) -> None:
+        """Delete all but the ``checkpoint.keep_last`` newest complete checkpoints
+        (rank 0; after every save, and when a launch closes a run whose last save
+        was not followed by its pruning)."""
+        if self.cfg.keep_last <= 0 or not self.ctx.is_main:
             return
         with contextlib.suppress(OSError):  # the new checkpoint is in place: a failed clean-up must not undo it
             for old in complete_checkpoints(self.root)[: -self.cfg.keep_last]:

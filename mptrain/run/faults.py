@@ -11,8 +11,9 @@
   overflowed fp32. It also stops a run whose loss scale has collapsed.
 - :class:`FaultInjector` is the test aid behind ``debug.*``: NaN planted in a
   module's output, an inf written into a gradient (the step calls
-  :meth:`FaultInjector.after_backward`), a kill in the middle of a save. A run
-  without ``debug.*`` holds one that does nothing (:data:`NO_FAULTS` is one).
+  :meth:`FaultInjector.after_backward`), a kill in the middle of a save or right
+  after one. A run without ``debug.*`` holds one that does nothing
+  (:data:`NO_FAULTS` is one).
 """
 from __future__ import annotations
 
@@ -243,6 +244,7 @@ class FaultInjector:
         self.inf_rank = dcfg.inject_inf_grad_rank if dcfg is not None else -1
         self.grad_value = float(dcfg.inject_grad_value) if dcfg is not None else math.inf
         self.kill_at = dcfg.kill_during_save_at_step if dcfg is not None else None
+        self.kill_after = dcfg.kill_after_save_at_step if dcfg is not None else None
         if dcfg is not None and dcfg.nan_in_module and dcfg.nan_rank in (-1, rank):
             self._plant_nan(model, dcfg.nan_in_module, set(dcfg.nan_at_steps))
 
@@ -275,6 +277,11 @@ class FaultInjector:
         """Called with the shards written and the checkpoint not yet visible."""
         if self.kill_at == step:
             os.kill(os.getpid(), signal.SIGKILL)  # rehearses a node lost in the middle of a save
+
+    def after_save(self, step: int) -> None:
+        """Called once the checkpoint is visible, before older ones are pruned."""
+        if self.kill_after == step:
+            os.kill(os.getpid(), signal.SIGKILL)  # rehearses a node lost before the run wrote its records
 
 
 NO_FAULTS = FaultInjector()
@@ -433,6 +440,6 @@ def _grad_where(r: Replay) -> str:
 def _norm_text(r: Replay) -> str:
     """The norm-overflow diagnosis, without the step."""
     big = torch.finfo(torch.float32).max
-    return (f"every gradient is finite, but their global norm overflowed (it sums squares in fp32, and values "
+    return (f"every gradient is finite, but their global norm overflowed (its sum of squares must fit fp32, and values "
             f"above {math.sqrt(big):.2g} square past fp32's max {big:.2g}); the largest |gradient| is "
             f"{r.largest:.3g}, in '{r.largest_in}'")

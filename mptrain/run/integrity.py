@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from mptrain.core.errors import UserError
+from mptrain.run.safeload import check_inside
 
 FORMAT = "mptrain-dcp-1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -55,6 +56,16 @@ def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None and (p / "meta.json").is_file()]
+    return sorted(found, key=step_of)
+
+
+def incomplete_checkpoints(root: Path) -> list[Path]:
+    """``step-N`` folders under ``root`` that hold no meta.json, oldest first: an
+    empty folder or a partial copy (a save never leaves one: it writes
+    ``step-N.tmp`` and renames it complete)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None and not (p / "meta.json").is_file()]
     return sorted(found, key=step_of)
 
 
@@ -158,6 +169,7 @@ def verify(path: Path, log: Callable[[str], None] = print) -> bool:
     existed cannot be checked: one line through ``log`` says so, and False is
     returned; True means verified."""
     meta = read_meta(path)
+    check_inside(path, CheckpointDamaged)  # before any byte is read: no link or .metadata path leads outside
     record = meta.get("manifest")
     if record is None:
         log(f"checkpoint {path} has no {MANIFEST} (saved by an older version): its files could not be verified")

@@ -18,6 +18,7 @@ tools read them.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from mptrain.config.schema import ParallelMode
 from mptrain.core.shards import local_shard
 from mptrain.core.text import fmt
+from mptrain.data.batches import ValSet
 from mptrain.distributed.comm import CommCounter, counting
 from mptrain.distributed.parallel import DistContext
 from mptrain.model.generate import generate
@@ -124,6 +126,7 @@ class Reporter:
         self.say = print
         self.last_train: dict = {}
         self.last_val: Optional[float] = None
+        self.eval_set: dict = {}  # what the validation loss is measured on, once evaluated (for the summary)
         self.last_comm: dict = {}
         self.fp8_casts: Optional[dict] = None  # the last monitored step's float8 cast figures (fp8watch.report)
         self.waited = {"wait_s": 0.0, "copy_s": 0.0}  # the data wait of the logged laps, for the summary
@@ -315,9 +318,10 @@ class Reporter:
             row["audit/flags"] = len(report["flags"])
         return hists
 
-    def evaluated(self, done: int, val_loss: float) -> dict:
-        """The validation loss of step ``done``: its console line and its row."""
+    def evaluated(self, done: int, val_loss: float, val_set: ValSet) -> dict:
+        """The validation loss of step ``done`` on ``val_set``: its console line and its row."""
         self.last_val = val_loss
+        self.eval_set = {"eval/tokens": val_set.tokens, "eval/windows": val_set.windows}
         self.metrics.write(f"step {done:>6} | train loss {fmt(self.last_train.get('train/loss'))} | "
                            f"val loss {fmt(val_loss)} | unigram baseline {self.tokens.unigram_nats:.4f}")
         return {"val/loss": val_loss}
@@ -336,9 +340,20 @@ class Reporter:
         self.metrics.text("samples/text", text, done)
 
     # --------------------------------------------------------------- summary
+    def logged_up_to(self, step: int) -> None:
+        """Take the last training and validation figures from metrics.jsonl (rows up
+        to ``step``): for a launch that trains nothing but writes the summary of a
+        run whose final launch was lost before writing it."""
+        path = self.run_dir / "metrics.jsonl"
+        rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+        rows = [r for r in rows if r["step"] <= step]
+        self.last_train = next((r for r in reversed(rows) if "train/loss" in r), {})
+        self.last_val = next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), None)
+
     def finish(self, model: nn.Module, optimizer: torch.optim.Optimizer, progress, stopped_by: Optional[str]) -> dict:
         """summary.json, the sinks closed, the closing lines; returns the summary."""
-        self.dtypes.update(observed_dtypes(model, optimizer))  # at the end, not just after step 1
+        if "compute_observed" in self.dtypes:  # a launch that ran no step holds no gradients to observe
+            self.dtypes.update(observed_dtypes(model, optimizer))  # at the end, not just after step 1
         if self.fp8_casts is not None:
             self.metrics.write(fp8watch.table(self.fp8_casts))
         summary = self._summary(model, progress, stopped_by)
@@ -372,6 +387,7 @@ class Reporter:
             **({"config_history": self.history} if self.history else {}),
             **({"stopped_early": stopped_by} if stopped_by else {}),
             **self.last_comm,
+            **self.eval_set,
         }
         if self.peak and tps:
             summary["perf/mfu"] = mfu(tps, self.flops_tok, self.peak, ctx.world)

@@ -8,14 +8,21 @@ launch's, and tells the trainer one of three things:
 - start fresh (no checkpoint; ``resume=none`` is refused in a directory that
   holds checkpoints, which a new run would interleave with);
 - continue from a checkpoint, with the history of accepted config changes;
-- nothing to do: the run already reached ``train.max_steps``. Its records stay
-  as they are; raising ``train.max_steps`` continues it.
+- nothing to do: the run already reached ``train.max_steps`` (or this launch's
+  ``train.stop_after``). Its records stay as they are; raising the limit
+  continues it. One exception: a run whose final checkpoint was saved by a
+  launch that ended before writing summary.json is *closed*: the trainer loads
+  that checkpoint and writes the missing records without training.
 
-A config change that alters the training math is refused with the list of
-differences unless the user names it in ``resume.allow_changes``; then it is
-recorded (``history``: from step N, key: [before, after]) in config.yaml,
-summary.json and every later checkpoint, so that no record says the whole run
-used a setting that only its later steps did.
+What a changed key does is declared beside the key, in the schema
+(``mptrain/config/schema.py``: ``guarded``, ``recorded`` or ``harmless``,
+listed by :func:`on_resume`). A change of a guarded key alters the training
+math: it is refused with the list of differences unless the user names it in
+``resume.allow_changes``; then it is recorded (``history``: from step N, key:
+[before, after]) in config.yaml, summary.json and every later checkpoint, so
+that no record says the whole run used a setting that only its later steps
+did. A recorded key's change is always allowed and written to the history too;
+a harmless one's is neither refused nor recorded.
 """
 from __future__ import annotations
 
@@ -28,22 +35,26 @@ from typing import Callable, Optional
 
 from omegaconf import OmegaConf
 
+from mptrain.config.schema import GUARDED, RECORDED, on_resume
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.text import quiet
 from mptrain.precision import optimizers
 from mptrain.precision.optim_layout import quantized_layout_refusal
 from mptrain.run.checkpoint import flatten
-from mptrain.run.integrity import CheckpointDamaged, CheckpointError, complete_checkpoints, read_meta, step_of, verify
+from mptrain.run.integrity import (
+    CheckpointDamaged,
+    CheckpointError,
+    complete_checkpoints,
+    incomplete_checkpoints,
+    read_meta,
+    step_of,
+    verify,
+)
 from mptrain.run.step import describe_schedule, lr_at
 
-# Keys whose change alters what the model computes or learns.
-MATH = ("model.", "precision.", "optim.", "data.", "train.seed", "train.global_batch_size",
-        "train.micro_batch_size", "train.grad_clip", "train.tf32")
-# Inside ``data.``: where the tokens are cached and how fast they are read, not which tokens.
-NOT_MATH = ("data.cache_dir", "data.num_proc", "data.trust_remote_code", "data.shard_tokens")
-# Changes that are always allowed but worth a line in the history: more (or fewer)
-# steps move the learning-rate schedule; another wrapper or world size reshards.
-RECORDED = ("train.max_steps", "parallel.name", "world_size")
+# Facts of a launch compared as if they were keys, with their marker: another
+# world size reshards the checkpoint and reduces in another order.
+LAUNCH = {"world_size": RECORDED}
 
 # Changes no allow list can make: the checkpoint's optimizer state has another
 # structure. Per key: what of its value decides the structure, the value a
@@ -71,6 +82,10 @@ class ResumePlan:
     step: int = 0
     history: list = field(default_factory=list)  # [{"from_step": N, "changes": {key: [before, after]}}]
     finished: Optional[str] = None  # set when there is nothing to train: the message to print
+    # Set when the run reached train.max_steps but the launch that saved its final
+    # checkpoint (``path``) ended before writing summary.json: the message to print
+    # before the trainer loads it and writes the records, without training.
+    closing: Optional[str] = None
 
 
 def plan(cfg, run_dir: Path, ctx, say: Callable[[str], None]) -> ResumePlan:
@@ -94,8 +109,9 @@ def _decide(cfg, run_dir: Path, world: int, say) -> ResumePlan:
     if path is None:
         return _fresh(cfg, run_dir, source)
     meta = read_meta(path)
+    saved = meta.get("config", {})
     now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    changes, refused = compare({**meta.get("config", {}), "world_size": meta.get("world_size")},
+    changes, refused = compare({**saved, "world_size": meta.get("world_size")},
                                {**now, "world_size": world}, list(cfg.resume.allow_changes))
     _check_optimizer(cfg, path, meta, world)
     step = int(meta["step"])
@@ -106,15 +122,40 @@ def _decide(cfg, run_dir: Path, world: int, say) -> ResumePlan:
             f"the change with resume.allow_changes=[{','.join(_suggest(refused))}] (recorded as a history "
             f"from step {step}).")
     history = list(meta.get("history", []))
-    if "train.max_steps" in changes:
-        say(schedule_change(cfg, meta.get("config", {}).get("optim", {}), changes["train.max_steps"][0], step))
     if changes:
         history.append({"from_step": step, "changes": changes})
-    finished = None
-    if step >= cfg.train.max_steps:
-        finished = (f"{path} is at step {step} and train.max_steps={cfg.train.max_steps}: nothing to train; "
-                    "the run's records are left as they are. Raise train.max_steps to continue it.")
-    return ResumePlan(path=path, step=step, history=history, finished=finished)
+    plan = ResumePlan(path=path, step=step, history=history)
+    max_steps, stop_after = cfg.train.max_steps, cfg.train.stop_after
+    saved_max = saved.get("train", {}).get("max_steps", max_steps)
+    if step >= max_steps:
+        if _records_missing(run_dir, path, step):
+            plan.closing = (f"{path} is the run's final checkpoint (step {step}), but the launch that saved it "
+                            "ended before writing summary.json: loading it to write the run's records, "
+                            "without training.")
+        else:
+            lowered = (f" (lowered from {saved_max}; steps already trained are not undone)"
+                       if saved_max > max_steps else "")
+            plan.finished = (f"{path} is at step {step} and train.max_steps={max_steps}{lowered}: nothing to "
+                             "train; the run's records are left as they are. Raise train.max_steps above "
+                             f"{step} to continue it.")
+    elif stop_after is not None and step >= stop_after:
+        # stop_after counts from step 0: this slice of the run is done already
+        plan.finished = (f"{path} is at step {step} and train.stop_after={stop_after}: nothing to train in "
+                         "this launch; the run's records are left as they are. Raise train.stop_after above "
+                         f"{step}, or drop it, to continue.")
+    elif "train.max_steps" in changes:
+        say(schedule_change(cfg, saved.get("optim", {}), changes["train.max_steps"][0], step))
+    return plan
+
+
+def _records_missing(run_dir: Path, path: Path, step: int) -> bool:
+    """Whether ``path``, this run directory's own checkpoint of step ``step``,
+    lacks the summary.json its launch should have written after it (none, or one
+    of an earlier step): that launch was killed between the two. A summary of a
+    later step (the newest checkpoint damaged, an older one picked) is kept."""
+    if path.resolve().parent != (run_dir / "checkpoints").resolve():
+        return False  # a checkpoint of another run: this directory's records are not its
+    return _read_summary(run_dir).get("steps", -1) < step
 
 
 def _check_optimizer(cfg, path: Path, meta: dict, world: int) -> None:
@@ -149,7 +190,8 @@ def schedule_change(cfg, saved_optim: dict, old_max: int, step: int) -> str:
     old = OmegaConf.merge(schema, {k: v for k, v in saved_optim.items() if k in schema})  # keys it knew
     new, new_max = cfg.optim, cfg.train.max_steps
     before, after = lr_at(step, old, old_max), lr_at(step, new, new_max)
-    return (f"train.max_steps {old_max} -> {new_max} stretches the learning-rate schedule: it was "
+    how = "stretches" if new_max > old_max else "shortens"
+    return (f"train.max_steps {old_max} -> {new_max} {how} the learning-rate schedule: it was "
             f"{describe_schedule(old, old_max)}; it is now {describe_schedule(new, new_max)}. "
             f"The learning rate at step {step + 1} is {after:.2e} (the saved run would have used {before:.2e}).")
 
@@ -168,7 +210,7 @@ def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = prin
         return None
     label = label or f"resume={resume}"
     if resume == "auto":
-        return _newest_intact(complete_checkpoints(run_dir / "checkpoints"), label, log)
+        return _newest_intact(_listed(run_dir / "checkpoints", label, log), label, log)
     p = Path(os.path.expanduser(resume))
     if not p.exists():
         raise CheckpointError(f"{label}: no such file or directory.")
@@ -176,12 +218,22 @@ def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = prin
         _verify_named(p, log)
         return p
     for root in (p / "checkpoints", p):
-        found = complete_checkpoints(root)
+        found = _listed(root, label, log)
         if found:
             return _newest_intact(found, label, log)
     if p.name.endswith(".tmp"):
         raise CheckpointError(f"{label}: this checkpoint was never completed (its save was interrupted).")
     raise CheckpointError(f"{label}: not a checkpoint (no meta.json) and holds no complete checkpoints/step-N.")
+
+
+def _listed(root: Path, label: str, log) -> list[Path]:
+    """:func:`complete_checkpoints` of ``root``, with one line through ``log`` for
+    each ``step-N`` folder there that is passed over for holding no meta.json."""
+    for p in incomplete_checkpoints(root):
+        what = "it is empty" if not any(p.iterdir()) else "it holds no meta.json (an incomplete copy?)"
+        log(f"{label}: {p} is not a checkpoint ({what}), skipped; delete it, or copy the whole "
+            "checkpoint in, to silence this line")
+    return complete_checkpoints(root)
 
 
 def _newest_intact(found: list[Path], label: str, log) -> Optional[Path]:
@@ -260,10 +312,13 @@ def finished_summary(run_dir: Path) -> dict:
 
 
 def compare(saved: dict, now: dict, allow: list[str]) -> tuple[dict, list[str]]:
-    """(accepted changes ``{key: [before, after]}``, refused changes as text).
-    Keys absent on one side (a checkpoint from an older version) are not compared,
-    except the STRUCTURAL ones: a checkpoint saved before such a key existed ran
-    with the value it has there (round to nearest, moments in the parameters' dtype)."""
+    """(accepted changes ``{key: [before, after]}``, refused changes as text),
+    each key judged by its marker in the schema (:func:`on_resume`): guarded ones
+    refused unless ``allow`` names them or their section, guarded and recorded
+    ones accepted into the history, harmless ones left out. Keys absent on one
+    side (a checkpoint from an older version) are not compared, except the
+    STRUCTURAL ones: a checkpoint saved before such a key existed ran with the
+    value it has there (round to nearest, moments in the parameters' dtype)."""
     old, new = flatten(saved), flatten(now)
     for key, (_, before_it_existed, _why) in STRUCTURAL.items():
         if key in new and key not in old:  # a checkpoint older than the key had its default
@@ -272,7 +327,7 @@ def compare(saved: dict, now: dict, allow: list[str]) -> tuple[dict, list[str]]:
         if not any(k == entry or k.startswith(entry + ".") for k in new):
             raise ConfigError(f"resume.allow_changes: '{entry}' is not a config key or section "
                               "(e.g. precision, optim.lr, train.seed).")
-    accepted, refused = {}, []
+    accepted, refused, kinds = {}, [], on_resume()
     for key in sorted(old.keys() & new.keys()):
         if old[key] == new[key]:
             continue
@@ -283,11 +338,11 @@ def compare(saved: dict, now: dict, allow: list[str]) -> tuple[dict, list[str]]:
                                     f"optimizer state ({why}), so this checkpoint cannot be loaded under it "
                                     "(even with resume.allow_changes); resume with the value it was saved "
                                     "with, or start a new run.")
-        math = key.startswith(MATH) and not key.startswith(NOT_MATH)
+        kind = LAUNCH.get(key) or kinds.get(key, (GUARDED, ""))[0]  # a key without a marker is guarded
         allowed = any(key == a or key.startswith(a + ".") for a in allow)
-        if math and not allowed:
+        if kind == GUARDED and not allowed:
             refused.append(f"{key}: {old[key]!r} -> {new[key]!r}")
-        elif math or key in RECORDED:
+        elif kind in (GUARDED, RECORDED):
             accepted[key] = [old[key], new[key]]
     return accepted, refused
 

@@ -21,7 +21,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from mptrain.core.errors import ConfigError
-from mptrain.data.batches import Prefetcher, val_batches
+from mptrain.data.batches import Prefetcher, ValSet
 from mptrain.distributed.parallel import DistContext, export_submitit_env, setup
 from mptrain.precision.rules import validate
 from mptrain.run.build import build_data, build_model, build_policy
@@ -55,6 +55,8 @@ def run(cfg: DictConfig, run_dir: Optional[str | Path] = None) -> dict:
                 if plan.finished:
                     log.say(plan.finished)
                     return finished_summary(run_dir)
+                if plan.closing:
+                    log.say(plan.closing)
                 return Trainer(cfg, ctx, run_dir, plan, claim, log).train()
         except BaseException as e:
             log.failure(e)
@@ -142,6 +144,8 @@ class Trainer:
             self.ckpt.load(self.resumed_from, self.model, self.optimizer, self.states, self.policy)
         self.report.resumed(self.resumed_from, self.plan.history)
         self.start = self.progress.step
+        if self.plan.closing:
+            self.last_saved = self.start  # the final checkpoint is the one just loaded: not saved again
 
     def _open_outputs(self) -> None:
         """From here on the run writes its records. Every (re)start first drops what
@@ -232,9 +236,10 @@ class Trainer:
         if not (tc.eval_every and (done % tc.eval_every == 0 or done == tc.max_steps)):
             return {}
         with self.clock.paused():
-            val = val_batches(self.val_windows, tc.eval_batches, tc.global_batch_size, self.mbs,
-                              self.ctx.rank, self.ctx.world)
-            row = self.report.evaluated(done, evaluate(self.model, self.policy, self.ctx, val))
+            # The same windows at every evaluation and on any batch or world size (cheap to lay out again).
+            val = ValSet(self.val_windows, tc.eval_tokens)
+            loss = evaluate(self.model, self.policy, self.ctx, val.batches(self.mbs, self.ctx.rank, self.ctx.world))
+            row = self.report.evaluated(done, loss, val)
             self.report.sample(done, self.model, self.policy)
         return row
 
@@ -264,12 +269,17 @@ class Trainer:
 
     # -------------------------------------------------------------- summarize
     def summarize(self) -> dict:
-        """Final checkpoint if due, summary.json, the closing lines."""
+        """Final checkpoint if due, summary.json, the closing lines. A launch that
+        closes a run (``plan.closing``) first does what the lost launch did not:
+        prune, and take the final figures from metrics.jsonl."""
         self.metrics.console.close()
         step = self.progress.step
         ck = self.cfg.checkpoint
         if (ck.every or ck.at_end) and self.last_saved != step and step == self.tc.max_steps:
             self.checkpoint(step)
+        if self.plan.closing:  # the lost launch's unfinished business: its pruning, its final figures
+            self.ckpt.prune()
+            self.report.logged_up_to(step)
         summary = self.report.finish(self.model, self.optimizer, self.progress, self.stopped_by)
         self.ctx.barrier()  # leave together: the next multirun job starts on every rank at once
         return summary

@@ -1,0 +1,81 @@
+"""What a resume may change: every schema key declares it (guarded, recorded or
+harmless), and the resume reads those markers; a rerun past ``train.stop_after``
+or ``train.max_steps`` trains nothing and says why; a folder that is no
+checkpoint is named when it is passed over."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from mptrain.config.schema import GUARDED, HARMLESS, RECORDED, Config, on_resume
+from mptrain.run.checkpoint import flatten
+from mptrain.run.resume import ResumeRefused
+
+from .conftest import train
+from .test_rundir import _tree
+
+
+def _leaves(cls: type, prefix: str = ""):
+    """(dotted key, dataclass field) of every leaf of the schema, walked section by section."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _leaves(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, f
+
+
+def test_every_schema_key_says_what_a_resume_may_do_with_it():
+    leaves = dict(_leaves(Config))
+    assert len(leaves) > 100 and "train.z_loss" in leaves and "precision.loss_scale.init_scale" in leaves
+    unmarked = [k for k, f in leaves.items() if f.metadata.get("on_resume") not in (GUARDED, RECORDED, HARMLESS)]
+    assert not unmarked, f"declare these with guarded(), recorded() or harmless(): {unmarked}"
+    unexplained = [k for k, f in leaves.items()
+                   if f.metadata["on_resume"] == HARMLESS and len(f.metadata["why"].strip()) < 10]
+    assert not unexplained, f"a harmless key says why in its marker: {unexplained}"
+    # what resume.py reads is every key a config holds, no more, no less
+    assert on_resume().keys() == leaves.keys() == flatten(OmegaConf.to_container(OmegaConf.structured(Config))).keys()
+    kinds = {k: kind for k, (kind, _) in on_resume().items()}
+    assert kinds["train.z_loss"] == kinds["train.micro_batch_size"] == kinds["optim.lr"] == GUARDED
+    assert kinds["train.max_steps"] == kinds["parallel.name"] == kinds["train.eval_tokens"] == RECORDED
+    assert kinds["train.log_every"] == kinds["train.stop_after"] == kinds["data.cache_dir"] == HARMLESS
+
+
+def test_resume_reads_the_markers_and_reruns_say_why_nothing_trains(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(run, "train.max_steps=6", "train.stop_after=2")
+    # The same stop_after command again: the slice is done, nothing trains (it used to train step 3).
+    records = _tree(run)
+    capsys.readouterr()
+    again, _ = train(run, "train.max_steps=6", "train.stop_after=2")
+    said = capsys.readouterr().out
+    assert "step-2 is at step 2 and train.stop_after=2: nothing to train in this launch" in said, said
+    assert _tree(run) == records and again["steps"] == 2
+    # An empty step-N folder is passed over with a line naming it.
+    (run / "checkpoints" / "step-9").mkdir()
+    # z-loss changes the loss the model learns from: refused, nothing written.
+    with pytest.raises(ResumeRefused, match=r"train.z_loss: 0.0 -> 0.001\). .*allow_changes=\[train.z_loss\]"):
+        train(run, "train.max_steps=6", "train.z_loss=0.001")
+    assert f"{run / 'checkpoints' / 'step-9'} is not a checkpoint (it is empty), skipped" in capsys.readouterr().out
+    assert _tree(run) == records
+    # Named, it trains on and is recorded; a lower max_steps shortens the schedule and says so.
+    s, _ = train(run, "train.max_steps=5", "train.z_loss=0.001", "resume.allow_changes=[train.z_loss]",
+                 "train.stop_after=3")
+    assert "train.max_steps 6 -> 5 shortens the learning-rate schedule" in capsys.readouterr().out
+    history = [{"from_step": 2, "changes": {"train.max_steps": [6, 5], "train.z_loss": [0.0, 0.001]}}]
+    assert s["steps"] == 3 and s["config_history"] == history  # stop_after 2 -> 3: harmless, not recorded
+    assert json.loads((run / "summary.json").read_text())["config_history"] == history
+    assert yaml.safe_load((run / "config.yaml").read_text())["run_info"]["config_history"] == history
+    assert json.loads((run / "checkpoints" / "step-3" / "meta.json").read_text())["history"] == history
+    # max_steps lowered to the step reached: nothing to train, and the line says so.
+    records = _tree(run)
+    train(run, "train.max_steps=3", "train.z_loss=0.001")
+    said = capsys.readouterr().out
+    assert ("step-3 is at step 3 and train.max_steps=3 (lowered from 5; steps already trained are not undone): "
+            "nothing to train") in said, said
+    assert _tree(run) == records

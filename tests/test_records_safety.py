@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mptrain.run.metrics import TensorBoardSink
 from mptrain.run.rundir import RunDirError
 
-from .conftest import ROOT, TINY, read_rows, train
+from .conftest import ROOT, TINY, read_rows, run_cli, train
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,29 @@ def test_planted_links_are_never_written_through(tmp_path):
     for name in ("config.yaml", "summary.json"):  # the run's own files now, in place of the links
         assert not (run / name).is_symlink() and b"precious" not in (run / name).read_bytes()
     assert not any(p.name.startswith(("config.yaml.tmp", "summary.json.tmp")) for p in run.iterdir())
+
+
+@pytest.mark.parametrize("link", [".hydra", ".hydra/config.yaml"])
+def test_hydra_never_writes_through_a_planted_link(tmp_path, link):
+    """Hydra saves .hydra/*.yaml with a plain open, which follows links: the
+    launch is refused before Hydra writes, in one line, and the outside is untouched."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    (run / ".hydra").mkdir(parents=True)
+    outside.mkdir()
+    if link == ".hydra":
+        (run / ".hydra").rmdir()
+        (run / ".hydra").symlink_to(outside, target_is_directory=True)
+    else:
+        (outside / "config.yaml").write_text("precious\n")
+        (run / link).symlink_to(outside / "config.yaml")
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    r = run_cli(*TINY, "train.max_steps=1", f"hydra.run.dir={run}")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"mptrain: run directory error: {run / link} is a symbolic link (to "
+                                f"{outside / 'config.yaml' if link != '.hydra' else outside}): a run writes its "
+                                "records only into files of its own directory, never through a link. Remove the "
+                                "link, or pick another hydra.run.dir."), r.stderr
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
 
 
 def test_a_partial_last_row_is_cut_back(saved, tmp_path, capsys):

@@ -75,6 +75,7 @@ class Claim:
 
     def acquire(self) -> None:
         lock = self.run_dir / LOCK_NAME
+        _refuse_hydra_links(self.run_dir)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a planted link is refused
@@ -130,6 +131,19 @@ class Claim:
             _restore(path, old)
 
 
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+"""What Hydra writes into ``<run>/.hydra/`` after the lock is taken (with a plain open, which follows links)."""
+
+
+def _refuse_hydra_links(run_dir: Path) -> None:
+    """A link at ``.hydra`` or at one of its files is refused before Hydra writes
+    through it: this runs in ``on_run_start``, before Hydra saves its configs."""
+    hydra_dir = run_dir / ".hydra"
+    for path in (hydra_dir, *(hydra_dir / name for name in HYDRA_FILES)):
+        if path.is_symlink():
+            raise link_refused(path)
+
+
 def _has_content(run_dir: Path) -> bool:
     """Whether the directory holds anything besides a lock file (an empty
     directory made for this launch by ``${mptrain_new_dir:...}`` does not)."""
@@ -142,7 +156,7 @@ def _snapshot(run_dir: Path) -> dict:
     file that did not exist) and the job logs (their length: they are appended to)."""
     # A symbolic link is left out: restoring it would write through it.
     kept: dict[Path, object] = {}
-    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+    for name in HYDRA_FILES:
         f = run_dir / ".hydra" / name
         if not f.is_symlink():
             kept[f] = f.read_bytes() if f.is_file() else None

@@ -130,7 +130,20 @@ def read_newest(path: Path, read: Callable[[Path], T], log: Callable[[str], None
     as a pruning run would."""
     lost: list[str] = []
     while True:
-        ckpt = find_checkpoint(path, log)
+        before = _newest_of(path)
+        try:
+            ckpt = find_checkpoint(path, log)
+        except (CheckpointError, FileNotFoundError) as e:
+            # Deleted while verify read it: a pruning run saved a newer one meanwhile; choose again.
+            if isinstance(e, CheckpointError) and _newest_of(path) == before:
+                raise  # nothing moved: the checkpoints are what the error says
+            lost.append(before[0].name if before else str(path))
+            if len(lost) >= READ_TRIES:
+                raise SampleError(
+                    f"the checkpoints of {path} were deleted while they were checked ({', '.join(lost)}); if a "
+                    "run is pruning them (checkpoint.keep_last), wait until it has finished or copy a checkpoint "
+                    "out of it (cp -r) and give the copy.") from None
+            continue
         named = ckpt == Path(os.path.expanduser(str(path)))  # by its own path: no newer one to take instead
         newest = complete_checkpoints(ckpt.parent)[-1:]
         picked(ckpt)
@@ -154,6 +167,13 @@ def read_newest(path: Path, read: Callable[[Path], T], log: Callable[[str], None
                 "a larger checkpoint.keep_last.") from None
         log(f"{path}: checkpoint {ckpt.name} was deleted while it was read (the run keeps its "
             "checkpoint.keep_last newest); reading the newest one now")
+
+
+def _newest_of(path: Path) -> list[Path]:
+    """``[the newest complete checkpoint]`` of the run directory ``path`` (empty
+    when it has none, or ``path`` is a checkpoint itself)."""
+    path = Path(os.path.expanduser(str(path)))
+    return complete_checkpoints(path / "checkpoints")[-1:]
 
 
 def _newer_saved(ckpt: Path, newest: list[Path]) -> bool:

@@ -43,6 +43,7 @@ import contextlib
 import errno
 import io
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -453,10 +454,31 @@ def load_full_state(path: Path, log: Callable[[str], None] = print) -> dict[str,
                 load_plain(f)
     sd: dict = {}
     # What DCP's own dcp_to_torch_save does, minus its unrestricted unpickling.
-    with _read_errors(path):
+    with _read_errors(path), _no_dcp_fallback_tracebacks():
         check_metadata(path)
         _load_state_dict(sd, storage_reader=SafeReader(str(path)), planner=SafeFullLoadPlanner(), no_dist=True)
     return flatten(sd)
+
+
+class _DcpFallbackTraceback(logging.Filter):
+    """Drops DCP's warnings that carry a traceback ("Global metadata is not found.
+    Falling back to rank local metadata", then "Rank local metadata is not
+    found"): the read then fails and raises, and that error is the one reported
+    (in one line). DCP logs them on the root logger, hence the filter there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.levelno == logging.WARNING
+                    and f"distributed{os.sep}checkpoint" in record.pathname)
+
+
+@contextlib.contextmanager
+def _no_dcp_fallback_tracebacks():
+    f = _DcpFallbackTraceback()
+    logging.getLogger().addFilter(f)
+    try:
+        yield
+    finally:
+        logging.getLogger().removeFilter(f)
 
 
 def load_full_model_state(path: Path, log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:

@@ -6,8 +6,8 @@ import hydra
 from omegaconf import DictConfig
 
 from mptrain.config.checks import check_overrides, composition_error, expand_shorthands
-from mptrain.core.errors import UserError
-from mptrain.distributed.launch import exit_process, rank_overrides, say_once, stop_cleanly_before_training
+from mptrain.core.errors import NO_ROOM_FIXES, DiskError, UserError
+from mptrain.distributed.launch import LIVE_CLAIMS, exit_process, rank_overrides, say_once, stop_cleanly_before_training
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -94,6 +94,18 @@ def _launch() -> int:
         if not _set_full_error:
             raise  # the task had started, or the user asked for Hydra's full error
         return _user_error(composition_error(e))
+    except OSError as e:
+        if not _set_full_error or e.errno not in NO_ROOM_FIXES:
+            raise
+        # Hydra's own writes before the task (.hydra/*.yaml): nothing of the run was written yet, so the
+        # launch is undone as a refused one is (a new directory removed, an existing one put back).
+        claims = [c for c in LIVE_CLAIMS.values() if not c.started]
+        for claim in claims:
+            claim.undo()
+        where = ", ".join(str(c.run_dir) for c in claims) or "the run directory"
+        return _user_error(DiskError(f"Hydra could not write its .hydra/ files in {where}: {e.strerror}; "
+                                     f"{NO_ROOM_FIXES[e.errno]}, then run the command again (nothing was trained, "
+                                     "and the directory is as it was)."))
     finally:
         _report_run_errors()
 

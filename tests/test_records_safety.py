@@ -144,3 +144,18 @@ def test_no_room_for_a_record_is_one_line(saved, tmp_path, sink):
     assert f"metrics.jsonl holds every row up to step {steps[-1]} and the last complete checkpoint" in r.stderr
     _, rows = train(run, "train.max_steps=4")  # resumable: from step-2, its later rows dropped
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
+
+
+def test_no_room_for_hydras_own_files_is_one_line_and_undone(tmp_path):
+    """Hydra writes .hydra/*.yaml before the task starts: a file-size limit there
+    (as a full disk) was an OSError traceback through Hydra. Now one line, exit
+    2, and the new run directory is removed again."""
+    run = tmp_path / "parent" / "run"
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "train.max_steps=1", f"hydra.run.dir={run}"],
+                       capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (600, resource.RLIM_INFINITY)))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"mptrain: disk error: Hydra could not write its .hydra/ files in {run}: "
+                               "File too large; raise the file-size limit (ulimit -f)"), r.stderr
+    assert not run.exists()

@@ -111,7 +111,8 @@ def cast_counts(t: torch.Tensor, recipe: str, fmt: str = "e4m3", mx_rounding: st
     q = scaled.clamp(-top, top).to(FORMATS[fmt]).float()
     # The round trip's error in fp32 is exact: a value cast within a factor of 2 of itself
     # subtracts exactly (Sterbenz), and a flushed one leaves itself. Sums of squares
-    # accumulate in fp64 without an fp64 copy of the tensor (vector_norm's dtype).
+    # accumulate in fp64 (vector_norm's dtype; it upcasts a temporary fp64 copy of
+    # the tensor, 8 bytes per value, one tensor at a time: measured on torch 2.13 CPU).
     err = g - q / s[:, None]
     nonzero = g != 0
     sums = torch.stack([

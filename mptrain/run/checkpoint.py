@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from mptrain.core.errors import NO_ROOM_FIXES
 from mptrain.precision.optim_layout import plain_optim_state, quantized_layout_refusal, rebuild_quantized
 from mptrain.precision.optimizers import choice_of
 from mptrain.run.faults import FaultInjector
@@ -336,9 +337,7 @@ def _single_process_ok(ctx):
 # ------------------------------------------------------------- save errors
 # The fix to suggest for the OS errors a save meets most.
 _FIXES = {
-    errno.ENOSPC: "free disk space",
-    errno.EDQUOT: "free space within your disk quota",
-    errno.EFBIG: "raise the file-size limit (ulimit -f) or save to a filesystem that takes larger files",
+    **NO_ROOM_FIXES,  # no room: the same fixes as for the run's other records
     errno.EACCES: "make the checkpoint directory writable for this user",
     errno.EPERM: "make the checkpoint directory writable for this user",
     errno.EROFS: "put the run directory on a writable filesystem",

@@ -94,6 +94,7 @@ def test_a_kill_after_the_final_checkpoint_is_closed_by_the_rerun(tmp_path, caps
     assert s["steps"] == 4 and s["resumed_from"].endswith("step-4") and "stopped_early" not in s
     assert s["final/train_loss"] == rows[-1]["train/loss"] and s["final/val_loss"] == rows[-1]["val/loss"]
     assert s["dtypes"]["gradients"] == "fp32"  # the run's, not "none" from a launch that ran no backward
+    assert (s["eval/tokens"], s["eval/windows"]) == (512, 8)  # the set the val loss was measured on (64 x 8)
     assert json.loads((run_dir / "summary.json").read_text()) == s
     assert [p.name for p in complete_checkpoints(ckpts)] == ["step-4"]  # keep_last=1, as the save would have
     assert "done in" in (run_dir / "train.log").read_text().splitlines()[-2]

@@ -340,15 +340,18 @@ class Reporter:
         self.metrics.text("samples/text", text, done)
 
     # --------------------------------------------------------------- summary
-    def logged_up_to(self, step: int) -> None:
+    def logged_up_to(self, step: int, val_set: Optional[ValSet] = None) -> None:
         """Take the last training and validation figures from metrics.jsonl (rows up
         to ``step``): for a launch that trains nothing but writes the summary of a
-        run whose final launch was lost before writing it."""
+        run whose final launch was lost before writing it. ``val_set``: the set
+        the run's validation loss was measured on (the same at every launch)."""
         path = self.run_dir / "metrics.jsonl"
         rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
         rows = [r for r in rows if r["step"] <= step]
         self.last_train = next((r for r in reversed(rows) if "train/loss" in r), {})
         self.last_val = next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), None)
+        if self.last_val is not None and val_set is not None:
+            self.eval_set = {"eval/tokens": val_set.tokens, "eval/windows": val_set.windows}
 
     def finish(self, model: nn.Module, optimizer: torch.optim.Optimizer, progress, stopped_by: Optional[str]) -> dict:
         """summary.json, the sinks closed, the closing lines; returns the summary."""

@@ -279,7 +279,7 @@ class Trainer:
             self.checkpoint(step)
         if self.plan.closing:  # the lost launch's unfinished business: its pruning, its final figures
             self.ckpt.prune()
-            self.report.logged_up_to(step)
+            self.report.logged_up_to(step, ValSet(self.val_windows, self.tc.eval_tokens))
         summary = self.report.finish(self.model, self.optimizer, self.progress, self.stopped_by)
         self.ctx.barrier()  # leave together: the next multirun job starts on every rank at once
         return summary

@@ -1,7 +1,20 @@
-"""``python -m mptrain.audit``: the dtype audit of one training step."""
+"""``python -m mptrain.audit``: the dtype audit of one training step.
+
+    python -m mptrain.audit [train.py's overrides...]
+    python -m mptrain.audit precision=bf16 model=gpt-nano
+    torchrun --standalone --nproc_per_node=2 -m mptrain.audit parallel=fsdp precision=bf16
+
+Runs one training step with every operator recorded (its module, its input
+and output dtypes), prints a table per module with flags and their fixes,
+writes ``audit.json`` into the run directory (``train.py``'s, under
+``outputs/`` unless ``hydra.run.dir`` says otherwise), and exits without a
+checkpoint. The same as ``python train.py ... train.audit=true train.audit_only=true``.
+"""
 from __future__ import annotations
 
 from typing import Optional
+
+from mptrain.core.text import wants_help
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -13,6 +26,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     import sys
 
     args = sys.argv[1:] if argv is None else list(argv)
+    if wants_help(args):
+        print(__doc__.strip())
+        return
     train_py = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
     if not os.path.exists(train_py):
         sys.exit(f"mptrain.audit: {train_py} not found; run it from a checkout of the project.")

@@ -1,10 +1,22 @@
-"""How much memory a configuration needs per rank: ``python -m mptrain.memory <overrides> [--world N]``."""
+"""How much memory a configuration needs per rank: ``python -m mptrain.memory <overrides> [--world N]``.
+
+    python -m mptrain.memory [train.py's overrides...] [--world N] [--vocab V]
+    python -m mptrain.memory model=gpt-6.7b precision=bf16 parallel=fsdp --world 8
+
+Prints, per rank, the bytes (GiB and bytes per parameter) of the weights,
+gradients, Adam moments, Kahan buffers, gathered copies and activations of a
+training step under that config: the same estimate the trainer checks before
+it allocates (``train.memory_check``). ``--world``: the number of ranks
+(default 1); ``--vocab``: the embedding rows when ``model.vocab_size`` is
+unset (default 4096). Nothing is built or allocated.
+"""
 from __future__ import annotations
 
 import sys
 
 from mptrain.config.checks import compose_checked
 from mptrain.core.errors import ConfigError, UserError
+from mptrain.core.text import wants_help
 from mptrain.observe.memory import estimate, format_table, micro_batch_of
 
 
@@ -29,6 +41,9 @@ def _parse_args(argv: list[str]) -> tuple[int, int | None, list[str]]:
 def main(argv: list[str]) -> None:
     """``python -m mptrain.memory <overrides> [--world N] [--vocab V]``: the
     estimate as a table. A bad argument is one line on stderr and exit code 2."""
+    if wants_help(argv):
+        print(__doc__.strip())
+        return
     try:
         world, vocab, rest = _parse_args(argv)
         cfg = compose_checked(rest)

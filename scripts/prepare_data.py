@@ -14,12 +14,11 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from mptrain.core.errors import UserError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-from mptrain.core.errors import ConfigError  # noqa: E402
+from mptrain.core.errors import ConfigError, UserError  # noqa: E402
+from mptrain.core.text import wants_help  # noqa: E402
 from mptrain.config.checks import compose_checked  # noqa: E402
 from mptrain.data.store import prepare_hf  # noqa: E402
 
@@ -27,6 +26,9 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def main(argv: list[str]) -> int:
+    if wants_help(argv):
+        print(__doc__.strip())
+        return 0
     if not argv or argv[-1].startswith("-") or "=" in argv[-1]:
         print(__doc__, file=sys.stderr)
         print("prepare_data: the last argument must be the output directory.", file=sys.stderr)

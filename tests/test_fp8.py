@@ -128,7 +128,7 @@ def test_doctor_on_this_machine(capsys):
     # main() is all ``python -m mptrain.doctor`` runs; called here, without the start-up of a launch
     from mptrain.doctor import main
 
-    main()
+    assert main([]) == 0
     stdout = capsys.readouterr().out
     out = {line.split()[0]: line.split()[1] for line in stdout.splitlines()
            if line.startswith("  ") and line.split()[1] in ("native", "emulated", "unavailable")}

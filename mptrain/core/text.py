@@ -34,3 +34,14 @@ def text_table(head: list[str], rows: list[list[str]]) -> list[str]:
 def quiet(*_a, **_k) -> None:
     """A ``log``/``say`` callback that prints nothing: for the ranks that must not
     speak and for checks whose findings the caller reports itself."""
+
+
+HELP_FLAGS = ("-h", "--help")
+
+
+def wants_help(argv: list[str]) -> bool:
+    """Whether a command line asks for a command's usage (``-h`` / ``--help``
+    anywhere in it): a command prints its usage and exits 0 then, without
+    doing its work or handing the flag to Hydra (which cannot parse it)."""
+    return any(a in HELP_FLAGS for a in argv)
+

@@ -205,6 +205,7 @@ def _staging_dir(out: Path) -> Path:
     (mkdtemp makes it 0700)."""
     parent = out.absolute().parent  # out may be "."
     try:
+        parent.mkdir(parents=True, exist_ok=True)  # exports/my-model: its folder is made too
         staging = Path(tempfile.mkdtemp(prefix=f".{out.absolute().name}.export-tmp", dir=parent))
         os.chmod(staging, 0o777 & ~umask())
     except OSError as e:

@@ -259,6 +259,8 @@ def test_cli_typo_in_group_name():
     assert r.returncode == 2
     assert "Unknown config key 'precison'" in r.stderr and "precision" in r.stderr
     assert "Traceback" not in r.stderr
+    # The groups a study composes for its sweep are not offered as a choice (they read as internal).
+    assert "optim, parallel, precision" in r.stderr and "optimizer_row" not in r.stderr
 
 
 def test_cli_unknown_option_is_one_line_without_hydra_report():

@@ -115,13 +115,14 @@ def test_export_never_deletes_what_it_did_not_write(byte_run, tmp_path, monkeypa
         assert err.startswith(f"export_hf: the output directory {out} is not empty") and "empty it yourself" in err
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep"
 
-    out = tmp_path / "hf"
+    out = tmp_path / "exports" / "hf"  # as the README's exports/my-model: the folder above is made too
     export_hf.main([str(byte_run), str(out)])
     marker = json.loads((out / export_hf.MARKER).read_text())
     assert marker["checkpoint"] == str((byte_run / "checkpoints" / "step-8").resolve()) and marker["step"] == 8
     assert sorted(marker["files"]) == sorted(p.name for p in out.iterdir() if p.name != export_hf.MARKER)
     assert "model.safetensors" in marker["files"] and marker["complete"] is True
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]  # no staging directory left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exports", "mine"]
+    assert [p.name for p in out.parent.iterdir()] == ["hf"]  # no staging directory left beside it
 
     (out / "NOTES.md").write_text("mine")
     capsys.readouterr()  # the export's own lines and transformers' progress bars
@@ -135,7 +136,7 @@ def test_export_never_deletes_what_it_did_not_write(byte_run, tmp_path, monkeypa
         with pytest.raises(SystemExit, match="the export is wrong"):
             export_hf.main(argv)
     assert json.loads((out / export_hf.MARKER).read_text()) == marker  # the previous export is untouched
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exports", "mine"]
     monkeypatch.undo()
     export_hf.main([step4, str(out), "--overwrite"])
     assert json.loads((out / export_hf.MARKER).read_text())["step"] == 4

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import yaml
@@ -46,6 +47,7 @@ def test_default_run_dir_layout_and_learning(tmp_path):
     assert "step     40 | sample: 'def " in log and "done in " in log
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert cfg["run_info"]["dtypes"]["parameters"] == "fp32"
+    assert cfg["data"]["cache_dir"] == os.environ["MPTRAIN_CACHE"]  # the cache it used, not the key's ~/.cache
     assert cfg["run_info"]["versions"]["torch"] and cfg["run_info"]["git_commit"]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["final/val_loss"] < s["baseline/unigram_val_loss"] - 0.3

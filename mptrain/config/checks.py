@@ -82,6 +82,11 @@ def _user_key(ov: str) -> Optional[str]:
     return None if "/" in key else key
 
 
+# Config groups that a study composes for its sweep (experiment=optimizer_precision
+# picks optimizer_row=...), not a choice a user makes: left out of the list of
+# valid keys an unknown key is shown, though they stay valid on the command line.
+INTERNAL_GROUPS = {"optimizer_row"}
+
 # Keys that were replaced: an old command line or config file is told the new key
 # and what it means, not shown a list of the section's keys. Old key -> that sentence.
 RENAMED = {
@@ -111,8 +116,8 @@ def check_override_keys(overrides: list[str], config_dir: str) -> None:
         if len(parts) == 1 and (groups is None or parts[0] in groups):
             continue  # a group choice (experiment=..., model=...): its option is a value
         if parts[0] not in valid_top:
-            raise ConfigError(_unknown(key, parts[0], sorted(set(valid_top) | (groups or set())),
-                                       "top-level keys and groups"))
+            shown = (set(valid_top) | (groups or set())) - INTERNAL_GROUPS
+            raise ConfigError(_unknown(key, parts[0], sorted(shown), "top-level keys and groups"))
         node: Any = Config
         for i, p in enumerate(parts):
             if node is None:

@@ -20,6 +20,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from mptrain.core import files
+from mptrain.data.store import cache_dir
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.optimizers import stored_as
 from mptrain.run.rundir import writing
@@ -150,8 +151,12 @@ class RunRecord:
         return name, tags
 
     def resolved(self) -> dict:
-        """The resolved config with ``run_info``, as config.yaml and W&B hold it."""
-        return OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True) | {"run_info": self.info}
+        """The resolved config with ``run_info``, as config.yaml and W&B hold it.
+        ``data.cache_dir`` is the cache the run used: ``MPTRAIN_CACHE`` when set
+        (which overrides the key), ``~`` expanded."""
+        out = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
+        out["data"]["cache_dir"] = str(cache_dir(self.cfg.data))
+        return out | {"run_info": self.info}
 
     def write_config(self) -> None:
         if self.is_main:

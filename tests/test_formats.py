@@ -78,7 +78,7 @@ def test_ulp_of_max():
 def test_cli_prints_all_five(capsys):
     # What ``python -m mptrain.formats`` prints is main()'s output; the launch itself is
     # run by tests/test_monitor.py::test_formats_cli, so here it is called in-process.
-    formats_cli.main()
+    assert formats_cli.main([]) == 0
     stdout = capsys.readouterr().out
     lines = stdout.splitlines()
     for name in LAYOUT:

@@ -207,9 +207,7 @@ class DistContext:
         gradients' dtype, rounding what the log and the inf/nan guard see (an
         fp16 norm overflows past 65504)."""
         params = [p for p in model.parameters() if p.grad is not None]
-        sq = _sq_sum([local_shard(p.grad) for p in params], self.device)
-        if self.mode in (ParallelMode.fsdp, ParallelMode.fsdp1) and self.has_group and self.world > 1:
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+        sq = self.shard_sum(_sq_sum([local_shard(p.grad) for p in params], self.device))
         # on the device (no host sync); NaN stays NaN
         sq = sq.masked_fill(sq > torch.finfo(torch.float32).max, math.inf)
         norm = sq.sqrt().float()

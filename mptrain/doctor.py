@@ -4,35 +4,20 @@
 
 Prints the device, torch and torchao versions, which optimizers are
 available, whether bf16 / fp16 / fp8 are native, emulated or unavailable here
-(and why), the measured speed of a 512x512 bf16 and fp16 matmul against fp32,
-and the precision it recommends. Takes no arguments; ``--help`` prints this.
+(and why), the measured speed of a 512x512 bf16, fp16 and float8 matmul
+against fp32 (float8 both ways: ``torch._scaled_mm`` and its fp32 emulation),
+which of the two ``precision.fp8.matmul=auto`` picks here, and the precision
+it recommends. Takes no arguments; ``--help`` prints this.
 """
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
 from mptrain.core.text import wants_help
-from mptrain.precision.support import Verdict, cpu_name, optimizer_support, torchao_version, verdicts
-
-
-def measure_matmul(device: torch.device, n: int = 512, reps: int = 10) -> dict[str, float]:
-    """Seconds per n x n matmul in fp32 / bf16 / fp16 (a rough probe, not a benchmark)."""
-    res = {}
-    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        a = torch.randn(n, n, device=device).to(dt)
-        a @ a  # warm-up (and kernel selection)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        for _ in range(reps):
-            a @ a
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        res[name] = (time.perf_counter() - t) / reps
-    return res
+from mptrain.precision.support import (Verdict, choose_fp8_matmul, cpu_name, matmul_seconds, optimizer_support,
+                                       torchao_version, verdicts)
 
 
 def recommend(device: torch.device, v: dict[str, Verdict]) -> str:
@@ -53,7 +38,7 @@ def report(device: torch.device | None = None) -> str:
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     v = verdicts(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    t = measure_matmul(device)
+    t = matmul_seconds(str(device), 512, 512, 512, reps=5)
     lines = [
         f"device       {device} ({name})",
         f"torch        {torch.__version__}",
@@ -66,6 +51,14 @@ def report(device: torch.device | None = None) -> str:
     lines.append("measured 512x512 matmul (relative to fp32; < 1 is faster):")
     for fmt in ("bf16", "fp16"):
         lines.append(f"  {fmt:<5} {t[fmt] / t['fp32']:6.2f}x  ({t[fmt] * 1e3:.2f} ms vs {t['fp32'] * 1e3:.2f} ms)")
+    if "fp8_emulated" in t:
+        native = (f"{t['fp8_scaled_mm'] / t['fp32']:6.2f}x  (torch._scaled_mm, {t['fp8_scaled_mm'] * 1e3:.2f} ms)"
+                  if "fp8_scaled_mm" in t else "     -   (torch._scaled_mm cannot run here)")
+        lines.append(f"  fp8   {native}; emulated in fp32 {t['fp8_emulated'] / t['fp32']:.2f}x "
+                     f"({t['fp8_emulated'] * 1e3:.2f} ms)")
+        if v["fp8"].status != "unavailable" or device.type == "cuda":
+            path, why = choose_fp8_matmul("auto", device)
+            lines.append(f"fp8 matmul   {path} ({why})")
     lines.append(f"recommended  precision={recommend(device, v)}")
     return "\n".join(lines)
 

@@ -52,6 +52,14 @@ class Fp8Recipe(Enum):
     nvfp4 = "nvfp4"
 
 
+class Fp8Matmul(Enum):
+    """Which kernel multiplies the float8 operands (``precision.fp8.matmul``)."""
+
+    auto = "auto"
+    scaled_mm = "scaled_mm"
+    emulated = "emulated"
+
+
 class AmaxCompute(Enum):
     """How delayed scaling reads its amax history."""
 
@@ -267,6 +275,19 @@ class Fp8Config:
     fsdp_float8_all_gather: bool = guarded(True)
     """Under FSDP2 with the tensorwise recipe, all-gather weights in float8
     (half the bytes of bf16), with scales recomputed after every optimizer step."""
+    matmul: Fp8Matmul = recorded(Fp8Matmul.auto)
+    """Which kernel multiplies the float8 operands once they are cast:
+    ``scaled_mm`` (``torch._scaled_mm``: float8 tensor cores on a GPU; on a CPU
+    a generic kernel, about as fast as fp32 on an AMD EPYC and ~100x slower on
+    an Intel Xeon), ``emulated`` (the same float8 values and scales, widened
+    and multiplied in fp32: fast on every CPU; on a GPU without float8 it lets
+    the casts be studied) or ``auto`` (``scaled_mm`` on a GPU; on a CPU the
+    faster of the two as measured at start-up, which ``python -m
+    mptrain.doctor`` also shows). The casts, their statistics and the
+    gradients' formats are the same either way; results differ only by fp32
+    accumulation order. mxfp8 maps it to torchao's kernel choice (``emulated``
+    is its EMULATED kernel, ``scaled_mm`` needs a Blackwell GPU); nvfp4 has
+    no emulated path."""
 
 
 @dataclass

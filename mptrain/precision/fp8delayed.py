@@ -41,10 +41,12 @@ buffers, like FSDP1's ``buffer_dtype``, would round the amaxes), and DDP's
 ``broadcast_buffers`` would overwrite each rank's running amaxes with rank 0's
 at every forward, losing what the other ranks recorded before: turn it off.
 
-The matmuls are ``torch._scaled_mm`` with per-tensor scales (on CPU an
-emulation; on CUDA it needs float8 tensor cores and dimensions that are
-multiples of 16, the token count included, since it is the inner dimension of
-the weight-gradient matmul).
+The matmuls are ``torch._scaled_mm`` with per-tensor scales (on CUDA it
+needs float8 tensor cores and dimensions that are multiples of 16, the token
+count included, since it is the inner dimension of the weight-gradient
+matmul), or with ``emulate`` the same product widened to fp32
+(``support.emulated_scaled_mm``: fast on every CPU, where ``_scaled_mm`` can
+be ~100x slower than fp32).
 
 ``torch.compile`` traces a block of these layers into one graph (the buffer
 updates of the forward and backward passes included). On CPU inductor the
@@ -60,6 +62,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
+
+from mptrain.precision.support import emulated_scaled_mm
 
 OPERANDS = ("input", "weight", "grad_output")
 AMAX_COMPUTE = ("max", "most_recent")
@@ -96,11 +100,14 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-def _scaled_mm(a8, b8, sa, sb, out_dtype, fast_accum=False):
-    """``a @ b`` of two float8 tensors cast with multipliers ``sa`` and ``sb``."""
+def _scaled_mm(a8, b8, sa, sb, out_dtype, emulate, fast_accum=False):
+    """``a @ b`` of two float8 tensors cast with multipliers ``sa`` and ``sb``,
+    by ``torch._scaled_mm`` or, with ``emulate``, widened to fp32."""
     # Called under CPU autocast, the emulated _scaled_mm runs its inner fp32 matmul in bf16
     # (eager only), which compiled code and CUDA do not: turn autocast off around it.
     with torch.autocast(a8.device.type, enabled=False):
+        if emulate:
+            return emulated_scaled_mm(a8, b8, sa.reciprocal(), sb.reciprocal(), out_dtype)
         return torch._scaled_mm(a8, b8, scale_a=sa.reciprocal(), scale_b=sb.reciprocal(), out_dtype=out_dtype,
                                 use_fast_accum=fast_accum)
 
@@ -115,18 +122,19 @@ class _DelayedFloat8Matmul(torch.autograd.Function):
     gradients see exactly the values the forward multiplied."""
 
     @staticmethod
-    def forward(ctx, x, weight, in_state, w_state, go_state, grad_dtype, margin, record):
+    def forward(ctx, x, weight, in_state, w_state, go_state, grad_dtype, margin, record, emulate):
         e4m3 = torch.float8_e4m3fn
         x8, sx = _cast(x.reshape(-1, x.shape[-1]), in_state, e4m3, margin, record)
         w8, sw = _cast(weight, w_state, e4m3, margin, record)
         x8 = x8.contiguous()
         # out = x @ w.t(): fast accumulation in the forward, as torchao and Transformer Engine do.
-        out = _scaled_mm(x8, w8.t(), sx, sw, x.dtype, fast_accum=True)
+        out = _scaled_mm(x8, w8.t(), sx, sw, x.dtype, emulate, fast_accum=True)
         ctx.save_for_backward(x8, w8, sx, sw)
         # The output gradient's buffers are mutated in the backward pass; saved with
         # save_for_backward their version check would fail when a layer runs twice before
         # its backward (a recomputed forward), so they ride on ctx.
         ctx.go_state, ctx.grad_dtype, ctx.margin, ctx.record = go_state, grad_dtype, margin, record
+        ctx.emulate = emulate
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -138,10 +146,10 @@ class _DelayedFloat8Matmul(torch.autograd.Function):
         g8 = g8.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # grad_x = g @ w
-            grad_x = _scaled_mm(g8, _col_major(w8), sg, sw, ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = _scaled_mm(g8, _col_major(w8), sg, sw, ctx.x_dtype, ctx.emulate).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # grad_w = g.t() @ x; autograd casts it to the weight's dtype
-            grad_w = _scaled_mm(g8.t().contiguous(), _col_major(x8), sg, sx, ctx.x_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None
+            grad_w = _scaled_mm(g8.t().contiguous(), _col_major(x8), sg, sx, ctx.x_dtype, ctx.emulate)
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 class DelayedFloat8Linear(nn.Linear):
@@ -158,8 +166,9 @@ class DelayedFloat8Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  history_len: int = 16, amax_compute: str = "max", margin: int = 0,
-                 grad_dtype: torch.dtype = torch.float8_e5m2):
+                 grad_dtype: torch.dtype = torch.float8_e5m2, emulate: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.emulate = bool(emulate)  # the matmuls widened to fp32 instead of torch._scaled_mm
         if history_len < 1:
             raise ValueError(f"history_len={history_len}: the amax history needs at least one entry")
         if amax_compute not in AMAX_COMPUTE:
@@ -183,13 +192,14 @@ class DelayedFloat8Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, history_len: int = 16, amax_compute: str = "max", margin: int = 0,
-                    grad_dtype: torch.dtype = torch.float8_e5m2) -> "DelayedFloat8Linear":
+                    grad_dtype: torch.dtype = torch.float8_e5m2, emulate: bool = False) -> "DelayedFloat8Linear":
         """A delayed-scaling float8 linear sharing ``linear``'s weight and bias
         (the same ``Parameter`` objects), with fresh state on their device. Works
         for a ``linear`` on the meta device: after ``to_empty``, call
         :meth:`reset_delayed_state`."""
         new = cls(linear.in_features, linear.out_features, bias=False, device="meta", dtype=linear.weight.dtype,
-                  history_len=history_len, amax_compute=amax_compute, margin=margin, grad_dtype=grad_dtype)
+                  history_len=history_len, amax_compute=amax_compute, margin=margin, grad_dtype=grad_dtype,
+                  emulate=emulate)
         new.weight = linear.weight
         new.bias = linear.bias
         new._register_delayed_state(linear.weight.device)
@@ -237,7 +247,7 @@ class DelayedFloat8Linear(nn.Linear):
         input, _ = self.cast_operands(input)
         out = _DelayedFloat8Matmul.apply(input, self.weight, self._state("input"), self._state("weight"),
                                          self._state("grad_output"), self.formats["grad_output"], self.margin,
-                                         self.training)
+                                         self.training, self.emulate)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
@@ -253,7 +263,8 @@ class DelayedFloat8Linear(nn.Linear):
     def extra_repr(self) -> str:
         g = "e5m2" if self.formats["grad_output"] == torch.float8_e5m2 else "e4m3"
         return (f"{super().extra_repr()}, delayed: history_len={self.history_len}, "
-                f"amax_compute={self.amax_compute}, margin={self.margin}, grad={g}")
+                f"amax_compute={self.amax_compute}, margin={self.margin}, grad={g}"
+                + (", matmul emulated" if self.emulate else ""))
 
 
 @torch.no_grad()

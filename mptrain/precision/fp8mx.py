@@ -104,9 +104,10 @@ def _has_triton() -> bool:
     return has_triton()
 
 
-def problem(kind: str, device) -> Optional[str]:
+def problem(kind: str, device, matmul: str = "auto") -> Optional[str]:
     """Why training with ``kind`` (one of :data:`KINDS`) cannot run on
-    ``device``, as one sentence naming the fix; None when it can."""
+    ``device`` with ``precision.fp8.matmul=matmul``, as one sentence naming
+    the fix; None when it can."""
     if kind not in KINDS:
         return f"unknown block-scaled format {kind!r}; use one of {', '.join(KINDS)}."
     device = torch.device(device)
@@ -122,11 +123,17 @@ def problem(kind: str, device) -> Optional[str]:
             from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: F401
         except ImportError as e:
             return f"torchao {v} has no MXFP8 training linear ({e}); install torchao>=0.18."
-        if _blackwell(device):
+        if matmul == "scaled_mm" and not _blackwell(device):
+            return ("precision.fp8.matmul=scaled_mm: an MXFP8 matmul needs a Blackwell GPU (compute capability "
+                    ">= 10.0); use precision.fp8.matmul=auto or emulated here.")
+        if _blackwell(device) and matmul != "emulated":
             if not _has_triton():
                 return "MXFP8 on a Blackwell GPU needs triton for torchao's cast kernels; pip install triton."
             return _trial(kind, device)
         return None  # EMULATED: plain torch ops, anywhere
+    if matmul == "emulated":
+        return (f"precision.fp8.matmul=emulated: torchao {v}'s NVFP4 training has no emulated matmul; use "
+                "precision.fp8.matmul=auto on a Blackwell GPU, or precision=mxfp8 here.")
     try:
         from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4TrainingConfig  # noqa: F401
     except ImportError as e:
@@ -165,11 +172,22 @@ def _trial(kind: str, device: torch.device) -> Optional[str]:
     return None
 
 
-def kernel(kind: str, device) -> str:
-    """The torchao ``KernelPreference`` name ``kind`` uses on ``device``."""
+def kernel(kind: str, device, matmul: str = "auto") -> str:
+    """The torchao ``KernelPreference`` name ``kind`` uses on ``device`` under
+    ``precision.fp8.matmul=matmul`` (already checked by :func:`problem`)."""
     if kind == "nvfp4":
         return "TRITON"  # the only one torchao 0.18's NVFP4 training accepts
-    return "AUTO" if _blackwell(torch.device(device)) else "EMULATED"
+    if matmul == "auto":
+        return "AUTO" if _blackwell(torch.device(device)) else "EMULATED"
+    return "EMULATED" if matmul == "emulated" else "AUTO"
+
+
+def matmul_path(kind: str, device, matmul: str = "auto") -> tuple[str, str]:
+    """``(path, why)`` as ``support.choose_fp8_matmul`` gives them for the other
+    recipes: ``emulated`` where torchao's EMULATED kernel multiplies the
+    dequantized blocks in the operands' dtype, else ``scaled_mm``."""
+    k = kernel(kind, device, matmul)
+    return ("emulated" if k == "EMULATED" else "scaled_mm"), f"precision.fp8.matmul={matmul}: torchao kernel {k}"
 
 
 class MXLinear(nn.Linear):
@@ -223,7 +241,8 @@ def _swap(model: nn.Module, fqn: str, new: nn.Module) -> None:
 
 
 def convert(model: nn.Module, kind: str, device,
-            module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None, mx_rounding: str = "rceil") -> dict:
+            module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None, mx_rounding: str = "rceil",
+            matmul: str = "auto") -> dict:
     """Convert, in place, the ``nn.Linear`` layers of ``model`` that
     ``module_filter_fn(module, fqn)`` accepts (all of them when None) to
     ``kind`` training, and return a report of what was done.
@@ -233,19 +252,21 @@ def convert(model: nn.Module, kind: str, device,
     Linears whose dimensions the format cannot block are left as they are and
     listed under ``excluded`` with the reason (the filter is asked first).
     ``mx_rounding``: the E8M0 scale rule for mxfp8, ``rceil`` (torchao's
-    training default) or ``floor`` (the OCP MX rule).
+    training default) or ``floor`` (the OCP MX rule). ``matmul``:
+    ``precision.fp8.matmul``, which picks torchao's kernel (:func:`kernel`).
     Raises :class:`ConfigError` when :func:`problem` says it cannot run.
     """
     if mx_rounding not in ROUNDINGS:
         raise ConfigError(f"mx_rounding={mx_rounding!r} is not one of {', '.join(ROUNDINGS)}; "
                           "use rceil (torchao's default).")
-    why = problem(kind, device)
+    why = problem(kind, device, matmul)
     if why:
         raise ConfigError(f"{kind} training cannot run: {why}")
-    return _convert(model, kind, torch.device(device), module_filter_fn, mx_rounding)
+    return _convert(model, kind, torch.device(device), module_filter_fn, mx_rounding, matmul)
 
 
-def _convert(model: nn.Module, kind: str, device: torch.device, module_filter_fn, mx_rounding: str) -> dict:
+def _convert(model: nn.Module, kind: str, device: torch.device, module_filter_fn, mx_rounding: str,
+             matmul: str = "auto") -> dict:
     import torchao
 
     multiple = MX_BLOCK if kind == "mxfp8" else NVFP4_MULTIPLE
@@ -264,7 +285,7 @@ def _convert(model: nn.Module, kind: str, device: torch.device, module_filter_fn
             continue
         targets.append((fqn, mod))
 
-    pref = kernel(kind, device)
+    pref = kernel(kind, device, matmul)
     if kind == "mxfp8":
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
         from torchao.quantization.quantize_.common import KernelPreference

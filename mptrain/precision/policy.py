@@ -49,7 +49,7 @@ from mptrain.model.gpt import LayerNorm
 from mptrain.precision import fp8mx
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.fp8delayed import DelayedFloat8Linear, update_histories
-from mptrain.precision.support import fp8_software_problem, torchao_version
+from mptrain.precision.support import choose_fp8_matmul, fp8_software_problem, torchao_version
 
 
 class LossScaler:
@@ -169,11 +169,13 @@ class Fp8Linears:
         self.all_gather = False
         self.delayed: list[nn.Module] = []  # the delayed-scaling layers, whose histories close every step
         if self.recipe in self.MX:
-
-            why = fp8mx.problem(self.recipe, device)
+            why = fp8mx.problem(self.recipe, device, fcfg.matmul.value)
             if why:
                 raise ConfigError(f"precision.fp8.recipe={self.recipe} cannot run here: {why}")
+            self.matmul, self.matmul_why = fp8mx.matmul_path(self.recipe, device, fcfg.matmul.value)
             return
+        # "scaled_mm" or "emulated": which kernel multiplies the float8 operands (support.choose_fp8_matmul)
+        self.matmul, self.matmul_why = choose_fp8_matmul(fcfg.matmul.value, device)
         if self.recipe == "delayed":
             return  # our own layers (fp8delayed.py): no torchao config
         from torchao.float8 import Float8LinearConfig
@@ -190,6 +192,7 @@ class Fp8Linears:
         }
         self.all_gather = bool(fsdp2 and self.recipe == "tensorwise" and fcfg.fsdp_float8_all_gather)
         changes["enable_fsdp_float8_all_gather"] = self.all_gather
+        changes["emulate"] = self.matmul == "emulated"  # torchao then multiplies the float8 values in fp32
         self.float8_config = dataclasses.replace(base, **changes)
 
     def _keep(self, mod: nn.Module, fqn: str) -> bool:
@@ -254,6 +257,7 @@ class Fp8Linears:
             "backward": f"grad_output {dtype_name(f.cast_config_grad_output.target_dtype)}",
             "fsdp_float8_all_gather": self.all_gather,
             "torchao": torchao_version(),
+            "matmul": self.matmul, "matmul_why": self.matmul_why,
         })
         return model
 
@@ -264,7 +268,8 @@ class Fp8Linears:
         grad = getattr(torch, c.grad_dtype.value)
         for fqn, mod in list(model.named_modules()):
             if type(mod) is nn.Linear and self._keep(mod, fqn):
-                new = DelayedFloat8Linear.from_linear(mod, c.amax_history_len, c.amax_compute.value, c.margin, grad)
+                new = DelayedFloat8Linear.from_linear(mod, c.amax_history_len, c.amax_compute.value, c.margin, grad,
+                                                      emulate=self.matmul == "emulated")
                 parent, _, name = fqn.rpartition(".")
                 setattr(model.get_submodule(parent), name, new)
                 self.delayed.append(new)
@@ -274,6 +279,7 @@ class Fp8Linears:
             "forward": f"input e4m3, weight e4m3 (one scale per tensor from the amax history: "
                        f"{c.amax_history_len} steps, {c.amax_compute.value}, margin {c.margin})",
             "backward": f"grad_output {dtype_name(grad)} (delayed likewise)",
+            "matmul": self.matmul, "matmul_why": self.matmul_why,
         })
         return model
 
@@ -288,10 +294,12 @@ class Fp8Linears:
     def _convert_mx(self, model: nn.Module) -> nn.Module:
         """Block-scaled linears (``fp8mx.convert``); its report joins ours, with the
         layers the block size rules out added to the excluded ones."""
-        mx = fp8mx.convert(model, self.recipe, self.device, module_filter_fn=self._keep)
+        mx = fp8mx.convert(model, self.recipe, self.device, module_filter_fn=self._keep,
+                           matmul=self.cfg.matmul.value)
         excluded = {**self.report["excluded"], **mx.pop("excluded")}
         elem = mx["elem_dtype"]
         self.report.update(mx, excluded=excluded, fsdp_float8_all_gather=False,
+                           matmul=self.matmul, matmul_why=self.matmul_why,
                            forward=f"input {elem}, weight {elem} (blocks of {mx['block_size']}, "
                                    f"{mx['scale_dtype']} scales, {mx['scale_rounding']}; kernel {mx['kernel']})",
                            backward=f"grad_output {elem} (blocks of {mx['block_size']})")
@@ -477,5 +485,6 @@ class PrecisionPolicy:
             "gradients": dtype_name(self.param_dtype),
             "optimizer_state": dtype_name(self.param_dtype),
             "loss_scaling": self.loss_scaling_text(),
-            **({"fp8_linears": f"{self.fp8.recipe}: forward {self._fp8_formats()}"} if self.fp8 else {}),
+            **({"fp8_linears": f"{self.fp8.recipe}: forward {self._fp8_formats()}; matmul {self.fp8.matmul}"}
+               if self.fp8 else {}),
         }

@@ -13,15 +13,25 @@ to refuse impossible ones before anything is built.
 """
 from __future__ import annotations
 
+import functools
+import math
 import platform
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from mptrain.core.errors import ConfigError
 
 MIN_TORCHAO = (0, 10)
+
+FP8_EMULATE_AT = 8.0
+"""``precision.fp8.matmul=auto`` emulates the float8 matmuls on a CPU where
+``torch._scaled_mm`` takes this many times as long as the emulation. The two
+kinds of CPU are far apart (about 1x on an AMD EPYC, 100x or more on an Intel
+Xeon whose oneDNN float8 path is a reference loop), so a busy host's noise
+cannot flip the choice."""
 
 
 @dataclass
@@ -122,7 +132,8 @@ def verdicts(device: torch.device, check_fp8: bool = True) -> dict[str, Verdict]
             out["fp8"] = Verdict("native", f"{name} >= 8.9 has float8 tensor cores")
         else:
             out["fp8"] = Verdict("unavailable", f"{name} < 8.9 has no float8 matmul (torch._scaled_mm); "
-                                 "use precision=bf16, or an Ada/Hopper/Blackwell GPU for fp8")
+                                 "use precision=bf16, an Ada/Hopper/Blackwell GPU for fp8, or "
+                                 "precision.fp8.matmul=emulated to study the casts at fp32 matmul speed")
         return out
     flags = _cpu_flags()
     bf = sorted(flags & {"avx512_bf16", "amx_bf16"})
@@ -134,6 +145,126 @@ def verdicts(device: torch.device, check_fp8: bool = True) -> dict[str, Verdict]
     out["fp8"] = (Verdict("unavailable", sw) if sw else
                   Verdict("emulated", "no CPU has float8 matmul; torch._scaled_mm upcasts on CPU"))
     return out
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """The fastest of ``reps`` timed calls of ``fn`` after one warm-up call (a
+    shared host adds time, never removes it, so the minimum is the estimate)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def emulated_scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """What ``torch._scaled_mm(a8, b8, scale_a, scale_b, out_dtype)`` computes,
+    in fp32: every float8 value is exact in fp32, so the operands are widened,
+    multiplied by their (dequantizing) scales, multiplied in fp32 and the
+    product rounded once to ``out_dtype``. The float8 casts before it are the
+    run's own; only the matmul's speed and accumulation order change."""
+    return ((a8.float() * scale_a) @ (b8.float() * scale_b)).to(out_dtype)
+
+
+MATMUL_KINDS = ("fp32", "bf16", "fp16", "fp8_scaled_mm", "fp8_emulated")
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_seconds(device_str: str, m: int, k: int, n: int, reps: int = 3,
+                   kinds: tuple[str, ...] = MATMUL_KINDS) -> dict[str, float]:
+    """Seconds per ``(m x k) @ (k x n)`` product on ``device_str``, fastest of
+    ``reps``, for each of ``kinds``: ``fp32``, ``bf16`` and ``fp16`` (both
+    operands in that dtype), ``fp8_scaled_mm`` (``torch._scaled_mm`` of two E4M3
+    operands, bf16 out; left out where it cannot run) and ``fp8_emulated``
+    (:func:`emulated_scaled_mm` of the same). Once per process, shape and kinds;
+    the random operands never touch the caller's generator."""
+    device = torch.device(device_str)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        a = torch.randn(m, k, device=device)
+        b = torch.randn(k, n, device=device)
+    calls: dict[str, Callable[[], object]] = {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        a_, b_ = a.to(dt), b.to(dt)
+        calls[name] = lambda a_=a_, b_=b_: a_ @ b_
+    if hasattr(torch, "float8_e4m3fn"):
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants it on CUDA
+        one = torch.ones((), device=device)
+        calls["fp8_scaled_mm"] = lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        calls["fp8_emulated"] = lambda: emulated_scaled_mm(a8, b8, one, one, torch.bfloat16)
+    out: dict[str, float] = {}
+    with torch.autocast(device.type, enabled=False):
+        for name in kinds:
+            if name not in calls:
+                continue
+            try:
+                out[name] = _seconds(calls[name], device, reps)
+            except RuntimeError:  # no float8 matmul on this device (a GPU before Ada): only the emulation
+                pass
+    return out
+
+
+@dataclass(frozen=True)
+class Fp8MatmulSpeed:
+    """Seconds per n x n x n float8 matmul (bf16 out) both ways, and fp32's."""
+
+    n: int
+    scaled_mm: float
+    emulated: float
+    fp32: float
+
+    @property
+    def slowdown(self) -> float:
+        """``torch._scaled_mm``'s time over the emulation's (> 1: the emulation is faster)."""
+        return self.scaled_mm / self.emulated
+
+
+@functools.lru_cache(maxsize=None)
+def measure_fp8_matmul(device_str: str = "cpu", n: int = 256, reps: int = 7) -> Fp8MatmulSpeed:
+    """Time ``torch._scaled_mm`` and :func:`emulated_scaled_mm` on one n x n x n
+    float8 product (per-tensor scales, bf16 out), and an fp32 matmul, in turns,
+    keeping each one's fastest: a busy host slows all three alike. Once per
+    process and device (about 0.2 s on a CPU whose ``_scaled_mm`` is slow)."""
+    device = torch.device(device_str)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        a = torch.randn(n, n, device=device)
+    a8 = a.to(torch.float8_e4m3fn)
+    b8 = a.t().contiguous().to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    calls = {"scaled_mm": lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+             "emulated": lambda: emulated_scaled_mm(a8, b8, one, one, torch.bfloat16),
+             "fp32": lambda: a @ a}
+    best = dict.fromkeys(calls, math.inf)
+    with torch.autocast(device.type, enabled=False):
+        for _ in range(reps):
+            for name, fn in calls.items():
+                best[name] = min(best[name], _seconds(fn, device, 1))
+    return Fp8MatmulSpeed(n, **best)
+
+
+def choose_fp8_matmul(setting: str, device: torch.device) -> tuple[str, str]:
+    """``(path, why)`` for ``precision.fp8.matmul=setting`` on ``device``: path
+    ``scaled_mm`` (``torch._scaled_mm``, float8 tensor cores on a GPU) or
+    ``emulated`` (:func:`emulated_scaled_mm`). ``auto`` takes ``scaled_mm`` on a
+    GPU, and on a CPU whichever the measurement says, ``emulated`` only where
+    ``_scaled_mm`` is :data:`FP8_EMULATE_AT` times slower."""
+    if setting != "auto":
+        return setting, f"precision.fp8.matmul={setting}"
+    if device.type != "cpu":
+        return "scaled_mm", "precision.fp8.matmul=auto on a GPU"
+    m = measure_fp8_matmul(str(device))
+    if m.slowdown >= FP8_EMULATE_AT:
+        return "emulated", (f"precision.fp8.matmul=auto: torch._scaled_mm measured {m.slowdown:.0f}x slower than "
+                            "the fp32 emulation on this CPU")
+    return "scaled_mm", (f"precision.fp8.matmul=auto: torch._scaled_mm measured {m.slowdown:.2g}x the emulation's "
+                         "time on this CPU")
 
 
 def cpu_rowwise_fp8_problem() -> Optional[str]:
@@ -154,15 +285,22 @@ def check_precision(policy, device: torch.device) -> list[str]:
     want = "fp8" if policy.fp8_enabled else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(policy.compute_dtype)
     if want is None:
         return []
-    warnings = []
+    warnings: list[str] = []
     if want == "fp8":
+        emulated = policy.fp8.matmul == "emulated"
         if v["fp8"].status == "unavailable":
-            raise ConfigError(f"precision=fp8 cannot run here: {v['fp8'].why}")
-        if device.type == "cpu" and policy.fp8.recipe in ("rowwise", "rowwise_with_gw_hp"):
+            # A GPU without float8 tensor cores can still study the casts when the matmuls are
+            # emulated; missing software cannot be worked around.
+            if not (emulated and device.type == "cuda" and not fp8_software_problem()):
+                raise ConfigError(f"precision=fp8 cannot run here: {v['fp8'].why}")
+            warnings.append(f"fp8 matmuls are emulated in fp32 on this GPU ({v['fp8'].why.split(';')[0]}): "
+                            "the casts and their statistics are float8's, the speed is not.")
+        if device.type == "cpu" and policy.fp8.recipe in ("rowwise", "rowwise_with_gw_hp") and not emulated:
             why = cpu_rowwise_fp8_problem()
             if why:
                 raise ConfigError(f"precision.fp8.recipe={policy.fp8.recipe} cannot run on this CPU: {why}; use "
-                                  "precision.fp8.recipe=tensorwise, torch>=2.13, or a GPU with float8 tensor cores.")
+                                  "precision.fp8.matmul=emulated, precision.fp8.recipe=tensorwise, torch>=2.13, "
+                                  "or a GPU with float8 tensor cores.")
         if v["bf16"].status == "emulated":
             warnings.append(f"fp8 runs its other ops in bf16, which is emulated on this {device.type}: {v['bf16'].why}.")
     if v[want].status == "emulated":

@@ -204,6 +204,8 @@ def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run
         lines.append(f"  fp8: {len(r['converted'])} linears converted ({r['forward']}; {r['backward']}; "
                      f"float8 all-gather {'on' if r['fsdp_float8_all_gather'] else 'off'}; "
                      f"torchao {r.get('torchao', '?')})")
+        if "matmul" in r:
+            lines.append(f"    matmul {r['matmul']} ({r['matmul_why']})")
         lines += [f"    kept high precision: {n} ({why})" for n, why in r["excluded"].items()]
     lines.append(f"  run directory {run_dir}")
     return "\n".join(lines)

@@ -65,3 +65,44 @@ def test_mfu_logged_when_the_peak_is_known(tmp_path):
     for r in rows:
         assert r["perf/mfu"] == pytest.approx(r["perf/tokens_per_s"] * s["flops_per_token"] / 0.5e12)
     assert s["mem/estimate_gib"] > 0 and "mem/peak_rss_gib" in s
+
+
+def _fake_speeds(**slower: float):
+    """A matmul_seconds stand-in: fp32 at 1 ms, the named kinds that many times slower
+    (the real probe is timing, which differs by CPU; the rule around it is what is tested)."""
+    def seconds(device_str, m, k, n, reps=3, kinds=()):
+        return {kind: 1e-3 * slower.get(kind, 1.0) for kind in kinds}
+    return seconds
+
+
+def test_banner_predicts_a_slow_run_and_names_the_faster_one(tmp_path, monkeypatch, capsys):
+    from mptrain.observe import perf
+
+    monkeypatch.setattr(perf, "matmul_seconds", _fake_speeds(bf16=40.0))
+    train(tmp_path / "bf16", "precision=bf16", "train.max_steps=2")
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "predicted" in ln)
+    assert line.startswith("WARNING: this run's matmuls are predicted 40x slower than fp32's here")
+    assert "bf16 matmuls measured 40x fp32's time" in line and "for 2 steps" in line
+    assert line.endswith("Faster: precision=fp32.")
+    # float8 whose torch._scaled_mm is the slow part: the same casts, emulated, come first
+    monkeypatch.setattr(perf, "matmul_seconds", _fake_speeds(fp8_scaled_mm=400.0))
+    train(tmp_path / "fp8", "precision=fp8", "precision.fp8.matmul=scaled_mm", "train.max_steps=1")
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "predicted" in ln)
+    assert "float8 torch._scaled_mm matmuls measured 400x" in line
+    assert "Faster: precision.fp8.matmul=emulated (the same float8 casts), or precision=fp32." in line
+    # fp32, and a half precision as fast as fp32: no prediction at all
+    monkeypatch.setattr(perf, "matmul_seconds", _fake_speeds())
+    for p in ("fp32", "bf16"):
+        train(tmp_path / p / "again", f"precision={p}", "train.max_steps=1")
+        assert "predicted" not in capsys.readouterr().out
+
+
+def test_pace_weights_each_dtype_by_its_flops(monkeypatch):
+    from mptrain.observe import perf
+
+    monkeypatch.setattr(perf, "matmul_seconds", _fake_speeds(bf16=10.0))
+    p = perf.predict_pace("cpu", {"bf16": 3.0, "fp8_emulated": 1.0}, 512, 64)
+    assert p.slowdown == pytest.approx((3 * 10 + 1) / 4)
+    assert p.fp32_seconds_per_token == pytest.approx(4.0 / (2 * 512 * 64 * 256 / 1e-3))
+    assert "bf16 matmuls measured 10x" in p.slowest

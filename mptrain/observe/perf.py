@@ -18,9 +18,13 @@ import contextlib
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from torch.overrides import TorchFunctionMode
+
+from mptrain.core.text import duration
+from mptrain.precision.support import matmul_seconds
 
 # Dense (no sparsity) peak TFLOPS per device and matmul kind, from the vendors'
 # data sheets. "tf32" is what fp32 matmuls run at with TF32 allowed.
@@ -80,6 +84,52 @@ def peak_flops(device_name: str, kind: str, override_tflops: Optional[float] = N
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_per_device: float, world_size: int) -> float:
     """Model FLOPs utilisation of the whole job (all ranks' tokens over all ranks' peak)."""
     return tokens_per_s * flops_per_tok / (peak_per_device * world_size)
+
+
+SLOW_AT = 3.0
+"""The banner predicts the run time where this run's matmuls are predicted to
+take this many times as long as fp32's on the same CPU."""
+
+
+@dataclass(frozen=True)
+class Pace:
+    """A run's matmul time predicted before it starts, against fp32's on the
+    same device: FLOPs per token by dtype, at speeds measured on a product of
+    the model's own shape (:func:`predict_pace`)."""
+
+    slowdown: float
+    """Predicted matmul time over fp32's (> 1: slower)."""
+    seconds_per_token: float
+    """Predicted matmul seconds per trained token."""
+    fp32_seconds_per_token: float
+    """The same in fp32."""
+    slowest: str
+    """The dtype that costs the most, with its measured ratio, for the message."""
+
+    def message(self, steps: int, tokens_per_step: int, faster: str) -> str:
+        """The banner's line: the estimate for ``steps`` more steps, and ``faster``."""
+        tokens = steps * tokens_per_step
+        return (f"this run's matmuls are predicted {self.slowdown:.0f}x slower than fp32's here ({self.slowest}): "
+                f"about {duration(tokens * self.seconds_per_token)} for {steps} step{'s' * (steps != 1)}, against "
+                f"{duration(tokens * self.fp32_seconds_per_token)} in fp32 (matmul FLOPs at speeds measured "
+                f"at this model's shape; the rest of each step comes on top). Faster: {faster}.")
+
+
+def predict_pace(device_str: str, flops_by_dtype: dict[str, float], tokens: int, d_model: int) -> Pace:
+    """The :class:`Pace` of a run whose training FLOPs per token are
+    ``flops_by_dtype`` (keys: ``fp32``, ``bf16``, ``fp16``, ``fp8_scaled_mm``,
+    ``fp8_emulated``), timed on one ``tokens x d_model @ d_model x 4 d_model``
+    product in each (the MLP's first matmul; ``tokens`` capped at 2048)."""
+    m, k, n = min(max(tokens, 16), 2048), d_model, 4 * d_model
+    t = matmul_seconds(device_str, m, k, n, kinds=("fp32", *sorted(set(flops_by_dtype) - {"fp32"})))
+    flops = 2.0 * m * k * n
+    rate = {name: flops / sec for name, sec in t.items()}
+    total = sum(flops_by_dtype.values())
+    s = sum(f / rate[name] for name, f in flops_by_dtype.items())
+    s32 = total / rate["fp32"]
+    worst = max(flops_by_dtype, key=lambda name: flops_by_dtype[name] / rate[name])
+    label = {"fp8_scaled_mm": "float8 torch._scaled_mm", "fp8_emulated": "float8 emulated in fp32"}.get(worst, worst)
+    return Pace(s / s32, s, s32, f"{label} matmuls measured {t[worst] / t['fp32']:.0f}x fp32's time")
 
 
 class HostSyncCounter(TorchFunctionMode):

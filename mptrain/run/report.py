@@ -41,7 +41,7 @@ from mptrain.observe.audit import DtypeAudit
 from mptrain.observe.memory import estimate as memory_estimate
 from mptrain.observe.memory import summary_figures
 from mptrain.observe.numerics import NumericsMonitor
-from mptrain.observe.perf import Throughput, flops_per_token, matmul_kind, mfu, peak_flops
+from mptrain.observe.perf import SLOW_AT, Pace, Throughput, flops_per_token, matmul_kind, mfu, peak_flops, predict_pace
 from mptrain.observe.stability import StabilityWarnings
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.optimizers import Choice
@@ -167,6 +167,7 @@ class Reporter:
                 "Float8" in type(local_shard(p)).__name__ for p in model.parameters())
             info["fp8"] = self.fp8_report
         self._perf_figures(policy, vocab, micro[0])
+        self.pace = self._predict_pace(model, policy, micro[0])
         info["stability"] = {"model.qk_norm": cfg.model.qk_norm, "train.z_loss": tc.z_loss,
                              "optim.update_clip": cfg.optim.update_clip}
         info["memory_estimate_gib"] = {k: round(v / 2**30, 4) for k, v in self.mem_est.parts().items()}
@@ -181,6 +182,34 @@ class Reporter:
         self.peak = peak_flops(device_name, kind, self.tc.peak_tflops)
         self.mem_est = memory_estimate(cfg, vocab, ctx.world, mbs)
         self.record.info["flops_per_token"] = self.flops_tok
+
+    def _predict_pace(self, model: nn.Module, policy: PrecisionPolicy, mbs: int) -> Optional[Pace]:
+        """How much slower than fp32 this CPU run's matmuls will be (``perf.Pace``),
+        or None where that is not predicted: on a GPU, and in fp32."""
+        compute = dtype_name(policy.compute_dtype)
+        if self.ctx.device.type != "cpu" or not (policy.fp8_enabled or compute in ("bf16", "fp16")):
+            return None
+        m = self.cfg.model
+        by_dtype = {compute: self.flops_tok}
+        if policy.fp8_enabled:
+            # The float8 linears' share (6 FLOPs per weight per token) in their matmul path;
+            # attention, the head and excluded linears stay in the autocast dtype.
+            f8 = 6.0 * sum(mod.in_features * mod.out_features for mod in model.modules()
+                           if isinstance(mod, nn.Linear) and type(mod) is not nn.Linear)
+            by_dtype = {compute: self.flops_tok - f8, f"fp8_{policy.fp8.matmul}": f8}
+        return predict_pace(str(self.ctx.device), by_dtype, mbs * m.block_size, m.d_model)
+
+    def _pace_warning(self, steps: int) -> Optional[str]:
+        """The banner's run-time estimate, only where the matmuls are predicted
+        :data:`perf.SLOW_AT` times slower than fp32's."""
+        p = getattr(self, "pace", None)
+        if p is None or p.slowdown < SLOW_AT or steps <= 0:
+            return None
+        faster = "precision=fp32"
+        fp8 = self.fp8_report
+        if fp8 is not None and fp8.get("matmul") == "scaled_mm" and "float8 torch._scaled_mm" in p.slowest:
+            faster = "precision.fp8.matmul=emulated (the same float8 casts), or precision=fp32"
+        return p.message(steps, self.tokens_per_step, faster)
 
     def resumed(self, path: Optional[Path], history: list) -> None:
         """Where the run resumed from (None: a fresh start) and its config history."""
@@ -208,7 +237,8 @@ class Reporter:
                                start_step=start, runlog=runlog,
                                plain_every=plain_cadence(cfg.log.plain_every, tc.log_every, tc.max_steps))
         self.say(banner(cfg, self.ctx, self.record.info, self.dtypes, self.tokens, self.tokens_per_step, run_dir))
-        for w in warnings:
+        pace = self._pace_warning(total - start)
+        for w in warnings + ([pace] if pace else []):
             self.say(f"WARNING: {w}")
         if self.resumed_from is not None:
             self.say(f"resumed from {self.resumed_from} at step {start} ({tokens_seen:,} tokens seen)")

@@ -7,9 +7,11 @@
 The checkpoint is found as ``scripts/export_hf.py`` finds it (the newest intact
 checkpoint of a run directory, or a ``checkpoints/step-N`` directory itself,
 verified against its manifest), and the text goes through the run's own
-tokenizer (the one ``meta.json`` names). Only the text goes to stdout; notes
-(a damaged checkpoint passed over) go to stderr. A user error is one line,
-``sample: <problem>; <fix>``, exit status 2.
+tokenizer (the one ``meta.json`` names). The text is the prompt's tokens and
+the new ones decoded together, as the trainer's own samples are, so it reads
+as the model's tokens do (a tokenizer's spaces at the seam included). Only
+the text goes to stdout; notes (a damaged checkpoint passed over) go to
+stderr. A user error is one line, ``sample: <problem>; <fix>``, exit status 2.
 
 A live run may be sampled: one that keeps only its ``checkpoint.keep_last``
 newest checkpoints deletes older ones as it saves, possibly the one being
@@ -306,7 +308,11 @@ def sample_text(a: argparse.Namespace, log: Callable[[str], None],
                      device=device, stop_id=tok.eos_id)
     if new and new[-1] == tok.eos_id:
         new = new[:-1]
-    return a.prompt + tok.decode(new)
+    # One decode of the whole sequence, as the trainer's samples are: a tokenizer need not
+    # decode a sequence as the sum of its parts (a SentencePiece one drops the space that
+    # leads the first token it decodes, so prompt + decode(new) glued the first word onto
+    # the prompt). The end-of-text token that starts an empty prompt's document is not text.
+    return tok.decode((prompt_ids if a.prompt else []) + new)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -24,6 +24,14 @@ from the checkpoint.
 Before it finishes, the script loads the export back and checks that its
 logits match mptrain's on random tokens (max abs difference < 1e-4, fp32).
 
+It prints its own two lines and nothing else: transformers' progress bars
+(writing the shards, loading the weights back) are off while it works. The
+export needs no torchao: ``config.json`` names transformers' own
+``GPT2LMHeadModel`` and no quantization, so it loads where torchao is not
+installed. (transformers imports torchao whenever it is installed, and torchao
+then logs at import; mptrain's commands drop those lines, a script of your own
+that loads the export sees them unless it imports ``mptrain`` first.)
+
 The output directory: the export never deletes what it did not write. A new
 directory, or an empty one, receives the export; a directory holding other
 files is refused; one holding a previous export (its ``mptrain_export.json``)
@@ -45,6 +53,7 @@ own or a previous export without ``--overwrite``) is one line,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -52,7 +61,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -166,13 +175,31 @@ def export(src: Path, out: Path, trust_remote_code: bool = False, overwrite: boo
     print(f"export_hf: {ckpt} (step {meta['step']}, {m['n_layer']}x{m['d_model']}, vocab {meta['vocab_size']})")
     staging = _staging_dir(out)
     try:
-        write(gpt2_model(meta, sd, tokenizer.eos_token_id), tokenizer, staging, out)
-        diff = self_check(staging, build_model(meta, sd), meta)
+        with no_progress_bars():
+            write(gpt2_model(meta, sd, tokenizer.eos_token_id), tokenizer, staging, out)
+            diff = self_check(staging, build_model(meta, sd), meta)
         publish(staging, out, ckpt, meta)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # ours alone; after a rename into place it is gone already
     print(f"export_hf: wrote {out}; logits max |transformers - mptrain| = {diff:.2e}")
     return diff
+
+
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off: saving and loading a model of a few files
+    draws two ("Writing model shards", "Loading weights") that say nothing the
+    export's own lines do not. Put back as they were afterwards, for a caller
+    that runs :func:`export` in its own process."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def write(hf, tokenizer, staging: Path, out: Path) -> None:

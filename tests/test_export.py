@@ -32,8 +32,28 @@ def byte_run(tmp_path_factory):
     return run_dir
 
 
+# A fresh python that cannot import torchao (as where it is not installed), nor mptrain:
+# the export is transformers' GPT-2 and its tokenizer, nothing else.
+LOAD_WITHOUT_TORCHAO = """
+import sys
+sys.modules["torchao"] = sys.modules["mptrain"] = None  # importing either raises ImportError
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+hf = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+with torch.no_grad():
+    logits = hf(torch.tensor([tok("def fib(n):")["input_ids"]])).logits
+print(type(hf).__name__, logits.shape[-1], tok.decode(tok("def fib(n):")["input_ids"]))
+"""
+
+
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
 def test_export_round_trip(tmp_path, tokenizer, monkeypatch, capsys, request):
+    """The export loads in transformers and computes mptrain's logits. Launched as a
+    user runs them, export_hf prints its own lines only (no progress bars, no
+    torchao kernel or torch pytree messages), the export loads in a python
+    without torchao, and ``python -m mptrain.sample`` on the BPE run (the one whose
+    tokenizer comes through transformers) prints nothing on stderr."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if tokenizer == "byte":
@@ -42,11 +62,16 @@ def test_export_round_trip(tmp_path, tokenizer, monkeypatch, capsys, request):
         run_dir = tmp_path / "run"
         train(run_dir, *TINY, "data.tokenizer=bpe", "data.bpe_vocab_size=512", "data.max_chars=200000",
               "train.max_steps=8", "checkpoint.every=4", tiny=False)
+        r = subprocess.run([sys.executable, "-m", "mptrain.sample", str(run_dir), "--prompt", "def", "--tokens", "5"],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("def"), r.stderr[-3000:]
     out = tmp_path / "hf"
     if tokenizer == "byte":  # the script as a user runs it
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_hf.py"), str(run_dir), str(out)],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stderr == "", r.stderr[-3000:]  # transformers' bars were "Writing model shards", "Loading weights"
+        assert [line.split(" ")[0] for line in r.stdout.splitlines()] == ["export_hf:"] * 2, r.stdout
         stdout = r.stdout
     else:  # the same main() in this process: a second launch would only add its start-up
         monkeypatch.setattr(sys, "argv", ["export_hf.py", str(run_dir), str(out)])
@@ -79,6 +104,11 @@ def test_export_round_trip(tmp_path, tokenizer, monkeypatch, capsys, request):
     assert diff < 1e-4, diff
     # the trained weights, not a fresh init, were exported
     assert not torch.allclose(hf.transformer.h[0].mlp.c_fc.weight, torch.zeros(1))
+    if tokenizer == "byte":  # the BPE export's files are the same kinds
+        r = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_TORCHAO, str(out)], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout == f"GPT2LMHeadModel {meta['vocab_size']} def fib(n):\n", r.stdout + r.stderr[-3000:]
 
 
 def test_export_of_a_dir_without_checkpoints_fails_clearly(tmp_path, capsys):
@@ -115,8 +145,14 @@ def test_export_never_deletes_what_it_did_not_write(byte_run, tmp_path, monkeypa
         assert err.startswith(f"export_hf: the output directory {out} is not empty") and "empty it yourself" in err
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep"
 
+    from transformers.utils import logging as hf_logging
+
     out = tmp_path / "exports" / "hf"  # as the README's exports/my-model: the folder above is made too
+    bars = hf_logging.is_progress_bar_enabled()
     export_hf.main([str(byte_run), str(out)])
+    captured = capsys.readouterr()
+    assert "it/s" not in captured.err and captured.out.count("export_hf: ") == 2, captured  # its own lines alone
+    assert hf_logging.is_progress_bar_enabled() == bars  # transformers' bars as they were, for this process
     marker = json.loads((out / export_hf.MARKER).read_text())
     assert marker["checkpoint"] == str((byte_run / "checkpoints" / "step-8").resolve()) and marker["step"] == 8
     assert sorted(marker["files"]) == sorted(p.name for p in out.iterdir() if p.name != export_hf.MARKER)
@@ -125,7 +161,6 @@ def test_export_never_deletes_what_it_did_not_write(byte_run, tmp_path, monkeypa
     assert [p.name for p in out.parent.iterdir()] == ["hf"]  # no staging directory left beside it
 
     (out / "NOTES.md").write_text("mine")
-    capsys.readouterr()  # the export's own lines and transformers' progress bars
     with pytest.raises(SystemExit) as e:
         export_hf.main([str(byte_run), str(out)])
     err = capsys.readouterr().err

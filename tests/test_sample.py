@@ -48,6 +48,48 @@ def test_cli_text_is_reproducible_with_a_seed(trained, capsys):
     assert capsys.readouterr().out != r.stdout
 
 
+def sentencepiece_tokenizer():
+    """A SentencePiece-style tokenizer (Llama's, Mistral's, as transformers loads them):
+    a word's leading space is the ``▁`` of its token, and decoding drops the one
+    that starts the text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<|endoftext|>", "▁def", "▁fib(n):", "▁return", "▁fib(n-1)"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=words[0])
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "SentencePiece"])
+def test_the_prompt_and_its_continuation_are_decoded_as_one_text(trained, monkeypatch, capsys, kind):
+    """What sample prints is the prompt's ids and the new ones decoded together, as
+    the trainer's own samples decode them: a continuation whose first token starts
+    with a space reads ``def fib(n): return fib(n-1)``, one space at the seam, with
+    a byte-level BPE (GPT-2's; the export's byte tokenizer) and with a SentencePiece
+    tokenizer, whose decoder drops the space leading the first token it decodes
+    (the prompt string plus the continuation decoded alone read
+    ``def fib(n):return``). The model's draw is replaced by a fixed continuation
+    (its end-of-text not printed), so the text is known."""
+    tok = _export_module().byte_tokenizer() if kind == "byte-level BPE" else sentencepiece_tokenizer()
+    cont = (list(b" return fib(n-1)") if kind == "byte-level BPE"
+            else tok.convert_tokens_to_ids(["▁return", "▁fib(n-1)"]))
+    drawn_after: list[list[int]] = []
+
+    def draw(model, prompt_ids, n, **kw):
+        drawn_after.append(list(prompt_ids))
+        return [*cont, tok.eos_token_id]
+
+    monkeypatch.setattr("mptrain.sample.checkpoint_tokenizer", lambda *a, **kw: tok)
+    monkeypatch.setattr("mptrain.sample.sample_ids", draw)
+    capsys.readouterr()
+    main([str(trained[0]), "--prompt", PROMPT])
+    out = capsys.readouterr().out
+    assert out == "def fib(n): return fib(n-1)\n", out
+    assert out[:-1] == tok.decode(drawn_after[0] + cont)  # the trainer's sample: decode(ids + new)
+
+
 def test_greedy_equals_transformers_greedy(trained, tmp_path):
     """The checkpoint exported by export_hf, decoded greedily by transformers, gives our
     token ids (fp32). A 10-step model writes its commonest byte over and over, so the

@@ -6,9 +6,10 @@
 
 Runs one training step with every operator recorded (its module, its input
 and output dtypes), prints a table per module with flags and their fixes,
-writes ``audit.json`` into the run directory (``train.py``'s, under
-``outputs/`` unless ``hydra.run.dir`` says otherwise), and exits without a
-checkpoint. The same as ``python train.py ... train.audit=true train.audit_only=true``.
+writes ``audit.json`` into the run directory (``train.py``'s:
+``outputs/<date>/<time>`` under the directory it is launched from, unless
+``hydra.run.dir`` says otherwise; the last line names it), and exits without
+a checkpoint. The same as ``python train.py ... train.audit=true train.audit_only=true``.
 """
 from __future__ import annotations
 

@@ -299,10 +299,13 @@ def test_report_is_json():
 def test_audit_cli_writes_audit_json_and_stops(tmp_path, monkeypatch, capsys):
     from .conftest import TINY
 
-    run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "mptrain.audit", *TINY, "precision=fp16", f"hydra.run.dir={run}"],
+    # No hydra.run.dir: the audit's run directory is train.py's, outputs/<date>/<time> under
+    # the directory it is launched from, as its docstring and docs/outputs.md say.
+    r = subprocess.run([sys.executable, "-m", "mptrain.audit", *TINY, "precision=fp16"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    (run,) = (tmp_path / "outputs").glob("*/*")
+    assert f"run directory: {run}" in r.stdout
     assert "blocks.0-1.mlp.fc" in r.stdout and "0 flags" in r.stdout
     report = json.loads((run / "audit.json").read_text())
     assert report["flags"] == [] and report["modules"]["lm_head"]["matmul"] == "fp16"

@@ -4,15 +4,28 @@
     python scripts/compare.py outputs/a outputs/b --out report/      # any run directories
 
 Writes ``comparison.png`` and ``comparison.md`` (into the sweep directory, the
-runs' common parent, or ``--out``) and prints the table. Each line of the
-figure is one run, labelled by what differs between the runs' configs, with
-its own colour, line style and hollow marker (a lone point is a marker), so a
-curve drawn over an identical one leaves it visible. Runs whose curves
-coincide on a panel (equal within COINCIDE_RTOL at every common step) are
-named in that panel's title and in a note after the table. Tick labels are
-plain numbers (no offset or shared multiplier), and a linear y axis spans at
-least MIN_REL_SPAN of its values, so rounding-level differences never fill a
-panel. Panels whose metric no run logged are left out (the figure says which).
+runs' common parent, or ``--out``) and prints the table. The figure's title
+says what was compared (``precision: fp32 vs fp16 vs bf16 · gpt-nano · 200
+steps``); the legend sits under it, above the panels. Each run is labelled by
+the config values that differ between the runs, leaving out a key where the
+run has it at its default (``train.audit=False``), and drawn with its own
+colour, line style and hollow marker, so a curve drawn over an identical one
+leaves it visible. A series with fewer than SPARSE_POINTS points, or
+SPARSE_RATIO times fewer than the run's train loss (monitor samples, the
+validation loss), is drawn as points, not joined by a line, and its panel says
+how often it was sampled. Gradient underflow is counted on the gradients as
+held: a loss-scaled (fp16) run's panel says they were measured after loss
+scaling. Runs whose curves coincide on a panel (equal within COINCIDE_RTOL at
+every common step) are named in that panel's title and in a note after the
+table. Tick labels are plain numbers (no offset or shared multiplier), and a y
+axis spans at least MIN_REL_SPAN of its values (SINGLE_POINT_REL_SPAN where
+every run has one point), so rounding-level differences never fill a panel.
+Panels whose metric no run logged are left out (the figure says which).
+
+The table's "val loss - fp32" gap is taken only between runs that agree on
+everything but the precision, the optimizer state's storage and the seed
+(settings the schema marks harmless aside); a run without such an fp32 (else
+bf16) run gets n/a, and a line after the table says what it differs in.
 
 Runs with float8 cast statistics (``precision=fp8``) also get
 ``fp8_layers.png``, their casts layer by layer, and ``fp8_layers.md``, a
@@ -22,6 +35,7 @@ next to the best what-if recipe (printed too).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -34,6 +48,9 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from omegaconf import OmegaConf  # noqa: E402
+
+from mptrain.config.schema import Config  # noqa: E402
 from mptrain.run.checkpoint import flatten  # noqa: E402
 
 # (panel title, metric, x axis, y scale)
@@ -70,8 +87,26 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
 # reruns and runs a setting does not affect are equal to the last bit; real
 # precision effects on a loss are 1e-5 relative and more.
 COINCIDE_RTOL, COINCIDE_ATOL = 1e-6, 1e-12
-# A linear y axis spans at least this fraction of its largest |value|.
-MIN_REL_SPAN = 1e-3
+# A linear y axis spans at least this fraction of its largest |value|; where every run
+# has a single point (nothing shows how much the metric moves), at least the larger one,
+# so that two losses 4e-5 apart sit on each other instead of at the panel's edges.
+MIN_REL_SPAN, SINGLE_POINT_REL_SPAN = 1e-3, 1e-2
+# A run's series is drawn as points only (no connecting line, which would suggest a
+# measured trend between samples) when it has fewer than SPARSE_POINTS points, or
+# SPARSE_RATIO times fewer than the run's train loss (the monitor's every 50 steps
+# next to a loss logged every 10).
+SPARSE_POINTS, SPARSE_RATIO = 12, 4
+# Metrics counted on the gradients as the run holds them: under loss scaling (fp16),
+# times the loss scale, so they are not what the unscaled gradients would give.
+AS_HELD = "numerics/grad_underflow/"
+# Keys a "val loss - fp32" gap may differ in: the precision, the storage of the optimizer's
+# moments (the optimizer_precision study), and the seed (a second fp32 seed: the noise the
+# gaps are read against). A run is paired with a reference that agrees on every other key
+# that can change training (the schema's harmless keys cannot); other runs get none.
+PAIRED_ACROSS = ("precision.", "optim.state_dtype", "train.seed")
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# The config groups and the key that names each one's preset (configs/<group>/<value>.yaml).
+GROUP_KEYS = {"model": "name", "precision": "name", "parallel": "name", "data": "kind"}
 
 
 class Run:
@@ -109,27 +144,122 @@ def find_runs(paths: list[Path]) -> list[Run]:
     return [Run(d) for d in dict.fromkeys(dirs)]
 
 
-def label_runs(runs: list[Run]) -> list[str]:
-    """Label each run by the config values that differ between runs."""
-    flats = [{k: v for k, v in flatten(r.config).items() if not k.startswith(IGNORED_KEYS)} for r in runs]
-    keys = sorted({k for f in flats for k in f})
-    differing = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flats}) > 1]
-    # a group's name (precision.name=...) says more than its fields; keep the fields it does not explain
+def _flat(run: Run) -> dict:
+    """The run's config keys, dotted, less IGNORED_KEYS (read once per run)."""
+    if getattr(run, "_flat", None) is None:
+        run._flat = {k: v for k, v in flatten(run.config).items() if not k.startswith(IGNORED_KEYS)}
+    return run._flat
+
+
+@functools.cache
+def _schema_defaults() -> dict:
+    """Every key's default in the schema (``mptrain/config/schema.py``), dotted."""
+    return flatten(OmegaConf.to_container(OmegaConf.structured(Config), enum_to_str=True))
+
+
+@functools.cache
+def _preset(group: str, name) -> dict:
+    """``configs/<group>/<name>.yaml`` with the presets it builds on, dotted under ``group``;
+    empty for a name without a file."""
+    path = CONFIGS / group / f"{name}.yaml"
+    if not isinstance(name, str) or "/" in name or not path.is_file():
+        return {}
+    y = yaml.safe_load(path.read_text()) or {}
+    out: dict = {}
+    for base in y.pop("defaults", None) or []:
+        if isinstance(base, str) and base != "_self_":
+            out.update(_preset(group, base))
+    return {**out, **flatten(y, f"{group}.")}
+
+
+def defaults_of(run: Run) -> dict:
+    """What each key of ``run`` would be had nobody set it: the schema's default, or the
+    value the run's preset of that group gives it (``model.n_layer`` is 2 in gpt-nano)."""
+    if getattr(run, "_defaults", None) is None:
+        flat = _flat(run)
+        run._defaults = dict(_schema_defaults())
+        for group, key in GROUP_KEYS.items():
+            run._defaults.update(_preset(group, flat.get(f"{group}.{key}")))
+    return run._defaults
+
+
+def _value(run: Run, key: str):
+    """``key`` in the run's config, its default where the config does not have it (an older run)."""
+    flat = _flat(run)
+    return flat[key] if key in flat else defaults_of(run).get(key)
+
+
+def _same(values) -> bool:
+    return len({json.dumps(v, sort_keys=True, default=str) for v in values}) <= 1
+
+
+def differing_keys(runs: list[Run]) -> list[str]:
+    """The config keys whose values differ between the runs, as labels show them: a
+    group's name (``precision.name``) says more than its fields, so the fields it
+    explains are left out. A key a run does not have counts at its default."""
+    keys = sorted({k for r in runs for k in _flat(r)})
+    differing = [k for k in keys if not _same(_value(r, k) for r in runs)]
     names = [k for k in differing if k.endswith(".name")]
-    shown = names + [k for k in differing if not any(k.startswith(n[: -len("name")]) for n in names)]
+    return names + [k for k in differing if not any(k.startswith(n[: -len("name")]) for n in names)]
+
+
+def _show(key: str, value) -> str:
+    return f"{key[: -len('.name')]}={value}" if key.endswith(".name") else f"{key}={value}"
+
+
+def label_runs(runs: list[Run]) -> list[str]:
+    """Label each run by the config values that differ between runs, leaving out a key
+    where this run has it at its default (``train.audit=False`` next to a run that set
+    it True): the label names what was changed. A run whose differing keys are all at
+    their defaults, and a group's name (the preset chosen), keep theirs."""
+    shown = differing_keys(runs)
     labels = []
-    for r, f in zip(runs, flats):
+    for r in runs:
         if len(runs) == 1 or not shown:
-            lab = f"{f.get('precision.name', r.path.name)}"
-        else:
-            lab = ", ".join(f"{k.replace('.name', '')}={f.get(k)}" if k.endswith(".name") else f"{k}={f.get(k)}"
-                            for k in shown[:4])
-        labels.append(lab)
+            labels.append(f"{_flat(r).get('precision.name', r.path.name)}")
+            continue
+        defaults = defaults_of(r)
+        changed = [k for k in shown if k.endswith(".name") or not _same([_value(r, k), defaults.get(k)])]
+        labels.append(", ".join(_show(k, _value(r, k)) for k in (changed or shown)[:4]))
     if len(set(labels)) < len(labels):  # still ambiguous: add the directory
         labels = [f"{lab} ({r.path.name})" for lab, r in zip(labels, runs)]
     for r, lab in zip(runs, labels):
         r.label = lab
     return labels
+
+
+def compared(runs: list[Run]) -> str:
+    """The figure's title: what was compared (each differing key with its values, in
+    the runs' order) and what the runs share (the model, the steps)."""
+    shown = differing_keys(runs) if len(runs) > 1 else []
+    parts = []
+    for k in shown[:4]:
+        values = list(dict.fromkeys(str(_value(r, k)) for r in runs))
+        parts.append(f"{k[: -len('.name')] if k.endswith('.name') else k}: {' vs '.join(values)}")
+    common = []  # the model only where every run's config names the same one (no guessing a default)
+    models = {_flat(r).get("model.name") for r in runs}
+    if len(models) == 1 and None not in models:
+        common.append(str(models.pop()))
+    last = {max((row["step"] for row in r.rows if "step" in row), default=None) for r in runs}
+    if len(last) == 1 and None not in last:
+        common.append(f"{last.pop()} steps")
+    what = (" · ".join(parts) if parts else
+            runs[0].label if len(runs) == 1 else f"{len(runs)} runs of the same config")
+    return " · ".join([what, *common])
+
+
+def _harmless() -> set[str]:
+    """The keys the schema marks harmless: they change what is reported or kept, not what is trained."""
+    from mptrain.config.schema import HARMLESS, on_resume
+
+    return {k for k, (kind, _) in on_resume().items() if kind == HARMLESS}
+
+
+def _pairing_keys(runs: list[Run]) -> list[str]:
+    """The keys two runs must agree on for one's loss to be subtracted from the other's."""
+    harmless = _harmless()
+    return [k for k in sorted({k for r in runs for k in _flat(r)})
+            if not k.startswith(PAIRED_ACROSS) and k not in harmless]
 
 
 def _reference(runs: list[Run]) -> tuple[Optional[Run], str]:
@@ -139,6 +269,34 @@ def _reference(runs: list[Run]) -> tuple[Optional[Run], str]:
         if ref is not None:
             return ref, name
     return None, "fp32"
+
+
+def references(runs: list[Run]) -> tuple[dict[int, Optional[Run]], list[str], list[str]]:
+    """Each run's reference for the loss gap (by ``id``), taken within the runs that agree
+    with it on everything but the precision (:data:`PAIRED_ACROSS`): the fp32 one, else
+    the bf16 one. Returns the references, the reference precisions used, and one line per
+    group of runs left without one while others have one (another model, say), naming
+    the keys it differs in."""
+    keys = _pairing_keys(runs)
+    groups: dict[str, list[Run]] = {}
+    for r in runs:
+        groups.setdefault(json.dumps([_value(r, k) for k in keys], default=str), []).append(r)
+    refs, names = {}, []
+    for members in groups.values():
+        ref, name = _reference(members)
+        refs.update({id(m): ref for m in members})
+        if ref is not None and name not in names:
+            names.append(name)
+    refused = []
+    with_ref = [r for r in runs if refs[id(r)] is not None]
+    for members in groups.values():
+        if refs[id(members[0])] is not None or not with_ref:
+            continue
+        apart = [k for k in keys if not _same([_value(members[0], k), *(_value(r, k) for r in with_ref)])]
+        refused.append(f"No val loss - {'/'.join(names)} for {', '.join(m.label for m in members)}: no "
+                       f"{' or '.join(names)} run agrees with it on everything but precision "
+                       f"(it differs in {', '.join(apart[:4])}{', ...' if len(apart) > 4 else ''}).")
+    return refs, names, refused
 
 
 def fp8_worst(run: Run) -> Optional[tuple[float, float, float]]:
@@ -152,11 +310,17 @@ def fp8_worst(run: Run) -> Optional[tuple[float, float, float]]:
             min(r["fp8/worst/sqnr_db"] for r in rows))
 
 
+def _val(run: Run):
+    return run.summary.get("final/val_loss", run.last("val/loss"))
+
+
 def table(runs: list[Run]) -> str:
-    ref, ref_name = _reference(runs)
-    ref_val = ref.summary.get("final/val_loss") if ref else None
+    """The runs' final figures, a row per run; the val-loss gap is taken against the
+    run's own reference (:func:`references`), n/a without one."""
+    refs, names, _ = references(runs)
     casts = any(fp8_worst(r) for r in runs)
-    head = ["run", "final train loss", "final val loss", f"val loss - {ref_name}", "state bytes/param", "tokens/s",
+    head = ["run", "final train loss", "final val loss", f"val loss - {'/'.join(names) or 'fp32'}",
+            "state bytes/param", "tokens/s",
             "skipped steps", "peak memory (GiB)", "wall time (s)",
             *(["worst flush", "worst saturate", "worst SQNR (dB)"] if casts else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -171,7 +335,8 @@ def table(runs: list[Run]) -> str:
 
     for r in runs:
         s = r.summary
-        val = s.get("final/val_loss", r.last("val/loss"))
+        val, ref = _val(r), refs[id(r)]
+        ref_val = _val(ref) if ref is not None else None
         delta = None if ref_val is None or val is None else val - ref_val
         mem = s.get("mem/peak_gib", s.get("mem/peak_rss_gib"))
         skipped = s.get("amp/skipped_steps", s.get("train/nonfinite_skipped"))
@@ -242,14 +407,42 @@ def coincide_note(same: dict[str, list[list[str]]]) -> str:
             f"told apart by line style and marker): {clauses}.")
 
 
-def style(i: int, n_points: int, n_runs: int) -> dict:
+def style(i: int, n_points: int, n_runs: int, sparse: bool = False) -> dict:
     """Run ``i``'s look, the same in every panel: colour, line style and hollow marker
     all vary with the run, so a curve drawn over an identical one leaves it visible
-    (the dashes show the line below; the markers sit at different points)."""
+    (the dashes show the line below; the markers sit at different points). A
+    ``sparse`` series (:func:`is_sparse`) is its markers alone, one at every sample."""
     every = max(1, n_points // 8)
+    if sparse:
+        return dict(color=f"C{i % 10}", linestyle="none", marker=MARKERS[i % len(MARKERS)],
+                    markersize=8 if n_points == 1 else 6, markerfacecolor="none", markeredgewidth=1.2)
     return dict(color=f"C{i % 10}", linestyle=LINESTYLES[i % len(LINESTYLES)], marker=MARKERS[i % len(MARKERS)],
                 markevery=((i * every) // max(1, n_runs), every), markersize=8 if n_points == 1 else 5,
                 markerfacecolor="none", markeredgewidth=1.2, linewidth=1.3)
+
+
+def is_sparse(run: Run, xs: list, x: str = "step") -> bool:
+    """Whether the run's series with points at ``xs`` is samples too far apart to join by a
+    line: fewer than SPARSE_POINTS points, or SPARSE_RATIO times fewer than its train loss."""
+    return len(xs) < SPARSE_POINTS or len(xs) * SPARSE_RATIO <= len(run.series("train/loss", x)[0])
+
+
+def _interval(xs: list) -> Optional[int]:
+    """The usual step between samples (the median gap; the first monitored step is step 1)."""
+    gaps = sorted(b - a for a, b in zip(xs, xs[1:]))
+    return round(gaps[len(gaps) // 2]) if gaps else None
+
+
+def loss_scaled(run: Run) -> bool:
+    """Whether the run's gradients carried a loss scale (other than 1) on some logged step."""
+    return any(v != 1 for v in run.series("amp/loss_scale", "step")[1])
+
+
+def scaled_note(runs: list[Run]) -> str:
+    """For the panels of :data:`AS_HELD` metrics: which runs' counts are of the loss-scaled
+    gradients (the monitor counts the gradients as held; only those are logged)."""
+    names = list(dict.fromkeys(str(_flat(r).get("precision.name", r.label)) for r in runs if loss_scaled(r)))
+    return f"{'/'.join(names)} runs: measured after loss scaling" if names else ""
 
 
 def plain_number(v: float, _pos=None, sig: int = 6) -> str:
@@ -281,45 +474,63 @@ def plain_axes(ax, x: str, scale: str) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # also for one step
 
 
-def min_span(ax, values: list[float]) -> None:
-    """Widen a linear y axis to at least MIN_REL_SPAN of its largest value, so that
+def min_span(ax, values: list[float], rel: float = MIN_REL_SPAN) -> None:
+    """Widen a linear y axis to at least ``rel`` of its largest value, so that
     differences at the level of rounding (one point per run, flat curves) do not
-    fill the panel."""
+    fill the panel; a log axis to a ratio of at least ``1 + rel``."""
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return
     lo, hi = min(finite), max(finite)
-    need = MIN_REL_SPAN * max(abs(lo), abs(hi))
+    if ax.get_yscale() == "log":
+        if lo > 0 and hi / lo < 1 + rel:
+            mid = math.sqrt(lo * hi)
+            ax.set_ylim(mid / math.sqrt(1 + rel), mid * math.sqrt(1 + rel))
+        return
+    need = rel * max(abs(lo), abs(hi))
     if hi - lo < need:
         mid = (lo + hi) / 2
         ax.set_ylim(mid - need / 2, mid + need / 2)
 
 
 def _panel(ax, runs: list[Run], spec: tuple, same: list[list[str]]) -> None:
-    """One panel: every run with data in its own style, the axes plain, the coinciding runs named in the title."""
+    """One panel: every run with data in its own style (sparse samples as points), the
+    axes plain, the title saying how the figures were taken (after loss scaling,
+    sampled every N steps) and naming the coinciding runs."""
     title, metric, x, scale = spec
     values: list[float] = []
+    counts, gaps = [], []
     for i, r in enumerate(runs):
         xs, ys = r.series(metric, x)
         if xs:  # a run keeps its look in every panel, also where others are missing
-            ax.plot(xs, ys, label=r.label, zorder=2 + i, **style(i, len(xs), len(runs)))
+            sparse = is_sparse(r, xs, x)
+            ax.plot(xs, ys, label=r.label, zorder=2 + i, **style(i, len(xs), len(runs), sparse))
             values += ys
-    notes = [f"same curve: {' = '.join(g)}" for g in same]
+            counts.append(len(xs))
+            if sparse and x == "step" and _interval(xs):
+                gaps.append(_interval(xs))
+    notes = [scaled_note(runs)] if metric.startswith(AS_HELD) else []
+    if gaps:
+        notes.append(f"points: sampled every {'/'.join(map(str, sorted(set(gaps))))} steps")
+    notes = [n for n in notes if n] + [f"same curve: {' = '.join(g)}" for g in same]
     ax.set_title("\n".join([title, *(textwrap.fill(n, 70) for n in notes)]), fontsize=10 if notes else None)
     ax.set_xlabel("tokens" if x == "train/tokens" else "step")
     if scale == "log2":
         ax.set_yscale("log", base=2)
     elif scale == "log":
         ax.set_yscale("log")
-    else:
-        min_span(ax, values)
+    # One point per run shows no scale of its own: a wider floor. (The loss scale's
+    # powers of 2 keep matplotlib's own, wider, axis.)
+    if scale != "log2":
+        min_span(ax, values, SINGLE_POINT_REL_SPAN if max(counts, default=0) == 1 else MIN_REL_SPAN)
     plain_axes(ax, x, scale)
     ax.grid(alpha=0.3)
 
 
 def build_figure(runs: list[Run]):
     """The comparison figure (a ``matplotlib.figure.Figure``, not yet saved): one
-    panel per metric some run logged, one line per run."""
+    panel per metric some run logged, one line (or set of points) per run; the
+    title says what was compared, the legend sits under it, above the panels."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
@@ -327,7 +538,15 @@ def build_figure(runs: list[Run]):
     same = coincidences(runs, panels)
     cols = 3
     rows = max(1, math.ceil(len(panels) / cols))
-    fig = Figure(figsize=(6 * cols, 3.8 * rows + 0.4))
+    labels = [r.label for r in runs]
+    ncol = min(4, len(labels))
+    title = textwrap.fill(compared(runs), 150)
+    if missing:
+        title += "\n" + textwrap.fill(f"not logged by any run: {', '.join(missing)}", 170)
+    # Inches above the panels: the title's lines, then the legend's rows.
+    title_h, legend_h = 0.22 * (title.count("\n") + 1) + 0.15, 0.24 * math.ceil(len(labels) / ncol) + 0.1
+    height = 3.8 * rows + title_h + legend_h
+    fig = Figure(figsize=(6 * cols, height))
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax, spec in zip(axes.flat, panels):
         _panel(ax, runs, spec, same.get(spec[0], []))
@@ -335,11 +554,10 @@ def build_figure(runs: list[Run]):
         ax.axis("off")
     handles = [Line2D([], [], **{k: v for k, v in style(i, 2, len(runs)).items() if k != "markevery"})
                for i in range(len(runs))]
-    labels = [r.label for r in runs]
-    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=9, frameon=False)
-    note = f"not logged by any run: {', '.join(missing)}" if missing else ""
-    fig.suptitle(f"{len(runs)} run(s)" + (f" — {note}" if note else ""), fontsize=10)
-    fig.tight_layout(rect=(0, 0.04 + 0.02 * math.ceil(len(labels) / 3), 1, 0.97))
+    fig.suptitle(title, fontsize=11, y=1 - 0.08 / height, va="top")
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1 - title_h / height), ncol=ncol,
+               fontsize=10, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - (title_h + legend_h) / height))
     return fig
 
 
@@ -668,10 +886,6 @@ def _fp8_titles(fig, shown: list, layers: list[str], ops: dict, dropped_layers: 
 LR_KEY = "optim.lr"
 
 
-def _flat(run: Run) -> dict:
-    return {k: v for k, v in flatten(run.config).items() if not k.startswith(IGNORED_KEYS)}
-
-
 def lr_settings(runs: list[Run]) -> Optional[dict[str, list[Run]]]:
     """For a sweep over ``optim.lr`` (3 or more values): the runs grouped by every
     other setting that differs (one curve of final loss against the learning
@@ -764,7 +978,8 @@ def main(argv: list[str]) -> int:
     label_runs(runs)
     md = table(runs)
     missing, same = figure(runs, out / "comparison.png")
-    note = f"\n\nNot logged by any run (panels left out): {', '.join(missing)}." if missing else ""
+    note = "".join(f"\n\n{line}" for line in references(runs)[2])
+    note += f"\n\nNot logged by any run (panels left out): {', '.join(missing)}." if missing else ""
     note += f"\n\n{same}" if same else ""
     groups = lr_settings(runs)
     if groups:  # a learning-rate sweep: its own figure and table

@@ -118,7 +118,8 @@ def test_figure_of_one_point_runs_and_identical_curves(short_runs, tmp_path, cap
         for line in (la, lb):  # a lone point is a marker one can see, not a pixel
             assert len(line.get_xdata()) == 1, title
             assert line.get_marker() not in ("", "None", None, ",", ".") and line.get_markersize() >= 6, title
-        assert la.get_linestyle() != lb.get_linestyle() and la.get_marker() != lb.get_marker(), title
+        assert la.get_marker() != lb.get_marker(), title  # a lone point is a sample: no line to tell apart
+        assert la.get_linestyle() == lb.get_linestyle() == "None", title
         assert f"same curve: {a} = {b}" in ax.get_title().replace("\n", " "), title
     from matplotlib.figure import Figure
 
@@ -147,6 +148,140 @@ def test_a_whole_sweep_coinciding_is_named_once(tmp_path):
     compare.label_runs(runs)
     panels = [("train loss", "train/loss", "step", "linear"), ("lr", "train/lr", "step", "linear")]
     assert compare.coincidences(runs, panels) == {"lr": [["all 3 runs"]]}
+
+
+# ------------------------------------------------------------ what the figure tells at a glance
+NANO = {"name": "gpt-nano", "n_layer": 2, "n_head": 2, "d_model": 64, "block_size": 64}
+
+
+def _sweep_of(root: Path, runs: dict) -> Path:
+    """Run directories under ``root`` as the trainer writes them, 40 steps each: the loss
+    logged every step, the monitor's metrics at step 1 and every 10 steps, the validation
+    loss once, at the end. ``runs``: name -> (config, final val loss); fp16 ones (loss
+    scaling on in their preset) log the loss scale and count no fp16 underflow."""
+    for name, (cfg, val) in runs.items():
+        path = root / name
+        path.mkdir(parents=True)
+        scaled = cfg["precision"]["name"] == "fp16"
+        rows = []
+        for step in range(1, 41):
+            row = {"step": step, "train/loss": 5.0 - step / 20, "train/tokens": 512 * step}
+            if scaled:
+                row["amp/loss_scale"] = 65536.0
+            if step == 1 or step % 10 == 0:
+                row.update({"numerics/grad_underflow/fp16": 0.0 if scaled else 0.001 * step,
+                            "stability/output_log_z": 5.8 - step / 100})
+            if step == 40:
+                row["val/loss"] = val
+            rows.append(row)
+        path.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        path.joinpath("summary.json").write_text(json.dumps({"final/val_loss": val}))
+        path.joinpath("config.yaml").write_text(yaml.safe_dump({"model": NANO, **cfg}))
+    return root
+
+
+def _three_precisions(root: Path) -> Path:
+    """fp32, fp16 and bf16 on gpt-nano; bf16 also audited (a harmless setting: it trains the same)."""
+    return _sweep_of(root, {
+        "0": ({"precision": {"name": "fp32"}, "train": {"audit": False, "max_steps": 40}}, 7.2911),
+        "1": ({"precision": {"name": "fp16"}, "train": {"audit": False, "max_steps": 40}}, 7.2911),
+        "2": ({"precision": {"name": "bf16"}, "train": {"audit": True, "max_steps": 40}}, 7.2908)})
+
+
+def _axes(fig) -> dict:
+    return {ax.get_title().split("\n")[0]: ax for ax in fig.axes if ax.get_title()}
+
+
+def test_labels_leave_out_keys_at_their_defaults(tmp_path):
+    """A key one run set and the others have at its default (``train.audit``) is in the label of
+    the run that set it only; a key a run's config lacks counts at its default, not as a difference."""
+    compare = load_script("compare")
+    sweep = _three_precisions(tmp_path)
+    runs = compare.find_runs([sweep])
+    assert compare.label_runs(runs) == ["precision=fp32", "precision=fp16", "precision=bf16, train.audit=True"]
+    for name in ("0", "1"):  # older runs without the key: the same as False
+        cfg = yaml.safe_load((sweep / name / "config.yaml").read_text())
+        del cfg["train"]["audit"]
+        (sweep / name / "config.yaml").write_text(yaml.safe_dump(cfg))
+    runs = compare.find_runs([sweep])
+    assert compare.label_runs(runs) == ["precision=fp32", "precision=fp16", "precision=bf16, train.audit=True"]
+
+
+def test_figure_title_says_what_was_compared_and_legend_is_on_top(tmp_path):
+    """The title names the compared values and what the runs share; the legend, one entry
+    per run, sits above every panel (under the title), not below the last row."""
+    compare = load_script("compare")
+    runs = compare.find_runs([_three_precisions(tmp_path)])
+    compare.label_runs(runs)
+    fig = compare.build_figure(runs)
+    fig.draw_without_rendering()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [r.label for r in runs]
+    assert legend.get_window_extent().y0 >= max(ax.get_window_extent().y1 for ax in fig.axes if ax.get_title())
+    assert fig.get_suptitle().splitlines()[0] == (
+        "precision: fp32 vs fp16 vs bf16 · train.audit: False vs True · gpt-nano · 40 steps")
+
+
+def test_sparse_samples_are_points_not_lines(tmp_path):
+    """Monitor samples (every 10 steps next to a loss logged every step) are drawn as points,
+    not joined by lines, and their panels say how often they were taken; the loss keeps its line."""
+    compare = load_script("compare")
+    runs = compare.find_runs([_three_precisions(tmp_path)])
+    compare.label_runs(runs)
+    panels = _axes(compare.build_figure(runs))
+    for line in panels["train loss"].get_lines():
+        assert line.get_linestyle() not in ("None", "", " ", "none")
+    for title in ("output logits: mean log Z", "grad underflow in fp16"):
+        ax = panels[title]
+        for line in ax.get_lines():
+            assert line.get_linestyle() == "None" and line.get_marker() not in ("", "None", None)
+            assert list(line.get_xdata()) == [1, 10, 20, 30, 40]
+        assert "points: sampled every 10 steps" in ax.get_title()
+    assert not compare.is_sparse(runs[0], list(range(1, 41, 3)))  # 14 points, a third of the loss's: a line
+    assert compare.is_sparse(runs[0], list(range(1, 41, 4)))  # 10 points: too few to join
+
+
+def test_underflow_panels_say_they_are_after_loss_scaling(tmp_path):
+    """fp16 runs' gradients are counted as held, times the loss scale: the underflow panels
+    say so, and say nothing of the kind in a sweep without loss scaling."""
+    compare = load_script("compare")
+    runs = compare.find_runs([_three_precisions(tmp_path / "with")])
+    compare.label_runs(runs)
+    title = _axes(compare.build_figure(runs))["grad underflow in fp16"].get_title()
+    assert "fp16 runs: measured after loss scaling" in title.replace("\n", " ")
+    assert "loss scaling" not in _axes(compare.build_figure(runs))["output logits: mean log Z"].get_title()
+    unscaled = [r for r in runs if r.config["precision"]["name"] != "fp16"]
+    assert "loss scaling" not in _axes(compare.build_figure(unscaled))["grad underflow in fp16"].get_title()
+
+
+def test_one_point_panel_is_not_stretched(tmp_path):
+    """Validation losses of one point per run, 0.0003 apart at 7.29: the axis spans at least
+    1% of the value (0.07), so the gap is a fraction of a marker, not half the panel."""
+    compare = load_script("compare")
+    runs = compare.find_runs([_three_precisions(tmp_path)])
+    compare.label_runs(runs)
+    lo, hi = _axes(compare.build_figure(runs))["validation loss"].get_ylim()
+    assert hi - lo >= 0.99 * 0.01 * 7.2911 and lo < 7.2908 and hi > 7.2911
+    assert (7.2911 - 7.2908) / (hi - lo) < 0.005
+
+
+def test_loss_gap_only_between_runs_of_the_same_config(tmp_path, capsys):
+    """A run of another model is not given the fp32 run's loss as its reference: its gap is
+    n/a and one line says why; a second fp32 seed (the noise) and an audited run (a harmless
+    setting) keep theirs."""
+    root = _sweep_of(tmp_path / "sweep", {
+        "0": ({"precision": {"name": "fp32"}, "train": {"seed": 1337}}, 3.3271),
+        "1": ({"precision": {"name": "fp32"}, "train": {"seed": 4321}}, 3.3216),
+        "2": ({"precision": {"name": "bf16"}, "train": {"audit": True}}, 3.3285),
+        "3": ({"precision": {"name": "fp16"}, "model": {**NANO, "d_model": 32}}, 4.0221)})
+    code, out, err = _compare_here(capsys, root)
+    assert code == 0, err
+    gaps = [line.split("|")[4].strip()
+            for line in (root / "comparison.md").read_text().splitlines() if line.startswith("| precision=")]
+    assert gaps == ["+0.0000", "-0.0055", "+0.0014", "n/a"]  # runs 0..3 in order
+    (refusal,) = [line for line in out.splitlines() if line.startswith("No val loss - fp32 for")]
+    assert refusal.startswith("No val loss - fp32 for precision=fp16, model.d_model=32:")
+    assert refusal.endswith("(it differs in model.d_model).") and refusal in (root / "comparison.md").read_text()
 
 
 # ------------------------------------------------------------ float8 casts per layer

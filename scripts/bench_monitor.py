@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py's progress line and quiet runs
@@ -59,6 +60,29 @@ def tokens_per_s(overrides: list[str], progress: Progress) -> tuple[float, list[
     return tps, warnings
 
 
+def fastest(names: list[str], repeats: int, steps: int, width: int,
+            overrides: Callable[[str], list[str]]) -> dict[str, float]:
+    """Each setting of ``names`` run ``repeats`` times, interleaved, with its
+    ``overrides(name)``: one progress line per run, each new harness warning
+    shown once, and the fastest tokens/s of each setting returned."""
+    best = dict.fromkeys(names, 0.0)
+    order = [name for _ in range(repeats) for name in names]
+    seen: set[str] = set()
+    for k, name in enumerate(order, 1):
+        progress = Progress(sys.stdout, f"  [{k}/{len(order)}] {name:<{width}}", steps)
+        try:
+            tps, warnings = tokens_per_s(overrides(name), progress)
+        except BaseException:
+            progress.abandon()
+            raise
+        progress.finish(f"{tps:,.0f} tokens/s")
+        for w in [w for w in warnings if w not in seen]:
+            seen.add(w)
+            print(f"    harness {w}")
+        best[name] = max(best[name], tps)
+    return best
+
+
 def main() -> None:
     """Banner, each run with its progress line, then one line per setting."""
     user = sys.argv[1:]
@@ -74,21 +98,7 @@ def main() -> None:
     settings = FP8_SETTINGS if fp8 else SETTINGS
     print(f"bench_monitor: {' '.join(DEFAULTS + user)} | {len(settings)} settings x 2, interleaved\n"
           f"  machine  {machine(device)} | torch {torch.__version__}", flush=True)
-    best = {k: 0.0 for k in settings}
-    order = [name for _ in range(2) for name in settings]
-    seen: set[str] = set()
-    for k, name in enumerate(order, 1):
-        progress = Progress(sys.stdout, f"  [{k}/{len(order)}] {name:<28}", cfg.train.max_steps)
-        try:
-            tps, warnings = tokens_per_s([*settings[name], *user], progress)
-        except BaseException:
-            progress.abandon()
-            raise
-        progress.finish(f"{tps:,.0f} tokens/s")
-        for w in [w for w in warnings if w not in seen]:
-            seen.add(w)
-            print(f"    harness {w}")
-        best[name] = max(best[name], tps)
+    best = fastest(list(settings), 2, cfg.train.max_steps, 28, lambda name: [*settings[name], *user])
     base = best["monitor off"]
     print(f"\nbench_monitor: {' '.join(DEFAULTS + user)}")
     for name, tps in best.items():

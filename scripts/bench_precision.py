@@ -1,0 +1,84 @@
+"""Each precision's training speed against fp32's, on this machine.
+
+    python scripts/bench_precision.py [overrides...] [--repeats R] [--only fp32,fp8-emulated,...]
+
+(default: model=gpt-nano, 60 steps, monitor off, 2 repeats). Settings: fp32,
+bf16, fp16, fp8 with ``torch._scaled_mm`` and fp8 with the emulated matmul
+(``precision.fp8.matmul``), and mxfp8. Each runs ``--repeats`` times,
+interleaved, and the fastest run counts (a shared machine adds time, never
+speed). Prints one banner (CPU model and the instruction-set flags that decide
+half-precision speed, Python, torch, torchao, date), a progress line per run,
+then tokens/s per setting and its ratio to fp32's, and what
+``precision.fp8.matmul=auto`` would pick here.
+
+The figure the float8 emulation is judged by: fp8 at >= 0.3x fp32's tokens/s
+on a CPU whose ``torch._scaled_mm`` is slow. On a CPU without native bf16 the
+rest of an fp8 step (attention, the head, under bf16 autocast) is what costs,
+whichever matmul the float8 linears use; the bf16 row shows that bound.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py's progress line and quiet runs
+
+import torch  # noqa: E402
+from bench import configured, machine  # noqa: E402
+from bench_monitor import fastest  # noqa: E402
+
+from mptrain.config.checks import compose_checked  # noqa: E402
+from mptrain.precision.support import _cpu_flags, choose_fp8_matmul, torchao_version  # noqa: E402
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+DEFAULTS = ["model=gpt-nano", "train.max_steps=60", "monitor.enabled=false"]
+SETTINGS = {
+    "fp32": ["precision=fp32"],
+    "bf16": ["precision=bf16"],
+    "fp16": ["precision=fp16"],
+    "fp8-scaled_mm": ["precision=fp8", "precision.fp8.matmul=scaled_mm"],
+    "fp8-emulated": ["precision=fp8", "precision.fp8.matmul=emulated"],
+    "mxfp8": ["precision=mxfp8"],
+}
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile")
+
+
+def header(device: str, overrides: list[str], repeats: int, names: list[str]) -> str:
+    """The command, the machine (with the flags that decide bf16/fp16 speed) and the software."""
+    flags = sorted(_cpu_flags() & set(SPEED_FLAGS)) if device == "cpu" else []
+    return (f"bench_precision: {' '.join(overrides)} | {len(names)} settings x {repeats}, interleaved\n"
+            f"  machine  {machine(device)}" + (f" | flags {', '.join(flags) or 'none of ' + ', '.join(SPEED_FLAGS)}"
+                                               if device == "cpu" else "") + "\n"
+            f"  software Python {platform.python_version()}, torch {torch.__version__}, "
+            f"torchao {torchao_version() or 'not installed'} | {datetime.date.today().isoformat()}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each setting, interleaved; the fastest counts")
+    ap.add_argument("--only", default=",".join(SETTINGS), help=f"comma-separated settings ({', '.join(SETTINGS)})")
+    a, user = ap.parse_known_args()
+    names = [n.strip() for n in a.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown or "fp32" not in names:
+        sys.exit(f"bench_precision: --only {a.only}: {'unknown ' + ', '.join(unknown) if unknown else 'no fp32'}; "
+                 f"choose from {', '.join(SETTINGS)}, fp32 included (the ratios are to it).")
+    overrides = [*DEFAULTS, *user]
+    cfg, device = configured(lambda o: compose_checked(o, CONFIGS), overrides, "bench_precision")
+    print(header(device, overrides, a.repeats, names), flush=True)
+    # the setting last: a user's precision=... would otherwise replace it
+    best = fastest(names, a.repeats, cfg.train.max_steps, 15, lambda name: [*overrides, *SETTINGS[name]])
+    print(f"\n{'setting':<15} {'tokens/s':>10} {'x fp32':>8}")
+    for name in names:
+        print(f"{name:<15} {best[name]:>10,.0f} {best[name] / best['fp32']:>8.3f}")
+    if device == "cpu":
+        path, why = choose_fp8_matmul("auto", torch.device("cpu"))
+        print(f"precision.fp8.matmul=auto here: {path} ({why})")
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,7 @@
     python scripts/bench_nanogpt.py --nanogpt /path/to/nanoGPT [--steps N] [--warmup W] [--repeats R]
                                     [--threads T] [harness overrides...]
     python scripts/bench_nanogpt.py --nanogpt /path/to/nanoGPT --profile [--threads T] [harness overrides...]
+    python scripts/bench_nanogpt.py --nanogpt /path/to/nanoGPT --cpu-time [--steps N] [harness overrides...]
 
 ``--nanogpt`` is a checkout of https://github.com/karpathy/nanoGPT (its
 ``train.py``, ``model.py`` and ``configurator.py`` are used as they are, run
@@ -59,6 +60,18 @@ What differs, by design of each project:
 harness's ``GPT`` with its ``train_step`` (clipping, inf/nan guard) train on
 the same batches, in turns, under ``torch.profiler``; it prints the operators
 whose time per step differs most between the two, fastest round of each.
+
+``--cpu-time`` times the same two steps without the profiler, in turns, one
+step of each at a time, at one torch thread, and reads the CPU time each step
+took (``time.thread_time``) rather than the wall time. Other jobs on the
+machine stretch wall time by whatever share of the cores they take; they
+stretch the thread's CPU time far less (only through the caches and memory
+they share), and the two sides, one step apart, share the same load. (At
+more threads OpenMP's workers spin between kernels, and that CPU time grows
+with the load, not with the work: it is refused.) It prints each side's
+median and fastest step and the median of the per-pair ratios harness /
+nanoGPT, with a 95% interval and the quartiles: the figure to quote on a busy
+machine (``docs/performance.md``, "Against nanoGPT on CPU").
 """
 from __future__ import annotations
 
@@ -67,6 +80,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import math
 import os
 import pickle
 import platform
@@ -286,19 +300,29 @@ def harness_step(cfg, vocab: int, batches, ctx):
     return step
 
 
-def profile(root: Path, cfg, tokens, steps: int, rounds: int, top: int = 14) -> None:
-    """Both models' steps under torch.profiler, in turns; per operator, the self CPU
-    time per step of each side's fastest round, largest differences first."""
+@contextlib.contextmanager
+def both_steps(root: Path, cfg, tokens, warmup: int = 3):
+    """``{"nanoGPT": step, "harness": step}`` on the same batches, in this process,
+    each after ``warmup`` steps (first-touch allocations, optimizer state)."""
     m, tc = cfg.model, cfg.train
     batches = Batches(Windows(tokens.train, m.block_size), tc.global_batch_size,
-                               tc.global_batch_size, 0, 1, tc.seed)
+                      tc.global_batch_size, 0, 1, tc.seed)
     ctx = setup(cfg.parallel, "cpu")
     try:
         sides = {"nanoGPT": nanogpt_step(root, cfg, tokens.vocab_size, batches),
                  "harness": harness_step(cfg, m.vocab_size or padded_vocab(tokens.vocab_size), batches, ctx)}
-        for step in sides.values():  # warm-up: first-touch allocations, optimizer state
-            for i in range(3):
+        for step in sides.values():
+            for i in range(warmup):
                 step(i)
+        yield sides
+    finally:
+        ctx.shutdown()
+
+
+def profile(root: Path, cfg, tokens, steps: int, rounds: int, top: int = 14) -> None:
+    """Both models' steps under torch.profiler, in turns; per operator, the self CPU
+    time per step of each side's fastest round, largest differences first."""
+    with both_steps(root, cfg, tokens) as sides:
         best: dict[str, tuple[float, dict[str, float]]] = {}
         for _ in range(rounds):
             for name, step in sides.items():
@@ -310,8 +334,6 @@ def profile(root: Path, cfg, tokens, steps: int, rounds: int, top: int = 14) -> 
                 ops = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
                 if name not in best or wall < best[name][0]:
                     best[name] = (wall, ops)
-    finally:
-        ctx.shutdown()
     (wn, ng), (wh, hs) = best["nanoGPT"], best["harness"]
     keys = sorted(set(ng) | set(hs), key=lambda k: -abs(hs.get(k, 0.0) - ng.get(k, 0.0)))
     print(f"\nprofile: ms per step (self CPU time per operator), fastest of {rounds} rounds of {steps} steps each, "
@@ -325,27 +347,71 @@ def profile(root: Path, cfg, tokens, steps: int, rounds: int, top: int = 14) -> 
     print(f"  {'step, wall time under the profiler':<48} {1e3 * wn:>9.2f} {1e3 * wh:>9.2f} {1e3 * (wh - wn):>+8.2f}")
 
 
+def cpu_time(root: Path, cfg, tokens, steps: int) -> None:
+    """Both models' steps, unprofiled, at one torch thread, one of each in turns, ``steps``
+    each; the thread CPU time of every step and the median (95% interval, quartiles) of
+    the ratios harness / nanoGPT of the steps run side by side."""
+    with both_steps(root, cfg, tokens) as sides:
+        took: dict[str, list[float]] = {name: [] for name in sides}
+        for i in range(steps):
+            for name, step in sides.items():
+                t = time.thread_time()
+                step(3 + i)
+                took[name].append(time.thread_time() - t)
+    ratios = sorted(h / n for h, n in zip(took["harness"], took["nanoGPT"]))
+    n = len(ratios)
+    # a 95% interval for the median that assumes nothing about the ratios' distribution, only
+    # that they are independent (the order statistics n/2 -+ 1.96 sqrt(n)/2, the binomial's
+    # normal approximation); on a busy host they are not quite, and reruns spread about twice as wide
+    half = 0.98 * math.sqrt(n)
+    lo, hi = ratios[max(0, math.floor(n / 2 - half))], ratios[min(n - 1, math.ceil(n / 2 + half))]
+    print(f"\ncpu time: ms per step (thread CPU time), {steps} steps of each side in turns, 1 thread")
+    for name, t in took.items():
+        print(f"  {name:<8} median {1e3 * sorted(t)[len(t) // 2]:8.2f}   fastest {1e3 * min(t):8.2f}")
+    print(f"  harness / nanoGPT, per pair of steps: median {ratios[n // 2]:.3f} (95% interval {lo:.3f}-{hi:.3f}, "
+          f"quartiles {ratios[n // 4]:.3f}-{ratios[3 * n // 4]:.3f}); tokens/s ratio {1 / ratios[n // 2]:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nanogpt", help="a nanoGPT checkout (the directory with its train.py)")
     ap.add_argument("--steps", type=int, default=None,
-                    help="steps per run, warm-up included (default 100); with --profile, steps per round (default 6)")
+                    help="steps per run, warm-up included (default 100); with --profile, steps per round "
+                         "(default 6); with --cpu-time, steps of each side (default 60)")
     ap.add_argument("--warmup", type=int, default=10, help="first steps left out of the timing (default 10)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each setting, interleaved (default 3)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads for every setting (default: torch's)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for every setting (default: torch's; --cpu-time: 1, the only one it takes)")
     ap.add_argument("--verbose", action="store_true", help="show nanoGPT's and the harness's own output")
     ap.add_argument("--profile", action="store_true",
                     help="profile both models' steps in this process instead (--steps per round, --repeats rounds)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time both models' steps in this process by CPU time, in turns (--steps of each)")
     a, overrides = ap.parse_known_args()
     root = check_checkout(a.nanogpt)
+    if a.cpu_time:
+        if a.threads > 1:
+            fail(f"--cpu-time times one torch thread; at --threads={a.threads} OpenMP's workers spin between "
+                 "kernels, and that CPU time grows with the machine's load, not with the work. Drop --threads "
+                 "(or pass 1), or compare wall time without --cpu-time.")
+        a.threads = 1
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     cfg, _ = bench.configured(lambda o: bench.compose_cfg([*HARNESS, *o]), overrides, PROG)
     log_every = cfg.train.log_every
-    if a.profile:
+    if a.profile and a.cpu_time:
+        fail("--profile and --cpu-time are two ways to measure the same steps; pass one of them.")
+    if a.profile or a.cpu_time:
         tokens = prepare(cfg.data, log=lambda msg: print(f"  data: {msg}", flush=True))
-        print(f"{PROG} --profile: machine {machine()}", flush=True)
-        profile(root, cfg, tokens, a.steps or 6, a.repeats)
+        m = cfg.model
+        print(f"{PROG} {'--profile' if a.profile else '--cpu-time'}: machine {machine()}\n"
+              f"  shape {m.n_layer} layers x {m.d_model}, {m.n_head} heads, block {m.block_size}, batch "
+              f"{cfg.train.global_batch_size}, fp32 eager | vocab: nanoGPT {tokens.vocab_size}, harness "
+              f"{m.vocab_size or padded_vocab(tokens.vocab_size)}", flush=True)
+        if a.profile:
+            profile(root, cfg, tokens, a.steps or 6, a.repeats)
+        else:
+            cpu_time(root, cfg, tokens, a.steps or 60)
         return
     a.steps = a.steps or 100
     if a.warmup < 1 or a.warmup % log_every or a.steps <= a.warmup:

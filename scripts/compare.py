@@ -27,7 +27,8 @@ everything but the precision, the optimizer state's storage and the seed
 (settings the schema marks harmless aside); a run without such an fp32 (else
 bf16) run gets n/a, and a line after the table says what it differs in.
 
-Runs with float8 cast statistics (``precision=fp8``) also get
+Runs with float8 or 4-bit cast statistics (``precision=fp8``, ``mxfp8``,
+``nvfp4``, ``mxfp4``, ...) also get
 ``fp8_layers.png``, their casts layer by layer, and ``fp8_layers.md``, a
 table per run of each layer's and operand's casts at the last monitored step
 next to the best what-if recipe (printed too).
@@ -575,7 +576,7 @@ def figure(runs: list[Run], out: Path) -> tuple[list[str], str]:
 FP8_PREFIX = "fp8."
 FP8_STATS = ("flush", "saturate", "sqnr_db")
 OPERANDS = ("input", "weight", "grad_output")
-WHATIF_RECIPES = ("tensorwise", "rowwise", "block1x32", "block1x128", "block128x128")
+WHATIF_RECIPES = ("tensorwise", "rowwise", "block1x32", "block1x128", "block128x128", "nvfp4", "nvfp4_rht", "mxfp4")
 # An operand's line style in the per-layer panels (the run keeps its colour and marker).
 OPERAND_LINESTYLES = {"input": "-", "weight": "--", "grad_output": ":"}
 # Beyond these the per-layer figure stops being readable: the rest are left out, and named.
@@ -599,7 +600,10 @@ def fp8_casts(run: Run) -> Optional[dict]:
     ``fp8_casts`` (``{"recipe", "step", "source", "layers": {layer: {operand: {stat: v,
     "whatif": {recipe: {stat: v}}}}}}``): from summary.json when it has them, else
     from the last metrics row that does; None for a run without them."""
-    recipe = ((run.config.get("precision") or {}).get("fp8") or {}).get("recipe")
+    prec = run.config.get("precision") or {}
+    fp4 = prec.get("fp4") or {}
+    # a 4-bit run's casts are measured by the same statistics, under its format's name
+    recipe = fp4.get("format") if fp4.get("enabled") else (prec.get("fp8") or {}).get("recipe")
     got = run.summary.get("fp8_casts")
     if isinstance(got, dict) and got.get("layers"):
         return {**got, "recipe": got.get("recipe") or recipe, "source": "summary.json"}

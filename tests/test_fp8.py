@@ -169,7 +169,7 @@ def test_fsdp2_fp8_two_ranks(tmp_path, two_rank_jobs, precision):
     ref = [r for r in ref if "train/loss" in r]
     assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref, strict=True)) < 3e-2
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3
-    _cast_statistics_match(rows[0], ref[0], whatifs=5 if precision == "fp8-delayed" else 4,
+    _cast_statistics_match(rows[0], ref[0], whatifs=8 if precision == "fp8-delayed" else 7,
                            exact=precision == "fp8")
 
 

@@ -1,6 +1,8 @@
-"""The arithmetic of float8 cast statistics (mptrain/fp8stats.py): flushed and
+"""The arithmetic of float8 cast statistics (mptrain/precision/fp8casts.py): flushed and
 saturated shares against counts worked out by hand, the SQNR against torchao's
-own casts, stale scales, and shards that add up to the whole."""
+own casts, stale scales, and shards that add up to the whole; the 4-bit
+what-ifs (nvfp4, nvfp4_rht, mxfp4) against the round trips of fp4.py, and the
+watch of a run whose own casts are 4-bit."""
 from __future__ import annotations
 
 import math
@@ -9,9 +11,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mptrain.precision.fp8casts import RECIPES, cast_counts, summarize
+from mptrain.precision import fp4
+from mptrain.precision.fp8casts import (FP4_RECIPES, FP8_RECIPES, RECIPES, RHT_SIGNS, cast_counts,
+                                        element_format, summarize)
 from mptrain.precision.formats import thresholds
-from mptrain.observe.fp8watch import CastWatch
+from mptrain.observe.fp8watch import CastWatch, report, table
 
 from .aids import cast_stats
 
@@ -33,12 +37,12 @@ def test_planted_outlier_flushes_what_shares_its_scale():
     # tile, its 128- or 32-element block; the outlier itself does not
     expected = {"tensorwise": n - 1, "block128x128": 128 * 128 - 1, "rowwise": 255, "block1x128": 127,
                 "block1x32": 31}
-    got = {r: cast_stats(x, r) for r in RECIPES}
+    got = {r: cast_stats(x, r) for r in FP8_RECIPES}
     for recipe, flushed in expected.items():
         assert got[recipe]["flush"] == pytest.approx(flushed / n, abs=0), recipe
         assert got[recipe]["saturate"] == 0, recipe  # scales from the current amax: nothing clamps
         assert got[recipe]["amax"] == pytest.approx(1e4)
-    order = sorted(RECIPES, key=lambda r: -got[r]["flush"])
+    order = sorted(FP8_RECIPES, key=lambda r: -got[r]["flush"])
     assert order == ["tensorwise", "block128x128", "rowwise", "block1x128", "block1x32"]
     # Flushed values are lost signal: among scales of one kind, finer is better. (Across
     # kinds the outlier decides: a power-of-two scale puts it at 312.5, which e4m3 rounds
@@ -97,7 +101,7 @@ def test_shards_add_up_to_the_whole():
     """Rows split across ranks (as FSDP shards dim 0): summed counts and maxed maxima
     of the parts equal the whole's, for the recipes whose groups do not straddle them."""
     x = _outlier_tensor(128, 256)
-    for recipe in ("rowwise", "block1x32", "block1x128"):
+    for recipe in ("rowwise", "block1x32", "block1x128", "mxfp4"):  # nvfp4's per-tensor scale straddles
         whole = summarize(*cast_counts(x, recipe))
         parts = [cast_counts(p, recipe) for p in x.chunk(2)]
         sums = sum(p[0] for p in parts)
@@ -152,3 +156,151 @@ def test_watch_measures_the_operands_torchaos_linear_casts(recipe):
         assert f"fp8.0/{op}/block1x32/sqnr_db" in got
     assert got["fp8.0/grad_output/flush"] > 0  # the test can tell flushing from none
     assert f"fp8.0/input/{recipe}/flush" not in got  # the run's own recipe is not a what-if
+
+
+# ------------------------------------------------------------------ 4-bit what-ifs
+def _direct(x: torch.Tensor, recipe: str) -> dict[str, float]:
+    """SQNR, flushed and saturated shares and scale range of a 4-bit recipe, from
+    fp4.fake_quantize itself: the last dimension padded with zeros to the block,
+    and for nvfp4_rht the transformed tensor (what the format holds)."""
+    fmt = "mxfp4" if recipe == "mxfp4" else "nvfp4"
+    x = torch.nn.functional.pad(x, (0, (-x.shape[-1]) % fp4.BLOCK[fmt]))
+    if recipe == "nvfp4_rht":
+        x = fp4.rht(x, RHT_SIGNS)
+    back = fp4.fake_quantize(x, fmt)
+    hp = x.double()
+    scales = fp4.block_scales(x, fmt)
+    live = scales[x.reshape(-1, fp4.BLOCK[fmt]).abs().amax(1).reshape(x.shape[0], -1) > 0]
+    scaled = x / scales.repeat_interleave(fp4.BLOCK[fmt], dim=1)
+    n = int((x != 0).sum())
+    return {"sqnr_db": 10 * math.log10(hp.square().sum() / (hp - back.double()).square().sum()),
+            "flush": int(((back == 0) & (x != 0)).sum()) / n, "saturate": int((scaled.abs() >= 7).sum()) / n,
+            "scale_max": 1 / float(live.min()), "scale_min": 1 / float(live.max())}
+
+
+@pytest.mark.parametrize("recipe", FP4_RECIPES)
+@pytest.mark.parametrize("cols", [256, 200])  # 200: padded to the block
+def test_fp4_whatif_figures_are_those_of_the_round_trip(recipe, cols):
+    x = torch.randn(64, cols, generator=torch.Generator().manual_seed(1)) * torch.logspace(-4, 1, cols)
+    got = cast_stats(x, recipe, "e2m1")
+    want = _direct(x, recipe)
+    assert got["sqnr_db"] == pytest.approx(want["sqnr_db"], rel=1e-9)
+    assert got["flush"] == pytest.approx(want["flush"], abs=1e-12) and got["flush"] > 0
+    # clamped past 7: never with nvfp4's scales from the current amax (E4M3 rounding
+    # leaves at most 6.4); mxfp4's floor rule lets a block's largest values reach 8
+    assert got["saturate"] == pytest.approx(want["saturate"], abs=1e-12)
+    assert (got["saturate"] > 0) == (recipe == "mxfp4")
+    # the scale is the multiplier, as for float8 (nvfp4's reciprocal form: within an ulp)
+    assert got["scale_max"] == pytest.approx(want["scale_max"], rel=1e-6)
+    assert got["scale_min"] == pytest.approx(want["scale_min"], rel=1e-6)
+    assert summarize(*cast_counts(x, recipe)) == got  # e2m1 is the 4-bit recipes' default
+
+
+def test_fp4_planted_flush_and_saturation():
+    """Counted by hand. nvfp4: rows of [1000, 1 x 15]: the 1s, scaled by 6/1000, flush
+    (15 of 16); the Hadamard transform spreads the 1000 over the block (every value
+    about 250 +- 4): none flushes. mxfp4, one block of 32 with amax 7.5: its scale,
+    2**(floor(log2 7.5) - 2) = 1, leaves 7.5 past 7, clamped (saturated), and 6.5,
+    which rounds to 6 anyway, not; 0.2 flushes and 0.25 too (the tie goes to 0)."""
+    rows = torch.ones(32, 16)
+    rows[:, 0] = 1000.0
+    nv, rht = cast_stats(rows, "nvfp4", "e2m1"), cast_stats(rows, "nvfp4_rht", "e2m1")
+    assert nv["flush"] == 15 / 16 and nv["saturate"] == 0
+    assert rht["flush"] == 0 and rht["saturate"] == 0
+    block = torch.ones(1, 32)
+    block[0, :4] = torch.tensor([7.5, 6.5, 0.2, 0.25])
+    mx = cast_stats(block, "mxfp4", "e2m1")
+    assert mx["saturate"] == 1 / 32 and mx["flush"] == 2 / 32 and mx["scale_max"] == 1.0
+    assert cast_stats(block, "nvfp4", "e2m1")["saturate"] == 0  # E4M3 block scales fit 7.5 below 6
+
+
+def test_rht_spreads_an_outlier_channel():
+    """One input channel 100x the rest: with 1 x 16 blocks its neighbours in each block
+    are scaled for it and mostly flush; the Hadamard transform spreads it over the
+    block, and the flushed share falls to that of a Gaussian tensor. The SQNR, which
+    weighs errors by energy and is carried by the outlier channel, does not rise:
+    the transform brings back the small values, which hold little of the energy."""
+    g = torch.Generator().manual_seed(0)
+    gauss = torch.randn(256, 256, generator=g)
+    x = gauss.clone()
+    x[:, 3] *= 100
+    nv, rht, ref = (cast_stats(x, "nvfp4", "e2m1"), cast_stats(x, "nvfp4_rht", "e2m1"),
+                    cast_stats(gauss, "nvfp4", "e2m1"))
+    assert nv["flush"] > 1.5 * rht["flush"]
+    assert rht["flush"] == pytest.approx(ref["flush"], rel=0.1)
+    assert rht["sqnr_db"] == pytest.approx(ref["sqnr_db"], abs=4.0)  # about a Gaussian's ~20 dB
+
+
+def test_fp4_whatifs_draw_no_random_numbers_and_pair_with_e2m1():
+    x = torch.randn(32, 64)
+    state = torch.get_rng_state()
+    for recipe in FP4_RECIPES:
+        cast_counts(x, recipe, "e2m1")
+    assert torch.equal(torch.get_rng_state(), state)  # the monitor must not change the run
+    with pytest.raises(ValueError, match="casts to e2m1"):
+        cast_counts(x, "nvfp4", "e4m3")
+    with pytest.raises(ValueError, match="casts to float8"):
+        cast_counts(x, "tensorwise", "e2m1")
+    with pytest.raises(ValueError, match="float8 recipes only"):
+        cast_counts(x, "mxfp4", scale=torch.ones(2))
+    assert [element_format(r, "e5m2") for r in ("rowwise", "nvfp4", "mxfp4")] == ["e5m2", "e2m1", "e2m1"]
+    assert element_format("tensorwise", "e2m1") == "e4m3"
+
+
+def test_a_float8_run_can_ask_for_the_4bit_whatifs():
+    from mptrain.core.errors import ConfigError
+    from mptrain.precision.rules import validate
+
+    from .conftest import make_cfg
+
+    assert set(FP4_RECIPES) <= set(RECIPES)
+    validate(make_cfg("precision=fp8", "monitor.fp8_whatif=[rowwise,nvfp4,nvfp4_rht,mxfp4]"))
+    with pytest.raises(ConfigError, match="nvfp5"):
+        validate(make_cfg("precision=fp8", "monitor.fp8_whatif=[nvfp5]"))
+
+
+def _watch_one_linear(recipe: str, formats: dict[str, str], whatif: list[str]):
+    """A CastWatch over one nn.Linear(64, 128) for one forward and backward pass:
+    (scalars, {operand: the tensor measured})."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128))
+    watch = CastWatch(model, ["0"], recipe, formats, whatif)
+    x = torch.randn(32, 64) * torch.logspace(-3, 1, 64)
+    seen = {"input": x, "weight": model[0].weight.detach()}
+    handles = watch.start(torch.device("cpu"))
+    y = model(x)
+    y.register_hook(lambda g: seen.setdefault("grad_output", g))
+    y.backward(torch.randn(32, 128))
+    for h in handles:
+        h.remove()
+    return watch.scalars({**watch.sum_all, **watch.max_all}), seen
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_watch_of_a_run_whose_own_casts_are_4bit(recipe):
+    """A run whose own rule is nvfp4 or mxfp4 (E2M1 for every operand, as the 4-bit
+    training layers' cast_rules say): its figures are the 4-bit recipe's, its float8
+    what-ifs cast to E4M3, and its 4-bit what-ifs to E2M1."""
+    other = "mxfp4" if recipe == "nvfp4" else "nvfp4"
+    got, seen = _watch_one_linear(recipe, dict.fromkeys(("input", "weight", "grad_output"), "e2m1"),
+                                  ["tensorwise", other, "nvfp4_rht"])
+    for op, t in seen.items():
+        assert got[f"fp8.0/{op}/sqnr_db"] == pytest.approx(cast_stats(t, recipe, "e2m1")["sqnr_db"], rel=1e-12)
+        assert got[f"fp8.0/{op}/scale_max"] == cast_stats(t, recipe, "e2m1")["scale_max"]
+        assert got[f"fp8.0/{op}/tensorwise/sqnr_db"] == pytest.approx(cast_stats(t, "tensorwise")["sqnr_db"])
+        assert got[f"fp8.0/{op}/{other}/flush"] == cast_stats(t, other, "e2m1")["flush"]
+        assert f"fp8.0/{op}/nvfp4_rht/sqnr_db" in got
+    assert got["fp8/worst/flush"] > 0 and "fp8/worst/tensorwise/sqnr_db" in got
+    assert table(report(got, recipe, 1)).startswith(f"4-bit casts at step 1 (recipe {recipe}):")
+
+
+def test_watch_of_a_float8_run_measures_the_4bit_whatifs():
+    got, seen = _watch_one_linear("tensorwise", {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"},
+                                  list(FP4_RECIPES))
+    for op, t in seen.items():
+        for recipe in FP4_RECIPES:
+            want = cast_stats(t, recipe, "e2m1")
+            assert got[f"fp8.0/{op}/{recipe}/sqnr_db"] == pytest.approx(want["sqnr_db"], rel=1e-12), (op, recipe)
+            assert got[f"fp8.0/{op}/{recipe}/saturate"] == want["saturate"]
+        # 4-bit keeps less than float8 did
+        assert got[f"fp8.0/{op}/nvfp4/sqnr_db"] < got[f"fp8.0/{op}/sqnr_db"]

@@ -661,17 +661,23 @@ class MonitorConfig:
     ``comm/<kind>/<dtype>_bytes`` (``mptrain/distributed/comm.py``). Only runs with a
     process group (``parallel`` other than ``none``) have any."""
     fp8_casts: bool = harmless(True, why=_OBSERVES)
-    """With float8 linears, on monitored steps: for every converted linear and
-    each of its three float8 operands (input, weight, output gradient), what
-    the run's casts do to it: amax, scales, the shares flushed to zero and
-    clamped at the format's max, and the signal-to-noise ratio of the round
-    trip, as ``fp8.<layer>/<operand>/*`` (``mptrain/observe/fp8watch.py``)."""
+    """With float8 or 4-bit linears, on monitored steps: for every converted
+    linear and each of its three low-precision operands (input, weight, output
+    gradient), what the run's casts do to it: amax, scales, the shares flushed
+    to zero and clamped at the format's max, and the signal-to-noise ratio of
+    the round trip, as ``fp8.<layer>/<operand>/*`` (``mptrain/observe/fp8watch.py``)."""
     fp8_whatif: list[str] = harmless(why=_OBSERVES, factory=lambda: [
-        "tensorwise", "rowwise", "block1x32", "block1x128", "block128x128"])
+        "tensorwise", "rowwise", "block1x32", "block1x128", "block128x128", "nvfp4", "nvfp4_rht", "mxfp4"])
     """With ``fp8_casts``: the same statistics, from the same tensors, for these
     other ways of choosing scales (the run's own is left out), as
     ``fp8.<layer>/<operand>/<recipe>/*``: one run answers "would rowwise or MX
-    blocks have flushed less here?". ``[]``: none."""
+    blocks have flushed less here?", and "what would 4-bit do to this layer?".
+    The float8 recipes cast to the run's float8 format (E4M3 in a 4-bit run);
+    ``nvfp4`` (E2M1 in blocks of 16, E4M3 block scales, an fp32 per-tensor
+    scale), ``nvfp4_rht`` (the same after a random Hadamard transform of each
+    block of 16 with a fixed sign vector, measured on the transformed tensor)
+    and ``mxfp4`` (E2M1 in blocks of 32, power-of-two scales) cast to E2M1,
+    rounding to nearest (the monitor draws no random numbers). ``[]``: none."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""What a run's float8 casts do, layer by layer, on the numerics monitor's steps."""
+"""What a run's float8 (or 4-bit) casts do, layer by layer, on the numerics monitor's steps."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ from mptrain.core.shards import local_shard
 from mptrain.core.text import text_table
 from mptrain.distributed.comm import uncounted
 from mptrain.model.names import canonical_name, layer_name
-from mptrain.precision.fp8casts import FORMATS, SUMS, cast_counts, summarize
+from mptrain.precision.fp8casts import FORMATS, FP4_RECIPES, SUMS, cast_counts, element_format, summarize
 
 # ------------------------------------------------------------------ in a run
 OPERANDS = ("input", "weight", "grad_output")
@@ -70,6 +70,11 @@ class CastWatch:
     weight that FSDP2 all-gathered in float8 is measured whole, from the
     fp32 master, with the scale all ranks cast their shards with.
 
+    A 4-bit run (own rule ``nvfp4`` or ``mxfp4``, format ``e2m1`` for every
+    operand) is watched the same way; its float8 what-ifs cast to E4M3, and
+    the 4-bit what-ifs of a float8 run to E2M1
+    (:func:`~mptrain.precision.fp8casts.element_format`).
+
     Only shares and maxima are reported, never raw counts: a tensor measured
     twice (an activation-checkpointed forward runs again in the backward; a
     weight, measured at the step's first forward, is measured on every rank,
@@ -81,7 +86,7 @@ class CastWatch:
     def of_run(cls, fp8, model: nn.Module, whatif: list[str]) -> Optional["CastWatch"]:
         """The watch of a run's converted linears (``fp8``: the policy's
         :class:`~mptrain.precision.policy.Fp8Linears`); None for a recipe the
-        statistics do not model (nvfp4)."""
+        statistics do not model (``cast_rules`` returns None)."""
         rules = fp8.cast_rules(whatif)
         return None if rules is None else cls(model, fp8.report["converted"], *rules)
 
@@ -140,9 +145,11 @@ class CastWatch:
         return hook
 
     def _add(self, layer: str, op: str, t: torch.Tensor, own_scale: Optional[torch.Tensor]) -> None:
-        fmt = self.formats[op]
         t = t.detach().float()  # once here; cast_counts' own .float() is then free for every recipe
         for tag, recipe in self.tags.items():
+            # The run's own casts in the run's format; a what-if in its recipe's (E2M1 for the
+            # 4-bit ones, whatever the run casts to; a float8 format for the float8 ones).
+            fmt = self.formats[op] if tag == RUN else element_format(recipe, self.formats[op])
             sums, maxes = cast_counts(t, recipe, fmt, self.mx_rounding, own_scale if tag == RUN else None)
             ks, km = f"fp8s/{layer}/{op}/{tag}", f"fp8m/{layer}/{op}/{tag}"
             self.sum_all[ks] = self.sum_all[ks] + sums
@@ -211,6 +218,7 @@ def table(rep: dict) -> str:
             rows.append([layer, op, _pct(f["flush"]), _pct(f["saturate"]), f"{f['sqnr_db']:.1f}",
                          f"{f['amax']:.4g}", scale, best])
     w = rep["worst"]
-    return "\n".join([f"float8 casts at step {rep['step']} (recipe {rep['recipe']}):", *text_table(head, rows),
+    kind = "4-bit" if rep["recipe"] in FP4_RECIPES else "float8"
+    return "\n".join([f"{kind} casts at step {rep['step']} (recipe {rep['recipe']}):", *text_table(head, rows),
                       f"worst: flush {_pct(w.get('flush', 0))}, saturate {_pct(w.get('saturate', 0))}, "
                       f"SQNR {w.get('sqnr_db', math.nan):.1f} dB"])

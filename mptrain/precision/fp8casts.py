@@ -17,16 +17,35 @@ differently:
   consecutive elements of a row, or per 128 x 128 tile (DeepSeek-V3's
   activation and weight blocks).
 
+Three 4-bit recipes cast to E2M1 instead (``fmt="e2m1"``, the only format
+they take), with the scales of :mod:`mptrain.precision.fp4`, rounding to
+nearest (never stochastically: a statistic must not draw from the run's
+random numbers):
+
+- ``nvfp4``: blocks of 16 with E4M3 block scales under an fp32 per-tensor
+  scale (``fp4.fake_quantize(t, "nvfp4")``);
+- ``nvfp4_rht``: the same after a random Hadamard transform of each block of
+  16 (``fp4.rht``, one fixed sign vector), as NVIDIA's recipe treats the
+  operands of the weight-gradient matmul;
+- ``mxfp4``: blocks of 32 with power-of-two (E8M0) scales, the OCP rule.
+
+A last dimension that is not a multiple of the block is padded with zeros,
+as the float8 blocks are.
+
 :func:`cast_counts` returns, for one tensor and one recipe, the sums a
 statistic needs, so that shards can be added up (and amaxes maxed) before
 anything is read back. :func:`summarize` turns them into figures:
 
 - ``flush``: the share of non-zero elements that become 0;
 - ``saturate``: the share that the clamp to the format's largest value
-  changed (beyond rounding to it: the numerics monitor's overflow threshold);
+  changed (beyond rounding to it: the numerics monitor's overflow threshold;
+  for E2M1, a scaled magnitude of 7 or more, ``fp4.E2M1_FIRST_OVERFLOW``: up
+  to 7 a value would round to 6 without the clamp);
 - ``sqnr_db``: the signal-to-quantization-noise ratio of the round trip
   (x cast, then divided by its scale), in dB;
-- ``scale_min`` / ``scale_max``: the smallest and largest scale used;
+- ``scale_min`` / ``scale_max``: the smallest and largest scale used: the
+  multiplier a group is cast with (for nvfp4 the per-tensor and block scales
+  together, ``1 / fp4.block_scales``);
 - ``amax``: the largest magnitude seen.
 
 Everything stays on the device: no host sync.
@@ -42,11 +61,16 @@ import math
 
 import torch
 
+from mptrain.precision import fp4
 from mptrain.precision.formats import thresholds
 from mptrain.precision.fp8delayed import EPS, scale_from_amax  # noqa: F401  EPS: the amax floor of every recipe here
 
-RECIPES = ("tensorwise", "rowwise", "block1x32", "block1x128", "block128x128")
+FP8_RECIPES = ("tensorwise", "rowwise", "block1x32", "block1x128", "block128x128")
+FP4_RECIPES = ("nvfp4", "nvfp4_rht", "mxfp4")
+RECIPES = FP8_RECIPES + FP4_RECIPES
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+"""The float8 element formats; the 4-bit recipes' is :data:`FP4_FORMAT`."""
+FP4_FORMAT = "e2m1"
 
 # [n_nonzero, n_flush, n_saturate, signal (sum x^2), noise (sum (x - x~)^2)]; then maxima
 # [amax, scale_max, -scale_min] (scale_min negated so that every maximum reduces with max).
@@ -91,15 +115,35 @@ def scales(amax: torch.Tensor, recipe: str, fmt: str = "e4m3", mx_rounding: str 
     return s
 
 
-def cast_counts(t: torch.Tensor, recipe: str, fmt: str = "e4m3", mx_rounding: str = "rceil",
+def element_format(recipe: str, run_format: str) -> str:
+    """The element format ``recipe`` casts an operand to when the run itself
+    casts it to ``run_format``: E2M1 for the 4-bit recipes; the run's float8
+    format for the float8 ones, and E4M3 when the run's is E2M1 (a 4-bit run
+    asks what float8 with these scales would do: E4M3 is the float8 format of
+    rowwise and MX recipes for every operand, so the comparison is about scales)."""
+    if recipe in FP4_RECIPES:
+        return FP4_FORMAT
+    return run_format if run_format in FORMATS else "e4m3"
+
+
+def cast_counts(t: torch.Tensor, recipe: str, fmt: str | None = None, mx_rounding: str = "rceil",
                 scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sums, maxima)`` of casting ``t`` to ``fmt`` with ``recipe``'s scales
     (fp64 ``SUMS`` and fp32 ``MAXES``, see the module docstring). The last
     dimension is the row; leading dimensions are flattened into rows.
-    ``scale``: use these scales instead of computing them from ``t`` (shaped
-    as the groups: one per group), as a recipe with stale scales would."""
+    ``fmt``: a float8 format (default ``e4m3``) for the float8 recipes,
+    ``e2m1`` (the default) for the 4-bit ones; any other pairing raises
+    ValueError. ``scale``: use these scales instead of computing them from
+    ``t`` (shaped as the groups: one per group), as a recipe with stale scales
+    would (float8 recipes only)."""
     x = t.detach().float()
     x = x.reshape(1, -1) if x.dim() < 2 else x.reshape(-1, x.shape[-1])
+    if recipe in FP4_RECIPES:
+        return _fp4_counts(x, recipe, fmt, scale)
+    fmt = "e4m3" if fmt is None else fmt
+    if fmt not in FORMATS:
+        raise ValueError(f"recipe {recipe} casts to float8 ({', '.join(FORMATS)}), not {fmt!r}; "
+                         f"E2M1 goes with {', '.join(FP4_RECIPES)}.")
     g = _groups(x, recipe)
     amax = g.abs().amax(dim=1)
     s = scales(amax, recipe, fmt, mx_rounding) if scale is None else scale.float().reshape(-1)
@@ -114,20 +158,62 @@ def cast_counts(t: torch.Tensor, recipe: str, fmt: str = "e4m3", mx_rounding: st
     # accumulate in fp64 (vector_norm's dtype; it upcasts a temporary fp64 copy of
     # the tensor, 8 bytes per value, one tensor at a time: measured on torch 2.13 CPU).
     err = g - q / s[:, None]
-    nonzero = g != 0
+    s_live = s.expand_as(amax) if s.numel() == 1 else s
+    return _stack(g, g != 0, q == 0, scaled.abs() >= overflow, err, amax, s_live)
+
+
+def _stack(g: torch.Tensor, nonzero: torch.Tensor, zero: torch.Tensor, clamped: torch.Tensor, err: torch.Tensor,
+           amax: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sums, maxima)`` in the layout of :data:`SUMS` and :data:`MAXES`, from the
+    elements ``g``, which of them are non-zero, cast to zero and clamped, the
+    round trip's error, and each group's amax and scale (same shapes as each other)."""
     sums = torch.stack([
         nonzero.sum().double(),
-        (nonzero & (q == 0)).sum().double(),
-        (scaled.abs() >= overflow).sum().double(),
+        (nonzero & zero).sum().double(),
+        clamped.sum().double(),
         torch.linalg.vector_norm(g, dtype=torch.float64).square(),
         torch.linalg.vector_norm(err, dtype=torch.float64).square(),
     ])
     # The scale range over groups holding a non-zero value: an all-zero group's scale
     # (from the EPS floor, ~1e14) scales nothing and would hide the real range.
     live = amax > 0
-    s_live = s.expand_as(amax) if s.numel() == 1 else s
-    maxes = torch.stack([amax.max(), torch.where(live, s_live, 0.0).max(), -torch.where(live, s_live, math.inf).min()])
+    maxes = torch.stack([amax.max(), torch.where(live, s, 0.0).max(), -torch.where(live, s, math.inf).min()])
     return sums, maxes
+
+
+# From a fixed seed of a private generator: the monitor must draw nothing from the
+# run's generators, and the same tensor must give the same figures on every step and
+# every rank.
+RHT_SIGNS = fp4.random_signs(16, torch.Generator().manual_seed(0))
+"""The one sign vector of every ``nvfp4_rht`` statistic."""
+_rht_signs_on: dict[torch.device, torch.Tensor] = {}  # a copy per device, made on first use
+
+
+def _fp4_counts(x: torch.Tensor, recipe: str, fmt: str | None,
+                scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cast_counts` of a 4-bit recipe, for ``x`` fp32 ``(rows, cols)``."""
+    if fmt not in (None, FP4_FORMAT):
+        raise ValueError(f"recipe {recipe} casts to {FP4_FORMAT}, not {fmt!r}.")
+    if scale is not None:
+        raise ValueError(f"recipe {recipe}: given (stale) scales are modelled for the float8 recipes only.")
+    name = "mxfp4" if recipe == "mxfp4" else "nvfp4"
+    if x.shape[1] % fp4.BLOCK[name]:
+        x = torch.nn.functional.pad(x, (0, (-x.shape[1]) % fp4.BLOCK[name]))  # zeros: no amax, no element
+    if recipe == "nvfp4_rht":
+        if x.device not in _rht_signs_on:
+            _rht_signs_on[x.device] = RHT_SIGNS.to(x.device)
+        # Measured on the transformed tensor, not transformed back: the format holds the
+        # transformed values (their flush and saturation are the cast's), the matmul
+        # contracts them as they are (rht(a) @ rht(b).T = a @ b.T), and the transform is
+        # orthogonal, so the noise energy, hence the SQNR, is the same either side.
+        x = fp4.rht(x, _rht_signs_on[x.device])
+    c = fp4.quantize_blocks(x, name)
+    # The error is exact in fp32 (Sterbenz): a value not flushed comes back within a
+    # factor of 2 of itself (at worst 0.26 -> 0.5 at the bottom, 7.9 -> 6 clamped at the top).
+    err = c.blocks - c.q * c.decode
+    # Saturated: would have rounded past 6 without the clamp (scaled magnitude >= 7).
+    clamped = c.scaled.abs() >= fp4.E2M1_FIRST_OVERFLOW
+    return _stack(c.blocks, c.blocks != 0, c.q == 0, clamped, err, c.amax, c.multiplier)
 
 
 def summarize(sums: torch.Tensor, maxes: torch.Tensor) -> dict[str, float]:

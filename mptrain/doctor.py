@@ -48,6 +48,9 @@ def report(device: torch.device | None = None) -> str:
     ]
     for fmt in ("bf16", "fp16", "fp8"):
         lines.append(f"  {fmt:<5} {v[fmt].status:<12} {v[fmt].why}")
+    # precision=nvfp4 / mxfp4 never need float4 hardware: their matmuls are fp32's (docs/fp4.md)
+    lines.append(f"  {'fp4':<5} {'emulated':<12} nvfp4 and mxfp4 quantize exactly and multiply in fp32 on every "
+                 "device (precision/fp4train.py)")
     lines.append("measured 512x512 matmul (relative to fp32; < 1 is faster):")
     for fmt in ("bf16", "fp16"):
         lines.append(f"  {fmt:<5} {t[fmt] / t['fp32']:6.2f}x  ({t[fmt] * 1e3:.2f} ms vs {t['fp32'] * 1e3:.2f} ms)")

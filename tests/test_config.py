@@ -124,7 +124,7 @@ def test_group_options_include_folders_added_to_the_search_path(tmp_path):
     with pytest.raises(ConfigError) as e:
         check_overrides([f"hydra.searchpath=[file://{tmp_path}]", "experiment=case2"], str(CONFIGS))
     assert str(e.value) == ("Unknown experiment option 'case2'. Did you mean 'experiment=case1'? Valid options "
-                            f"(configs/experiment/, {tmp_path}/experiment/): case1, fp8_recipes, lr_sensitivity, "
+                            f"(configs/experiment/, {tmp_path}/experiment/): case1, fp4_recipes, fp8_recipes, lr_sensitivity, "
                             "optimizer_precision, "
                             "precision_study.")
     # options in a package cannot be listed from here: Hydra's to check, while keys and values still are checked

@@ -155,6 +155,7 @@ EXTRA_CASES = {
         "ckpt": [*COMMON, "precision=fp32", "train.activation_checkpointing=block"],
         "fp8": [*COMMON, "precision=fp8"],  # test_fp8.py::test_fsdp2_fp8_two_ranks
         "fp8-delayed": [*COMMON, "precision=fp8-delayed"],  # likewise
+        "nvfp4": [*TINY, "train.max_steps=8", "precision=nvfp4"],  # test_fp4train.py::test_two_rank_fsdp2
         # test_preempt.py::test_two_rank_fsdp_sigterm_exits_0_and_resumes_exactly: the uninterrupted run
         "preempt": PREEMPT,
         "val-same-weights": [*TINY, *SAME_WEIGHTS_VAL],  # test_validation_loss_is_the_same_on_two_ranks

@@ -201,6 +201,8 @@ def kept_for_backward(cfg, vocab: int, micro_batch: int, checkpointed: bool = Fa
     if checkpointed:
         for i, blk in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(blk, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    policy = PrecisionPolicy(cfg.precision, torch.device("cpu"))
+    model = policy.convert_model(model)  # 4-bit linears (nvfp4): their own autograd function
     model.train()
     params = {q.untyped_storage().data_ptr() for q in model.parameters()}
     kept: dict[int, int] = {}
@@ -213,7 +215,7 @@ def kept_for_backward(cfg, vocab: int, micro_batch: int, checkpointed: bool = Fa
 
     x = torch.randint(0, vocab, (micro_batch, m.block_size + 1), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with PrecisionPolicy(cfg.precision, torch.device("cpu")).autocast():
+        with policy.autocast():
             _, loss = model(x[:, :-1], x[:, 1:])
     names, stack = set(), [loss.grad_fn]
     while stack:
@@ -224,7 +226,7 @@ def kept_for_backward(cfg, vocab: int, micro_batch: int, checkpointed: bool = Fa
     return sum(kept.values()), names
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "nvfp4"])
 def test_activations_against_what_a_real_forward_keeps(precision):
     """What one layer adds is what autograd keeps per layer, counted exactly, at
     context 64 and 256: linear in the context, as attention keeps no T x T
@@ -232,8 +234,11 @@ def test_activations_against_what_a_real_forward_keeps(precision):
     keeps a log-sum-exp per query). The whole estimate covers what a forward
     keeps, and is above it by the logits' allowance at most (the loss keeps
     fp32 log-probabilities; the estimate also counts the logits they come
-    from). QK-layernorm's extra tensors: a simple rule, within 6%."""
-    b, c = 2, {"fp32": 4, "bf16": 2}[precision]
+    from). QK-layernorm's extra tensors: a simple rule, within 6%. nvfp4's 4-bit
+    linears keep what an autocast linear keeps (the bf16 input and weight copy;
+    the quantized copies are made again in the backward), so a bf16 estimate
+    holds for them too."""
+    b, c = 2, {"fp32": 4, "bf16": 2, "nvfp4": 2}[precision]
     cfg = make_cfg(f"precision={precision}", f"model.vocab_size={VOCAB}")
     for block, qk_norm in ((64, False), (256, False), (64, True)):
         cfg.model.block_size, cfg.model.qk_norm = block, qk_norm

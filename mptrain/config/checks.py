@@ -370,6 +370,10 @@ def _fp8(cfg) -> bool:
     return cfg.precision.fp8.enabled
 
 
+def _fp4(cfg) -> bool:
+    return cfg.precision.fp4.enabled
+
+
 # (key, valid(value), the valid values in words, when the rule applies). Bad values
 # here would otherwise fail deep inside torch/numpy/datasets with a traceback
 # (optim.lr=-1, optim.beta1=1, train.seed=-1, model.dropout=1.5,
@@ -397,6 +401,8 @@ _RANGES: tuple = (
     ("precision.fp8.min_features", _non_negative, "an integer >= 0 (0: no size rule)", _fp8),
     ("precision.fp8.amax_history_len", _positive, "a positive integer (steps of amax history)", _fp8),
     ("precision.fp8.margin", _non_negative, "an integer >= 0 (powers of two of headroom)", _fp8),
+    ("precision.fp4.bf16_last_blocks", _optional(_non_negative),
+     "an integer >= 0 (0: none), or null for the recipe's 15% of the blocks", _fp4),
     ("data.num_proc", _non_negative, "an integer >= 0 (0: one process per CPU core)", None),
     ("data.max_documents", _non_negative, "an integer >= 0 (0: all documents)", None),
     ("data.shard_tokens", _positive, "a positive integer", None),
@@ -490,11 +496,32 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         raise ConfigError(
             f"precision.fp8.recipe=mxfp8 needs tokens per micro-batch (train.micro_batch_size x "
             f"model.block_size = {mbs} x {m.block_size}) divisible by 32; change either.")
-    if not p.master_weights and (p.compute_dtype != DType.bf16 or p.loss_scale.enabled or p.fp8.enabled):
+    _fp4_rules(p, mbs * m.block_size)
+    if not p.master_weights and (p.compute_dtype != DType.bf16 or p.loss_scale.enabled or p.fp8.enabled
+                               or p.fp4.enabled):
         raise ConfigError(
-            "precision.master_weights=false is supported for bf16 compute without loss scaling or fp8 "
+            "precision.master_weights=false is supported for bf16 compute without loss scaling, fp8 or fp4 "
             "(precision=bf16-pure): fp16 parameters cannot be unscaled by a GradScaler."
         )
+
+
+def _fp4_rules(p: Any, tokens: int) -> None:
+    """The 4-bit recipes' own rules (``precision.fp4``), each refused in one line."""
+    f = p.fp4
+    if not f.enabled:
+        return
+    fmt = f.format.value
+    if p.fp8.enabled:
+        raise ConfigError("precision.fp8.enabled and precision.fp4.enabled are both on; a linear is float8 or "
+                          f"4-bit, not both: use precision={fmt} (4-bit) or precision=fp8.")
+    if f.weight_2d and fmt != "nvfp4":
+        raise ConfigError(f"precision.fp4.weight_2d=true applies to nvfp4 (16x16 tiles); {fmt} has 1x32 blocks "
+                          "only: set precision.fp4.weight_2d=false.")
+    block = 16 if fmt == "nvfp4" else 32
+    if tokens % block:
+        # The weight-gradient matmul blocks its operands along the tokens of a micro-batch.
+        raise ConfigError(f"precision.fp4.format={fmt} needs tokens per micro-batch (train.micro_batch_size x "
+                          f"model.block_size = {tokens}) divisible by {block}; change either.")
 
 
 def _delayed_knobs(f: Any) -> None:

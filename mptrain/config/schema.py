@@ -60,6 +60,13 @@ class Fp8Matmul(Enum):
     emulated = "emulated"
 
 
+class Fp4Format(Enum):
+    """The 4-bit format of ``precision.fp4`` (``mptrain/precision/fp4train.py``)."""
+
+    nvfp4 = "nvfp4"
+    mxfp4 = "mxfp4"
+
+
 class AmaxCompute(Enum):
     """How delayed scaling reads its amax history."""
 
@@ -291,6 +298,52 @@ class Fp8Config:
 
 
 @dataclass
+class Fp4Config:
+    """4-bit linears (``precision=nvfp4`` and ``precision=mxfp4``;
+    ``mptrain/precision/fp4train.py``, ``docs/fp4.md``).
+
+    Each converted linear quantizes the operands of its three matmuls to E2M1
+    values in scaled blocks along the matmul's contraction dimension, then
+    multiplies the dequantized values in fp32 (an emulation: the same values a
+    float4 tensor core multiplies, on any CPU or GPU). Everything else runs as
+    the preset's ``compute_dtype`` says (bf16 autocast), with fp32 master
+    weights. The keys below switch each part of NVIDIA's NVFP4 recipe on or
+    off, so that a study can take them apart."""
+
+    enabled: bool = guarded(False)
+    """Convert linears to 4-bit. On for ``precision=nvfp4`` and ``precision=mxfp4``."""
+    format: Fp4Format = guarded(Fp4Format.nvfp4)
+    """``nvfp4``: blocks of 16 with E4M3 block scales and one fp32 scale per
+    tensor (NVIDIA). ``mxfp4``: blocks of 32 with power-of-two (E8M0) scales
+    (OCP Microscaling)."""
+    hadamard: bool = guarded(True)
+    """Apply a random Hadamard transform (16 x 16 blocks, one fixed sign
+    vector) to both operands of the weight-gradient matmul along its
+    contraction dimension (the tokens) before they are quantized: it spreads
+    a block's outliers over the block. The product is unchanged in exact
+    arithmetic, since the transform is orthogonal."""
+    stochastic_rounding: bool = guarded(True)
+    """Round the output gradient's elements to E2M1 stochastically (up or
+    down, unbiased on average) in both backward matmuls; weights and
+    activations round to nearest. Draws from torch's generator, whose state
+    every checkpoint saves, so a resumed run repeats the draws."""
+    weight_2d: bool = guarded(True)
+    """nvfp4: one block scale per 16 x 16 tile of each weight, so that the
+    forward and the input-gradient matmuls (which block the weight along
+    different dimensions) multiply the very same quantized weight. ``false``:
+    1 x 16 blocks along each matmul's contraction dimension. mxfp4 has 1 x 32
+    blocks only."""
+    bf16_last_blocks: Optional[int] = guarded(None)
+    """The last this many transformer blocks keep their linears out of 4-bit
+    (in the compute dtype). ``null``: the recipe's rule, 15% of the blocks
+    rounded up (NVIDIA keeps about 15% of the linears, mostly the last ones,
+    in higher precision). 0: none."""
+    exclude: list[str] = guarded(factory=lambda: ["lm_head"])
+    """Module names (fnmatch patterns on the model's own names) kept out of
+    4-bit. The output head is excluded by default, as the recipe advises."""
+
+
+@dataclass
 class PrecisionConfig:
     """What each format is used for; docs/precision.md explains each choice."""
 
@@ -325,6 +378,8 @@ class PrecisionConfig:
     """Loss scaling; see :class:`LossScaleConfig`."""
     fp8: Fp8Config = field(default_factory=lambda: Fp8Config())
     """Float8 linears; see :class:`Fp8Config`."""
+    fp4: Fp4Config = field(default_factory=lambda: Fp4Config())
+    """4-bit linears; see :class:`Fp4Config`."""
 
 
 # ------------------------------------------------------------------------ parallel

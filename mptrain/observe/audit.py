@@ -239,9 +239,14 @@ class DtypeAudit:
         # Parameter storage -> owning modules (several when weights are tied).
         self._owners: dict[int, list[str]] = defaultdict(list)
         self._order: dict[str, int] = {}  # module -> position in named_modules (table order)
+        # 4-bit linears (precision/fp4train.py) multiply dequantized E2M1 values in fp32
+        # on purpose: their matmuls are reported in their format, and not flagged.
+        self._fp4: dict[str, str] = {}
         for name, mod in self.model.named_modules():
             cname = canonical_name(name) or ROOT
             self._order.setdefault(cname, len(self._order))
+            if getattr(mod, "fp4_format", None):
+                self._fp4[cname] = f"e2m1 ({mod.fp4_format}, fp32 products)"
             for p in mod.parameters(recurse=False):
                 ptr = _storage_ptr(p)
                 if ptr is not None and cname not in self._owners[ptr]:
@@ -395,7 +400,9 @@ class DtypeAudit:
         self._rows[(module, phase, op, category, in_names, out_names, autocast)] += 1
         if phase == "forward" and category in ("matmul", "attention"):
             fp8 = {dtype_name(t.dtype) for t in ins if _is_fp8(t.dtype)}
-            if fp8:  # a float8 matmul: its operands' format says more than its bf16 output
+            if category == "matmul" and module in self._fp4:
+                self._seen[module][category].add(self._fp4[module])
+            elif fp8:  # a float8 matmul: its operands' format says more than its bf16 output
                 self._seen[module][category].update(fp8)
             elif outs:
                 self._seen[module][category].add(dtype_name(outs[0].dtype))
@@ -411,7 +418,7 @@ class DtypeAudit:
         fout = [t.dtype for t in outs if t.is_floating_point()]
         compute = self.policy.compute_dtype
         if (category == "matmul" and phase == "forward" and self.policy.autocast_enabled
-                and compute in _HALF and not any(_is_fp8(d) for d in fin) and set(fin) & _WIDE):
+                and module not in self._fp4 and compute in _HALF and not any(_is_fp8(d) for d in fin) and set(fin) & _WIDE):
             cname = dtype_name(compute)
             dts = _names(fin + fout)
             if autocast:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 from typing import Optional
 
 import torch
@@ -46,9 +45,11 @@ import torch.nn as nn
 from mptrain.config.schema import DType, ScaleMode
 from mptrain.core.errors import ConfigError
 from mptrain.model.gpt import LayerNorm
-from mptrain.precision import fp8mx
+from mptrain.precision import fp4, fp8mx
+from mptrain.precision.fp4train import Fp4Linears
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.fp8delayed import DelayedFloat8Linear, update_histories
+from mptrain.precision.selection import LinearRules, check_blocks_left, excluded_because
 from mptrain.precision.support import choose_fp8_matmul, fp8_software_problem, torchao_version
 
 
@@ -165,6 +166,8 @@ class Fp8Linears:
             raise ConfigError(f"precision=fp8 cannot run: {problem}")
         self.cfg, self.device = fcfg, device
         self.recipe = fcfg.recipe.value
+        self.rules = LinearRules("precision.fp8", "float8", tuple(fcfg.exclude), fcfg.bf16_first_blocks,
+                                 fcfg.bf16_last_blocks, fcfg.min_features, fcfg.dim_multiple)
         self.report: dict = {}
         self.all_gather = False
         self.delayed: list[nn.Module] = []  # the delayed-scaling layers, whose histories close every step
@@ -204,37 +207,17 @@ class Fp8Linears:
         return why is None
 
     def _excluded_because(self, mod: nn.Linear, fqn: str) -> Optional[str]:
-        """Why linear ``fqn`` stays out of float8, or None: by name, by position
-        (first/last blocks), by size, by alignment, in that order."""
-        c = self.cfg
-        for pat in c.exclude:
-            if fnmatch.fnmatch(fqn, pat):
-                return f"matches precision.fp8.exclude '{pat}'"
-        parts = fqn.split(".")
-        if len(parts) > 1 and parts[0] == "blocks" and parts[1].isdigit():
-            i, n = int(parts[1]), self._n_blocks
-            if i < c.bf16_first_blocks:
-                return f"block {i} of {n}: precision.fp8.bf16_first_blocks={c.bf16_first_blocks}"
-            if i >= n - c.bf16_last_blocks:
-                return f"block {i} of {n}: precision.fp8.bf16_last_blocks={c.bf16_last_blocks}"
-        if min(mod.in_features, mod.out_features) < c.min_features:
-            return (f"{mod.in_features}x{mod.out_features} below precision.fp8.min_features={c.min_features} "
-                    "(the casts would cost more than the float8 matmul saves)")
-        m = c.dim_multiple
-        if mod.in_features % m or mod.out_features % m:
-            return f"{mod.in_features}x{mod.out_features} not multiples of {m}"
-        return None
+        """Why linear ``fqn`` stays out of float8, or None (``selection.excluded_because``)."""
+        return excluded_because(self.rules, mod, fqn, self._n_blocks)
 
     def convert(self, model: nn.Module) -> nn.Module:
         from torchao.float8 import convert_to_float8_training
 
         self.report = {"converted": [], "excluded": {}}
         self._n_blocks = len(getattr(model, "blocks", ()))
-        first, last = self.cfg.bf16_first_blocks, self.cfg.bf16_last_blocks
-        if self._n_blocks and first + last >= self._n_blocks:
-            raise ConfigError(
-                f"precision.fp8.bf16_first_blocks={first} and bf16_last_blocks={last} keep all "
-                f"{self._n_blocks} blocks out of float8; lower them, or use precision=bf16.")
+        problem = check_blocks_left(self.rules, self._n_blocks, "precision=bf16")
+        if problem:
+            raise ConfigError(problem)
         if self.recipe in self.MX:
             return self._convert_mx(model)
         if self.recipe == "delayed":
@@ -366,6 +349,10 @@ class PrecisionPolicy:
         # Float8 linears, or nothing: the model is converted and stepped through
         # the same two calls either way.
         self.fp8 = Fp8Linears(pcfg.fp8, fsdp2, device) if self.fp8_enabled else None
+        self.fp4 = Fp4Linears(pcfg.fp4) if pcfg.fp4.enabled else None
+        # The run's low-precision linears, float8 or 4-bit (never both: config checks),
+        # for what treats them alike: conversion, the banner's report, the cast statistics.
+        self.lowp = self.fp8 or self.fp4
         self.device = device
         self.name = pcfg.name
         self.compute_dtype: torch.dtype = pcfg.compute_dtype.torch
@@ -386,7 +373,7 @@ class PrecisionPolicy:
 
     def convert_model(self, model: nn.Module) -> nn.Module:
         """Swap layers for their low-precision versions (float8 linears), before wrapping."""
-        return self.fp8.convert(model) if self.fp8 else model
+        return self.lowp.convert(model) if self.lowp else model
 
     # ------------------------------------------------------------ float8 all-gather scales
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module):
@@ -487,4 +474,6 @@ class PrecisionPolicy:
             "loss_scaling": self.loss_scaling_text(),
             **({"fp8_linears": f"{self.fp8.recipe}: forward {self._fp8_formats()}; matmul {self.fp8.matmul}"}
                if self.fp8 else {}),
+            **({"fp4_linears": f"{self.fp4.recipe}: forward E2M1, backward E2M1 (blocks of "
+                               f"{fp4.BLOCK[self.fp4.recipe]}); matmul {self.fp4.matmul}"} if self.fp4 else {}),
         }

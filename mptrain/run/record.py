@@ -199,6 +199,11 @@ def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run
         f"  precision={cfg.precision.name}:",
     ]
     lines += [f"    {k:<16} {v}" for k, v in dtypes.items()]
+    if "fp4" in info:
+        r = info["fp4"]
+        lines.append(f"  fp4: {len(r['converted'])} linears converted ({r['forward']}; {r['backward']})")
+        lines.append(f"    matmul {r['matmul']} ({r['matmul_why']})")
+        lines += [f"    kept high precision: {n} ({why})" for n, why in r["excluded"].items()]
     if "fp8" in info:
         r = info["fp8"]
         lines.append(f"  fp8: {len(r['converted'])} linears converted ({r['forward']}; {r['backward']}; "

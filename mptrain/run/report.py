@@ -63,8 +63,8 @@ def numerics_monitor(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
                      ctx: DistContext) -> NumericsMonitor:
     """The numerics monitor of the run (``monitor.*``), with the float8 cast
     watch when the run casts to float8 and ``monitor.fp8_casts`` is on."""
-    fp8_watch = (fp8watch.CastWatch.of_run(policy.fp8, model, cfg.monitor.fp8_whatif)
-                 if policy.fp8 and cfg.monitor.fp8_casts else None)
+    fp8_watch = (fp8watch.CastWatch.of_run(policy.lowp, model, cfg.monitor.fp8_whatif)
+                 if policy.lowp and cfg.monitor.fp8_casts else None)
     monitor = NumericsMonitor(cfg.monitor, model, reduce_sum=ctx.shard_sum, reduce_max=ctx.shard_max,
                               reduce_max_all=ctx.all_reduce_max, reduce_sum_all=ctx.all_reduce_sum,
                               fp8_watch=fp8_watch)
@@ -120,7 +120,9 @@ class Reporter:
         self.spikes = SpikeDetector(cfg.monitor.spike_factor, cfg.monitor.spike_window)
         self.stability_warnings = StabilityWarnings(cfg.monitor, dtype_name(policy.compute_dtype))
         self.skip_warning = SkipRateWarning(cfg.precision.loss_scale)
-        self.fp8_recipe = policy.fp8.recipe if policy.fp8 else None
+        self.fp8_recipe = policy.lowp.recipe if policy.lowp else None
+        # run_info's and summary.json's key for the low-precision linears' report
+        self.lowp_key = "fp4" if policy.fp4 else "fp8"
         self.count_comm = cfg.monitor.comm and ctx.mode != ParallelMode.none
         self.metrics: Optional[Metrics] = None
         self.say = print
@@ -160,12 +162,12 @@ class Reporter:
             "compile": compile_blocks, "activation_checkpointing": tc.activation_checkpointing.value,
             "fused_adamw": any(g.get("fused") for g in optimizer.param_groups),
             "optimizer": choice.describe()})
-        self.fp8_report = policy.fp8.report if policy.fp8 else None
+        self.fp8_report = policy.lowp.report if policy.lowp else None
         if self.fp8_report is not None:
             # Weights FSDP2 will all-gather in float8 carry torchao's float8-cast tensor subclass.
             self.fp8_report["float8_all_gather_weights"] = sum(
                 "Float8" in type(local_shard(p)).__name__ for p in model.parameters())
-            info["fp8"] = self.fp8_report
+            info[self.lowp_key] = self.fp8_report
         self._perf_figures(policy, vocab, micro[0])
         self.pace = self._predict_pace(model, policy, micro[0])
         info["stability"] = {"model.qk_norm": cfg.model.qk_norm, "train.z_loss": tc.z_loss,
@@ -187,16 +189,19 @@ class Reporter:
         """How much slower than fp32 this CPU run's matmuls will be (``perf.Pace``),
         or None where that is not predicted: on a GPU, and in fp32."""
         compute = dtype_name(policy.compute_dtype)
-        if self.ctx.device.type != "cpu" or not (policy.fp8_enabled or compute in ("bf16", "fp16")):
+        if self.ctx.device.type != "cpu" or not (policy.lowp or compute in ("bf16", "fp16")):
             return None
         m = self.cfg.model
         by_dtype = {compute: self.flops_tok}
-        if policy.fp8_enabled:
-            # The float8 linears' share (6 FLOPs per weight per token) in their matmul path;
+        if policy.lowp:
+            # The converted linears' share (6 FLOPs per weight per token) in their matmul path:
+            # float8's kernel, or fp32 for the 4-bit emulation (its casts are not counted);
             # attention, the head and excluded linears stay in the autocast dtype.
-            f8 = 6.0 * sum(mod.in_features * mod.out_features for mod in model.modules()
-                           if isinstance(mod, nn.Linear) and type(mod) is not nn.Linear)
-            by_dtype = {compute: self.flops_tok - f8, f"fp8_{policy.fp8.matmul}": f8}
+            low = 6.0 * sum(mod.in_features * mod.out_features for mod in model.modules()
+                            if isinstance(mod, nn.Linear) and type(mod) is not nn.Linear)
+            path = f"fp8_{policy.fp8.matmul}" if policy.fp8 else "fp32"
+            by_dtype = {compute: self.flops_tok - low}
+            by_dtype[path] = by_dtype.get(path, 0.0) + low
         return predict_pace(str(self.ctx.device), by_dtype, mbs * m.block_size, m.d_model)
 
     def _pace_warning(self, steps: int) -> Optional[str]:
@@ -414,7 +419,7 @@ class Reporter:
             "precision": cfg.precision.name, "parallel": cfg.parallel.name.value, "model": cfg.model.name,
             "world_size": ctx.world, "dtypes": self.dtypes, **peak_memory(ctx.device),
             **self._dist_summary(model),
-            **({"fp8": self.fp8_report} if self.fp8_report else {}),
+            **({self.lowp_key: self.fp8_report} if self.fp8_report else {}),
             **({"fp8_casts": self.fp8_casts} if self.fp8_casts else {}),
             **({"resumed_from": str(self.resumed_from)} if self.resumed_from is not None else {}),
             **({"config_history": self.history} if self.history else {}),

@@ -107,7 +107,7 @@ def test_nvfp4_preset_trains_and_says_what_it_converted(nvfp4_run):
     # gpt-nano: 2 blocks; the recipe's 15% keeps the last one (ceil) and the head in bf16
     assert r["recipe"] == "nvfp4" and r["bf16_last_blocks"] == 1
     assert r["converted"] == ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.0.mlp.proj"]
-    assert "bf16_last_blocks=1" in r["excluded"]["blocks.1.mlp.fc"]
+    assert "bf16_last_blocks=1 (null: the recipe's 15% of 2 blocks, rounded up)" in r["excluded"]["blocks.1.mlp.fc"]
     assert r["hadamard"] and r["stochastic_rounding"] and r["weight_2d"] and r["matmul"] == "emulated"
     assert "fp8" not in s
     assert s["dtypes"]["fp4_linears"].startswith("nvfp4: forward E2M1")

@@ -188,8 +188,11 @@ class Fp4Linears:
         """Swap every linear the rules let through, in place; ``report`` says which and why not."""
         n_blocks = len(getattr(model, "blocks", ()))
         block = fp4.BLOCK[self.recipe]
-        rules = LinearRules("precision.fp4", "4-bit", tuple(self.cfg.exclude), 0,
-                            kept_last_blocks(self.cfg, n_blocks), 0, block, f"{self.recipe} blocks of {block}")
+        last = kept_last_blocks(self.cfg, n_blocks)
+        rules = LinearRules("precision.fp4", "4-bit", tuple(self.cfg.exclude), 0, last, 0, block,
+                            f"{self.recipe} blocks of {block}",
+                            f"null: the recipe's {KEEP_SHARE:.0%} of {n_blocks} blocks, rounded up"
+                            if self.cfg.bf16_last_blocks is None else "")
         problem = check_blocks_left(rules, n_blocks, "precision=bf16")
         if problem:
             raise ConfigError(problem)

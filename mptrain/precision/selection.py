@@ -31,6 +31,8 @@ class LinearRules:
     """In and out features must be multiples of this (the kernels' or the blocks' alignment)."""
     dim_why: str = ""
     """Why the alignment, appended to its reason (e.g. ``nvfp4 blocks of 16``)."""
+    last_why: str = ""
+    """Where ``last_blocks`` came from, appended to its reason (e.g. the recipe's 15% rule)."""
 
 
 def excluded_because(rules: LinearRules, mod: nn.Linear, fqn: str, n_blocks: int) -> Optional[str]:
@@ -46,7 +48,8 @@ def excluded_because(rules: LinearRules, mod: nn.Linear, fqn: str, n_blocks: int
         if i < rules.first_blocks:
             return f"block {i} of {n_blocks}: {rules.key}.bf16_first_blocks={rules.first_blocks}"
         if i >= n_blocks - rules.last_blocks:
-            return f"block {i} of {n_blocks}: {rules.key}.bf16_last_blocks={rules.last_blocks}"
+            return (f"block {i} of {n_blocks}: {rules.key}.bf16_last_blocks={rules.last_blocks}"
+                    + (f" ({rules.last_why})" if rules.last_why else ""))
     if min(mod.in_features, mod.out_features) < rules.min_features:
         return (f"{mod.in_features}x{mod.out_features} below {rules.key}.min_features={rules.min_features} "
                 f"(the casts would cost more than the {rules.what} matmul saves)")

@@ -4,7 +4,8 @@
 
 (default: model=gpt-nano, 60 steps, monitor off, 2 repeats). Settings: fp32,
 bf16, fp16, fp8 with ``torch._scaled_mm`` and fp8 with the emulated matmul
-(``precision.fp8.matmul``), and mxfp8. Each runs ``--repeats`` times,
+(``precision.fp8.matmul``), mxfp8, and the emulated 4-bit recipes nvfp4 and
+mxfp4. Each runs ``--repeats`` times,
 interleaved, and the fastest run counts (a shared machine adds time, never
 speed). Prints one banner (CPU model and the instruction-set flags that decide
 half-precision speed, Python, torch, torchao, date), a progress line per run,
@@ -15,6 +16,12 @@ The figure the float8 emulation is judged by: fp8 at >= 0.3x fp32's tokens/s
 on a CPU whose ``torch._scaled_mm`` is slow. On a CPU without native bf16 the
 rest of an fp8 step (attention, the head, under bf16 autocast) is what costs,
 whichever matmul the float8 linears use; the bf16 row shows that bound.
+
+The figure the 4-bit emulation is judged by: an nvfp4 step at most ~3x a
+bf16 step (``--only fp32,bf16,nvfp4,nvfp4-fp32 model=gpt-mini``); its ratio to
+bf16 is printed when both ran. On a CPU without native bf16 the bf16 rest
+of the model dominates both; ``nvfp4-fp32`` (the rest in fp32) against fp32
+is the emulation's own cost, the same comparison on every CPU.
 """
 from __future__ import annotations
 
@@ -43,6 +50,10 @@ SETTINGS = {
     "fp8-scaled_mm": ["precision=fp8", "precision.fp8.matmul=scaled_mm"],
     "fp8-emulated": ["precision=fp8", "precision.fp8.matmul=emulated"],
     "mxfp8": ["precision=mxfp8"],
+    "nvfp4": ["precision=nvfp4"],
+    "mxfp4": ["precision=mxfp4"],
+    # the 4-bit emulation's own cost, against fp32 on every CPU: the rest of the model in fp32
+    "nvfp4-fp32": ["precision=nvfp4", "precision.compute_dtype=fp32", "precision.param_dtype=fp32"],
 }
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile")
 
@@ -75,6 +86,11 @@ def main() -> None:
     print(f"\n{'setting':<15} {'tokens/s':>10} {'x fp32':>8}")
     for name in names:
         print(f"{name:<15} {best[name]:>10,.0f} {best[name] / best['fp32']:>8.3f}")
+    for name in ("nvfp4", "mxfp4"):
+        if name in best and "bf16" in best:
+            print(f"{name} step time / bf16's: {best['bf16'] / best[name]:.2f}x (the target: at most ~3x)")
+    if "nvfp4-fp32" in best:
+        print(f"nvfp4-fp32 step time / fp32's: {best['fp32'] / best['nvfp4-fp32']:.2f}x (the emulation's own cost)")
     if device == "cpu":
         path, why = choose_fp8_matmul("auto", torch.device("cpu"))
         print(f"precision.fp8.matmul=auto here: {path} ({why})")

@@ -1,1 +1,1 @@
-"""Layer 4, precision: the formats (facts from torch.finfo), the policy (autocast, loss scaler, float8 conversion), float8 recipes and cast arithmetic, update rules and optimizer state, what this machine supports, and the rules that need them."""
+"""Layer 4, precision: the formats (facts from torch.finfo), the policy (autocast, loss scaler, float8 conversion), float8 and emulated 4-bit recipes and cast arithmetic, update rules and optimizer state, what this machine supports, and the rules that need them."""

@@ -626,10 +626,18 @@ def _sqnr_key(v) -> float:
     return -math.inf if not isinstance(v, (int, float)) or math.isnan(v) else v
 
 
-def best_whatif(entry: dict) -> Optional[tuple[str, dict]]:
+FP4_WHATIFS = ("nvfp4", "nvfp4_rht", "mxfp4")  # 4-bit what-ifs; the run's own 4-bit formats are nvfp4, mxfp4
+
+
+def best_whatif(entry: dict, recipe: Optional[str] = None) -> Optional[tuple[str, dict]]:
     """The what-if recipe with the highest SQNR for one operand's casts (the first
-    listed on a tie), with its figures; None when there is none."""
+    listed on a tie), with its figures; None when there is none. Only recipes of
+    the run's own width compete: float8 ones for a float8 run, 4-bit ones for a
+    4-bit run (``recipe`` nvfp4 or mxfp4), where any float8 recipe would win by
+    its 4 more bits and say nothing about the choice of 4-bit scales."""
     whatif = entry.get("whatif") or {}
+    four = recipe in FP4_WHATIFS
+    whatif = {n: w for n, w in whatif.items() if (n in FP4_WHATIFS) == four}
     if not whatif:
         return None
     name = max(whatif, key=lambda n: _sqnr_key(whatif[n].get("sqnr_db")))
@@ -664,8 +672,8 @@ def fp8_runs(runs: list[Run]) -> list[tuple[Run, dict]]:
 
 def fp8_layer_table(runs: list[Run]) -> str:
     """Per run, the last monitored step's casts of each layer and operand (flush %,
-    saturate %, SQNR) and the what-if recipe with the best SQNR; runs numbered as
-    in fp8_layers.png."""
+    saturate %, SQNR) and the what-if recipe of the run's width (float8 or 4-bit)
+    with the best SQNR; runs numbered as in fp8_layers.png."""
     with_casts = fp8_runs(runs)
     head = ["layer", "operand", "flush %", "saturate %", "SQNR dB", "best what-if", "its flush %",
             "its saturate %", "its SQNR dB", "SQNR gain dB"]
@@ -675,7 +683,7 @@ def fp8_layer_table(runs: list[Run]) -> str:
                  f"(from {c['source']})", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for layer, ops in c["layers"].items():
             for op, e in ops.items():
-                best = best_whatif(e)
+                best = best_whatif(e, c.get("recipe"))
                 name, w = best if best else ("n/a", {})
                 lines.append("| " + " | ".join([
                     layer, op, _pct(e.get("flush")), _pct(e.get("saturate")), _db(e.get("sqnr_db")),
@@ -685,7 +693,7 @@ def fp8_layer_table(runs: list[Run]) -> str:
         parts.append("\n".join(lines))
     without = [r.label for r in runs if all(r is not x for x, _ in with_casts)]
     if without:
-        parts.append(f"No float8 cast statistics: {', '.join(without)}.")
+        parts.append(f"No float8 or 4-bit cast statistics: {', '.join(without)}.")
     return "\n\n".join(parts)
 
 

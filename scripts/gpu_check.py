@@ -539,7 +539,7 @@ ROWWISE_CPU = "only supports per-tensor scaling for CPU"  # torch before 2.13 on
 
 
 def fp8_settings(plan: Plan, rep: Report, model: str, batch: int, ckpt: bool) -> None:
-    """bf16, fp8 tensorwise, rowwise and delayed on ``model``: a row each (a failure is that
+    """bf16, fp8 tensorwise, rowwise and delayed, and the emulated nvfp4 on ``model``: a row each (a failure is that
     setting's FAILED row); out of memory in bf16 is raised, for a smaller setting."""
     if plan.cuda:
         over = [f"model={model}", f"model.vocab_size={VOCAB}", "train.device=cuda"]
@@ -548,12 +548,14 @@ def fp8_settings(plan: Plan, rep: Report, model: str, batch: int, ckpt: bool) ->
     settings = [("bf16", ["precision=bf16"]), ("fp8 tensorwise", ["precision=fp8"]),
                 ("fp8 rowwise", ["precision=fp8", "precision.fp8.recipe=rowwise"]),
                 # our own delayed-scaling layer: never yet compiled or timed on a GPU
-                ("fp8 delayed", ["precision=fp8-delayed"])]
+                ("fp8 delayed", ["precision=fp8-delayed"]),
+                # the 4-bit emulation (fp32 products of dequantized E2M1): never yet run on a GPU
+                ("nvfp4 emulated", ["precision=nvfp4"])]
     res: dict[str, dict] = {}
     for label, prec in settings:
         check = f"{model} {label} {'compiled' if plan.compile else 'eager'}" + \
             (", activation checkpointing" if ckpt else "")
-        if label in ("fp8 rowwise", "fp8 delayed") and rep.elapsed() > plan.budget_s - 60:
+        if label in ("fp8 rowwise", "fp8 delayed", "nvfp4 emulated") and rep.elapsed() > plan.budget_s - 60:
             rep.add(Row("c", check, f"skipped (time budget: {rep.elapsed():.0f} s used)"))
             continue
         left = torch.cuda.memory_allocated() / 2**30 if plan.cuda else 0.0  # what the previous setting left
@@ -583,7 +585,8 @@ def fp8_one(plan: Plan, rep: Report, check: str, label: str, overrides: list[str
     loop = StepLoop(overrides, batch, ckpt, plan.compile)
     try:
         r = loop.time(plan.fp8_warmup, plan.fp8_timed)
-        peak, kind = peak_of(plan, "bf16", label != "bf16")
+        # the emulated nvfp4 multiplies in fp32, not on float8 tensor cores: its MFU is against bf16's peak
+        peak, kind = peak_of(plan, "bf16", label.startswith("fp8"))
         u = mfu(r["tokens_per_s"], loop.flops_tok, peak, 1) if peak else None
         gain = r["tokens_per_s"] / bf16["tokens_per_s"] if label != "bf16" and bf16 else None
         goal = f"tensorwise >= {GOAL_FP8}x bf16" if label == "fp8 tensorwise" else ""

@@ -393,7 +393,7 @@ def test_fp8_layers_figure_and_table(tmp_path, capsys):
     tw, rw, rest = re.split(r"\n(?=\[\d\] )|\n\n(?=No float8)", md)[1:]
     assert tw.startswith("[1] precision=fp8 (0): recipe tensorwise, step 4 (from summary.json)")
     assert rw.startswith("[2] precision=fp8 (1): recipe rowwise, step 4 (from metrics.jsonl)")
-    assert rest.strip() == "No float8 cast statistics: precision=fp32 (2)."
+    assert rest.strip() == "No float8 or 4-bit cast statistics: precision=fp32 (2)."
     header = "| layer | operand | flush % | saturate % | SQNR dB | best what-if |"
     assert header in tw and header in rw
     # tensorwise, block1.mlp.fc grad_output: flush 0.001*2*3*4 = 2.4%, saturate 0.15%, SQNR 31-2-2+0.4

@@ -222,6 +222,7 @@ GPU_CHECK_ROWS = [
     ("c", "gpt-nano fp8 tensorwise eager, activation checkpointing"),
     ("c", "gpt-nano fp8 rowwise eager, activation checkpointing"),
     ("c", "gpt-nano fp8 delayed eager, activation checkpointing"),
+    ("c", "gpt-nano nvfp4 emulated eager, activation checkpointing"),
     *(("d", f"host syncs per step, {p}, fused AdamW, eager") for p in ("fp32", "bf16", "fp16")),
     ("e", "gpt-nano bf16 harness, monitor off"), ("e", "gpt-nano bf16 harness, monitor default (every 50)"),
     ("e", "gpt-nano bf16 harness, monitor every step"), ("e", "dtype audit, one step"),

@@ -206,19 +206,24 @@ def _pct(v: float) -> str:
 
 def table(rep: dict) -> str:
     """The console table of :func:`report`: one row per layer and operand, the
-    run's casts and the what-if recipe with the best SQNR beside them."""
+    run's casts and the what-if recipe of the run's width (float8 or 4-bit)
+    with the best SQNR beside them."""
     head = ["layer", "operand", "flush", "saturate", "SQNR dB", "amax", "scale", "best what-if (SQNR dB, flush)"]
     rows = []
+    four = rep["recipe"] in FP4_RECIPES
     for layer, ops in rep["layers"].items():
         for op, f in ops.items():
             scale = (f"{f['scale_min']:.4g}" if f["scale_min"] == f["scale_max"]
                      else f"{f['scale_min']:.3g}..{f['scale_max']:.3g}")
-            alt = max((f.get("whatif") or {}).items(), key=lambda kv: kv[1]["sqnr_db"], default=None)
+            # the best what-if of the run's own width: in a 4-bit run any float8 recipe wins by
+            # its 4 more bits, which says nothing about the choice of 4-bit scales
+            same = {k: v for k, v in (f.get("whatif") or {}).items() if (k in FP4_RECIPES) == four}
+            alt = max(same.items(), key=lambda kv: kv[1]["sqnr_db"], default=None)
             best = f"{alt[0]} ({alt[1]['sqnr_db']:.1f}, {_pct(alt[1]['flush'])})" if alt else ""
             rows.append([layer, op, _pct(f["flush"]), _pct(f["saturate"]), f"{f['sqnr_db']:.1f}",
                          f"{f['amax']:.4g}", scale, best])
     w = rep["worst"]
-    kind = "4-bit" if rep["recipe"] in FP4_RECIPES else "float8"
+    kind = "4-bit" if four else "float8"
     return "\n".join([f"{kind} casts at step {rep['step']} (recipe {rep['recipe']}):", *text_table(head, rows),
                       f"worst: flush {_pct(w.get('flush', 0))}, saturate {_pct(w.get('saturate', 0))}, "
                       f"SQNR {w.get('sqnr_db', math.nan):.1f} dB"])

@@ -182,8 +182,9 @@ def _cast_statistics_match(two_ranks: dict, one: dict, whatifs: int, exact: bool
     ``whatifs``: how many other recipes are measured (delayed scaling adds tensorwise).
     Not ``exact``: without float8 all-gather FSDP2 gathers the linears' weights in bf16,
     so they reach the cast rounded once already (one process casts the fp32 master),
-    and every later layer sees slightly other numbers: shares agree to 5e-4, SQNR to
-    half a dB; amaxes and scales, being extremes, moved up to 5% (not compared)."""
+    and every later layer sees slightly other numbers: shares agree to 5e-4 (3e-3 for
+    the 4-bit what-ifs, whose flushed shares are ~100x larger), SQNR to half a dB;
+    amaxes and scales, being extremes, moved up to 5% (not compared)."""
     keys = sorted(k for k in one if k.startswith("fp8"))
     assert len(keys) == 8 * 3 * (6 + whatifs * 3) + (1 + whatifs) * 3 and set(keys) == {k for k in two_ranks if k.startswith("fp8")}
     for k in keys:
@@ -195,7 +196,10 @@ def _cast_statistics_match(two_ranks: dict, one: dict, whatifs: int, exact: bool
         elif k.endswith("sqnr_db"):
             assert abs(a - b) < 0.5, (k, a, b)
         elif k.endswith(("flush", "saturate")):  # amaxes and scales are extremes: they move most
-            assert a == pytest.approx(b, abs=5e-4), (k, a, b)
+            # 4-bit what-ifs flush ~7% of a tensor, so many more values sit near their flush
+            # threshold: measured 1.2e-3 apart (mxfp4 on an output gradient)
+            four = any(f"/{r}/" in k for r in ("nvfp4", "nvfp4_rht", "mxfp4"))
+            assert a == pytest.approx(b, abs=3e-3 if four else 5e-4), (k, a, b)
 
 
 def _gpu_check(*args: str, timeout: int) -> subprocess.CompletedProcess:

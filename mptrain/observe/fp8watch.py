@@ -11,6 +11,7 @@ from mptrain.core.shards import local_shard
 from mptrain.core.text import text_table
 from mptrain.distributed.comm import uncounted
 from mptrain.model.names import canonical_name, layer_name
+from mptrain.observe.audit import observing
 from mptrain.precision.fp8casts import FORMATS, FP4_RECIPES, SUMS, cast_counts, element_format, summarize
 
 # ------------------------------------------------------------------ in a run
@@ -145,6 +146,10 @@ class CastWatch:
         return hook
 
     def _add(self, layer: str, op: str, t: torch.Tensor, own_scale: Optional[torch.Tensor]) -> None:
+        with observing():  # the statistics' ops are not the step's: a dtype audit of this step skips them
+            self._add_counts(layer, op, t, own_scale)
+
+    def _add_counts(self, layer: str, op: str, t: torch.Tensor, own_scale: Optional[torch.Tensor]) -> None:
         t = t.detach().float()  # once here; cast_counts' own .float() is then free for every recipe
         for tag, recipe in self.tags.items():
             # The run's own casts in the run's format; a what-if in its recipe's (E2M1 for the

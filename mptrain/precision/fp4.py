@@ -264,6 +264,16 @@ def random_signs(n: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 2, (n,), generator=generator, device=generator.device).float() * 2 - 1
 
 
+@functools.lru_cache(maxsize=None)
+def fixed_signs(device: torch.device, n: int = 16) -> torch.Tensor:
+    """The one Hadamard sign vector mptrain uses everywhere (the 4-bit layers'
+    weight-gradient transform and the ``nvfp4_rht`` cast statistics): drawn
+    from a private generator seeded 0, so it is the same for every layer, rank
+    and run and draws nothing from the run's generators; made once per device,
+    never written to."""
+    return random_signs(n, torch.Generator().manual_seed(0)).to(device)
+
+
 def _rht_matrix(signs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``diag(signs) @ H`` in fp32 on ``x``'s device, after checking that ``x``'s
     last dimension splits into blocks of ``len(signs)``."""

@@ -43,7 +43,6 @@ from mptrain.precision import fp4
 from mptrain.precision.selection import LinearRules, check_blocks_left, excluded_because
 
 HADAMARD_SIZE = 16  # the recipe's 16 x 16 transform
-_SIGN_SEED = 0  # one sign vector for every layer, rank and run: reproducible and equal across replicas
 KEEP_SHARE = 0.15  # NVIDIA keeps about 15% of the linears, mostly the last ones, in higher precision
 
 
@@ -67,17 +66,6 @@ class Fp4Recipe:
                f"weight-gradient operands {'after' if self.hadamard else 'without'} a 16x16 random Hadamard "
                "transform")
         return fwd, bwd
-
-
-_SIGNS: dict[torch.device, torch.Tensor] = {}
-
-
-def _signs(device: torch.device) -> torch.Tensor:
-    """The Hadamard sign vector on ``device`` (made once per device: no buffer, so a
-    model built on the meta device needs nothing filled in after ``to_empty``)."""
-    if device not in _SIGNS:
-        _SIGNS[device] = fp4.random_signs(HADAMARD_SIZE, torch.Generator().manual_seed(_SIGN_SEED)).to(device)
-    return _SIGNS[device]
 
 
 def _quantized_weight_for_dgrad(w: torch.Tensor, r: Fp4Recipe) -> torch.Tensor:
@@ -114,7 +102,7 @@ class _Fp4Matmul(torch.autograd.Function):
             # Weight gradient: both operands with the tokens as their last (contraction) dimension.
             a, b = g.t().contiguous(), x.float().t().contiguous()
             if r.hadamard:
-                signs = _signs(g.device)
+                signs = fp4.fixed_signs(g.device)
                 a, b = fp4.rht(a, signs), fp4.rht(b, signs)
             dw = fp4.fake_quantize(a, r.fmt, stochastic=r.stochastic) @ fp4.fake_quantize(b, r.fmt).t()
             db = g.sum(0) if ctx.has_bias else None

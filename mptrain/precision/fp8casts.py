@@ -181,12 +181,9 @@ def _stack(g: torch.Tensor, nonzero: torch.Tensor, zero: torch.Tensor, clamped: 
     return sums, maxes
 
 
-# From a fixed seed of a private generator: the monitor must draw nothing from the
-# run's generators, and the same tensor must give the same figures on every step and
-# every rank.
-RHT_SIGNS = fp4.random_signs(16, torch.Generator().manual_seed(0))
-"""The one sign vector of every ``nvfp4_rht`` statistic."""
-_rht_signs_on: dict[torch.device, torch.Tensor] = {}  # a copy per device, made on first use
+RHT_SIGNS = fp4.fixed_signs(torch.device("cpu"))
+"""The one sign vector of every ``nvfp4_rht`` statistic (``fp4.fixed_signs``: a private
+seed-0 generator, nothing drawn from the run's, the same on every step and rank)."""
 
 
 def _fp4_counts(x: torch.Tensor, recipe: str, fmt: str | None,
@@ -200,13 +197,11 @@ def _fp4_counts(x: torch.Tensor, recipe: str, fmt: str | None,
     if x.shape[1] % fp4.BLOCK[name]:
         x = torch.nn.functional.pad(x, (0, (-x.shape[1]) % fp4.BLOCK[name]))  # zeros: no amax, no element
     if recipe == "nvfp4_rht":
-        if x.device not in _rht_signs_on:
-            _rht_signs_on[x.device] = RHT_SIGNS.to(x.device)
         # Measured on the transformed tensor, not transformed back: the format holds the
         # transformed values (their flush and saturation are the cast's), the matmul
         # contracts them as they are (rht(a) @ rht(b).T = a @ b.T), and the transform is
         # orthogonal, so the noise energy, hence the SQNR, is the same either side.
-        x = fp4.rht(x, _rht_signs_on[x.device])
+        x = fp4.rht(x, fp4.fixed_signs(x.device))
     c = fp4.quantize_blocks(x, name)
     # The error is exact in fp32 (Sterbenz): a value not flushed comes back within a
     # factor of 2 of itself (at worst 0.26 -> 0.5 at the bottom, 7.9 -> 6 clamped at the top).

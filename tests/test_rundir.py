@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,19 @@ def test_refused_launches_leave_no_trace(tmp_path):
     assert not (tmp_path / "outputs").exists()  # not even the empty outputs/<date>/ it made
 
 
+def _wait_for_cmdline(pid: int, timeout: float = 20.0) -> None:
+    """Popen returns once the child's exec has closed its close-on-exec pipe, which
+    the kernel does before it writes the new program's arguments: on a busy machine
+    /proc/<pid>/cmdline can still read empty for a moment (CI saw "?")."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if f.read():
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} showed no command line within {timeout} s")
+
+
 def test_a_lock_left_to_another_process_names_it(tmp_path):
     """The lock is held, but .lock names a pid that now belongs to an unrelated
     program (pid reuse; the holder is a process that kept the run's descriptor):
@@ -182,6 +196,7 @@ def test_a_lock_left_to_another_process_names_it(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     unrelated = subprocess.Popen(["sleep", "30"])
+    _wait_for_cmdline(unrelated.pid)
     fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # this process holds it, as a leftover worker of the run would

@@ -374,6 +374,10 @@ def _fp4(cfg) -> bool:
     return cfg.precision.fp4.enabled
 
 
+def _outlier(cfg) -> bool:
+    return cfg.debug.outlier_module is not None
+
+
 # (key, valid(value), the valid values in words, when the rule applies). Bad values
 # here would otherwise fail deep inside torch/numpy/datasets with a traceback
 # (optim.lr=-1, optim.beta1=1, train.seed=-1, model.dropout=1.5,
@@ -451,6 +455,10 @@ _RANGES: tuple = (
     ("debug.nan_at_steps", _steps, "0-based step numbers (>= 0)", None),
     ("debug.kill_during_save_at_step", _optional(_non_negative), "a 0-based step number (>= 0), or null", None),
     ("debug.kill_after_save_at_step", _optional(_positive), "the step of a checkpoint (>= 1), or null", None),
+    ("debug.outlier_channel", _non_negative, "an input feature of debug.outlier_module (>= 0)", _outlier),
+    ("debug.outlier_scale", lambda v: v != 0, "a finite nonzero multiplier, such as 1e4", _outlier),
+    ("debug.loss_multiplier", _positive, "a finite value > 0 (1.0: off; 1e-6 makes every gradient a million "
+     "times smaller)", None),
 )
 
 

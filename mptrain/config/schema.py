@@ -776,6 +776,35 @@ class DebugConfig:
     nan_rank: int = recorded(-1)
     """Rank whose ``nan_in_module`` outputs NaN; -1 means every rank. One rank
     alone rehearses a bad batch that only one data shard holds."""
+    outlier_module: Optional[str] = recorded(None)
+    """Name of a linear (as in ``model.named_modules()``, wrapper parts such as
+    ``module.`` ignored, e.g. ``blocks.1.mlp.proj``) whose input gets an outlier
+    channel: on every forward pass, training, evaluation and replays alike,
+    feature ``outlier_channel`` of the input (its last dimension) is multiplied by
+    ``outlier_scale`` before the module sees it (a forward pre-hook, so a float8
+    linear's casts, and the cast statistics, see the outlier). The channel is part
+    of the computation: its gradient going back is multiplied too. On every rank;
+    null: off."""
+    outlier_channel: int = recorded(0)
+    """The input feature of ``outlier_module`` that is multiplied: ``0 <=
+    outlier_channel < in_features`` of that linear (checked when the hook is
+    installed)."""
+    outlier_scale: float = recorded(1e4)
+    """What ``outlier_channel`` is multiplied by: finite and nonzero (1e4 plants a
+    channel four orders of magnitude above its neighbours, as LLM activation
+    outliers are)."""
+    loss_multiplier: float = recorded(1.0)
+    """The loss the backward pass sees is multiplied by this (the cross-entropy
+    plus any z-loss term, before the fp16 loss scaler scales it), so every
+    gradient is this many times smaller (``1e-6``: a million times); 1.0 is off
+    (the loss is passed on as it is). ``train/loss`` stays the loss itself, while
+    ``train/grad_norm``, the numerics monitor's gradient figures and clipping
+    (``train.grad_clip``) see the multiplied gradients. AdamW's update barely
+    changes: ``m / (sqrt(v) + eps)`` cancels the factor, up to ``optim.eps``,
+    which shrinks the steps once ``sqrt(v)`` comes near it (gradients of 1e-3 times
+    1e-6 give 1e-9, below the default 1e-8), and up to clipping, which no longer
+    acts. Under fp16, gradients this small can flush to zero despite the loss
+    scale. Must be finite and > 0."""
     kill_during_save_at_step: Optional[int] = harmless(
         None, why="ends the process during a save; a launch it does not end trains the same")
     """SIGKILL this process in the middle of saving the checkpoint of this

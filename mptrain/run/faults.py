@@ -10,10 +10,11 @@
   loss was finite; or every gradient was finite but their global norm
   overflowed fp32. It also stops a run whose loss scale has collapsed.
 - :class:`FaultInjector` is the test aid behind ``debug.*``: NaN planted in a
-  module's output, an inf written into a gradient (the step calls
-  :meth:`FaultInjector.after_backward`), a kill in the middle of a save or right
-  after one. A run without ``debug.*`` holds one that does nothing
-  (:data:`NO_FAULTS` is one).
+  module's output, an outlier channel planted in a linear's input, an inf
+  written into a gradient (the step calls :meth:`FaultInjector.after_backward`),
+  the loss multiplied before backward (:meth:`FaultInjector.backward_loss`), a
+  kill in the middle of a save or right after one. A run without ``debug.*``
+  holds one that does nothing (:data:`NO_FAULTS` is one).
 """
 from __future__ import annotations
 
@@ -144,12 +145,14 @@ class Replay:
 
 
 def replay_step(model: nn.Module, policy, ctx, micro_batches: list, scale: float = 1.0,
-                after_backward=None) -> Replay:
+                after_backward=None, backward_loss=None) -> Replay:
     """Replay a step's forward and backward with hooks: which module first held
     inf/nan, whether the loss was finite and, when the backward completes
     (``after_backward`` runs then, e.g. to repeat an injected fault), what the
-    unscaled gradients and their norm look like. The weights are those the bad
-    step started from: it was not applied.
+    unscaled gradients and their norm look like. ``backward_loss`` turns each
+    micro-batch's loss into the one its backward sees, as the step does
+    (:meth:`FaultInjector.backward_loss`); None: the loss itself. The weights are
+    those the bad step started from: it was not applied.
 
     Every rank calls it, and the ranks agree after each forward and each
     backward (a small collective) on whether to go on: a rank that stopped
@@ -162,7 +165,7 @@ def replay_step(model: nn.Module, policy, ctx, micro_batches: list, scale: float
     out = Replay()
     try:
         model.zero_grad(set_to_none=True)
-        if _replay_passes(model, policy, ctx, micro_batches, scale, found, out):
+        if _replay_passes(model, policy, ctx, micro_batches, scale, found, out, backward_loss or _same):
             if after_backward is not None:
                 after_backward()
             _gradient_facts(model, ctx, scale, out)
@@ -193,7 +196,12 @@ def _watch_modules(model: nn.Module, found: list) -> list:
             for n, m in model.named_modules()]
 
 
-def _replay_passes(model, policy, ctx, micro_batches: list, scale: float, found: list, out: Replay) -> bool:
+def _same(loss: torch.Tensor) -> torch.Tensor:
+    return loss
+
+
+def _replay_passes(model, policy, ctx, micro_batches: list, scale: float, found: list, out: Replay,
+                   backward_loss) -> bool:
     """Forward and backward of each micro-batch, as the step runs them; False when
     the ranks stopped together at a non-finite value."""
     n = len(micro_batches)
@@ -203,7 +211,7 @@ def _replay_passes(model, policy, ctx, micro_batches: list, scale: float, found:
         out.loss_finite = not ctx.any_rank(not bool(torch.isfinite(loss)))
         if ctx.any_rank(bool(found)) or not out.loss_finite:
             return False
-        (loss * (scale / n)).backward()  # the step divides by n so micro-batches sum to the mean
+        (backward_loss(loss) * (scale / n)).backward()  # the step divides by n so micro-batches sum to the mean
         if ctx.any_rank(bool(found)):
             return False
     return True
@@ -235,6 +243,8 @@ class FaultInjector:
 
     The loop tells it the step about to run (:meth:`begin_step`); a replay of
     a bad step sets the same step again, so a planted NaN reappears exactly.
+    Planted faults (a NaN output, an outlier input channel) are module hooks
+    installed here, so an unknown module name fails before training.
     """
 
     def __init__(self, dcfg=None, model: Optional[nn.Module] = None, rank: int = 0):
@@ -245,8 +255,11 @@ class FaultInjector:
         self.grad_value = float(dcfg.inject_grad_value) if dcfg is not None else math.inf
         self.kill_at = dcfg.kill_during_save_at_step if dcfg is not None else None
         self.kill_after = dcfg.kill_after_save_at_step if dcfg is not None else None
+        self.loss_multiplier = float(dcfg.loss_multiplier) if dcfg is not None else 1.0
         if dcfg is not None and dcfg.nan_in_module and dcfg.nan_rank in (-1, rank):
             self._plant_nan(model, dcfg.nan_in_module, set(dcfg.nan_at_steps))
+        if dcfg is not None and dcfg.outlier_module:
+            self._plant_outlier(model, dcfg.outlier_module, int(dcfg.outlier_channel), float(dcfg.outlier_scale))
 
     def _plant_nan(self, model: nn.Module, name: str, at: set[int]) -> None:
         mods = {canonical_name(n): m for n, m in model.named_modules()}
@@ -258,6 +271,35 @@ class FaultInjector:
             return out * float("nan") if self.step in at else None
 
         mods[name].register_forward_hook(hook)
+
+    @staticmethod
+    def _plant_outlier(model: nn.Module, name: str, channel: int, scale: float) -> None:
+        """Multiply input feature ``channel`` of linear ``name`` by ``scale`` on
+        every forward pass. A pre-hook runs before the module's own forward, so a
+        float8 linear casts (and the cast statistics measure) the outlier; it is
+        put first, ahead of any pre-hook the precision policy installed."""
+        mods = {canonical_name(n): m for n, m in model.named_modules()}
+        linears = [n for n, m in mods.items() if isinstance(getattr(m, "in_features", None), int)]
+        if name not in mods or name not in linears:
+            what = "not a module of this model" if name not in mods else "not a linear (it has no in_features)"
+            raise ConfigError(f"debug.outlier_module='{name}' is {what}; name a linear, "
+                              f"e.g. {', '.join(linears[:5])}, ...")
+        n_in = mods[name].in_features
+        if channel >= n_in:
+            raise ConfigError(f"debug.outlier_channel={channel} is not an input feature of '{name}', which has "
+                              f"in_features={n_in}; set debug.outlier_channel between 0 and {n_in - 1}.")
+
+        def hook(_m, args):
+            x = args[0].clone()  # out of place: the caller's tensor (the residual stream, say) is left alone
+            x[..., channel] *= scale
+            return (x, *args[1:])
+
+        mods[name].register_forward_pre_hook(hook, prepend=True)
+
+    def backward_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss the backward pass sees: ``loss * debug.loss_multiplier``, or
+        ``loss`` itself, untouched, when the multiplier is 1 (off)."""
+        return loss if self.loss_multiplier == 1.0 else loss * self.loss_multiplier
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -326,7 +368,8 @@ class NonFiniteHandler:
         and the same faults, planted or injected."""
         self.faults.begin_step(step)
         return replay_step(self.model, self.policy, self.ctx, self.batches.batch(step), scale=scale,
-                           after_backward=lambda: self.faults.after_backward(self.model, step))
+                           after_backward=lambda: self.faults.after_backward(self.model, step),
+                           backward_loss=self.faults.backward_loss)
 
     def _later(self, bad_step: int, detected: Optional[int]) -> str:
         if detected is None or detected == bad_step + 1:

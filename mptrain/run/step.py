@@ -150,11 +150,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
     ``guard`` (runs without a loss scaler) decides whether a step with inf/nan
     gradients is applied; ``None`` does not look. ``monitor`` is the numerics
     monitor (its calls return at once on unmonitored steps). ``faults`` is the
-    run's ``debug.*`` injector (``faults.py``), told when the backward is done;
-    without ``debug.*`` it does nothing.
+    run's ``debug.*`` injector (``faults.py``), which hands each backward its
+    loss and is told when the backward is done; without ``debug.*`` it does nothing.
     """
     optimizer.zero_grad(set_to_none=True)
-    loss, z = _forward_backward(model, scaler, policy, ctx, micro_batches, z_loss)
+    loss, z = _forward_backward(model, scaler, policy, ctx, micro_batches, z_loss, faults)
     policy.end_backward(ctx.all_reduce_max)  # delayed float8 scaling: the step's amaxes into the histories
     faults.after_backward(model, step)
     if monitor is not None:
@@ -177,10 +177,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossS
 
 
 def _forward_backward(model: nn.Module, scaler: LossScaler, policy: PrecisionPolicy, ctx: DistContext,
-                      micro_batches: list, z_loss: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      micro_batches: list, z_loss: float,
+                      faults: FaultInjector = NO_FAULTS) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Forward and backward over the micro-batches, gradients accumulated in
     ``.grad``; returns (loss, z_loss): the cross-entropy and, with ``z_loss > 0``,
-    the z-loss term (else None), each the mean over micro-batches, on the device."""
+    the z-loss term (else None), each the mean over micro-batches, on the device
+    (as computed: ``debug.loss_multiplier`` acts on what the backward sees only)."""
     n = len(micro_batches)
     loss_sum = torch.zeros((), device=ctx.device)
     z_sum = torch.zeros((), device=ctx.device) if z_loss > 0 else None
@@ -198,7 +200,8 @@ def _forward_backward(model: nn.Module, scaler: LossScaler, policy: PrecisionPol
                 total = loss + z
                 z_sum += z.detach()
             # Dividing by n makes K micro-batches sum to the mean over the whole batch.
-            scaler.scale(total / n).backward()
+            # faults.backward_loss: total itself unless debug.loss_multiplier is set.
+            scaler.scale(faults.backward_loss(total) / n).backward()
         loss_sum += loss.detach()
     return loss_sum / n, (z_sum / n if z_loss > 0 else None)
 

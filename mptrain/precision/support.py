@@ -301,7 +301,7 @@ def check_precision(policy, device: torch.device) -> list[str]:
                 raise ConfigError(f"precision.fp8.recipe={policy.fp8.recipe} cannot run on this CPU: {why}; use "
                                   "precision.fp8.matmul=emulated, precision.fp8.recipe=tensorwise, torch>=2.13, "
                                   "or a GPU with float8 tensor cores.")
-        if v["bf16"].status == "emulated":
+        if v["bf16"].status == "emulated" and policy.compute_dtype == torch.bfloat16:
             warnings.append(f"fp8 runs its other ops in bf16, which is emulated on this {device.type}: {v['bf16'].why}.")
     if v[want].status == "emulated":
         warnings.append(f"{want} is emulated on this {device.type} ({v[want].why}): expect it to be "

@@ -19,6 +19,8 @@ import pytest
 import torch
 import yaml
 
+from mptrain.advice.answer import experiment_yaml
+
 from .conftest import ROOT, TINY, read_rows, train
 from .test_data import SAME_WEIGHTS_VAL
 
@@ -74,25 +76,6 @@ def _sweep_jobs(cwd: Path) -> list[Path]:
     sweeps = [p for p in (cwd / "multirun").glob("*/*") if p.is_dir()]
     assert len(sweeps) == 1, sweeps
     return sorted((p for p in sweeps[0].iterdir() if p.is_dir()), key=lambda p: int(p.name))
-
-
-def experiment_yaml(overrides: list[str]) -> str:
-    """An experiment file (``configs/experiment/``-style, ``# @package _global_``)
-    that sets what ``overrides`` set on the command line: a group choice
-    (``precision=fp16``) becomes a defaults override, a dotted key a nested value."""
-    groups: list[dict] = []
-    body: dict = {}
-    for ov in overrides:
-        key, value = ov.split("=", 1)
-        if "." not in key:
-            groups.append({f"override /{key}": value})
-            continue
-        *path, leaf = key.split(".")
-        node = body
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)  # the value as Hydra would type it (int, bool, list, ...)
-    return "# @package _global_\n" + yaml.safe_dump({"defaults": groups, **body}, sort_keys=False)
 
 
 def sweep(cwd: Path, cases: dict[str, list[str]], timeout: int = 900) -> dict[str, Path]:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mptrain import audit, doctor, formats, memory, sample
+from mptrain import advise, audit, doctor, formats, memory, sample
 
 from .conftest import ROOT
 
@@ -18,6 +18,7 @@ COMMANDS = {  # name -> main(argv), returning an exit code or raising SystemExit
     "mptrain.audit": audit.main,
     "mptrain.formats": formats.main,
     "mptrain.sample": lambda argv: sample.main(argv),
+    "mptrain.advise": advise.main,
 }
 SCRIPTS = ["export_hf.py", "compare.py", "bench.py", "prepare_data.py", "bench_monitor.py", "bench_checkpoint.py",
            "bench_nanogpt.py", "gpu_check.py", "bench_precision.py", "fp4_grad_noise.py"]

@@ -79,6 +79,19 @@ def _agree(key: str, compute: Callable[[], str]) -> str:
     return value
 
 
+def rank0_value(key: str, value: str) -> str:
+    """Rank 0's ``value`` for ``key``, in every process of this torchrun launch
+    (``value`` itself outside torchrun): ranks that each computed a value from
+    the same files compare theirs with rank 0's. Once per key and launch."""
+    store = _torchrun_store()
+    if store is None:
+        return value
+    name = f"mptrain/value/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{key}"
+    if int(os.environ.get("RANK", "0")) == 0:
+        store.set(name, value)
+    return store.get(name).decode()  # get() waits for rank 0
+
+
 def run_stamp() -> datetime.datetime:
     """Rank 0's start time, the same in every process of this launch (and its restarts)."""
     return datetime.datetime.fromisoformat(_agree("stamp", lambda: datetime.datetime.now().isoformat()))

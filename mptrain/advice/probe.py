@@ -1,0 +1,290 @@
+"""The probe behind ``python -m mptrain.advise``: a short run of the user's own
+model and data with every monitor on, read back into the rules' :class:`Facts`.
+
+The probe trains with float8 tensorwise linears (the casts must exist for the
+cast statistics to measure them) and asks the monitor for the other
+candidates as what-ifs, so one run measures every recipe on the same tensors.
+Its compute dtype is fp32 on a CPU (bf16 is emulated on many) and bf16 on a
+GPU; its gradients, activations and logits are the user's model's under that
+dtype. Memory options are not trained: the estimator prices each one.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+from omegaconf import OmegaConf
+
+from mptrain.advice.rules import FP8_CANDIDATES, WHATIF_OF, Cast, Facts, LinearFacts, StateOption, Target
+from mptrain.config.checks import compose_checked
+from mptrain.core.errors import ConfigError
+from mptrain.model.gpt import GPT, GPTShape
+from mptrain.model.names import layer_name
+from mptrain.observe.memory import estimate
+from mptrain.observe.perf import PEAK_TFLOPS
+from mptrain.precision.rules import validate
+from mptrain.precision.support import choose_fp8_matmul, cpu_name, matmul_seconds, verdicts
+
+MIN_STEPS = 10
+"""Fewer steps measure too little: the monitors need several steps after the first."""
+
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "mxfp8")
+"""The precision presets the advice can recommend (a state option may swap bf16 for a bf16-weights preset)."""
+
+# Weights and optimizer state, most faithful first: (name, overrides, bf16 weights rounding updates away)
+STATE_OPTIONS = (
+    ("fp32 moments", (), False),
+    ("bf16 moments", ("optim.state_dtype=bf16",), False),
+    ("8-bit moments", ("optim.state_dtype=8bit",), False),
+    ("4-bit moments", ("optim.state_dtype=4bit",), False),
+    ("bf16 weights + Kahan summation", ("precision=bf16-pure-kahan",), False),
+    ("bf16 weights + stochastic rounding", ("precision=bf16-pure-sr",), False),
+    ("bf16 weights, round to nearest", ("precision=bf16-pure",), True),
+)
+
+# Keys the probe sets itself; the user's own values of them are dropped from its command line.
+_PROBE_KEYS = ("precision", "precision.compute_dtype", "precision.param_dtype", "precision.fp8.enabled",
+               "precision.fp8.recipe", "precision.fp8.matmul", "precision.fp4.enabled", "train.max_steps",
+               "train.eval_every", "train.log_every", "monitor.every", "monitor.enabled", "monitor.stability",
+               "monitor.fp8_casts", "monitor.fp8_whatif", "monitor.histogram", "monitor.activations",
+               "checkpoint.at_end", "checkpoint.every", "resume.source", "train.sample_tokens", "hydra.run.dir",
+               "optim.state_dtype", "train.audit", "train.audit_only", "train.stop_after")
+
+GPU_TARGETS = {"v100": "V100", "a100": "A100", "a10g": "A10G", "l4": "L4", "l40s": "L40S",
+               "h100": "H100 SXM", "h100-pcie": "H100 PCIe", "h200": "H200", "b200": "B200"}
+"""``--target`` names of the GPUs whose peaks ``observe/perf.py`` holds (vendor data sheets)."""
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def user_part(overrides: list[str], drop: tuple[str, ...] = _PROBE_KEYS) -> list[str]:
+    """The user's overrides without those the probe (or a candidate) sets itself."""
+    return [o for o in overrides if _key(o) not in drop]
+
+
+def every_for(steps: int) -> int:
+    """The monitor's interval: about six monitored steps besides the first."""
+    return max(2, steps // 6)
+
+
+def probe_overrides(overrides: list[str], steps: int, device: str) -> list[str]:
+    compute = "bf16" if device == "cuda" else "fp32"
+    every = every_for(steps)
+    return [*user_part(overrides), "precision=fp8", f"precision.compute_dtype={compute}",
+            f"precision.param_dtype={compute}", f"train.max_steps={steps}", "train.eval_every=0",
+            f"train.log_every={every}", "monitor.enabled=true", f"monitor.every={every}", "monitor.stability=true",
+            "monitor.fp8_casts=true", "monitor.histogram=true", "monitor.activations=true",
+            f"monitor.fp8_whatif=[{','.join(WHATIF_OF[r] for r in FP8_CANDIDATES if r != 'tensorwise')}]",
+            "checkpoint.at_end=false", "checkpoint.every=0", "resume.source=none", "train.sample_tokens=0"]
+
+
+# ------------------------------------------------------------------ target
+
+
+def target_for(name: str, device: torch.device, shape: tuple[int, int, int]) -> Target:
+    """The :class:`Target` ``name`` names: ``cpu`` is this machine, measured at
+    the model's own matmul shape (``shape``: m, k, n); a GPU name reads the peak table."""
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ConfigError("--target cpu advises for this machine's CPU, but this run would train on "
+                              f"{device}; pass --target with the GPU's name (e.g. --target h100) instead.")
+        v = verdicts(device)
+        t = matmul_seconds(str(device), *shape, reps=5)
+        rel = {k: t[k] / t["fp32"] for k in ("bf16", "fp16") if k in t}
+        path, _ = choose_fp8_matmul("auto", device) if v["fp8"].status != "unavailable" else ("", "")
+        if f"fp8_{path}" in t:
+            rel["fp8"] = t[f"fp8_{path}"] / t["fp32"]
+        support = {k: v[k].status for k in ("bf16", "fp16", "fp8")}
+        return Target("cpu", "cpu", support, rel,
+                      f"measured here: {cpu_name()}, a {shape[0]}x{shape[1]} @ {shape[1]}x{shape[2]} matmul "
+                      f"(python -m mptrain.doctor), torch {torch.__version__}")
+    if name not in GPU_TARGETS:
+        known = ", ".join(["cpu", *GPU_TARGETS])
+        raise ConfigError(f"--target {name} is not a known target; choose one of {known}.")
+    peaks = PEAK_TFLOPS[GPU_TARGETS[name]]
+    base = peaks.get("tf32", peaks["fp32"])
+    rel = {k: base / peaks[k] for k in ("bf16", "fp16", "fp8") if k in peaks}
+    support = {k: "native" if k in peaks else "unavailable" for k in ("bf16", "fp16", "fp8")}
+    return Target(name, "cuda", support, rel, f"{GPU_TARGETS[name]} dense peak TFLOPS (vendor data sheet; "
+                  "fp32 matmuls at TF32's)")
+
+
+def target_to_json(t: Target) -> dict:
+    return {"name": t.name, "device": t.device, "support": t.support, "matmul_time": t.matmul_time,
+            "source": t.source}
+
+
+def target_from_json(d: dict) -> Target:
+    return Target(d["name"], d["device"], d["support"], d["matmul_time"], d["source"])
+
+
+# ------------------------------------------------------------------ memory
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (precision, state) option as a composed config, priced by :func:`state_options`."""
+
+    preset: str
+    name: str
+    overrides: tuple[str, ...]
+    rounds_updates: bool
+    cfg: object
+
+
+def candidates(overrides: list[str]) -> list[Candidate]:
+    """Every (precision, state) option the advice weighs, composed once per
+    precision preset (the state dtype is then set on a copy: composing is the slow part)."""
+    base = user_part(overrides, drop=("precision", "optim.state_dtype", "precision.master_weights",
+                                      "precision.update_rounding", "hydra.run.dir"))
+    composed: dict[str, object] = {}
+    out = []
+    for preset in PRECISIONS:
+        for name, extra, rounds in STATE_OPTIONS:
+            swap = [e.split("=", 1)[1] for e in extra if e.startswith("precision=")]
+            if swap and preset != "bf16":
+                continue  # the bf16-weights presets are bf16's alternatives
+            source = swap[0] if swap else preset
+            if source not in composed:
+                composed[source] = compose_checked([*base, f"precision={source}"])
+            cfg = copy.deepcopy(composed[source])
+            for e in extra:
+                if not e.startswith("precision="):
+                    key, value = e.split("=", 1)
+                    OmegaConf.update(cfg, key, value, merge=False)
+            out.append(Candidate(preset, name, tuple(extra), rounds, cfg))
+    return out
+
+
+def state_options(cands: list[Candidate], world: int, vocab: int) -> dict[str, tuple[StateOption, ...]]:
+    """Each candidate's memory estimate per rank (the estimator's), by precision
+    preset; a combination the checks refuse carries the refusal as its problem."""
+    out: dict[str, list[StateOption]] = {}
+    for c in cands:
+        problem = None
+        try:
+            validate(c.cfg, world)
+            e = estimate(c.cfg, vocab, world)
+            gib, bpp = e.total / 2**30, e.state / max(e.n_params, 1)
+        except ConfigError as err:
+            problem, gib, bpp = err.one_line(), math.inf, math.inf
+        out.setdefault(c.preset, []).append(StateOption(c.name, c.overrides, gib, bpp, c.rounds_updates, problem))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+# ------------------------------------------------------------------ reading the probe
+
+
+def linear_shapes(cfg, vocab: int) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every linear of the model ``cfg`` builds, by module name."""
+    m = cfg.model
+    with torch.device("meta"):
+        model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
+                             qk_norm=m.qk_norm))
+    return {n: (mod.in_features, mod.out_features) for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _worst(rows: list[dict], layer: str, whatif: Optional[str]) -> Optional[Cast]:
+    """The worst figures of ``layer``'s operands over the monitored rows, for one recipe."""
+    flush = sat = -1.0
+    sqnr = math.inf
+    worst_op = ""
+    for r in rows:
+        for op in ("input", "weight", "grad_output"):
+            pre = f"fp8.{layer}/{op}/" + (f"{whatif}/" if whatif else "")
+            if pre + "flush" not in r:
+                continue
+            f, s, q = r[pre + "flush"], r[pre + "saturate"], r[pre + "sqnr_db"]
+            if f > flush or s > sat or q < sqnr:
+                worst_op = op
+            flush, sat, sqnr = max(flush, f), max(sat, s), min(sqnr, q)
+    return Cast(flush, sat, sqnr, worst_op) if flush >= 0 else None
+
+
+def _series(rows: list[dict], key: str) -> tuple[float, ...]:
+    return tuple(r[key] for r in rows if key in r and r[key] is not None and math.isfinite(r[key]))
+
+
+def _by_group(rows: list[dict], prefix: str) -> dict[str, list[float]]:
+    """Per layer group, the finite values of ``<prefix><group>`` over ``rows``."""
+    out: dict[str, list[float]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith(prefix) and isinstance(v, (int, float)) and math.isfinite(v):
+                out.setdefault(k[len(prefix):], []).append(v)
+    return out
+
+
+def read_facts(run_dir: Path, cfg, world: int, options: dict[str, tuple[StateOption, ...]]) -> Facts:
+    """The probe's run directory as :class:`Facts` (``cfg``: the user's composed config)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [r for r in read_rows(run_dir) if "numerics/grad_log2_hist" in r]
+    if len(rows) < 3:
+        raise ConfigError(f"the probe in {run_dir} logged {len(rows)} monitored steps; it needs 3 or more: "
+                          f"pass --steps {MIN_STEPS} or more.")
+    vocab = int(OmegaConf.load(run_dir / "config.yaml").run_info.vocab_size)
+    hist = [0] * len(rows[0]["numerics/grad_log2_hist"]["counts"])
+    lo = rows[0]["numerics/grad_log2_hist"]["log2_lo"]
+    tops = []
+    for r in rows:
+        counts = r["numerics/grad_log2_hist"]["counts"]
+        hist = [a + b for a, b in zip(hist, counts)]
+        nz = [i for i, n in enumerate(counts) if n]
+        if nz:
+            tops.append(lo + nz[-1])
+    over_fp16 = max([0.0, *_series(rows, "numerics/act_absmax_over_fp16_max"),
+                     *_series(rows, "stability/attn_logit_max_over_fp16_max"),
+                     *_series(rows, "stability/output_logit_max_over_fp16_max")])
+    fp8 = summary.get("fp8") or {}
+    excluded = fp8.get("excluded", {})
+    flops_tok = summary["flops_per_token"]
+    linears = []
+    for name, (fin, fout) in linear_shapes(cfg, vocab).items():
+        casts = {}
+        if name in fp8.get("converted", []):
+            for recipe in FP8_CANDIDATES:
+                c = _worst(rows, layer_name(name), None if recipe == "tensorwise" else WHATIF_OF[recipe])
+                if c is not None:
+                    casts[recipe] = c
+        kept = excluded.get(name) if name not in fp8.get("converted", []) else None
+        linears.append(LinearFacts(name, fin, fout, 6.0 * fin * fout / flops_tok, casts,
+                                   kept or (None if casts else "not converted by the probe")))
+    blocks = {g: max(v) for g, v in _by_group(rows, "stability/act_max_over_rms/").items() if g.startswith("block")}
+    # Adam's second moment is young in a probe's first steps (g^2 > 10 v-hat is common
+    # until it has seen a few dozen gradients): the median over the probe's second half.
+    late = [r for r in rows if r["step"] > int(summary["steps"]) // 2]
+    adam = {g: statistics.median(v) for g, v in _by_group(late, "stability/adam_g2_over_v/").items()}
+    ls = cfg.precision.loss_scale
+    return Facts(model=str(cfg.model.name), params=int(summary["params"]), world=world, steps=int(summary["steps"]),
+                 monitored_steps=len(rows), grad_hist_lo=lo, grad_hist=tuple(hist), grad_top_log2=tuple(tops),
+                 act_over_fp16_max=over_fp16,
+                 update_lost_bf16=max([0.0, *_series(rows, "numerics/update_underflow/bf16")]),
+                 linears=tuple(linears), attn_logit_max=_series(rows, "stability/attn_logit_max"),
+                 output_logit_max=_series(rows, "stability/output_logit_max"),
+                 g2_over_v=adam,
+                 act_max_over_rms=blocks, state_options=options,
+                 loss_scale_init_log2=int(round(math.log2(ls.init_scale))), growth_interval=int(ls.growth_interval))
+
+
+def wait_for(path: Path, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
+    """Ranks other than 0 wait for rank 0's file (the probe's summary.json)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline or not alive():
+            raise ConfigError(f"{path} did not appear within {timeout_s:.0f} s: rank 0's probe did not finish; "
+                              "see its output above.")
+        time.sleep(0.2)

@@ -1,0 +1,489 @@
+"""The advice as a pure function: :func:`advise` maps a probe's measurements
+(:class:`Facts`), the target hardware (:class:`Target`) and a memory budget to
+an :class:`Advice`, one :class:`Decision` per question, each with the evidence
+it read and the threshold it compared against.
+
+No torch, no files, no clock: the same inputs give the same advice, which is
+what lets every rank of a torchrun job agree and lets each rule be tested at
+its threshold (``tests/test_advice_rules.py``). The thresholds, and where each
+comes from, are :class:`Thresholds`' docstrings and ``docs/advise.md``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+FP16_MAX_LOG2 = 15
+"""Values below 2^16 fit fp16 (its largest is 65504 = 2^16 - 2^5): a bin
+``[2^b, 2^(b+1))`` scaled by ``2^k`` fits when ``b + k + 1 <= 16``; this rule
+asks ``b + k <= 15`` to keep the bin's top below 65504."""
+FP16_MIN_LOG2 = -24
+"""fp16's smallest subnormal is 2^-24: a bin whose top scaled by ``2^k`` is at
+or below it (``b + k + 1 <= -24``) rounds to zero or to that one subnormal."""
+
+# The float8 recipes the advice can pick, in the order it prefers them at equal
+# coverage (cheapest casts first; tensorwise alone all-gathers float8 weights
+# under FSDP2), each with the probe's what-if that measures it and its preset.
+FP8_CANDIDATES = ("tensorwise", "rowwise", "mxfp8")
+WHATIF_OF = {"tensorwise": "tensorwise", "rowwise": "rowwise", "mxfp8": "block1x32"}
+PRESET_OF = {"tensorwise": "fp8", "rowwise": "fp8-rowwise", "mxfp8": "mxfp8"}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Every number a rule compares against. ``docs/advise.md`` gives each one's source."""
+
+    fp8_flush: float = 0.01
+    """A linear stays out of float8 when a recipe flushes more than this share
+    of an operand's non-zero elements (worst operand, worst monitored step).
+    Ours: 20x the 0.05% the float8 study's healthy runs reached (docs/fp8.md)."""
+    fp8_saturate: float = 1e-4
+    """... or clamps more than this share at the format's max (current scaling
+    clamps nothing; anything above 0 is an amax the scale did not see)."""
+    fp8_sqnr_db: float = 20.0
+    """... or its round trip's signal-to-noise ratio falls below this. E5M2's
+    two mantissa bits alone give ~25 dB on well-scaled data, E4M3's three ~31 dB."""
+    fp8_min_params: float = 1e9
+    """float8 is recommended only for models at least this large: below it the
+    casts (an amax and a scaled copy of each operand) eat the matmul's gain
+    (torchao's float8 training README; the doctor's own rule)."""
+    fp8_min_speedup: float = 1.1
+    """... and only when the matmul time it saves promises at least this speed-up."""
+    fp16_underflow: float = 1e-3
+    """fp16 is safe at a loss scale when at most this share of the non-zero
+    gradients would flush below 2^-24 (ours; the numerics monitor's own count)."""
+    fp16_headroom_binades: int = 1
+    """The initial loss scale leaves the largest gradient seen this many
+    binades below fp16's max, for growth between steps."""
+    fp16_act_over_max: float = 0.5
+    """fp16 is unsafe when an activation or logit reaches this share of 65504
+    (loss scaling scales gradients, not the forward pass)."""
+    cpu_bf16_max_time: float = 1.0
+    """On a CPU, bf16 is recommended when native and its measured matmul takes
+    at most this many times fp32's."""
+    lost_updates: float = 0.01
+    """bf16 weights without stochastic rounding or Kahan summation are ruled out
+    when the probe shows more than this share of updates rounded away."""
+    attn_logit: float = 50.0
+    """Attention logits above this (half the monitor's warning at 100) are a
+    risk (Dehghani et al. 2023, Wortsman et al. 2023: their growth precedes
+    divergence); fix: ``model.qk_norm=true``."""
+    output_logit: float = 50.0
+    """Output logits above this are a risk (Wortsman et al. 2023: logit
+    divergence); fix: ``train.z_loss=1e-4`` (PaLM's coefficient)."""
+    logit_growth: float = 2.0
+    """... as is logits growing this many times over the probe, to at least 10
+    (growth among logits of a few units is the early training of any model)."""
+    g2_over_v: float = 0.05
+    """A layer group with more than this share of elements whose g^2 exceeds
+    10x Adam's second moment is a risk (Wortsman et al. 2023, arXiv 2304.13013:
+    the underestimate before loss spikes); fix: ``optim.update_clip=1.0``."""
+    massive_activation: float = 100.0
+    """A block whose output's max over RMS exceeds this holds massive
+    activations (Sun et al. 2024, arXiv 2402.17762, report 10^3-10^4x the
+    median); per-tensor float8 scales suffer there."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """The hardware the advice is for: this machine (``cpu``) or a named GPU."""
+
+    name: str
+    """``cpu`` or a GPU key (``h100``, ``a100``, ...)."""
+    device: str
+    """``cpu`` or ``cuda``."""
+    support: dict[str, str]
+    """``native`` / ``emulated`` / ``unavailable`` for ``bf16``, ``fp16``, ``fp8``."""
+    matmul_time: dict[str, float]
+    """A matmul's time relative to fp32's for ``bf16``, ``fp16``, ``fp8`` (those
+    that run): measured by the doctor on this machine, peak ratios for a GPU."""
+    source: str
+    """Where ``support`` and ``matmul_time`` come from, in words."""
+
+
+@dataclass(frozen=True)
+class Cast:
+    """What one recipe's casts did to a linear: its worst operand over the probe."""
+
+    flush: float
+    saturate: float
+    sqnr_db: float
+    operand: str = ""
+    """The operand that gave the worst figure (``input``, ``weight``, ``grad_output``)."""
+
+
+@dataclass(frozen=True)
+class LinearFacts:
+    """One linear of the model, as the probe saw it."""
+
+    name: str
+    """Module name (``blocks.0.attn.qkv``): the name ``precision.fp8.exclude`` matches."""
+    in_features: int
+    out_features: int
+    flops_share: float
+    """Share of the training step's FLOPs in this linear's three matmuls."""
+    casts: dict[str, Cast] = field(default_factory=dict)
+    """Per float8 candidate (:data:`FP8_CANDIDATES`); empty when the probe kept it out."""
+    kept_out: Optional[str] = None
+    """Why the configuration's own rules keep it out of float8 (name, size,
+    position), or None when the probe converted it."""
+
+
+@dataclass(frozen=True)
+class StateOption:
+    """One way to store weights and optimizer state, with its memory estimate."""
+
+    name: str
+    overrides: tuple[str, ...]
+    gib_per_rank: float
+    """The memory estimator's total per rank (``python -m mptrain.memory``)."""
+    bytes_per_param: float
+    """Weights + gradients + optimizer state, per parameter."""
+    rounds_updates: bool = False
+    """bf16 weights updated without stochastic rounding or Kahan summation."""
+    problem: Optional[str] = None
+    """Why this configuration cannot run, when the config checks refuse it."""
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything the probe measured (``probe.py`` reads it from its run directory)."""
+
+    model: str
+    params: int
+    world: int
+    steps: int
+    monitored_steps: int
+    grad_hist_lo: int
+    """log2 of the lower edge of ``grad_hist``'s first bin."""
+    grad_hist: tuple[int, ...]
+    """Counts of floor(log2|g|) over every monitored step's gradients (unscaled);
+    the first and last bins also hold everything beyond them."""
+    grad_top_log2: tuple[int, ...]
+    """Per monitored step, the bin of its largest gradient."""
+    act_over_fp16_max: float
+    """The largest activation or logit over fp16's max, over the probe."""
+    update_lost_bf16: float
+    """The largest share of updates bf16 weights would have rounded away."""
+    linears: tuple[LinearFacts, ...]
+    attn_logit_max: tuple[float, ...]
+    output_logit_max: tuple[float, ...]
+    g2_over_v: dict[str, float]
+    """Per layer group, the median share over the monitored steps of the probe's
+    second half (its first steps are Adam's warm-up, when the share is high anyway)."""
+    act_max_over_rms: dict[str, float]
+    """Per block, the largest max/RMS of its output."""
+    state_options: dict[str, tuple[StateOption, ...]]
+    """Per precision preset the advice can pick (``fp32``, ``bf16``, ``fp16``,
+    ``fp8``, ``fp8-rowwise``, ``mxfp8``), the options under it, in the order
+    the advice prefers them (most faithful first)."""
+    loss_scale_init_log2: int = 16
+    growth_interval: int = 2000
+
+
+@dataclass
+class Decision:
+    """One answer: what to do, why (the figures), and the rule's threshold."""
+
+    topic: str
+    choice: str
+    evidence: str
+    threshold: str
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Advice:
+    precision: Decision
+    fp16: Decision
+    float8: Decision
+    state: Decision
+    risks: list[Decision]
+    overrides: list[str]
+    """The one line to paste: precision, float8 exclusions, loss scale, state."""
+    float8_layers: dict[str, dict]
+    """Per linear: ``passes`` (candidate recipes within thresholds), ``kept_out``, figures."""
+    expected: dict[str, float]
+    """The figures the choice promises: ``fp8_flops_share``, ``fp8_speedup``,
+    ``fp16_skip_rate``, ``fp16_init_scale``, ``gib_per_rank``, ``bytes_per_param``."""
+
+    def decisions(self) -> list[Decision]:
+        return [self.precision, self.fp16, self.float8, self.state, *self.risks]
+
+    def to_json(self) -> dict:
+        return {"decisions": [asdict(d) for d in self.decisions()], "overrides": self.overrides,
+                "float8_layers": self.float8_layers, "expected": self.expected}
+
+
+# ---------------------------------------------------------------------- float8
+
+
+def passes(c: Cast, th: Thresholds) -> bool:
+    return c.flush <= th.fp8_flush and c.saturate <= th.fp8_saturate and c.sqnr_db >= th.fp8_sqnr_db
+
+
+def _failure(c: Optional[Cast], th: Thresholds, recipe: str) -> str:
+    if c is None:
+        return f"not measured with {recipe}"
+    bad = []
+    if c.flush > th.fp8_flush:
+        bad.append(f"flushes {c.flush:.2%} > {th.fp8_flush:.2%}")
+    if c.saturate > th.fp8_saturate:
+        bad.append(f"saturates {c.saturate:.3%} > {th.fp8_saturate:.3%}")
+    if c.sqnr_db < th.fp8_sqnr_db:
+        bad.append(f"SQNR {c.sqnr_db:.1f} dB < {th.fp8_sqnr_db:g} dB")
+    return ", ".join(bad) + (f" ({c.operand})" if c.operand else "")
+
+
+def speedup(share: float, relative_time: float) -> float:
+    """Amdahl's law: the step's speed-up when ``share`` of its time runs
+    ``relative_time`` as long (matmul time only: casts are not counted)."""
+    return 1.0 / ((1.0 - share) + share * relative_time)
+
+
+def float8_plan(facts: Facts, target: Target, th: Thresholds) -> tuple[Decision, dict[str, dict], str, float, float]:
+    """(the decision, per-linear table, the recipe, float8 FLOPs share, expected speed-up)."""
+    layers: dict[str, dict] = {}
+    for lin in facts.linears:
+        layers[lin.name] = {"in_features": lin.in_features, "out_features": lin.out_features,
+                            "flops_share": lin.flops_share, "kept_out": lin.kept_out,
+                            "passes": [r for r in FP8_CANDIDATES if r in lin.casts and passes(lin.casts[r], th)],
+                            "casts": {r: asdict(c) for r, c in lin.casts.items()}}
+    candidates = [lin for lin in facts.linears if lin.kept_out is None and lin.casts]
+    coverage = {r: sum(lin.flops_share for lin in candidates if r in layers[lin.name]["passes"])
+                for r in FP8_CANDIDATES}
+    recipe = max(FP8_CANDIDATES, key=lambda r: (coverage[r], -FP8_CANDIDATES.index(r)))
+    share = coverage[recipe]
+    failing = [lin for lin in candidates if recipe not in layers[lin.name]["passes"]]
+    # against what the linears would run in otherwise: bf16 where native, else fp32
+    compute = "bf16" if target.support.get("bf16") == "native" and "bf16" in target.matmul_time else "fp32"
+    ratio = target.matmul_time.get("fp8", math.inf) / (target.matmul_time[compute] if compute == "bf16" else 1.0)
+    gain = speedup(share, ratio) if math.isfinite(ratio) else 0.0
+    kept = [f"{lin.name} ({lin.kept_out})" for lin in facts.linears if lin.kept_out]
+    why = "; ".join(f"{lin.name}: {_failure(lin.casts.get(recipe), th, recipe)}" for lin in failing)
+    evidence = (f"{len(candidates) - len(failing)} of {len(candidates)} linears within thresholds with {recipe} "
+                f"({share:.0%} of the step's FLOPs in float8)")
+    if failing:
+        evidence += f"; kept in bf16 for their casts: {why}"
+    if kept:
+        evidence += f"; kept out by the configuration's rules: {', '.join(kept)}"
+    gain_text = f"{gain:.2f}x" if gain else "none (no float8 matmul on the target)"
+    evidence += f"; expected speed-up on {target.name}: {gain_text} (matmul time only, {target.source})"
+    choice = recipe + (f", excluding {', '.join(lin.name for lin in failing)}" if failing else "")
+    decision = Decision("float8", choice, evidence,
+                        f"flush <= {th.fp8_flush:.2%}, saturate <= {th.fp8_saturate:.3%}, "
+                        f"SQNR >= {th.fp8_sqnr_db:g} dB per operand")
+    decision.overrides = _exclude_overrides(facts, failing)
+    return decision, layers, recipe, share, gain
+
+
+def _exclude_overrides(facts: Facts, failing: list[LinearFacts]) -> list[str]:
+    if not failing:
+        return []
+    named = [lin.name for lin in facts.linears if lin.kept_out and lin.kept_out.startswith("matches precision.fp8.exclude")]
+    return [f"precision.fp8.exclude=[{','.join([*named, *(lin.name for lin in failing)])}]"]
+
+
+# ------------------------------------------------------------------------ fp16
+
+
+def underflow_share(facts: Facts, k: int) -> float:
+    """Share of the non-zero gradients that flush in fp16 at loss scale 2^k: the
+    bins whose top, scaled, is at or below 2^-24. The first bin also holds
+    everything below it, so it counts as flushed as soon as its lower edge
+    reaches the line (an upper bound: some of it may not flush)."""
+    total = sum(facts.grad_hist)
+    if not total:
+        return 0.0
+    lo = facts.grad_hist_lo
+    flushed = sum(n for i, n in enumerate(facts.grad_hist)
+                  if lo + i + k + 1 <= FP16_MIN_LOG2 or (i == 0 and lo + k <= FP16_MIN_LOG2))
+    return flushed / total
+
+
+def scale_text(k: int) -> str:
+    """2^k written exactly (an integer from 2^0 up; a config value Hydra reads back as the same float)."""
+    return str(2 ** k) if k >= 0 else repr(2.0 ** k)
+
+
+def top_bin(facts: Facts) -> Optional[int]:
+    nonzero = [i for i, n in enumerate(facts.grad_hist) if n]
+    return facts.grad_hist_lo + nonzero[-1] if nonzero else None
+
+
+def fp16_plan(facts: Facts, th: Thresholds) -> tuple[Decision, int, float, bool]:
+    """(the decision, log2 of the initial scale, expected skip rate, safe)."""
+    default = facts.loss_scale_init_log2
+    top = top_bin(facts)
+    if top is None:
+        return Decision("fp16", "no verdict", "the probe saw no non-zero gradient", "-"), default, 0.0, False
+    best = FP16_MAX_LOG2 - top - th.fp16_headroom_binades
+    at_default, at_best = underflow_share(facts, default), underflow_share(facts, best)
+    acts_fit = facts.act_over_fp16_max < th.fp16_act_over_max
+    safe = at_best <= th.fp16_underflow and acts_fit
+    init = default if underflow_share(facts, default) <= th.fp16_underflow and default <= best else best
+    steps = facts.grad_top_log2
+    spikes = sum(1 for b in steps if b + init > FP16_MAX_LOG2) / len(steps) if steps else 0.0
+    # A dynamic scaler that has found its level overflows about once per growth
+    # interval (each growth is a probe upward); spikes seen in the probe add theirs.
+    skip = 1.0 / facts.growth_interval + spikes
+    evidence = (f"largest gradient ~2^{top + 1}; at the default scale 2^{default} {at_default:.3%} of the "
+                f"non-zero gradients flush; at 2^{best} {at_best:.3%}; activations and logits reach "
+                f"{facts.act_over_fp16_max:.2%} of 65504")
+    if not acts_fit:
+        choice = "unsafe: the forward pass overflows fp16 (loss scaling cannot help)"
+    elif not safe:
+        choice = f"unsafe: {at_best:.2%} of the gradients flush even at the largest scale that fits (2^{best})"
+    elif init != default:
+        choice = (f"safe with precision.loss_scale.init_scale={scale_text(init)} (2^{init}; "
+                  f"{'unsafe' if at_default > th.fp16_underflow else 'skips its first steps'} at 2^{default}); "
+                  f"expected skip rate ~{skip:.2%}")
+    else:
+        choice = f"safe at the default scale 2^{default}; expected skip rate ~{skip:.2%}"
+    d = Decision("fp16", choice, evidence, f"flushed share <= {th.fp16_underflow:.1%} at the chosen scale, "
+                 f"{th.fp16_headroom_binades} binade(s) of headroom, activations < {th.fp16_act_over_max:.0%} of max")
+    if safe and init != default:
+        d.overrides = [f"precision.loss_scale.init_scale={scale_text(init)}"]
+    return d, init, skip, safe
+
+
+# ------------------------------------------------------------------- precision
+
+
+def precision_choice(facts: Facts, target: Target, th: Thresholds, fp16_safe: bool,
+                     fp8_gain: float, recipe: str) -> Decision:
+    s, t = target.support, target.matmul_time
+    if target.device == "cpu":
+        bf16_time = t.get("bf16", math.inf)
+        if s.get("bf16") == "native" and bf16_time <= th.cpu_bf16_max_time:
+            return Decision("precision", "bf16", f"bf16 is native on this CPU and its matmul takes "
+                            f"{bf16_time:.2f}x fp32's ({target.source})", f"native and <= {th.cpu_bf16_max_time:g}x fp32",
+                            ["precision=bf16"])
+        why = (f"bf16 is {s.get('bf16', 'unknown')} on this CPU" if s.get("bf16") != "native"
+               else f"bf16's matmul takes {bf16_time:.2f}x fp32's")
+        return Decision("precision", "fp32", f"{why} ({target.source}); float8's casts cost more than its matmuls "
+                        "save on a CPU (docs/fp8.md: 0.27-0.29x fp32's tokens/s), and fp16 has no fast CPU path",
+                        f"bf16 only when native and <= {th.cpu_bf16_max_time:g}x fp32", ["precision=fp32"])
+    if (s.get("fp8") == "native" and facts.params >= th.fp8_min_params and fp8_gain >= th.fp8_min_speedup):
+        return Decision("precision", f"float8 ({recipe})", f"{target.name} has float8 matmuls; "
+                        f"{facts.params / 1e9:.2f}B parameters; expected speed-up {fp8_gain:.2f}x",
+                        f">= {th.fp8_min_params:.0e} parameters and >= {th.fp8_min_speedup:g}x",
+                        [f"precision={PRESET_OF[recipe]}"])
+    fp8_note = ""
+    if s.get("fp8") == "native":
+        short = []
+        if facts.params < th.fp8_min_params:
+            short.append(f"{facts.params / 1e6:.1f}M parameters (< {th.fp8_min_params:.0e})")
+        if fp8_gain < th.fp8_min_speedup:
+            short.append(f"expected speed-up {fp8_gain:.2f}x (< {th.fp8_min_speedup:g}x)")
+        fp8_note = f"; float8 not yet: {' and '.join(short)}"
+    if s.get("bf16") == "native":
+        return Decision("precision", "bf16", f"{target.name} has bf16 tensor cores{fp8_note}",
+                        "bf16 wherever native", ["precision=bf16"])
+    if s.get("fp16") == "native" and fp16_safe:
+        return Decision("precision", "fp16", f"{target.name} has fp16 but not bf16 tensor cores, and the "
+                        "gradients fit fp16 under loss scaling", "fp16 when safe and bf16 is not native",
+                        ["precision=fp16"])
+    return Decision("precision", "fp32", f"{target.name}: no native half precision that is safe here",
+                    "fp32 when nothing else is native and safe", ["precision=fp32"])
+
+
+# ----------------------------------------------------------------------- state
+
+
+def state_choice(facts: Facts, preset: str, budget_gib: Optional[float],
+                 th: Thresholds) -> tuple[Decision, Optional[StateOption]]:
+    options = facts.state_options.get(preset, ())
+    tried = []
+    for opt in options:
+        if opt.problem:
+            tried.append(f"{opt.name}: {opt.problem}")
+            continue
+        if opt.rounds_updates and facts.update_lost_bf16 > th.lost_updates:
+            tried.append(f"{opt.name}: would round away {facts.update_lost_bf16:.1%} of updates")
+            continue
+        if budget_gib is not None and opt.gib_per_rank > budget_gib:
+            tried.append(f"{opt.name}: {opt.gib_per_rank:.3g} GiB")
+            continue
+        budget = f"fits {budget_gib:g} GiB per rank" if budget_gib is not None else "no budget given"
+        evidence = f"{opt.name}: {opt.gib_per_rank:.3g} GiB per rank, {opt.bytes_per_param:.1f} bytes/param; {budget}"
+        if tried:
+            evidence += "; ruled out before it: " + "; ".join(tried)
+        return Decision("state", opt.name, evidence, f"the first of {len(options)} options, most "
+                        f"faithful first, that fits; bf16 weights without SR/Kahan only when <= "
+                        f"{th.lost_updates:.0%} of updates are lost", list(opt.overrides)), opt
+    smallest = smallest_option({preset: options})
+    need = f"; the smallest is {smallest.name} at {smallest.gib_per_rank:.3g} GiB per rank" if smallest else ""
+    budget = f"{budget_gib:g} GiB per rank" if budget_gib is not None else "any budget"
+    return Decision("state", "none fits", f"no option under precision={preset} fits {budget}{need}: "
+                    + "; ".join(tried), "the budget per rank"), None
+
+
+def smallest_option(options: dict[str, tuple[StateOption, ...]]) -> Optional[StateOption]:
+    """The runnable option with the fewest GiB per rank, under any precision (None: none can run)."""
+    runnable = [o for opts in options.values() for o in opts if not o.problem]
+    return min(runnable, key=lambda o: o.gib_per_rank) if runnable else None
+
+
+# ----------------------------------------------------------------------- risks
+
+
+def _growth(series: tuple[float, ...]) -> float:
+    return series[-1] / series[0] if len(series) > 1 and series[0] > 0 else 1.0
+
+
+def _logit_risk(topic: str, series: tuple[float, ...], limit: float, th: Thresholds, switch: str) -> Optional[Decision]:
+    if not series:
+        return None
+    top, growth = max(series), _growth(series)
+    if top <= limit and not (growth >= th.logit_growth and series[-1] >= 10):
+        return None
+    return Decision(topic, f"risk: consider {switch}", f"largest {top:.3g}, grew {growth:.2f}x over the probe",
+                    f"> {limit:g}, or >= {th.logit_growth:g}x growth to >= 10", [switch])
+
+
+def risks(facts: Facts, th: Thresholds) -> list[Decision]:
+    out = [r for r in (
+        _logit_risk("attention logits", facts.attn_logit_max, th.attn_logit, th, "model.qk_norm=true"),
+        _logit_risk("output logits", facts.output_logit_max, th.output_logit, th, "train.z_loss=1e-4"),
+    ) if r]
+    adam = {g: v for g, v in facts.g2_over_v.items() if v > th.g2_over_v}
+    if adam:
+        out.append(Decision("adam second moment", "risk: consider optim.update_clip=1.0",
+                            ", ".join(f"{g}: {v:.1%}" for g, v in adam.items()) + " of elements with g^2 > 10 v-hat",
+                            f"> {th.g2_over_v:.0%} in a layer group", ["optim.update_clip=1.0"]))
+    massive = {g: v for g, v in facts.act_max_over_rms.items() if v > th.massive_activation}
+    if massive:
+        out.append(Decision("massive activations", "risk: per-tensor float8 scales suffer there; prefer rowwise "
+                            "or mxfp8, or keep those blocks in bf16",
+                            ", ".join(f"{g}: max {v:.0f}x RMS" for g, v in massive.items()),
+                            f"max/RMS > {th.massive_activation:g}"))
+    return out
+
+
+# ---------------------------------------------------------------------- advise
+
+
+def advise(facts: Facts, target: Target, budget_gib: Optional[float] = None,
+           th: Thresholds = Thresholds()) -> Advice:
+    """The advice for ``facts`` on ``target`` within ``budget_gib`` per rank."""
+    f8, layers, recipe, share, gain = float8_plan(facts, target, th)
+    f16, init, skip, safe = fp16_plan(facts, th)
+    prec = precision_choice(facts, target, th, safe, gain, recipe)
+    preset = next(o for o in prec.overrides if o.startswith("precision=")).split("=", 1)[1]
+    state, opt = state_choice(facts, preset, budget_gib, th)
+    overrides = list(prec.overrides)
+    if prec.choice.startswith("float8"):
+        overrides += f8.overrides
+    if prec.choice == "fp16":
+        overrides += f16.overrides
+    # a state option that names its own precision preset (bf16 weights) replaces the precision line
+    if any(o.startswith("precision=") for o in state.overrides):
+        overrides = [o for o in overrides if not o.startswith("precision=")]
+    overrides += state.overrides
+    expected = {"fp8_flops_share": share, "fp8_speedup": gain, "fp16_skip_rate": skip,
+                "fp16_init_scale": 2.0 ** init}
+    if opt is not None:
+        expected.update(gib_per_rank=opt.gib_per_rank, bytes_per_param=opt.bytes_per_param)
+    return Advice(prec, f16, f8, state, risks(facts, th), overrides, layers, expected)

@@ -1,0 +1,305 @@
+"""Which precision to train in, decided from your model's own numbers: ``python -m mptrain.advise``.
+
+    python -m mptrain.advise [train.py's overrides...] [--steps N] [--budget-gib G] [--world W]
+                             [--target cpu|v100|a100|a10g|l4|l40s|h100|h100-pcie|h200|b200] [--confirm K]
+    python -m mptrain.advise model=gpt-mini --target h100 --budget-gib 40
+    torchrun --standalone --nproc_per_node=2 -m mptrain.advise parallel=fsdp --world 2
+
+Prints its plan and a time estimate, runs a short probe of the model and data
+those overrides name (``--steps``, default 30; the monitors on every few
+steps; float8 linears so that every float8 recipe's casts can be measured),
+then answers, each decision with its evidence and the threshold it used:
+the precision, whether fp16 is safe and its initial loss scale, which linears
+float8 can take (and the speed-up it promises on the target), the weights and
+optimizer state that fit ``--budget-gib`` per rank on ``--world`` ranks, and
+the risks the monitors saw (logit growth, Adam's second moment, massive
+activations), each with the switch that addresses it.
+
+The answer goes to the console and to ``advice.md``, ``advice.json`` and
+``advice.yaml`` (an experiment config) in the advise run directory
+(``outputs/<date>/<time>-advise`` under the launch directory, or
+``hydra.run.dir=``); the probe's own run directory is ``probe/`` inside it.
+``--target``: the hardware to advise for (default: this machine: ``cpu``, or
+the GPU it has). ``--confirm K`` then trains the recommendation and the
+baseline (bf16; fp32 on a CPU without native bf16) for K steps each and
+reports the loss gap, speed and bytes per parameter. The rules and their
+thresholds: docs/advise.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from mptrain.advice.answer import console_lines, override_line, write
+from mptrain.advice.probe import (GPU_TARGETS, MIN_STEPS, candidates, every_for, linear_shapes, probe_overrides, read_facts,
+                                  state_options, target_for, target_from_json, target_to_json, user_part, wait_for)
+from mptrain.advice.rules import Advice, advise, smallest_option
+from mptrain.config.checks import compose_checked
+from mptrain.core.errors import ConfigError, UserError
+from mptrain.core.text import duration, wants_help
+from mptrain.data.batches import padded_vocab
+from mptrain.data.tokenizers import ByteTokenizer
+from mptrain.distributed.launch import new_dir, rank0_value, run_stamp, say_once
+from mptrain.observe.memory import micro_batch_of
+from mptrain.observe.perf import device_key, flops_per_token, predict_pace
+from mptrain.precision.rules import validate
+from mptrain.precision.support import verdicts
+from mptrain.run.trainer import run
+
+DEFAULT_STEPS = 30
+
+
+@dataclass
+class Args:
+    steps: int = DEFAULT_STEPS
+    budget_gib: Optional[float] = None
+    world: int = 1
+    target: Optional[str] = None
+    confirm: int = 0
+    overrides: tuple[str, ...] = ()
+
+
+_FLAGS = {"--steps": int, "--budget-gib": float, "--world": int, "--target": str, "--confirm": int}
+
+
+def parse_args(argv: list[str]) -> Args:
+    """The flags and the Hydra overrides; a bad flag is a ConfigError naming it."""
+    got: dict = {}
+    rest = []
+    it = iter(argv)
+    for a in it:
+        name, eq, given = a.partition("=")
+        if name not in _FLAGS:
+            if a.startswith("--"):
+                raise ConfigError(f"unknown flag {a}; python -m mptrain.advise takes {', '.join(_FLAGS)} "
+                                  "and train.py's overrides (--help says more).")
+            rest.append(a)
+            continue
+        value = given if eq else next(it, None)
+        try:
+            v = _FLAGS[name](value)
+            if _FLAGS[name] is not str and not v > 0 and not (name == "--confirm" and v == 0):
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} needs a positive {'number' if _FLAGS[name] is float else 'whole number'} "
+                              f"(got {value!r}); e.g. python -m mptrain.advise model=gpt-mini {name} "
+                              f"{'cpu' if name == '--target' else 8}.") from None
+        got[name[2:].replace("-", "_")] = v
+    world = got.pop("world", int(os.environ.get("WORLD_SIZE", "1")))
+    return Args(world=world, overrides=tuple(rest), **got)
+
+
+def vocab_before_probe(cfg) -> Optional[int]:
+    """The embedding rows the run will have, where the config alone says:
+    ``model.vocab_size``, or the byte / BPE tokenizer's size rounded up as the
+    trainer rounds it; None for a ``transformers`` tokenizer (the probe loads it)."""
+    if cfg.model.vocab_size:
+        return int(cfg.model.vocab_size)
+    tok = str(cfg.data.tokenizer)
+    if tok == "byte":
+        return padded_vocab(ByteTokenizer.vocab_size)
+    if tok == "bpe":
+        return padded_vocab(int(cfg.data.bpe_vocab_size))
+    return None
+
+
+def _device(cfg) -> torch.device:
+    want = str(cfg.train.device)
+    return torch.device("cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def _default_target(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    key = device_key(torch.cuda.get_device_name(device))
+    names = {v: k for k, v in GPU_TARGETS.items()}
+    if key not in names:
+        raise ConfigError(f"this GPU ({torch.cuda.get_device_name(device)}) is not in the peak table; pass "
+                          f"--target with the closest of {', '.join(GPU_TARGETS)}.")
+    return names[key]
+
+
+def _run_dir(overrides: list[str]) -> Path:
+    """The advise run's directory, chosen and created by rank 0, the same on every rank."""
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
+    if not given:
+        stamp = run_stamp()
+        return Path(new_dir(f"outputs/{stamp:%Y-%m-%d}/{stamp:%H-%M-%S}-advise"))
+    d = Path(given[-1])
+    said = ""
+    # rank 0 alone looks: another rank would find the probe/ rank 0 has just begun
+    if int(os.environ.get("RANK", "0")) == 0:
+        if (d / "probe").exists() or (d / "advice.json").exists():
+            said = (f"{d} already holds an advise run (probe/ or advice.json); pick another hydra.run.dir, "
+                    "or leave it out for a new outputs/<date>/<time>-advise.")
+        else:
+            d.mkdir(parents=True, exist_ok=True)
+    said = rank0_value("advise_dir", said)
+    if said:
+        raise ConfigError(said)
+    return d
+
+
+class Advisor:
+    """One ``advise`` invocation: check, plan, probe, answer, confirm."""
+
+    def __init__(self, args: Args):
+        self.args = args
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.overrides = list(args.overrides)
+        if args.steps < MIN_STEPS:
+            raise ConfigError(f"--steps {args.steps} is too few to measure: the monitors need several steps "
+                              f"after the first; pass --steps {MIN_STEPS} or more.")
+        self.cfg = compose_checked(self.overrides)
+        validate(self.cfg, args.world)  # what train.py would refuse, refused here before any work
+        self.device = _device(self.cfg)
+        self.target_name = args.target or _default_target(self.device)
+        if self.target_name != "cpu" and self.target_name not in GPU_TARGETS:
+            raise ConfigError(f"--target {self.target_name} is not a known target; choose one of "
+                              f"{', '.join(['cpu', *GPU_TARGETS])}.")
+        self.candidates = candidates(self.overrides)
+        vocab = vocab_before_probe(self.cfg)
+        if vocab is not None:  # the probe learns a transformers tokenizer's size; the budget waits for it
+            self._check_budget(state_options(self.candidates, args.world, vocab), vocab)
+
+    def say(self, line: str = "") -> None:
+        if self.rank == 0:
+            print(line, flush=True)
+
+    def _check_budget(self, options: dict, vocab: int) -> None:
+        b = self.args.budget_gib
+        if b is None:
+            return
+        smallest = smallest_option(options)
+        if smallest is None or smallest.gib_per_rank > b:
+            fig = (f"the smallest is {smallest.name} under {' '.join(smallest.overrides) or 'its precision'}: "
+                   f"{smallest.gib_per_rank:.3g} GiB per rank" if smallest else "none of them can run")
+            raise ConfigError(f"--budget-gib {b:g}: no precision and optimizer state fits {b:g} GiB per rank on "
+                              f"{self.args.world} rank(s) (vocab {vocab}); {fig}. Raise the budget, add ranks "
+                              "(--world with parallel=fsdp), or shrink the model or micro-batch.")
+
+    def plan(self) -> None:
+        cfg, a = self.cfg, self.args
+        shapes = linear_shapes(cfg, vocab_before_probe(cfg) or 4096)
+        n = sum(i * o for i, o in shapes.values())
+        flops = flops_per_token(n, cfg.model.n_layer, cfg.model.d_model, cfg.model.block_size)
+        pace = predict_pace(str(self.device), {"fp32": flops}, micro_batch_of(cfg, a.world) * cfg.model.block_size,
+                            cfg.model.d_model)
+        per_step = pace.fp32_seconds_per_token * cfg.train.global_batch_size * cfg.model.block_size / a.world
+        self.say(f"advise: model={cfg.model.name} on {a.world} rank(s), target {self.target_name}; "
+                 f"probe {a.steps} steps (monitored every {every_for(a.steps)}), float8 tensorwise linears with "
+                 f"the rowwise and MX block casts as what-ifs" + (f"; then --confirm: 2 runs of {a.confirm} steps"
+                                                                 if a.confirm else ""))
+        self.say(f"advise: estimated probe time: its matmuls alone ~{duration(per_step * a.steps)} here "
+                 "(measured fp32 speed at this model's shape); monitored steps, data and casts come on top")
+
+    def probe(self, run_dir: Path) -> None:
+        started = time.monotonic()
+        probe_dir = run_dir / "probe"
+        if self.rank == 0:
+            shape = (min(max(micro_batch_of(self.cfg, self.args.world) * self.cfg.model.block_size, 16), 2048),
+                     self.cfg.model.d_model, 4 * self.cfg.model.d_model)
+            target = target_for(self.target_name, self.device, shape)
+            (run_dir / "target.json").write_text(json.dumps(target_to_json(target)))
+        cfg = compose_checked(probe_overrides(self.overrides, self.args.steps, self.device.type))
+        run(cfg, run_dir=probe_dir)
+        if self.rank != 0:
+            wait_for(probe_dir / "summary.json", 600)
+        self.probe_s = time.monotonic() - started
+        self.target = target_from_json(json.loads((run_dir / "target.json").read_text()))
+        summary = json.loads((probe_dir / "summary.json").read_text())
+        vocab = int(OmegaConf.load(probe_dir / "config.yaml").run_info.vocab_size)
+        self.options = state_options(self.candidates, self.args.world, vocab)  # with the tokenizer's real vocab
+        self.facts = read_facts(probe_dir, self.cfg, self.args.world, self.options)
+        self.say(f"advise: probe done in {duration(self.probe_s)} ({summary['steps']} steps, "
+                 f"{self.facts.monitored_steps} monitored; {probe_dir})")
+
+    def confirm(self, run_dir: Path, advice: Advice) -> list[str]:
+        """Train the advice and the baseline for ``--confirm`` steps each; the report's lines."""
+        k = self.args.confirm
+        # the baseline runs here, whatever the target: bf16 where this machine has it natively
+        baseline = "bf16" if verdicts(self.device, check_fp8=False)["bf16"].status == "native" else "fp32"
+        advised = {o.split("=", 1)[0] for o in advice.overrides}
+        keep = user_part(self.overrides, drop=("precision", "hydra.run.dir", "train.max_steps", "train.eval_every",
+                                               "resume.source", "checkpoint.at_end", *advised))
+        common = [f"train.max_steps={k}", f"train.eval_every={k}", "checkpoint.at_end=false", "resume.source=none"]
+        runs = {"recommended": [*keep, *advice.overrides, *common], "baseline": [*keep, f"precision={baseline}",
+                                                                                 *common]}
+        got = {}
+        for name, ovs in runs.items():
+            self.say(f"advise: --confirm: training the {name} configuration for {k} steps: {' '.join(ovs)}")
+            d = run_dir / f"confirm-{name}"
+            run(compose_checked(ovs), run_dir=d)
+            if self.rank != 0:
+                wait_for(d / "summary.json", 600)
+            got[name] = json.loads((d / "summary.json").read_text())
+        r, b = got["recommended"], got["baseline"]
+
+        def loss(s):
+            return s.get("final/val_loss") if s.get("final/val_loss") is not None else s.get("final/train_loss")
+
+        same = sorted(runs["recommended"]) == sorted(runs["baseline"])
+        lines = [f"| run | overrides | final val loss | tokens/s | bytes/param |", "|---|---|---|---|---|"]
+        for name, s in got.items():
+            lines.append(f"| {name} | `{' '.join(o for o in runs[name] if o not in common and o not in keep)}` | "
+                         f"{loss(s):.4f} | {s['perf/tokens_per_s']:.0f} | {s['mem/bytes_per_param']:.1f} |")
+        gap = loss(r) - loss(b)
+        lines.append("")
+        lines.append(f"loss gap (recommended - baseline): {gap:+.4f} nats/token after {k} steps; speed "
+                     f"{r['perf/tokens_per_s'] / b['perf/tokens_per_s']:.2f}x the baseline's; "
+                     f"{r['mem/bytes_per_param']:.1f} against {b['mem/bytes_per_param']:.1f} bytes/param"
+                     + (" (the recommendation is the baseline's configuration)" if same else ""))
+        return lines
+
+    def main(self) -> Advice:
+        self.plan()
+        run_dir = _run_dir(self.overrides)
+        self.probe(run_dir)
+        advice = advise(self.facts, self.target, self.args.budget_gib)
+        # Every rank read the same probe files into the same pure function; the confirm runs
+        # below are collective, so a disagreement would train different things on different ranks.
+        theirs = rank0_value("advice", override_line(advice))
+        if theirs != override_line(advice):
+            raise RuntimeError(f"rank {self.rank} advises `{override_line(advice)}`, rank 0 `{theirs}`: the ranks "
+                               "read different probe files (is the run directory shared by every rank?)")
+        for line in console_lines(advice):
+            self.say(line)
+        self.say("")
+        self.say(f"advise: to train it: python train.py {override_line(advice)}")
+        header = {"model": str(self.cfg.model.name), "overrides": self.overrides, "world": self.args.world,
+                  "budget_gib": self.args.budget_gib,
+                  "probe": f"{self.facts.steps} steps, {self.facts.monitored_steps} monitored, "
+                           f"{duration(self.probe_s)}, in probe/", "probe_s": self.probe_s}
+        if self.args.confirm:
+            header["confirm"] = self.confirm(run_dir, advice)
+            for line in header["confirm"]:
+                self.say(line)
+        if self.rank == 0:
+            paths = write(run_dir, advice, self.target, header)
+            self.say(f"advise: wrote {', '.join(str(p) for p in paths)}")
+        return advice
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if wants_help(argv):
+        print(__doc__.strip())
+        return 0
+    try:
+        Advisor(parse_args(argv)).main()
+    except UserError as e:
+        say_once(f"mptrain.advise: {e.one_line()}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,731 @@
+"""Each rule of :mod:`mptrain.advice.rules` at and around its threshold.
+
+The facts are built by hand (no probe, no torch): :func:`facts` gives a healthy
+model and each test changes one field with ``dataclasses.replace``. Thresholds
+are crossed with ``math.nextafter`` so "just above" is the next float up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from mptrain.advice.rules import (
+    FP8_CANDIDATES,
+    PRESET_OF,
+    Cast,
+    Facts,
+    LinearFacts,
+    StateOption,
+    Target,
+    Thresholds,
+    advise,
+    float8_plan,
+    fp16_plan,
+    precision_choice,
+    risks,
+    smallest_option,
+    speedup,
+    state_choice,
+    top_bin,
+    underflow_share,
+)
+
+TH = Thresholds()
+H100 = Target("h100", "cuda", {"bf16": "native", "fp16": "native", "fp8": "native"},
+              {"bf16": 0.5, "fp16": 0.5, "fp8": 0.25}, "test")
+A100 = Target("a100", "cuda", {"bf16": "native", "fp16": "native", "fp8": "unavailable"},
+              {"bf16": 0.5, "fp16": 0.5}, "test")
+V100 = Target("v100", "cuda", {"bf16": "unavailable", "fp16": "native", "fp8": "unavailable"},
+              {"fp16": 0.125}, "test")
+
+
+def cpu(bf16: str = "native", bf16_time: float = 0.75) -> Target:
+    return Target("cpu", "cpu", {"bf16": bf16, "fp16": "emulated", "fp8": "unavailable"},
+                  {"bf16": bf16_time}, "test")
+
+
+def up(x: float) -> float:
+    return math.nextafter(x, math.inf)
+
+
+def down(x: float) -> float:
+    return math.nextafter(x, -math.inf)
+
+
+# ------------------------------------------------------------------ the factory
+
+GOOD = Cast(flush=1e-4, saturate=0.0, sqnr_db=30.0, operand="input")
+BAD = Cast(flush=0.5, saturate=0.5, sqnr_db=3.0, operand="grad_output")
+LM_HEAD_RULE = "matches precision.fp8.exclude 'lm_head'"
+QKV, FC, PROJ, HEAD = "blocks.0.attn.qkv", "blocks.0.mlp.fc", "blocks.1.mlp.proj", "lm_head"
+PRESETS = ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "mxfp8")
+LO, NBINS = -40, 57  # the numerics monitor's histogram: bins -40..16
+
+
+def casts(**changes: Cast) -> dict[str, Cast]:
+    """Every candidate recipe within thresholds, but for ``changes``."""
+    out = {r: GOOD for r in FP8_CANDIDATES}
+    out.update(changes)
+    return out
+
+
+def hist(bins: dict[int, int], lo: int = LO, nbins: int = NBINS) -> tuple[int, ...]:
+    """A gradient histogram from {floor(log2|g|): count}."""
+    out = [0] * nbins
+    for b, n in bins.items():
+        out[min(max(b - lo, 0), nbins - 1)] += n  # clamped into the end bins, as the monitor does
+    return tuple(out)
+
+
+def triangle(centre: int = -12, half: int = 10, unit: int = 1000) -> dict[int, int]:
+    """Counts peaking at ``centre``, from ``centre - half`` to ``centre + half``."""
+    return {b: unit * (half + 1 - abs(b - centre)) for b in range(centre - half, centre + half + 1)}
+
+
+HEALTHY_BINS = triangle()  # -22..-2, top bin -2 (largest gradient < 2^-1)
+
+
+def options(preset: str) -> tuple[StateOption, ...]:
+    return (StateOption(f"{preset}: fp32 state", ("optim.state_dtype=fp32",), 12.5, 16.0),
+            StateOption(f"{preset}: bf16 state", ("optim.state_dtype=bf16",), 9.25, 12.0),
+            StateOption(f"{preset}: bf16 state, sharded", ("optim.state_dtype=bf16", "train.fsdp=true"), 6.75, 8.0))
+
+
+def facts(**changes) -> Facts:
+    """A healthy 120k-parameter model: every linear within thresholds for every
+    recipe, fp16-safe gradients, no risk; ``changes`` replace fields."""
+    f = Facts(
+        model="gpt-test", params=120_000, world=1, steps=40, monitored_steps=4,
+        grad_hist_lo=LO, grad_hist=hist(HEALTHY_BINS), grad_top_log2=(-3, -2, -2, -3),
+        act_over_fp16_max=0.01, update_lost_bf16=0.001,
+        linears=(LinearFacts(QKV, 64, 192, 0.25, casts()),
+                 LinearFacts(FC, 64, 256, 0.25, casts()),
+                 LinearFacts(PROJ, 256, 64, 0.25, casts()),
+                 LinearFacts(HEAD, 64, 256, 0.125, {}, LM_HEAD_RULE)),
+        attn_logit_max=(8.0, 9.0, 9.5, 10.0), output_logit_max=(12.0, 12.5, 13.0, 13.0),
+        g2_over_v={"embed": 0.001, "blocks": 0.002, "head": 0.003},
+        act_max_over_rms={"block0": 12.0, "block1": 15.0},
+        state_options={p: options(p) for p in PRESETS},
+    )
+    return dataclasses.replace(f, **changes)
+
+
+def with_casts(name: str, f: Facts | None = None, **recipe_casts: Cast) -> Facts:
+    """``f`` (default: healthy) with linear ``name``'s casts changed."""
+    f = f or facts()
+    lins = tuple(dataclasses.replace(lin, casts=casts(**recipe_casts)) if lin.name == name else lin
+                 for lin in f.linears)
+    return dataclasses.replace(f, linears=lins)
+
+
+def test_factory_is_healthy():
+    a = advise(facts(), H100)
+    assert a.float8.choice == "tensorwise" and a.float8.overrides == []
+    assert a.fp16.choice.startswith("safe at the default scale 2^16")
+    assert a.precision.choice == "bf16"
+    assert a.state.choice == "bf16: fp32 state"
+    assert a.risks == []
+    assert a.overrides == ["precision=bf16", "optim.state_dtype=fp32"]
+    assert top_bin(facts()) == -2
+
+
+# ---------------------------------------------------------------------- float8
+
+FLUSH_CASES = [(0.0099, True), (TH.fp8_flush, True), (up(TH.fp8_flush), False), (0.02, False)]
+SATURATE_CASES = [(0.0, True), (TH.fp8_saturate, True), (up(TH.fp8_saturate), False), (2e-4, False)]
+SQNR_CASES = [(25.0, True), (TH.fp8_sqnr_db, True), (down(TH.fp8_sqnr_db), False), (19.5, False)]
+
+
+def _check_exclusion(f: Facts, ok: bool, why: str):
+    d, layers, recipe, share, _ = float8_plan(f, H100, TH)
+    assert recipe == "tensorwise"
+    if ok:
+        assert d.choice == "tensorwise"
+        assert d.overrides == []
+        assert layers[QKV]["passes"] == list(FP8_CANDIDATES)
+        assert share == 0.75
+    else:
+        assert d.choice == f"tensorwise, excluding {QKV}"
+        assert d.overrides == [f"precision.fp8.exclude=[{HEAD},{QKV}]"]
+        assert layers[QKV]["passes"] == []
+        assert f"{QKV}: {why}" in d.evidence
+        assert share == 0.5
+    for other in (FC, PROJ):
+        assert other not in d.choice
+        assert layers[other]["passes"] == list(FP8_CANDIDATES)
+
+
+@pytest.mark.parametrize("flush,ok", FLUSH_CASES)
+def test_float8_flush_threshold(flush, ok):
+    c = dataclasses.replace(GOOD, flush=flush)
+    _check_exclusion(with_casts(QKV, tensorwise=c, rowwise=c, mxfp8=c), ok, "flushes")
+
+
+@pytest.mark.parametrize("saturate,ok", SATURATE_CASES)
+def test_float8_saturate_threshold(saturate, ok):
+    c = dataclasses.replace(GOOD, saturate=saturate)
+    _check_exclusion(with_casts(QKV, tensorwise=c, rowwise=c, mxfp8=c), ok, "saturates")
+
+
+@pytest.mark.parametrize("sqnr,ok", SQNR_CASES)
+def test_float8_sqnr_threshold(sqnr, ok):
+    c = dataclasses.replace(GOOD, sqnr_db=sqnr)
+    _check_exclusion(with_casts(QKV, tensorwise=c, rowwise=c, mxfp8=c), ok, "SQNR")
+
+
+def test_float8_failure_names_operand():
+    d, *_ = float8_plan(with_casts(FC, tensorwise=BAD, rowwise=BAD, mxfp8=BAD), H100, TH)
+    assert d.choice == f"tensorwise, excluding {FC}"
+    assert "flushes" in d.evidence and "saturates" in d.evidence and "SQNR 3.0 dB" in d.evidence
+    assert "(grad_output)" in d.evidence
+
+
+def test_float8_exclude_keeps_only_name_rules():
+    """Linears kept out for another reason are not written into precision.fp8.exclude."""
+    f = with_casts(QKV, tensorwise=BAD, rowwise=BAD, mxfp8=BAD)
+    f = dataclasses.replace(f, linears=(*f.linears, LinearFacts("blocks.1.attn.out", 8, 8, 0.0625, {},
+                                                                 "not converted by the probe")))
+    d, *_ = float8_plan(f, H100, TH)
+    assert d.overrides == [f"precision.fp8.exclude=[{HEAD},{QKV}]"]
+
+
+def test_float8_kept_out_linear_is_not_a_candidate_even_with_bad_casts():
+    lins = tuple(dataclasses.replace(lin, casts=casts(tensorwise=BAD, rowwise=BAD, mxfp8=BAD))
+                 if lin.name == HEAD else lin for lin in facts().linears)
+    d, layers, recipe, share, _ = float8_plan(facts(linears=lins), H100, TH)
+    assert (d.choice, d.overrides, recipe, share) == ("tensorwise", [], "tensorwise", 0.75)
+    assert layers[HEAD]["kept_out"] == LM_HEAD_RULE
+    assert "3 of 3 linears" in d.evidence
+
+
+def test_float8_untouched_model():
+    d, layers, recipe, share, gain = float8_plan(facts(), H100, TH)
+    assert d.choice == "tensorwise" and d.overrides == []
+    assert "3 of 3 linears within thresholds with tensorwise (75% of the step's FLOPs" in d.evidence
+    assert f"kept out by the configuration's rules: {HEAD} ({LM_HEAD_RULE})" in d.evidence
+    assert "kept in bf16" not in d.evidence
+    assert layers[HEAD]["passes"] == [] and layers[HEAD]["casts"] == {}
+    assert gain == speedup(0.75, 0.5)
+
+
+def test_float8_picks_recipe_with_more_coverage():
+    # qkv fails tensorwise and mxfp8 but passes rowwise: rowwise covers 75%, the others 50%
+    f = with_casts(QKV, tensorwise=BAD, mxfp8=BAD)
+    d, layers, recipe, share, _ = float8_plan(f, H100, TH)
+    assert recipe == "rowwise" and d.choice == "rowwise" and d.overrides == []
+    assert share == 0.75
+    assert layers[QKV]["passes"] == ["rowwise"]
+    # ... and mxfp8 when only it covers qkv
+    d, _, recipe, _, _ = float8_plan(with_casts(QKV, tensorwise=BAD, rowwise=BAD), H100, TH)
+    assert recipe == "mxfp8" and d.choice == "mxfp8"
+
+
+def test_float8_equal_coverage_prefers_tensorwise():
+    # qkv passes only rowwise, fc only tensorwise: 50% each, mxfp8 (both fail) 25%
+    f = with_casts(FC, f=with_casts(QKV, tensorwise=BAD, mxfp8=BAD), rowwise=BAD, mxfp8=BAD)
+    d, _, recipe, share, _ = float8_plan(f, H100, TH)
+    assert recipe == "tensorwise" and share == 0.5
+    assert d.choice == f"tensorwise, excluding {QKV}"
+    assert d.overrides == [f"precision.fp8.exclude=[{HEAD},{QKV}]"]
+    # rowwise before mxfp8 at equal coverage
+    f = with_casts(FC, f=with_casts(QKV, tensorwise=BAD, mxfp8=BAD), tensorwise=BAD, rowwise=BAD)
+    d, _, recipe, share, _ = float8_plan(f, H100, TH)
+    assert recipe == "rowwise" and share == 0.5
+    assert d.choice == f"rowwise, excluding {FC}"
+
+
+def test_float8_no_fp8_on_target_gives_no_speedup():
+    d, _, _, share, gain = float8_plan(facts(), A100, TH)
+    assert share == 0.75 and gain == 0.0
+    assert "none (no float8 matmul on the target)" in d.evidence
+
+
+def test_float8_speedup_is_against_what_the_linears_would_run_in_otherwise():
+    """A CPU whose bf16 is emulated (84x fp32 measured) runs its linears in fp32, so
+    float8's 4x-fp32 matmul is a slow-down there, not a gain over emulated bf16."""
+    emulated = Target("cpu", "cpu", {"bf16": "emulated", "fp16": "emulated", "fp8": "emulated"},
+                      {"bf16": 84.0, "fp16": 81.0, "fp8": 4.0}, "test")
+    _, _, _, share, gain = float8_plan(facts(), emulated, TH)
+    assert gain == pytest.approx(speedup(share, 4.0)) and gain < 1
+    native = dataclasses.replace(emulated, support={"bf16": "native", "fp16": "native", "fp8": "emulated"},
+                                 matmul_time={"bf16": 0.5, "fp8": 0.25})
+    assert float8_plan(facts(), native, TH)[4] == pytest.approx(speedup(share, 0.5))
+
+
+def test_float8_linear_without_the_chosen_recipes_figures_is_excluded():
+    f = with_casts(QKV, tensorwise=BAD, mxfp8=BAD)  # rowwise wins (75% vs 50%)
+    lins = tuple(dataclasses.replace(lin, casts={"tensorwise": GOOD}) if lin.name == PROJ else lin
+                 for lin in f.linears)  # proj: no rowwise or mxfp8 figures
+    # qkv 37.5%: rowwise (qkv, fc) 62.5% beats tensorwise (fc, proj) 50%
+    lins = tuple(dataclasses.replace(lin, flops_share=0.375) if lin.name == QKV else lin for lin in lins)
+    d, layers, recipe, _, _ = float8_plan(dataclasses.replace(f, linears=lins), H100, TH)
+    assert recipe == "rowwise"
+    assert layers[PROJ]["passes"] == ["tensorwise"]
+    assert d.choice == f"rowwise, excluding {PROJ}"
+    assert d.overrides == [f"precision.fp8.exclude=[{HEAD},{PROJ}]"]
+
+
+# ------------------------------------------------------------ float8 speed-up
+
+
+def test_speedup_is_amdahl():
+    assert speedup(0.0, 0.25) == 1.0
+    assert speedup(1.0, 0.25) == 4.0
+    assert speedup(0.5, 0.5) == pytest.approx(4 / 3)
+    assert speedup(0.75, 0.5) == pytest.approx(1.6)
+    assert speedup(0.9, 0.1) == pytest.approx(1 / (0.1 + 0.09))
+    assert speedup(0.5, 1.0) == 1.0
+
+
+def _precision(f: Facts, target: Target = H100, th: Thresholds = TH):
+    _, _, recipe, _, gain = float8_plan(f, target, th)
+    _, _, _, safe = fp16_plan(f, th)
+    return precision_choice(f, target, th, safe, gain, recipe), gain
+
+
+@pytest.mark.parametrize("params,fp8", [(int(TH.fp8_min_params) - 1, False), (int(TH.fp8_min_params), True),
+                                        (int(TH.fp8_min_params) + 1, True), (120_000, False)])
+def test_precision_float8_params_threshold(params, fp8):
+    d, gain = _precision(facts(params=params))
+    assert gain == pytest.approx(1.6)
+    if fp8:
+        assert d.choice == "float8 (tensorwise)"
+        assert d.overrides == ["precision=fp8"]
+        assert "expected speed-up 1.60x" in d.evidence
+    else:
+        assert d.choice == "bf16" and d.overrides == ["precision=bf16"]
+        assert "float8 not yet" in d.evidence
+        assert f"{params / 1e6:.1f}M parameters" in d.evidence
+
+
+def test_precision_float8_speedup_threshold():
+    f = facts(params=2_000_000_000)
+    _, gain = _precision(f)
+    for min_speedup, fp8 in ((down(gain), True), (gain, True), (up(gain), False)):
+        th = dataclasses.replace(TH, fp8_min_speedup=min_speedup)
+        d, _ = _precision(f, th=th)
+        if fp8:
+            assert d.choice == "float8 (tensorwise)" and d.overrides == ["precision=fp8"]
+        else:
+            assert d.choice == "bf16" and d.overrides == ["precision=bf16"]
+            assert "float8 not yet" in d.evidence and f"speed-up {gain:.2f}x" in d.evidence
+
+
+def test_precision_float8_speedup_follows_coverage():
+    # only fc in float8: 25% of the FLOPs at half the time -> 1.14x; exclude fc too -> none
+    f = with_casts(PROJ, f=with_casts(QKV, tensorwise=BAD, rowwise=BAD, mxfp8=BAD),
+                   tensorwise=BAD, rowwise=BAD, mxfp8=BAD)
+    f = dataclasses.replace(f, params=2_000_000_000)
+    d, gain = _precision(f)
+    assert gain == pytest.approx(speedup(0.25, 0.5)) and gain >= TH.fp8_min_speedup
+    assert d.choice == "float8 (tensorwise)"
+    f = with_casts(FC, f=f, tensorwise=BAD, rowwise=BAD, mxfp8=BAD)
+    d, gain = _precision(f)
+    assert gain == 1.0 and d.choice == "bf16"
+
+
+@pytest.mark.parametrize("recipe", FP8_CANDIDATES)
+def test_precision_float8_preset_from_preset_of(recipe):
+    bad_others = {r: BAD for r in FP8_CANDIDATES if r != recipe}
+    f = dataclasses.replace(with_casts(QKV, **bad_others), params=2_000_000_000)
+    a = advise(f, H100)
+    assert a.float8.choice == recipe  # 75% of the FLOPs with it, 50% with the others
+    assert a.precision.choice == f"float8 ({recipe})"
+    assert a.precision.overrides == [f"precision={PRESET_OF[recipe]}"]
+    assert a.state.choice == f"{PRESET_OF[recipe]}: fp32 state"  # the state options under that preset
+    assert a.overrides[0] == f"precision={PRESET_OF[recipe]}"
+    assert PRESET_OF["rowwise"] == "fp8-rowwise"
+
+
+def test_precision_without_native_fp8_is_bf16_without_float8_note():
+    d, _ = _precision(facts(params=2_000_000_000), A100)
+    assert d.choice == "bf16" and "float8 not yet" not in d.evidence
+
+
+# ------------------------------------------------------------ precision on CPU
+
+
+def test_precision_cpu_emulated_bf16_is_fp32():
+    d, _ = _precision(facts(), cpu("emulated", 0.5))
+    assert d.choice == "fp32" and d.overrides == ["precision=fp32"]
+    assert "bf16 is emulated on this CPU" in d.evidence
+
+
+@pytest.mark.parametrize("t,choice", [(0.5, "bf16"), (TH.cpu_bf16_max_time, "bf16"),
+                                      (up(TH.cpu_bf16_max_time), "fp32"), (1.5, "fp32")])
+def test_precision_cpu_bf16_time_threshold(t, choice):
+    d, _ = _precision(facts(params=2_000_000_000), cpu("native", t))
+    assert d.choice == choice and d.overrides == [f"precision={choice}"]
+    if choice == "fp32":
+        assert "bf16's matmul takes" in d.evidence
+
+
+def test_precision_cpu_without_bf16_time_is_fp32():
+    d, _ = _precision(facts(), Target("cpu", "cpu", {"bf16": "native"}, {}, "test"))
+    assert d.choice == "fp32"
+
+
+def test_precision_v100_fp16_only_when_safe():
+    d, _ = _precision(facts(params=2_000_000_000), V100)
+    assert d.choice == "fp16" and d.overrides == ["precision=fp16"]
+    d, _ = _precision(facts(act_over_fp16_max=0.9), V100)
+    assert d.choice == "fp32" and d.overrides == ["precision=fp32"]
+    d, _ = _precision(facts(grad_hist=(0,) * NBINS), V100)  # no verdict: not safe
+    assert d.choice == "fp32"
+
+
+# ------------------------------------------------------------------------ fp16
+
+DEEP_LO, DEEP_NBINS = -60, 77  # a histogram that reaches below what flushes at 2^16
+
+
+def test_fp16_default_histogram_safe_at_default():
+    d, init, skip, safe = fp16_plan(facts(), TH)
+    assert safe and init == 16
+    assert d.choice == f"safe at the default scale 2^16; expected skip rate ~{1 / 2000:.2%}"
+    assert d.overrides == []
+    assert skip == 1 / 2000
+
+
+def test_fp16_small_gradients_raise_init_scale():
+    small = {b - 20: n for b, n in HEALTHY_BINS.items()}  # -42..-22
+    f = facts(grad_hist_lo=DEEP_LO, grad_hist=hist(small, DEEP_LO, DEEP_NBINS), grad_top_log2=(-23, -22, -22))
+    assert top_bin(f) == -22
+    assert underflow_share(f, 16) == pytest.approx(3000 / 121_000)  # bins -42, -41 flush at 2^16
+    d, init, skip, safe = fp16_plan(f, TH)
+    assert safe
+    assert init == 15 - (-22) - TH.fp16_headroom_binades == 36
+    assert d.choice.startswith("safe with precision.loss_scale.init_scale=")
+    assert "unsafe at 2^16" in d.choice
+    assert len(d.overrides) == 1 and d.overrides[0].startswith("precision.loss_scale.init_scale=")
+    assert advise(f, V100).expected["fp16_init_scale"] == 2.0 ** 36
+    assert skip == 1 / 2000
+
+
+def test_fp16_raised_init_scale_override_is_exact():
+    small = {b - 20: n for b, n in HEALTHY_BINS.items()}
+    f = facts(grad_hist_lo=DEEP_LO, grad_hist=hist(small, DEEP_LO, DEEP_NBINS), grad_top_log2=(-22,))
+    d, init, _, _ = fp16_plan(f, TH)
+    assert init == 36
+    value = d.overrides[0].split("=", 1)[1]
+    assert float(value) == 2.0 ** 36
+
+
+def test_fp16_raised_init_scale_override_value():
+    # top bin -5 -> 2^(15 + 5 - 1) = 2^19; 0.5% of the gradients at 2^-42 flush at 2^16, none at 2^19
+    bins = {-5: 1000, -12: 100_000, -42: 500}
+    f = facts(grad_hist_lo=DEEP_LO, grad_hist=hist(bins, DEEP_LO, DEEP_NBINS), grad_top_log2=(-6, -5))
+    d, init, _, safe = fp16_plan(f, TH)
+    assert safe and init == 19
+    assert d.overrides == ["precision.loss_scale.init_scale=524288"]
+    a = advise(f, V100)
+    assert a.precision.choice == "fp16"
+    assert a.overrides == ["precision=fp16", "precision.loss_scale.init_scale=524288", "optim.state_dtype=fp32"]
+
+
+def test_fp16_large_gradients_lower_init_scale():
+    # top bin 2 -> 2^(15 - 2 - 1) = 2^12 < the default: safe, but the default skips its first steps
+    bins = {b + 4: n for b, n in HEALTHY_BINS.items()}
+    f = facts(grad_hist=hist(bins), grad_top_log2=(1, 2))
+    d, init, _, safe = fp16_plan(f, TH)
+    assert safe and init == 12
+    assert "skips its first steps at 2^16" in d.choice
+    assert d.overrides == ["precision.loss_scale.init_scale=4096"]
+
+
+def test_fp16_small_gradients_at_the_monitors_histogram_floor():
+    small = {b - 20: n for b, n in HEALTHY_BINS.items()}  # -42..-22: -42, -41 clamp into bin -40
+    f = facts(grad_hist=hist(small), grad_top_log2=(-22,))
+    assert f.grad_hist_lo == -40 and f.grad_hist[0] == 6000
+    assert underflow_share(f, 16) > TH.fp16_underflow
+    d, init, _, safe = fp16_plan(f, TH)
+    assert not d.choice.startswith("safe at the default")
+    assert init == 36
+
+
+def test_underflow_share_boundary_bin():
+    f = facts(grad_hist=hist({-30: 1, -29: 3}))
+    # bin -30's top 2^-29 scaled by 2^5 is exactly 2^-24: flushed; bin -29's is 2^-23: not
+    assert underflow_share(f, 5) == 0.25
+    assert underflow_share(f, 6) == 0.0
+    assert underflow_share(f, 4) == 1.0  # bin -29's top now exactly 2^-24
+    assert underflow_share(facts(grad_hist=(0,) * NBINS), 16) == 0.0
+    # the first bin holds everything below it: it counts once its lower edge reaches 2^-24
+    f = facts(grad_hist=hist({-40: 1, -12: 1}))
+    assert underflow_share(f, 15) == 0.5 and underflow_share(f, 16) == 0.5 and underflow_share(f, 17) == 0.0
+
+
+@pytest.mark.parametrize("flushed,total,safe", [(999, 1_000_000, True), (1, 1000, True), (1000, 1_000_000, True),
+                                                (1001, 1_000_000, False), (2, 1000, False)])
+def test_fp16_underflow_threshold(flushed, total, safe):
+    bins = {-2: 1, -12: total - 1 - flushed, -45: flushed}  # top -2: the largest scale that fits is 2^16
+    f = facts(grad_hist_lo=DEEP_LO, grad_hist=hist(bins, DEEP_LO, DEEP_NBINS))
+    assert underflow_share(f, 16) == flushed / total
+    d, init, _, ok = fp16_plan(f, TH)
+    assert ok is safe and init == 16
+    if safe:
+        assert d.choice.startswith("safe at the default scale 2^16")
+    else:
+        assert d.choice.startswith("unsafe: ") and "even at the largest scale that fits (2^16)" in d.choice
+        assert d.overrides == []
+
+
+@pytest.mark.parametrize("act,safe", [(0.25, True), (down(TH.fp16_act_over_max), True),
+                                      (TH.fp16_act_over_max, False), (0.75, False), (2.0, False)])
+def test_fp16_activations_threshold(act, safe):
+    d, _, _, ok = fp16_plan(facts(act_over_fp16_max=act), TH)
+    assert ok is safe
+    if not safe:
+        assert d.choice == "unsafe: the forward pass overflows fp16 (loss scaling cannot help)"
+        assert advise(facts(act_over_fp16_max=act), V100).precision.choice == "fp32"
+
+
+def test_fp16_unsafe_activations_whatever_the_gradients():
+    bins = {-5: 1000, -12: 100_000, -42: 500}  # would be safe with a raised scale
+    f = facts(grad_hist_lo=DEEP_LO, grad_hist=hist(bins, DEEP_LO, DEEP_NBINS), act_over_fp16_max=0.6)
+    d, _, _, safe = fp16_plan(f, TH)
+    assert not safe and d.overrides == [] and "forward pass overflows" in d.choice
+
+
+@pytest.mark.parametrize("tops,spikes", [((-3, -2, -2, -3), 0.0), ((-1, -1, -1, -1), 0.0),
+                                         ((-1, -1, 0, -2), 0.25), ((0, 1, -2, -2), 0.5)])
+def test_fp16_skip_rate(tops, spikes):
+    # init 2^16: a step whose top bin is b overflows when b + 16 > 15
+    d, init, skip, _ = fp16_plan(facts(grad_top_log2=tops, growth_interval=1000), TH)
+    assert init == 16
+    assert skip == pytest.approx(1 / 1000 + spikes)
+    assert f"expected skip rate ~{skip:.2%}" in d.choice
+
+
+def test_fp16_no_gradients_no_verdict():
+    d, init, skip, safe = fp16_plan(facts(grad_hist=(0,) * NBINS), TH)
+    assert (d.choice, init, skip, safe) == ("no verdict", 16, 0.0, False)
+
+
+# ----------------------------------------------------------------------- state
+
+
+def test_state_no_budget_first_runnable():
+    f = facts()
+    d, opt = state_choice(f, "bf16", None, TH)
+    assert opt == f.state_options["bf16"][0]
+    assert d.choice == "bf16: fp32 state" and d.overrides == ["optim.state_dtype=fp32"]
+    assert "12.5 GiB per rank, 16.0 bytes/param; no budget given" in d.evidence
+
+
+def test_state_budget_threshold():
+    f = facts()
+    d, _ = state_choice(f, "bf16", 12.5, TH)  # exactly the first option's figure: fits
+    assert d.choice == "bf16: fp32 state" and "fits 12.5 GiB per rank" in d.evidence
+    d, opt = state_choice(f, "bf16", down(12.5), TH)
+    assert d.choice == "bf16: bf16 state" and opt.gib_per_rank == 9.25
+    assert d.overrides == ["optim.state_dtype=bf16"]
+    assert "9.25 GiB per rank" in d.evidence
+    assert "ruled out before it: bf16: fp32 state: 12.5 GiB" in d.evidence
+    d, _ = state_choice(f, "bf16", 9.0, TH)
+    assert d.choice == "bf16: bf16 state, sharded" and "6.75 GiB per rank" in d.evidence
+    assert d.overrides == ["optim.state_dtype=bf16", "train.fsdp=true"]
+
+
+def test_state_problem_option_skipped_and_named():
+    opts = options("bf16")
+    opts = (dataclasses.replace(opts[0], problem="needs world > 1"), *opts[1:])
+    d, opt = state_choice(facts(state_options={"bf16": opts}), "bf16", None, TH)
+    assert d.choice == "bf16: bf16 state" and opt is opts[1]
+    assert "bf16: fp32 state: needs world > 1" in d.evidence
+
+
+@pytest.mark.parametrize("lost,taken", [(0.005, True), (TH.lost_updates, True), (up(TH.lost_updates), False),
+                                        (0.05, False)])
+def test_state_rounds_updates_threshold(lost, taken):
+    opts = options("bf16")
+    opts = (dataclasses.replace(opts[0], rounds_updates=True), *opts[1:])
+    d, _ = state_choice(facts(update_lost_bf16=lost, state_options={"bf16": opts}), "bf16", None, TH)
+    if taken:
+        assert d.choice == "bf16: fp32 state"
+    else:
+        assert d.choice == "bf16: bf16 state"
+        assert f"bf16: fp32 state: would round away {lost:.1%} of updates" in d.evidence
+
+
+def test_state_none_fits():
+    f = facts()
+    d, opt = state_choice(f, "bf16", 6.0, TH)
+    assert opt is None and d.choice == "none fits" and d.overrides == []
+    assert "no option under precision=bf16 fits 6 GiB per rank" in d.evidence
+    assert "the smallest is bf16: bf16 state, sharded at 6.75 GiB per rank" in d.evidence
+    a = advise(f, H100, budget_gib=6.0)
+    assert a.state.choice == "none fits"
+    assert a.overrides == ["precision=bf16"]
+    assert "gib_per_rank" not in a.expected
+
+
+def test_state_missing_preset_none_fits():
+    d, opt = state_choice(facts(state_options={}), "bf16", None, TH)
+    assert opt is None and d.choice == "none fits" and "smallest" not in d.evidence
+
+
+def test_smallest_option():
+    f = facts()
+    assert smallest_option(f.state_options).gib_per_rank == 6.75
+    tiny = StateOption("fp8: tiny", ("optim.state_dtype=fp8",), 1.5, 4.0)
+    broken = StateOption("fp16: broken", (), 0.5, 2.0, problem="refused")
+    opts = {**f.state_options, "fp8": (*f.state_options["fp8"], tiny), "fp16": (broken,)}
+    assert smallest_option(opts) is tiny  # across presets, skipping the one that cannot run
+    assert smallest_option({"fp16": (broken,)}) is None
+    assert smallest_option({}) is None
+
+
+# ----------------------------------------------------------------------- risks
+
+
+def _topics(f: Facts) -> dict[str, object]:
+    return {r.topic: r for r in risks(f, TH)}
+
+
+@pytest.mark.parametrize("series,risk", [((40.0, TH.attn_logit), False), ((40.0, up(TH.attn_logit)), True),
+                                         ((60.0, 40.0), True), ((49.0,), False), ((51.0,), True)])
+def test_risk_attention_logit_threshold(series, risk):
+    r = _topics(facts(attn_logit_max=series)).get("attention logits")
+    if risk:
+        assert r.choice == "risk: consider model.qk_norm=true" and r.overrides == ["model.qk_norm=true"]
+    else:
+        assert r is None
+
+
+@pytest.mark.parametrize("series,risk", [((10.0, 20.0), True), ((10.0, 19.9), False), ((12.0, 30.0), True),
+                                         ((12.0, 23.9), False), ((4.0, 8.0), False), ((20.0, 10.0), False)])
+def test_risk_logit_growth(series, risk):
+    r = _topics(facts(attn_logit_max=series)).get("attention logits")
+    assert (r is not None) is risk
+    if risk:
+        assert f"grew {series[-1] / series[0]:.2f}x" in r.evidence
+
+
+def test_risk_logit_growth_counts_where_it_ends():
+    """Growth is a risk once the logits reach 10, wherever they started."""
+    assert "attention logits" in _topics(facts(attn_logit_max=(9.0, 18.0)))
+    assert "attention logits" not in _topics(facts(attn_logit_max=(4.5, 9.9)))
+
+
+@pytest.mark.parametrize("series,risk", [((40.0, TH.output_logit), False), ((40.0, up(TH.output_logit)), True)])
+def test_risk_output_logits(series, risk):
+    r = _topics(facts(output_logit_max=series)).get("output logits")
+    if risk:
+        assert r.overrides == ["train.z_loss=1e-4"] and r.choice == "risk: consider train.z_loss=1e-4"
+        assert "attention logits" not in _topics(facts(output_logit_max=series))
+    else:
+        assert r is None
+
+
+@pytest.mark.parametrize("v,risk", [(0.04, False), (TH.g2_over_v, False), (up(TH.g2_over_v), True), (0.2, True)])
+def test_risk_g2_over_v(v, risk):
+    r = _topics(facts(g2_over_v={"embed": 0.001, "blocks.1": v, "head": 0.003})).get("adam second moment")
+    if risk:
+        assert r.overrides == ["optim.update_clip=1.0"] and "optim.update_clip=1.0" in r.choice
+        assert r.evidence.startswith(f"blocks.1: {v:.1%}")
+        assert "embed" not in r.evidence and "head" not in r.evidence
+    else:
+        assert r is None
+
+
+@pytest.mark.parametrize("v,risk", [(99.0, False), (TH.massive_activation, False),
+                                    (up(TH.massive_activation), True), (1000.0, True)])
+def test_risk_massive_activations(v, risk):
+    r = _topics(facts(act_max_over_rms={"block0": 12.0, "block1": v})).get("massive activations")
+    if risk:
+        assert r.evidence == f"block1: max {v:.0f}x RMS"
+        assert "rowwise" in r.choice and r.overrides == []
+    else:
+        assert r is None
+
+
+def test_risk_empty_series():
+    assert risks(facts(attn_logit_max=(), output_logit_max=()), TH) == []
+
+
+# ---------------------------------------------------------------------- advise
+
+
+def test_advise_float8_line_includes_exclusions():
+    f = dataclasses.replace(with_casts(QKV, tensorwise=BAD, rowwise=BAD, mxfp8=BAD), params=2_000_000_000)
+    a = advise(f, H100)
+    assert a.precision.choice == "float8 (tensorwise)"
+    assert a.overrides == ["precision=fp8", f"precision.fp8.exclude=[{HEAD},{QKV}]", "optim.state_dtype=fp32"]
+    assert a.state.choice == "fp8: fp32 state"
+    assert a.expected["fp8_flops_share"] == 0.5
+    assert a.expected["fp8_speedup"] == pytest.approx(speedup(0.5, 0.5))
+
+
+def test_advise_no_exclusions_unless_float8_chosen():
+    f = with_casts(QKV, tensorwise=BAD, rowwise=BAD, mxfp8=BAD)  # 120k params: bf16
+    a = advise(f, H100)
+    assert a.precision.choice == "bf16"
+    assert a.float8.overrides == [f"precision.fp8.exclude=[{HEAD},{QKV}]"]
+    assert a.overrides == ["precision=bf16", "optim.state_dtype=fp32"]
+
+
+def test_advise_init_scale_only_when_fp16_chosen():
+    bins = {-5: 1000, -12: 100_000, -42: 500}
+    f = facts(grad_hist_lo=DEEP_LO, grad_hist=hist(bins, DEEP_LO, DEEP_NBINS), grad_top_log2=(-5,))
+    a = advise(f, H100)
+    assert a.fp16.overrides == ["precision.loss_scale.init_scale=524288"]
+    assert a.overrides == ["precision=bf16", "optim.state_dtype=fp32"]
+    assert a.expected["fp16_init_scale"] == 2.0 ** 19
+    a = advise(f, V100, budget_gib=10.0)
+    assert a.overrides == ["precision=fp16", "precision.loss_scale.init_scale=524288", "optim.state_dtype=bf16"]
+    assert a.state.choice == "fp16: bf16 state"
+    assert (a.expected["gib_per_rank"], a.expected["bytes_per_param"]) == (9.25, 12.0)
+
+
+def test_advise_bf16_weights_state_replaces_precision():
+    kahan = StateOption("bf16 weights, Kahan", ("precision=bf16-pure-kahan",), 5.0, 6.0)
+    opts = {**facts().state_options, "bf16": (kahan,)}
+    a = advise(facts(state_options=opts), H100)
+    assert a.precision.overrides == ["precision=bf16"]
+    assert a.overrides == ["precision=bf16-pure-kahan"]
+    assert [o for o in a.overrides if o.startswith("precision=")] == ["precision=bf16-pure-kahan"]
+
+
+def test_advise_bf16_weights_state_keeps_float8_exclusions():
+    kahan = StateOption("fp8 + bf16 weights", ("precision=fp8-bf16-weights",), 5.0, 6.0)
+    f = dataclasses.replace(with_casts(QKV, tensorwise=BAD, rowwise=BAD, mxfp8=BAD), params=2_000_000_000,
+                            state_options={**facts().state_options, "fp8": (kahan,)})
+    a = advise(f, H100)
+    assert a.overrides == [f"precision.fp8.exclude=[{HEAD},{QKV}]", "precision=fp8-bf16-weights"]
+
+
+def test_advise_cpu():
+    a = advise(facts(), cpu("native", 0.8))
+    assert a.overrides == ["precision=bf16", "optim.state_dtype=fp32"]
+    a = advise(facts(), cpu("emulated", 0.8))
+    assert a.overrides == ["precision=fp32", "optim.state_dtype=fp32"]
+    assert a.state.choice == "fp32: fp32 state"
+    assert a.expected["fp8_speedup"] == 0.0
+
+
+def test_advise_json_and_purity():
+    f = dataclasses.replace(with_casts(QKV, tensorwise=BAD, mxfp8=BAD), params=2_000_000_000,
+                            attn_logit_max=(30.0, 70.0), act_max_over_rms={"block0": 400.0})
+    a, b = advise(f, H100, budget_gib=10.0), advise(f, H100, budget_gib=10.0)
+    text = json.dumps(a.to_json(), allow_nan=False)
+    assert json.loads(text) == a.to_json()
+    assert a == b and a.to_json() == b.to_json()
+    assert text == json.dumps(b.to_json(), allow_nan=False)
+    topics = [d["topic"] for d in a.to_json()["decisions"]]
+    assert topics == ["precision", "fp16", "float8", "state", "attention logits", "massive activations"]
+    assert a.overrides == ["precision=fp8-rowwise", "optim.state_dtype=bf16"]  # risks stay out of the line
+    # the inputs are not changed
+    assert f == dataclasses.replace(with_casts(QKV, tensorwise=BAD, mxfp8=BAD), params=2_000_000_000,
+                                    attn_logit_max=(30.0, 70.0), act_max_over_rms={"block0": 400.0})
+
+
+def test_advise_override_line_parses_as_hydra_overrides():
+    parser = pytest.importorskip("hydra.core.override_parser.overrides_parser").OverridesParser.create()
+    f = dataclasses.replace(with_casts(QKV, tensorwise=BAD, rowwise=BAD, mxfp8=BAD), params=2_000_000_000)
+    parsed = {o.key_or_group: o.value() for o in parser.parse_overrides(advise(f, H100).overrides)}
+    assert parsed["precision"] == "fp8"
+    assert parsed["precision.fp8.exclude"] == [HEAD, QKV]

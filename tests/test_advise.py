@@ -1,0 +1,184 @@
+"""``python -m mptrain.advise`` end to end: the advice changes for the right reason.
+
+Two probes carry every case (each a real short run of gpt-nano):
+
+- ``planted``, in this process: an outlier channel planted in one linear's
+  input (``debug.outlier_module``), gradients planted small
+  (``debug.loss_multiplier``) and a budget too small for fp32 moments, advised
+  for an H100 (so the precision is bf16 on any CPU the test runs on);
+- ``untouched``, under torchrun on 2 ranks (DDP) with ``--confirm``: no
+  exclusion beyond the configuration's own, the advice for this CPU as its
+  doctor measures it, both confirm runs reported, rank 0 alone writing.
+
+The rules themselves, at their thresholds: ``test_advice_rules.py``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mptrain.advice.probe import GPU_TARGETS, MIN_STEPS
+from mptrain.advise import main as advise_main
+from mptrain.observe.memory import estimate
+from mptrain.precision.support import verdicts
+
+from .conftest import ROOT, TINY, make_cfg
+
+PLANTED = "blocks.1.mlp.proj"
+STEPS = str(MIN_STEPS)
+
+
+def _advise(*args: str) -> int:
+    return advise_main([*TINY, *args])
+
+
+def _json(run_dir: Path) -> dict:
+    return json.loads((run_dir / "advice.json").read_text())
+
+
+def _decision(doc: dict, topic: str) -> dict:
+    return next(d for d in doc["decisions"] if d["topic"] == topic)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("advise") / "planted"
+    vocab = 320  # the byte tokenizer's (the probe's run_info says so; checked below)
+    fp32_moments = estimate(make_cfg("precision=bf16"), vocab).total / 2**30
+    budget = fp32_moments * 0.99  # too small for fp32 moments by 1%: bf16 moments (-4 bytes/param) fit
+    code = _advise(f"debug.outlier_module={PLANTED}", "debug.loss_multiplier=1e-6", "--target", "h100",
+                   "--steps", STEPS, "--budget-gib", f"{budget:.9f}", f"hydra.run.dir={run_dir}")
+    assert code == 0
+    return run_dir, _json(run_dir), vocab
+
+
+def test_an_outlier_channel_keeps_that_linear_out_of_float8_by_name(planted):
+    run_dir, doc, _ = planted
+    f8 = _decision(doc, "float8")
+    layers = doc["float8_layers"]
+    assert f8["overrides"] == [f"precision.fp8.exclude=[lm_head,{PLANTED}]"], f8
+    assert PLANTED in f8["choice"] and PLANTED in f8["evidence"]
+    recipe = f8["choice"].split(",")[0]
+    assert recipe not in layers[PLANTED]["passes"]
+    # its input flushed: the planted 1e4 puts every other channel near the bottom of E4M3
+    assert layers[PLANTED]["casts"][recipe]["flush"] > 0.01 and layers[PLANTED]["casts"][recipe]["operand"] == "input"
+    others = [n for n, d in layers.items() if n not in (PLANTED, "lm_head")]
+    assert len(others) == 7 and all(recipe in layers[n]["passes"] for n in others), layers
+    assert layers["lm_head"]["kept_out"].startswith("matches precision.fp8.exclude")
+
+
+def test_small_gradients_make_fp16_unsafe_at_the_default_scale_and_raise_it(planted):
+    _, doc, _ = planted
+    f16 = _decision(doc, "fp16")
+    assert "unsafe at 2^16" in f16["choice"], f16
+    (override,) = f16["overrides"]
+    scale = float(override.split("=", 1)[1])
+    # 1e-6 is ~20 binades: the scale it raises to sits ~20 binades above the untouched model's
+    assert override.startswith("precision.loss_scale.init_scale=") and scale >= 2.0 ** 30
+    assert doc["expected"]["fp16_init_scale"] == scale
+
+
+def test_a_budget_too_small_for_fp32_moments_picks_a_low_bit_state_that_fits(planted):
+    run_dir, doc, vocab = planted
+    assert yaml.safe_load((run_dir / "probe" / "config.yaml").read_text())["run_info"]["vocab_size"] == vocab
+    state = _decision(doc, "state")
+    assert state["choice"] == "bf16 moments" and state["overrides"] == ["optim.state_dtype=bf16"], state
+    figure = estimate(make_cfg("precision=bf16", "optim.state_dtype=bf16"), vocab).total / 2**30
+    assert doc["expected"]["gib_per_rank"] == pytest.approx(figure, rel=1e-12)
+    assert doc["expected"]["gib_per_rank"] <= doc["budget_gib"]
+    assert "fp32 moments" in state["evidence"]  # ruled out, with its figure
+    assert _decision(doc, "precision")["choice"] == "bf16"  # an H100, 0.1M parameters: no float8
+    assert doc["override_line"] == "precision=bf16 optim.state_dtype=bf16"
+
+
+def test_the_answer_is_a_table_markdown_json_and_an_experiment_config(planted, tmp_path):
+    run_dir, doc, _ = planted
+    md = (run_dir / "advice.md").read_text()
+    assert "| float8 |" in md and PLANTED in md and "python train.py precision=bf16 optim.state_dtype=bf16" in md
+    assert {d["topic"] for d in doc["decisions"]} >= {"precision", "fp16", "float8", "state"}
+    assert all(d["evidence"] and d["threshold"] for d in doc["decisions"])
+    # advice.yaml composes as an experiment: copied beside the project's own experiments
+    configs = tmp_path / "configs"
+    shutil.copytree(ROOT / "configs", configs)
+    shutil.copy(run_dir / "advice.yaml", configs / "experiment" / "advised.yaml")
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=advised"])
+    assert cfg.precision.name == "bf16" and cfg.optim.state_dtype.value == "bf16"
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--target", "tpu"], "--target tpu is not a known target; choose one of cpu, " + ", ".join(GPU_TARGETS)),
+    (["--steps", "5"], f"--steps 5 is too few to measure"),
+    (["--budget-gib", "0.000001"], "no precision and optimizer state fits 1e-06 GiB per rank"),
+    (["--budget-gib", "lots"], "--budget-gib needs a positive number (got 'lots')"),
+    (["--world", "3"], "world size"),
+    (["--frobnicate"], "unknown flag --frobnicate"),
+    (["train.max_stepz=3"], "train.max_stepz"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_any_work(args, said, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert _advise(*args, f"hydra.run.dir={run_dir}") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mptrain.advise: ") and said in err[0], err
+    assert not run_dir.exists()
+    if said.startswith("no precision"):
+        assert "the smallest is" in err[0] and "GiB per rank" in err[0]
+
+
+@pytest.fixture(scope="module")
+def untouched(tmp_path_factory):
+    """2 ranks (DDP), the default target (this CPU), --confirm 3."""
+    cwd = tmp_path_factory.mktemp("advise2")
+    run_dir = cwd / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "mptrain.advise", *TINY, "parallel=ddp", "--steps", STEPS, "--confirm", "3", f"hydra.run.dir={run_dir}"]
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return run_dir, _json(run_dir), r.stdout
+
+
+def test_an_untouched_model_gets_no_exclusion_beyond_the_configurations_own(untouched):
+    _, doc, _ = untouched
+    f8 = _decision(doc, "float8")
+    assert f8["overrides"] == [] and "excluding" not in f8["choice"], f8
+    recipe = f8["choice"]
+    kept = {n: d["kept_out"] for n, d in doc["float8_layers"].items() if d["kept_out"]}
+    assert list(kept) == ["lm_head"]
+    assert all(recipe in d["passes"] for n, d in doc["float8_layers"].items() if n not in kept)
+    assert doc["world"] == 2
+
+
+def test_this_cpus_doctor_decides_the_precision(untouched):
+    run_dir, doc, _ = untouched
+    target = doc["target"]
+    assert target["name"] == "cpu" and target["support"]["bf16"] == verdicts(torch.device("cpu"))["bf16"].status
+    choice = _decision(doc, "precision")["choice"]
+    if target["support"]["bf16"] != "native":
+        assert choice == "fp32"  # the doctor says bf16 is emulated here
+    else:
+        assert choice == ("bf16" if target["matmul_time"]["bf16"] <= 1.0 else "fp32")
+
+
+def test_confirm_reports_both_runs_and_rank_0_alone_writes(untouched):
+    run_dir, doc, stdout = untouched
+    lines = doc["confirm"]
+    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
+    assert {"recommended", "baseline"} <= set(rows), lines
+    for name in ("recommended", "baseline"):
+        s = json.loads((run_dir / f"confirm-{name}" / "summary.json").read_text())
+        assert s["steps"] == 3 and s["world_size"] == 2 and s["final/val_loss"] is not None
+        assert f"{s['final/val_loss']:.4f}" in rows[name]
+    assert any(line.startswith("loss gap (recommended - baseline): ") for line in lines)
+    assert "## Checked on this model (--confirm)" in (run_dir / "advice.md").read_text()
+    assert stdout.count("advise: wrote ") == 1  # rank 0 speaks and writes; rank 1 agreed silently

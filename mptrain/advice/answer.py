@@ -55,17 +55,19 @@ def experiment_yaml(overrides: list[str], note: str = "") -> str:
     (``# @package _global_``): a group choice (``precision=fp16``) becomes a
     defaults override, a dotted key a nested value typed as Hydra types it.
     ``note``: a comment line under the package line."""
-    defaults, body = [], {}
+    groups: dict[str, str] = {}  # a group chosen twice takes the last choice, as on the command line
+    body: dict = {}
     for o in overrides:
         key, value = o.split("=", 1)
         if "." not in key:
-            defaults.append({f"override /{key}": value})
+            groups[key] = value
             continue
         node = body
         *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = yaml.safe_load(value)
+    defaults = [{f"override /{k}": v} for k, v in groups.items()]
     doc = ({"defaults": defaults} if defaults else {}) | body
     return "# @package _global_\n" + (f"# {note}\n" if note else "") + (
         yaml.safe_dump(doc, sort_keys=False) if doc else "{}\n")

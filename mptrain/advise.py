@@ -39,8 +39,21 @@ import torch
 from omegaconf import OmegaConf
 
 from mptrain.advice.answer import console_lines, override_line, write
-from mptrain.advice.probe import (GPU_TARGETS, MIN_STEPS, candidates, every_for, linear_shapes, probe_overrides, read_facts,
-                                  state_options, target_for, target_from_json, target_to_json, user_part, wait_for)
+from mptrain.advice.probe import (
+    GPU_TARGETS,
+    MIN_STEPS,
+    candidates,
+    every_for,
+    linear_shapes,
+    probe_overrides,
+    read_facts,
+    state_options,
+    target_for,
+    target_from_json,
+    target_to_json,
+    user_part,
+    wait_for,
+)
 from mptrain.advice.rules import Advice, advise, smallest_option
 from mptrain.config.checks import compose_checked
 from mptrain.core.errors import ConfigError, UserError

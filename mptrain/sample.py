@@ -42,14 +42,20 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
+from omegaconf import OmegaConf
 
-from mptrain.config.schema import DType
+from mptrain.config.schema import DType, ModelConfig
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.data.tokenizers import ByteTokenizer, HFTokenizer, needs_remote_code
+from mptrain.model.families import build as build_family
 from mptrain.model.generate import sample_ids
-from mptrain.model.gpt import GPT, GPTShape
 from mptrain.run.checkpoint import load_full_model_state
-from mptrain.run.integrity import CheckpointDamaged, CheckpointError, complete_checkpoints, read_meta
+from mptrain.run.integrity import (
+    CheckpointDamaged,
+    CheckpointError,
+    complete_checkpoints,
+    read_meta,
+)
 from mptrain.run.resume import resolve_resume
 
 
@@ -193,13 +199,21 @@ def model_weights(ckpt: Path, log: Callable[[str], None] = print) -> dict[str, t
     return {k: v.float() for k, v in load_full_model_state(ckpt, log).items()}
 
 
-def build_model(meta: dict, weights: dict[str, torch.Tensor]) -> GPT:
-    """The run's GPT (shape from ``meta.json``) holding ``weights``, in eval mode.
-    Dropout is built as 0: an exported or sampled model never drops. A
-    checkpoint from before ``model.qk_norm`` existed has none."""
-    m = meta["config"]["model"]
-    model = GPT(GPTShape(meta["vocab_size"], m["n_layer"], m["n_head"], m["d_model"], m["block_size"], 0.0,
-                         m["bias"], m.get("qk_norm", False)))
+def model_section(meta: dict):
+    """The checkpoint's ``model`` config section (from ``meta.json``) as a config:
+    a key it lacks (one from before ``model.qk_norm`` or ``model.family``
+    existed) takes the schema's default, which is what that run trained with;
+    dropout 0, since an exported or sampled model never drops."""
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), meta["config"]["model"], {"dropout": 0.0})
+
+
+def build_model(meta: dict, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The run's model (its family and shape from ``meta.json``) holding
+    ``weights``, in eval mode. Dropout is built as 0: an exported or sampled
+    model never drops. A key the checkpoint's config lacks (one from before
+    ``model.qk_norm`` or ``model.family`` existed) takes the schema's default,
+    which is what that run trained with."""
+    model = build_family(model_section(meta), meta["vocab_size"])
     model.load_state_dict(weights)
     return model.eval()
 

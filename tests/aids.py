@@ -5,11 +5,13 @@ mptrain needs these.
   for a test that calls ``train_step`` itself;
 - :func:`param_count`: mptrain's GPT parameter count, by hand;
 - :func:`cast_stats`: the float8 cast figures of one whole tensor;
-- :func:`state_bytes`: the bytes an optimizer's state really holds.
+- :func:`state_bytes`: the bytes an optimizer's state really holds;
+- :class:`Plant`: a pickle that runs code when loaded (it makes a directory).
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -57,3 +59,13 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
                 continue  # optimi's placeholder where there is no compensation
             out[k] = out.get(k, 0) + sum(x.numel() * x.element_size() for _, x in state_parts(v))
     return out
+
+
+class Plant:
+    """Unpickled, it creates a directory: a stand-in for any code an attacker would run."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))

@@ -19,18 +19,9 @@ from mptrain.run.integrity import CheckpointError, reseal
 from mptrain.run.safeload import OutsideCheckpoint, SafeReader, check_metadata, load_plain
 from mptrain.sample import main as sample_main
 
+from .aids import Plant
 from .conftest import ROOT, train
 from .test_export import _export_module
-
-
-class Plant:
-    """Unpickled, it creates a directory: a stand-in for any code an attacker would run."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.mkdir, (self.marker,))
 
 
 @pytest.fixture(scope="module")

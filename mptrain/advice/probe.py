@@ -23,15 +23,28 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from mptrain.advice.rules import FP8_CANDIDATES, WHATIF_OF, Cast, Facts, LinearFacts, StateOption, Target
+from mptrain.advice.rules import (
+    FP8_CANDIDATES,
+    WHATIF_OF,
+    Cast,
+    Facts,
+    LinearFacts,
+    StateOption,
+    Target,
+)
 from mptrain.config.checks import compose_checked
 from mptrain.core.errors import ConfigError
-from mptrain.model.gpt import GPT, GPTShape
+from mptrain.model.families import build as build_family
 from mptrain.model.names import layer_name
 from mptrain.observe.memory import estimate
 from mptrain.observe.perf import PEAK_TFLOPS
 from mptrain.precision.rules import validate
-from mptrain.precision.support import choose_fp8_matmul, cpu_name, matmul_seconds, verdicts
+from mptrain.precision.support import (
+    choose_fp8_matmul,
+    cpu_name,
+    matmul_seconds,
+    verdicts,
+)
 
 MIN_STEPS = 10
 """Fewer steps measure too little: the monitors need several steps after the first."""
@@ -189,8 +202,7 @@ def linear_shapes(cfg, vocab: int) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every linear of the model ``cfg`` builds, by module name."""
     m = cfg.model
     with torch.device("meta"):
-        model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
-                             qk_norm=m.qk_norm))
+        model = build_family(m, vocab)
     return {n: (mod.in_features, mod.out_features) for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
 
 

@@ -391,6 +391,13 @@ _RANGES: tuple = (
     ("model.block_size", _positive, "a positive integer", None),
     ("model.vocab_size", _optional(_positive), "a positive integer, or null to take the tokenizer's", None),
     ("model.dropout", lambda v: 0 <= v < 1, "a probability in [0, 1)", None),
+    ("model.n_kv_head", _optional(_positive), "a positive integer that divides model.n_head, or null", None),
+    ("model.rope_theta", _optional(_positive), "a rotary base > 0 (10000 in Llama 2, 500000 in Llama 3), or null",
+     None),
+    ("model.ffn_hidden", _optional(_positive), "a positive integer, or null for Llama's 8/3 rule", None),
+    ("model.ffn_multiple_of", _positive, "a positive integer", None),
+    ("model.ffn_dim_multiplier", _optional(_positive), "a factor > 0, or null", None),
+    ("model.norm_eps", _optional(_positive), "a value > 0, or null for 1e-5", None),
     ("precision.loss_scale.init_scale", _positive, "a value > 0", _loss_scaling),
     ("precision.loss_scale.growth_factor", lambda v: v > 1, "a value > 1", _loss_scaling),
     ("precision.loss_scale.backoff_factor", lambda v: 0 < v < 1, "a value in (0, 1)", _loss_scaling),
@@ -497,6 +504,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}; "
             "pick a head count that divides the width."
         )
+    _family_rules(m)
     mbs, _ = micro_steps(cfg, world_size)  # raises on batch sizes that do not divide
     _delayed_knobs(p.fp8)
     if p.fp8.enabled and p.fp8.recipe.value == "mxfp8" and (mbs * m.block_size) % 32:
@@ -511,6 +519,40 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             "precision.master_weights=false is supported for bf16 compute without loss scaling, fp8 or fp4 "
             "(precision=bf16-pure): fp16 parameters cannot be unscaled by a GradScaler."
         )
+
+
+# The keys only the Llama family reads, with the value that means "not set".
+_LLAMA_ONLY = ("n_kv_head", "ffn_hidden", "ffn_dim_multiplier", "rope_theta", "rope_dtype", "norm_eps", "init_from")
+
+
+def _family_rules(m: Any) -> None:
+    """What each model family can and cannot take, refused in one line each
+    (a key the family would ignore is an error, not silently dropped)."""
+    ffn = m.ffn.value if m.ffn is not None else None
+    if m.family.value == "gpt":
+        given = [k for k in _LLAMA_ONLY if m[k] is not None]
+        if ffn not in (None, "gelu"):
+            given.insert(0, "ffn")
+        if m.tie_embeddings is False:
+            given.append("tie_embeddings")
+        if given:
+            raise ConfigError(f"model.{given[0]} applies to the Llama family; this is a GPT-family model "
+                              f"(model.family=gpt), which ignores it: pick a Llama preset (model=llama-nano, ...) "
+                              f"or drop model.{given[0]}.")
+        return
+    if m.bias:
+        raise ConfigError("model.bias=true: the Llama family has no biases; set model.bias=false (the llama-* "
+                          "presets do).")
+    if ffn == "gelu":
+        raise ConfigError("model.ffn=gelu is the GPT family's MLP; the Llama family takes swiglu or "
+                          "smooth_swiglu (or null for swiglu).")
+    kv = m.n_kv_head or m.n_head
+    if m.n_head % kv:
+        raise ConfigError(f"model.n_head={m.n_head} is not divisible by model.n_kv_head={kv}: each key/value "
+                          "head serves a whole number of query heads; pick n_kv_head dividing n_head.")
+    if (m.d_model // m.n_head) % 2:
+        raise ConfigError(f"model.d_model / model.n_head = {m.d_model // m.n_head} is odd; rotary embeddings "
+                          "rotate pairs of a head's dimensions: pick an even head size.")
 
 
 def _fp4_rules(p: Any, tokens: int) -> None:

@@ -93,6 +93,28 @@ StateDtype = Enum("StateDtype", {"fp32": "fp32", "bf16": "bf16", "8bit": "8bit",
 StateDtype.__doc__ = "Storage of Adam's moments: ``optim.state_dtype`` (see docs/optimizer_state.md)."
 
 
+class ModelFamily(Enum):
+    """The decoder families (``mptrain/model/``)."""
+
+    gpt = "gpt"
+    llama = "llama"
+
+
+class Ffn(Enum):
+    """The block's feed-forward network."""
+
+    gelu = "gelu"
+    swiglu = "swiglu"
+    smooth_swiglu = "smooth_swiglu"
+
+
+class RopeDtype(Enum):
+    """What the rotary angle tables are computed in."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class ActCheckpoint(Enum):
     none = "none"
     block = "block"
@@ -165,10 +187,15 @@ _OBSERVES = "the monitor reads the model and optimizer and changes nothing"
 # --------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
-    """Shape of the GPT-2 style decoder (``mptrain/model/gpt.py``)."""
+    """Shape of the decoder: the GPT-2 family (``mptrain/model/gpt.py``) or the
+    Llama family (``mptrain/model/llama.py``), chosen by ``family``."""
 
     name: str = guarded("gpt-mini")
     """Preset name, for run names and tags. Set by the ``model=`` group option."""
+    family: ModelFamily = guarded(ModelFamily.gpt)
+    """``gpt``: LayerNorm, learned positions, GELU MLP, biases, tied head.
+    ``llama``: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no
+    biases. The ``llama-*`` presets set it."""
     n_layer: int = guarded(4)
     """Number of transformer blocks."""
     n_head: int = guarded(4)
@@ -187,9 +214,45 @@ class ModelConfig:
     bias: bool = guarded(True)
     """Biases in linears and LayerNorms, as GPT-2 has them."""
     qk_norm: bool = guarded(False)
-    """LayerNorm on each head's queries and keys before attention (QK-layernorm):
-    it bounds the attention logits, whose growth destabilises training at high
-    learning rates. A model with it cannot be exported as GPT-2."""
+    """LayerNorm on each head's queries and keys before attention (QK-layernorm;
+    RMSNorm in the Llama family): it bounds the attention logits, whose growth
+    destabilises training at high learning rates. A model with it cannot be
+    exported as GPT-2 or Llama."""
+    n_kv_head: Optional[int] = guarded(None)
+    """Llama family: key/value heads (grouped-query attention; each serves
+    ``n_head / n_kv_head`` query heads). ``null``: ``n_head`` (plain multi-head)."""
+    ffn: Optional[Ffn] = guarded(None)
+    """The feed-forward network: ``gelu`` (the GPT family's, its only one),
+    ``swiglu`` (the Llama family's) or ``smooth_swiglu`` (Fishman et al. 2024:
+    SwiGLU whose product is scaled per channel before the down-projection's
+    float8 cast and the scale undone in its weight, so the function is
+    unchanged and the outliers SwiGLU grows do not saturate float8).
+    ``null``: the family's own."""
+    ffn_hidden: Optional[int] = guarded(None)
+    """Llama family: the SwiGLU hidden width. ``null``: Llama's rule, 8/3 of
+    ``d_model`` (times ``ffn_dim_multiplier``) rounded up to ``ffn_multiple_of``."""
+    ffn_multiple_of: int = guarded(256)
+    """Llama family: the hidden width is rounded up to a multiple of this."""
+    ffn_dim_multiplier: Optional[float] = guarded(None)
+    """Llama family: a factor on 8/3 ``d_model`` before rounding (1.3 in Llama 3 8B)."""
+    rope_theta: Optional[float] = guarded(None)
+    """Llama family: the rotary base (10000 in Llama 2, 500000 in Llama 3).
+    ``null``: 10000."""
+    rope_dtype: Optional[RopeDtype] = guarded(None)
+    """Llama family: what the rotary angle tables are built in. ``null``/``fp32``:
+    fp32, applied in fp32 then cast (the right choice); ``bf16``: a study knob
+    that shows the damage, since bf16's 8-bit mantissa cannot hold a large
+    position times a frequency (docs/llama.md has the error by position)."""
+    norm_eps: Optional[float] = guarded(None)
+    """Llama family: RMSNorm's epsilon. ``null``: 1e-5."""
+    tie_embeddings: Optional[bool] = guarded(None)
+    """Share the token embedding with the output head. ``null``: the family's
+    own (tied in GPT-2, untied in Llama). The GPT family is always tied."""
+    init_from: Optional[str] = guarded(None)
+    """Llama family: a local ``transformers`` LlamaForCausalLM directory
+    (config.json and safetensors weights; pickles are refused) to start from:
+    its weights replace the initial ones, and its shape must equal this
+    config's (one error names the first field that differs)."""
 
 
 # ----------------------------------------------------------------------- precision

@@ -26,7 +26,7 @@ import torch.nn as nn
 from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError
 from mptrain.core.shards import local_shard
-from mptrain.model.gpt import Block
+from mptrain.model.families import BLOCKS
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.policy import PrecisionPolicy
 
@@ -322,7 +322,10 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
         model = model.to(ctx.device)
     model = policy.convert_model(model)  # float8 linears first: FSDP must shard the converted weights
     if activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            checkpoint_wrapper,
+        )
 
         # Non-reentrant checkpointing: works with FSDP, autocast and float8; the
         # wrapper hides its own name from state_dict keys, so checkpoints do not change.
@@ -508,7 +511,7 @@ def _wrap_fsdp1(model, policy, ctx):
         if policy.splits_gather else set()
 
     def unit(module: nn.Module):
-        if isinstance(module, Block):
+        if isinstance(module, BLOCKS):
             return {"mixed_precision": mp(policy.wrapper_param_dtype)}
         if module in kept:
             return {"mixed_precision": mp(policy.gather_dtype(module))}

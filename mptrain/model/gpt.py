@@ -92,7 +92,35 @@ def attention_logit_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tenso
     return top, (ent / (B * H * T)).float()
 
 
-class CausalSelfAttention(nn.Module):
+class AttentionProbe:
+    """The stability monitor's view into an attention module (both families'):
+    with ``probe`` set (by a monitor, on monitored steps), each forward folds
+    the largest attention logit and the mean entropy of its rows into
+    ``probe_stats`` (:meth:`_probe`), logits the fused kernel never shows."""
+
+    probe: bool = False
+    probe_stats: Optional[dict[str, torch.Tensor]] = None
+
+    # Eager even inside a compiled block: the dict it mutates lives outside the
+    # graph, and the probe runs on monitored steps only.
+    @torch.compiler.disable
+    def _probe(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Fold this call's attention statistics into ``probe_stats``: the max of
+        the largest logits, the sum of the mean entropies, and the number of
+        calls (so ``entropy_sum / calls`` is the mean). Computed in fp32 from
+        detached q and k; the forward's own result is untouched."""
+        with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+            top, ent = attention_logit_stats(q.detach(), k.detach())
+        st = self.probe_stats
+        if st is None:
+            self.probe_stats = {"logit_max": top, "entropy_sum": ent, "calls": torch.ones((), device=top.device)}
+        else:
+            st["logit_max"] = torch.maximum(st["logit_max"], top)
+            st["entropy_sum"] = st["entropy_sum"] + ent
+            st["calls"] = st["calls"] + 1
+
+
+class CausalSelfAttention(AttentionProbe, nn.Module):
     """Multi-head causal self-attention through ``scaled_dot_product_attention``.
 
     With ``qk_norm``, each head's queries and keys pass through a LayerNorm
@@ -128,24 +156,6 @@ class CausalSelfAttention(nn.Module):
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.proj(y))
-
-    # Eager even inside a compiled block: the dict it mutates lives outside the
-    # graph, and the probe runs on monitored steps only.
-    @torch.compiler.disable
-    def _probe(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Fold this call's attention statistics into ``probe_stats``: the max of
-        the largest logits, the sum of the mean entropies, and the number of
-        calls (so ``entropy_sum / calls`` is the mean). Computed in fp32 from
-        detached q and k; the forward's own result is untouched."""
-        with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-            top, ent = attention_logit_stats(q.detach(), k.detach())
-        st = self.probe_stats
-        if st is None:
-            self.probe_stats = {"logit_max": top, "entropy_sum": ent, "calls": torch.ones((), device=top.device)}
-        else:
-            st["logit_max"] = torch.maximum(st["logit_max"], top)
-            st["entropy_sum"] = st["entropy_sum"] + ent
-            st["calls"] = st["calls"] + 1
 
 
 # GELU's tanh approximation, 0.5 x (1 + tanh(c (x + 0.044715 x^3))) with c = sqrt(2 / pi),
@@ -279,6 +289,18 @@ def cross_entropy_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def blocks_and_head(model: nn.Module, x: torch.Tensor, targets: Optional[torch.Tensor]):
+    """The rest of either family's forward from the embedded tokens ``x``: the
+    blocks, the final norm and the head; the logits, and with ``targets`` also
+    ``model.loss_fn``'s loss."""
+    for block in model.blocks:
+        x = block(x)
+    logits = model.lm_head(model.ln_f(x))
+    if targets is None:
+        return logits
+    return logits, model.loss_fn(logits, targets)
+
+
 class GPT(nn.Module):
     """Token + position embeddings, ``n_layer`` blocks, final norm, tied head.
 
@@ -350,10 +372,4 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.shape.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits
-        loss = self.loss_fn(logits, targets)
-        return logits, loss
+        return blocks_and_head(self, x, targets)

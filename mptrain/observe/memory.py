@@ -23,8 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mptrain.model.gpt import GPT, GPTShape
-from mptrain.precision.optimizers import BLOCK, MIN_QUANTIZED, QUANTIZED, choose, moment_bytes
+from mptrain.model.families import build as build_family
+from mptrain.model.families import family_of, ffn_hidden
+from mptrain.precision.optimizers import (
+    BLOCK,
+    MIN_QUANTIZED,
+    QUANTIZED,
+    choose,
+    moment_bytes,
+)
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -99,8 +106,7 @@ def shapes(cfg, vocab: int) -> tuple[list[tuple[int, ...]], int]:
 
     m = cfg.model
     with torch.device("meta"):
-        model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
-                             qk_norm=m.qk_norm))
+        model = build_family(m, vocab)
     block = sum(p.numel() for p in model.blocks[0].parameters()) if m.n_layer else 0
     return [tuple(p.shape) for p in model.parameters()], block
 
@@ -165,6 +171,46 @@ def activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_copie
     return m.n_layer * b * t * per_token + b * t * head + weight_copies
 
 
+def llama_activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_copies: int = 0,
+                           checkpointed: bool = False) -> int:
+    """:func:`activation_bytes` for the Llama family, as counted on real steps
+    (``tests/test_memory.py``). Per layer and token: each RMSNorm's fp32 input,
+    normalized value and rstd (2 x (8d + 4)); the attention input, one fp32
+    tensor or, under autocast, one compute-dtype copy per projection (q, k and
+    v are three linears: 3cd); the fused kernel's q, keys and values repeated
+    to every query head, and output (4cd), and its fp32 log-sum-exp (4h); the
+    MLP input (4d, or 2cd for gate and up); SwiGLU's gate output, its SiLU,
+    the up output and their product, the down projection's input (4c x hidden).
+    The rotary tables are one pair per context length, shared by the layers
+    (not counted). QK-norm adds its fp32 norms on q and k. Once per
+    micro-batch: the final norm, the head's input and the logits with their
+    fp32 log-probabilities, and the token ids."""
+    b, t, d, h = micro_batch, m.block_size, m.d_model, m.n_head
+    kv, c = m.n_kv_head or h, BYTES[compute]
+    hid = ffn_hidden(m)
+    half = compute != "fp32"
+    per_token = 2 * (8 * d + 4) + (3 * c * d if half else 4 * d) + 4 * c * d + 4 * h \
+        + (2 * c * d if half else 4 * d) + 4 * c * hid
+    if m.dropout:
+        per_token += 2 * d
+    if m.qk_norm:
+        hd = d // h
+        per_token += 8 * d + 4 * h + 8 * kv * hd + 4 * kv
+    head = 8 * d + 4 + (c * d if half else 4 * d) + vocab * (c + 4) + 8
+    if checkpointed and m.n_layer:
+        return m.n_layer * b * t * 4 * d + b * t * per_token + b * t * head + weight_copies
+    return m.n_layer * b * t * per_token + b * t * head + weight_copies
+
+
+def linear_weights(m, vocab: int) -> tuple[int, int]:
+    """(weight elements of one block's linears, the head's): what autocast copies."""
+    d = m.d_model
+    if family_of(m) == "llama":
+        kv = m.n_kv_head or m.n_head
+        return 2 * d * d + 2 * d * kv * (d // m.n_head) + 3 * d * ffn_hidden(m), vocab * d
+    return 12 * d * d, vocab * d
+
+
 def micro_batch_of(cfg, world: int) -> int:
     """Sequences per forward on each rank: ``train.micro_batch_size``, else the
     rank's share of the global batch (no accumulation)."""
@@ -202,8 +248,10 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
         # Autocast casts each linear's weight once per forward and the backward keeps
         # the copy (FSDP gathers weights already in the compute dtype: nothing to cast);
         # a checkpointed block keeps none of its own, only the one being recomputed.
-        copies = BYTES[compute] * ((1 if checkpointed else m.n_layer) * 12 * m.d_model**2 + vocab * m.d_model)
-    activations = activation_bytes(m, b, vocab, compute, copies, checkpointed)
+        per_block, head = linear_weights(m, vocab)
+        copies = BYTES[compute] * ((1 if checkpointed else m.n_layer) * per_block + head)
+    count = llama_activation_bytes if family_of(m) == "llama" else activation_bytes
+    activations = count(m, b, vocab, compute, copies, checkpointed)
 
     # labels: what each row is made of, so that a reader sees where the bytes go
     if store == "fp32" and compute == "fp32":

@@ -44,13 +44,17 @@ import torch.nn as nn
 
 from mptrain.config.schema import DType, ScaleMode
 from mptrain.core.errors import ConfigError
-from mptrain.model.gpt import LayerNorm
+from mptrain.model.families import NORMS
 from mptrain.precision import fp4, fp8mx
-from mptrain.precision.fp4train import Fp4Linears
 from mptrain.precision.formats import dtype_name
+from mptrain.precision.fp4train import Fp4Linears
 from mptrain.precision.fp8delayed import DelayedFloat8Linear, update_histories
 from mptrain.precision.selection import LinearRules, check_blocks_left, excluded_because
-from mptrain.precision.support import choose_fp8_matmul, fp8_software_problem, torchao_version
+from mptrain.precision.support import (
+    choose_fp8_matmul,
+    fp8_software_problem,
+    torchao_version,
+)
 
 
 class LossScaler:
@@ -328,8 +332,8 @@ class _NoHook:
 
 
 # Modules autocast never computes in half precision and whose parameters FSDP
-# must therefore not gather in it (the project's own LayerNorm and torch's).
-_STORAGE_DTYPE_MODULES = (nn.Embedding, nn.LayerNorm, LayerNorm)
+# must therefore not gather in it (the families' own norms and torch's LayerNorm).
+_STORAGE_DTYPE_MODULES = (nn.Embedding, nn.LayerNorm, *NORMS)
 
 
 def _cast_input_to_autocast(mod, args):

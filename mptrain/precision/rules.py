@@ -8,6 +8,7 @@ from typing import Any
 
 from mptrain.config import checks
 from mptrain.core.errors import ConfigError
+from mptrain.model.families import check_init_from, family_of, ffn_hidden
 from mptrain.precision.fp8casts import RECIPES
 from mptrain.precision.optimizers import choose
 
@@ -20,4 +21,28 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if unknown:
         raise ConfigError(f"monitor.fp8_whatif has unknown recipe(s) {', '.join(map(str, unknown))}; "
                           f"choose from {', '.join(RECIPES)}, or [] for none.")
+    _lowp_hidden(cfg)
+    check_init_from(cfg.model)  # its config.json, read before any data is prepared
     choose(cfg)  # optimizer combinations that cannot run
+
+
+def _lowp_hidden(cfg: Any) -> None:
+    """A Llama-family SwiGLU width that float8's or 4-bit's kernels cannot take
+    is refused here rather than quietly left in bf16: the gate, up and down
+    projections are most of the model's matmuls."""
+    m, p = cfg.model, cfg.precision
+    if family_of(m) != "llama" or not (p.fp8.enabled or p.fp4.enabled):
+        return
+    hidden = ffn_hidden(m)
+    if p.fp8.enabled and p.fp8.recipe.value == "mxfp8":
+        multiple, what = max(32, p.fp8.dim_multiple), "mxfp8's blocks of 32"
+    elif p.fp8.enabled:
+        multiple, what = p.fp8.dim_multiple, f"precision.fp8.dim_multiple={p.fp8.dim_multiple}"
+    else:
+        multiple = 16 if p.fp4.format.value == "nvfp4" else 32
+        what = f"{p.fp4.format.value}'s blocks of {multiple}"
+    if hidden % multiple:
+        raise ConfigError(f"the SwiGLU hidden size {hidden} (model.ffn_hidden, or Llama's rule with "
+                          f"model.ffn_multiple_of={m.ffn_multiple_of}) is not a multiple of {multiple} "
+                          f"({what}): its gate, up and down projections could not run in low precision; set "
+                          f"model.ffn_hidden to a multiple of {multiple} or model.ffn_multiple_of={multiple}.")

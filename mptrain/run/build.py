@@ -25,7 +25,8 @@ from mptrain.core.text import quiet
 from mptrain.data.batches import Batches, Windows, padded_vocab
 from mptrain.data.store import TokenData, prepare
 from mptrain.distributed.parallel import DistContext, wrap
-from mptrain.model.gpt import GPT, GPTShape
+from mptrain.model.families import build as build_family
+from mptrain.model.families import pretrained_weights
 from mptrain.observe.memory import fit_check
 from mptrain.precision.optimizers import Choice, choose
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
@@ -103,10 +104,13 @@ def check_memory(cfg: DictConfig, ctx: DistContext, vocab: int) -> None:
         raise NotEnoughMemory(problem)
 
 
-def build_model(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, vocab: int) -> RunModel:
-    """The GPT on the meta device, wrapped (``wrap``: storage, initial weights,
-    precision, parallelism, compile), then its optimizer and loss scaler; a
-    run that cannot fit in memory is refused first (:func:`check_memory`)."""
+def build_model(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, vocab: int,
+                tokenizer_vocab: int = 0) -> RunModel:
+    """The model (``model.family``) on the meta device, wrapped (``wrap``:
+    storage, initial weights, precision, parallelism, compile), then its
+    optimizer and loss scaler; a run that cannot fit in memory is refused
+    first (:func:`check_memory`). With ``model.init_from`` the initial weights
+    are the checkpoint's (``tokenizer_vocab``: the ids they must cover)."""
     check_memory(cfg, ctx, vocab)  # before wrap() gives the model storage: nothing big exists yet
     tc, m = cfg.train, cfg.model
     torch.manual_seed(tc.seed)  # dropout's stream: the same on every rank
@@ -115,8 +119,9 @@ def build_model(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, voca
     # under FSDP2, so a large model never exists whole on one rank, and the same
     # values whatever the world size or device (GPT.reset_parameters says how).
     with torch.device("meta"):
-        model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
-                             qk_norm=m.qk_norm))
+        model = build_family(m, vocab)
+    if m.init_from:  # read whole on every rank; materialize writes each rank's part
+        model.initial_weights = pretrained_weights(m, vocab, tokenizer_vocab)
     n_params = model.num_params()
     decay = decay_names(model)  # before wrapping: FSDP1 flattens shapes
     if ctx.device.type == "cuda":

@@ -27,7 +27,12 @@ from mptrain.precision.rules import validate
 from mptrain.run.build import build_data, build_model, build_policy
 from mptrain.run.checkpoint import Checkpointer, Progress
 from mptrain.run.console import LOG_NAME, RunLog
-from mptrain.run.faults import FaultInjector, NonFiniteError, NonFiniteHandler, NonFiniteStep
+from mptrain.run.faults import (
+    FaultInjector,
+    NonFiniteError,
+    NonFiniteHandler,
+    NonFiniteStep,
+)
 from mptrain.run.report import LoopStep, Reporter, numerics_monitor, start_clock
 from mptrain.run.resume import ResumePlan, finished_summary
 from mptrain.run.resume import plan as resume_plan
@@ -104,7 +109,7 @@ class Trainer:
         """The wrapped model, its optimizer and loss scaler (``build.py``), then
         what watches over them: fault handling and the numerics monitor."""
         cfg, ctx = self.cfg, self.ctx
-        m = build_model(cfg, ctx, self.policy, self.vocab)
+        m = build_model(cfg, ctx, self.policy, self.vocab, self.tokens.vocab_size)
         self.model, self.n_params, self.compile_blocks = m.model, m.n_params, m.compile_blocks
         self.opt_choice, self.optimizer, self.scaler = m.opt_choice, m.optimizer, m.scaler
         self.faults = FaultInjector(cfg.debug, self.model, ctx.rank)

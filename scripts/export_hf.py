@@ -1,4 +1,4 @@
-"""Export an mptrain checkpoint as a Hugging Face ``transformers`` GPT-2 model.
+"""Export an mptrain checkpoint as a Hugging Face ``transformers`` GPT-2 or Llama model.
 
     python scripts/export_hf.py <run dir | checkpoint dir> <out dir> [--overwrite] [--trust-remote-code]
 
@@ -15,6 +15,18 @@ ordinary new file gets under your umask (0644 under umask 022). A model
 trained with ``model.qk_norm=true`` is refused: GPT-2 has no LayerNorm on
 queries and keys to hold it (``python -m mptrain.sample`` runs such a model).
 
+A Llama-family checkpoint (``model.family=llama``, the ``llama-*`` presets) is
+exported as transformers' ``LlamaForCausalLM``: ``config.json`` is
+``mptrain.model.hf_llama.hf_config`` as transformers' ``LlamaConfig`` writes it,
+and the weights are under Hugging Face names (``hf_llama.to_hf_state_dict``),
+each tensor as it is, since mptrain's RoPE rotates halves as transformers'
+``rotate_half`` does. ``model.qk_norm=true`` is refused here too
+(LlamaForCausalLM has no norm on queries and keys), and so is
+``model.rope_dtype=bf16``: transformers builds its rotary tables in fp32, so
+the export would compute another function than the one trained.
+``model.ffn=smooth_swiglu`` is exported as plain SwiGLU: its smoothing scales
+by powers of two and undoes them, so the function is the same.
+
 The tokenizer is the one the checkpoint's ``meta.json`` names. A tokenizer that
 ships its own Python code (an ``auto_map`` in its ``tokenizer_config.json``) is
 refused unless ``--trust-remote-code`` is given: a checkpoint may come from
@@ -27,8 +39,8 @@ logits match mptrain's on random tokens (max abs difference < 1e-4, fp32).
 It prints its own two lines and nothing else: transformers' progress bars
 (writing the shards, loading the weights back) are off while it works. The
 export needs no torchao: ``config.json`` names transformers' own
-``GPT2LMHeadModel`` and no quantization, so it loads where torchao is not
-installed. (transformers imports torchao whenever it is installed, and torchao
+``GPT2LMHeadModel`` (or ``LlamaForCausalLM``) and no quantization, so it loads
+where torchao is not installed. (transformers imports torchao whenever it is installed, and torchao
 then logs at import; mptrain's commands drop those lines, a script of your own
 that loads the export sees them unless it imports ``mptrain`` first.)
 
@@ -67,14 +79,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mptrain.core.errors import UserError  # noqa: E402
+from mptrain.core.errors import ConfigError, UserError  # noqa: E402
 from mptrain.core.files import write_json  # noqa: E402
 from mptrain.data.tokenizers import EOT  # noqa: E402
+from mptrain.model import hf_llama  # noqa: E402
+from mptrain.model.families import llama_shape  # noqa: E402
 from mptrain.run.integrity import CheckpointError, read_meta  # noqa: E402
 from mptrain.sample import (  # noqa: E402
     OneLineParser,
     build_model,
     checkpoint_tokenizer,
+    model_section,
     model_weights,
     one_line_errors,
     read_newest,
@@ -154,14 +169,16 @@ def umask() -> int:
 
 def export(src: Path, out: Path, trust_remote_code: bool = False, overwrite: bool = False) -> float:
     """Write checkpoint ``src`` (a run directory or a checkpoint) as a transformers
-    GPT-2 with its tokenizer into ``out`` (new, empty, or with ``overwrite`` a
-    previous export), check it, and return the largest logit difference from
-    mptrain's model."""
+    GPT-2 or Llama (its ``model.family``) with its tokenizer into ``out`` (new,
+    empty, or with ``overwrite`` a previous export), check it, and return the
+    largest logit difference from mptrain's model."""
     out = Path(os.path.expanduser(str(out)))
 
     def read(ckpt: Path):
         meta = read_meta(ckpt)
-        if meta["config"]["model"].get("qk_norm", False):
+        if is_llama(meta):
+            llama_config(meta, src)  # a model LlamaForCausalLM cannot hold is refused before any work
+        elif meta["config"]["model"].get("qk_norm", False):
             raise ExportError(f"{src} was trained with model.qk_norm=true, and GPT-2 has no layer for the LayerNorm "
                               f"on each head's queries and keys, so it cannot be exported; "
                               f"python -m mptrain.sample {src} runs it as it is.")
@@ -172,11 +189,13 @@ def export(src: Path, out: Path, trust_remote_code: bool = False, overwrite: boo
 
     ckpt, (meta, tokenizer, sd) = read_newest(src, read)
     m = meta["config"]["model"]
-    print(f"export_hf: {ckpt} (step {meta['step']}, {m['n_layer']}x{m['d_model']}, vocab {meta['vocab_size']})")
+    family = "llama " if is_llama(meta) else ""  # a GPT's line is as it always was
+    print(f"export_hf: {ckpt} (step {meta['step']}, {family}{m['n_layer']}x{m['d_model']}, "
+          f"vocab {meta['vocab_size']})")
     staging = _staging_dir(out)
     try:
         with no_progress_bars():
-            write(gpt2_model(meta, sd, tokenizer.eos_token_id), tokenizer, staging, out)
+            write(hf_model(meta, sd, tokenizer.eos_token_id, src), tokenizer, staging, out)
             diff = self_check(staging, build_model(meta, sd), meta)
         publish(staging, out, ckpt, meta)
     finally:
@@ -347,13 +366,63 @@ def gpt2_model(meta: dict, sd: dict[str, torch.Tensor], eos: int):
     return hf
 
 
+def hf_model(meta: dict, sd: dict[str, torch.Tensor], eos: int, src: Path):
+    """The transformers model of the checkpoint's family holding its weights ``sd``."""
+    return llama_model(meta, sd, eos, src) if is_llama(meta) else gpt2_model(meta, sd, eos)
+
+
+def is_llama(meta: dict) -> bool:
+    """Whether the checkpoint is of the Llama family (one saved before
+    ``model.family`` existed is a GPT)."""
+    return meta["config"]["model"].get("family", "gpt") == "llama"
+
+
+def llama_config(meta: dict, src: Path) -> dict:
+    """The ``config.json`` (:func:`mptrain.model.hf_llama.hf_config`) of the
+    checkpoint's Llama, or an :class:`ExportError` naming ``src`` for a model
+    ``LlamaForCausalLM`` cannot compute. The ``model`` section is read as
+    ``mptrain.sample`` reads it: keys the checkpoint lacks take the schema's
+    defaults."""
+    shape = llama_shape(model_section(meta), meta["vocab_size"])
+    runs_it = f"python -m mptrain.sample {src} runs it as it is"
+    try:
+        config = hf_llama.hf_config(shape)
+    except ConfigError as e:  # model.qk_norm=true
+        raise ExportError(f"{src} cannot be exported: {e}; {runs_it}.") from None
+    if shape.rope_dtype != "fp32":
+        raise ExportError(f"{src} was trained with model.rope_dtype={shape.rope_dtype}, and LlamaForCausalLM "
+                          "builds its rotary tables in fp32, so the export would compute another function than "
+                          f"the one trained; {runs_it}.")
+    return config
+
+
+def llama_model(meta: dict, sd: dict[str, torch.Tensor], eos: int, src: Path):
+    """A transformers ``LlamaForCausalLM`` holding mptrain Llama weights ``sd``:
+    the names mapped one to one, no tensor reshaped (both RoPEs rotate halves)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = llama_config(meta, src)
+    hf = LlamaForCausalLM(LlamaConfig(**config, bos_token_id=eos, eos_token_id=eos))
+    try:
+        state = hf_llama.to_hf_state_dict(sd, tied=config["tie_word_embeddings"])
+    except ConfigError as e:
+        raise CheckpointError(f"the checkpoint's weights do not map onto LlamaForCausalLM: {e}") from None
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if config["tie_word_embeddings"]:
+        missing = [k for k in missing if k != "lm_head.weight"]  # tied: the head is the embedding
+    if missing or unexpected:
+        raise CheckpointError(f"the checkpoint's weights do not map onto LlamaForCausalLM (missing {missing}, "
+                              f"unexpected {unexpected}); only mptrain Llama checkpoints can be exported as Llama.")
+    return hf
+
+
 def self_check(out: Path, ours, meta: dict) -> float:
     """The export, loaded back by transformers, computes mptrain's logits (to
     ``TOLERANCE``, fp32, on random tokens); returns the largest difference."""
     from transformers import AutoModelForCausalLM
 
     vocab, block = meta["vocab_size"], meta["config"]["model"]["block_size"]
-    back = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False).eval()  # our own GPT-2 config
+    back = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False).eval()  # our own GPT-2/Llama config
     x = torch.randint(0, vocab, (2, min(32, block)), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (back(x).logits - ours(x)).abs().max().item()

@@ -21,6 +21,8 @@ table. Tick labels are plain numbers (no offset or shared multiplier), and a y
 axis spans at least MIN_REL_SPAN of its values (SINGLE_POINT_REL_SPAN where
 every run has one point), so rounding-level differences never fill a panel.
 Panels whose metric no run logged are left out (the figure says which).
+A metric ending in ``/block*`` is per block: its panel draws, at each step, the
+largest value over the run's blocks (``stability/massive_ratio/block*``).
 
 The table's "val loss - fp32" gap is taken only between runs that agree on
 everything but the precision, the optimizer state's storage and the seed
@@ -72,6 +74,9 @@ PANELS = [
     ("Kahan buffer: pending update / this step's", "numerics/kahan_held_over_update", "step", "linear"),
     ("largest attention logit (all layers)", "stability/attn_logit_max", "step", "log"),
     ("output logits: mean log Z", "stability/output_log_z", "step", "linear"),
+    ("down-projection input max/RMS (largest over blocks)", "stability/down_in_max_over_rms/block*", "step", "log"),
+    ("massive activation ratio, max/median |x| (largest over blocks)", "stability/massive_ratio/block*", "step",
+     "log"),
     ("fp8 casts: largest share of non-zeros flushed to 0 (any layer)", "fp8/worst/flush", "step", "linear"),
     ("fp8 casts: largest share of non-zeros saturated (any layer)", "fp8/worst/saturate", "step", "linear"),
     ("fp8 casts: lowest SQNR of any layer (dB)", "fp8/worst/sqnr_db", "step", "linear"),
@@ -81,6 +86,9 @@ PANELS = [
 ONLY_WHERE_THEY_APPLY = {"numerics/update_lost_expected", "numerics/kahan_held_over_update",
                          "fp8/worst/flush", "fp8/worst/saturate", "fp8/worst/sqnr_db"}
 IGNORED_KEYS = ("run_info", "log.", "debug.", "hydra")
+# A PANELS metric ending in this is per block (``<name>/block0``, ``<name>/block1``, ...):
+# the panel shows the largest over the blocks, the layer where an outlier is worst.
+OVER_BLOCKS = "/block*"
 # Each run's look in every panel; runs differ in all three, so identical curves stay visible.
 LINESTYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
@@ -120,11 +128,14 @@ class Run:
         self.label = path.name
 
     def series(self, metric: str, x: str) -> tuple[list[float], list[float]]:
+        """``(xs, ys)`` of the rows that have ``metric`` and ``x``; a metric ending
+        in :data:`OVER_BLOCKS`: its largest value over the row's blocks (NaN if any is NaN)."""
         xs, ys = [], []
         for r in self.rows:
-            if metric in r and x in r and isinstance(r[metric], (int, float)):
+            y = _over_blocks(r, metric) if metric.endswith(OVER_BLOCKS) else r.get(metric)
+            if x in r and isinstance(y, (int, float)):
                 xs.append(r[x])
-                ys.append(r[metric])
+                ys.append(y)
         return xs, ys
 
     def last(self, metric: str):
@@ -132,6 +143,17 @@ class Run:
             if metric in r:
                 return r[metric]
         return None
+
+
+def _over_blocks(row: dict, metric: str) -> Optional[float]:
+    """The largest of ``row``'s ``<name>/block<N>`` values for ``metric`` = ``<name>/block*``;
+    None when the row has none."""
+    prefix = metric[:-1]  # ".../block"
+    values = [v for k, v in row.items() if k.startswith(prefix) and k[len(prefix):].isdigit()
+              and isinstance(v, (int, float))]
+    if not values:
+        return None
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 def find_runs(paths: list[Path]) -> list[Run]:

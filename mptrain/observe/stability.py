@@ -34,6 +34,30 @@ Metric names (groups as in ``numerics/``: ``block0``, ``embed``, ``head``...):
 ``stability/act_rms/<group>``, ``stability/act_max_over_rms/<group>``,
 ``stability/adam_update_rms/<group>``, ``stability/adam_g2_over_v/<group>``,
 and the largest attention / output logit over fp16's and e4m3's max.
+
+Where outliers start (the "traps" of a long low-precision run), per block:
+
+- the down projection's input (the input of the MLP's output linear, ``mlp.down``
+  in Llama, ``mlp.proj`` in GPT, found by name so a float8 / 4-bit replacement
+  is found too), where SwiGLU's outlier channels show first (Fishman et al.
+  2024, arXiv 2409.12517): ``stability/down_in_max/<group>``,
+  ``stability/down_in_max_over_rms/<group>``, ``stability/down_in_kurtosis/<group>``
+  (E[x^4] / E[x^2]^2 over all elements; 3 for a Gaussian). Its max goes to
+  ``max_all``, its sums of x^2 and x^4 and its count to ``sum_all``;
+- massive activations in the residual stream after the block (Sun et al. 2024,
+  arXiv 2402.17762): ``stability/massive_ratio/<group>`` (largest |x| over the
+  median |x|), ``stability/massive_channel/<group>`` and
+  ``stability/massive_position/<group>`` (where the largest sits). A median
+  does not combine over ranks, so each rank puts its own (max, median, channel,
+  position) in its row of a ``(world, 4)`` table in ``sum_all`` (the other rows
+  zero): the one sum is then an all-gather, and ``scalars`` reports the rank
+  with the largest max (the lowest such rank on a tie);
+- the norms' gains, ``stability/norm_weight_min/<group>`` and
+  ``stability/norm_weight_max/<group>``, over every ``ln_1``, ``ln_2``,
+  ``ln_f``, ``q_norm``, ``k_norm`` weight of the group as this step's forward
+  uses it (read in :meth:`StabilityMonitor.start`, before the step's update):
+  the local shards' max and -min go to ``max_all``, exact because replicas hold
+  the same values.
 """
 from __future__ import annotations
 
@@ -41,11 +65,14 @@ import math
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from mptrain.core.shards import local_shard
 from mptrain.core.sums import fixed_sum
+from mptrain.core.text import text_table
 from mptrain.model.names import canonical_name, group_of, layer_groups
+from mptrain.observe.audit import observing
 from mptrain.precision import formats, optimizers
 
 G2_FACTOR = 10.0
@@ -58,6 +85,16 @@ RATIO_FORMATS: tuple[str, ...] = ("fp16", "e4m3")
 _LSE_CHUNK_ELEMS = 1 << 24
 """log Z is computed over this many logits at a time (64 MiB in fp32), so a
 large vocabulary does not need a second full fp32 copy of the logits."""
+
+NORM_NAMES = frozenset({"ln_1", "ln_2", "ln_f", "q_norm", "k_norm"})
+"""The last name component of the norm modules whose weights give ``norm_weight_*``."""
+
+DOWN_NAMES = ("down", "proj")
+"""The MLP's output linear, in order of preference: Llama's ``mlp.down``, else GPT's ``mlp.proj``."""
+
+MEDIAN_SAMPLE = 1 << 16
+"""Above this many elements the massive-activation median is that of a strided
+sample of about this many (see :func:`massive_stats`)."""
 
 
 # ----------------------------------------------------------------- statistics
@@ -86,6 +123,80 @@ def g2_exceed_count(grad: torch.Tensor, v_hat: torch.Tensor, factor: float = G2_
     return (local_shard(grad.detach()).float().square() > factor * v_hat).sum()
 
 
+def down_input_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``(max |x| in fp32, sum of x^2, sum of x^4, number of elements)`` of
+    ``x``, the sums float64 (0-d, on x's device, no host sync).
+
+    The sums are taken on ``x / max|x|`` (one fp32 copy, scaled in place, then
+    squared in place), and scaled back in float64: x^4 of an outlier of 1e10
+    overflows fp32, its scaled fourth power cannot (every term is at most 1).
+    Each sum is a ``vector_norm`` squared, which reduces a whole tensor on one
+    thread: the same bits on any number of threads (``ord=4`` is not)."""
+    x = x.detach()
+    lo, hi = torch.aminmax(x)
+    top = torch.maximum(hi, -lo).float()
+    # An all-zero input scales by 0 (sums 0) rather than by 1/0.
+    inv = torch.where(top > 0, top.reciprocal(), torch.zeros_like(top))
+    y = x.to(torch.float32, copy=True).mul_(inv)
+    sq = torch.linalg.vector_norm(y).double().square()
+    quad = torch.linalg.vector_norm(y.square_()).double().square()
+    t = top.double()
+    return top, sq * t.square(), quad * t.square().square(), x.numel()
+
+
+def down_input_figures(absmax: float, sq: float, quad: float, n: float) -> dict[str, float]:
+    """``{"max", "max_over_rms", "kurtosis"}`` from :func:`down_input_sums`
+    (summed over micro-batches and ranks): kurtosis ``E[x^4] / E[x^2]^2``, 3 for
+    a Gaussian, 1 for a constant magnitude, about ``n`` for one spike among zeros.
+    Only ``max`` when the input is all zeros (or nothing was seen: ``{}``)."""
+    if n <= 0:
+        return {}
+    out = {"max": float(absmax)}
+    ms = sq / n
+    if ms > 0:
+        out["max_over_rms"] = float(absmax) / math.sqrt(ms)
+        out["kurtosis"] = (quad / n) / ms ** 2
+    return out
+
+
+def _coprime_stride(stride: int, width: int) -> int:
+    """The smallest stride >= ``stride`` sharing no factor with ``width``: a
+    strided sample of a (..., width) tensor then visits every feature alike,
+    instead of one feature (a stride of ``width``) or every other one."""
+    while math.gcd(stride, width) != 1:
+        stride += 1
+    return stride
+
+
+def massive_stats(out: torch.Tensor, sample: int = MEDIAN_SAMPLE) -> torch.Tensor:
+    """float64 ``[max |x|, median |x|, feature index of the max, its position]``
+    of a block output ``out`` (..., T, d_model): the feature is the last
+    dimension's index, the position the second-to-last's (0-based within the
+    sequence). The first occurrence of the largest positive value, else of the
+    most negative, wins a tie. No host sync.
+
+    The median is ``torch.median`` (the lower of the two middle values for an
+    even count) over all of |x| up to ``sample`` elements; above, over a strided
+    sample of about ``sample`` elements whose stride shares no factor with
+    d_model. A median selects over its whole input: on the 2-core development
+    CPU 62 ms for 4M elements against 4 ms for the 65,536-element sample, whose
+    median is within about 1% of the full one for Gaussian values (two standard
+    errors), for a ratio read in orders of magnitude."""
+    x = out.detach()
+    width = x.shape[-1] if x.dim() else 1
+    seq = x.shape[-2] if x.dim() >= 2 else 1
+    flat = x.reshape(-1)
+    # Max and min with their indices: two passes, and no |x| copy of a large tensor.
+    vhi, ihi = torch.max(flat, dim=0)
+    vlo, ilo = torch.min(flat, dim=0)
+    positive = vhi >= -vlo
+    top, idx = torch.where(positive, vhi, -vlo), torch.where(positive, ihi, ilo)
+    if flat.numel() > sample:
+        flat = flat[::_coprime_stride(flat.numel() // sample, width)]
+    med = flat.abs().median()
+    return torch.stack([top.double(), med.double(), (idx % width).double(), ((idx // width) % seq).double()])
+
+
 # ----------------------------------------------------------------- monitor
 def _outermost(model: nn.Module, want) -> dict[str, nn.Module]:
     """``{canonical name: module}`` for the modules whose canonical name
@@ -104,18 +215,56 @@ def _is_attention(canon: str, mod: nn.Module) -> bool:
         and hasattr(mod, "probe")
 
 
+def _is_down(canon: str, _mod: nn.Module) -> bool:
+    parts = canon.split(".")
+    return len(parts) == 4 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] == "mlp" \
+        and parts[3] in DOWN_NAMES
+
+
+def down_projections(model: nn.Module) -> dict[str, nn.Module]:
+    """``{block group: its MLP's output linear}``: ``blocks.N.mlp.down`` where
+    there is one, else ``blocks.N.mlp.proj``. By name, not type: a linear
+    replaced by a float8 or 4-bit one keeps its name."""
+    found = _outermost(model, _is_down)
+    out: dict[str, nn.Module] = {}
+    for canon in sorted(found, key=lambda c: (int(c.split(".")[1]), DOWN_NAMES.index(c.split(".")[3]))):
+        out.setdefault(group_of(canon), found[canon])
+    return out
+
+
+def norm_modules(model: nn.Module) -> dict[str, list[nn.Module]]:
+    """``{layer group: [its norm modules]}`` (:data:`NORM_NAMES`, those with a
+    ``weight``), groups in the order of :func:`~mptrain.model.names.layer_groups`."""
+    found = _outermost(model, lambda canon, mod: canon.split(".")[-1] in NORM_NAMES
+                       and isinstance(getattr(mod, "weight", None), torch.Tensor))
+    return {g: [m for _, m in mods] for g, mods in layer_groups(found.items()).items()}
+
+
+def _rank_world() -> tuple[int, int]:
+    """This process's rank and the world size (0, 1 without a process group): the
+    rows of the massive-activation table, which ``reduce_sum_all`` sums over every rank."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 class StabilityMonitor:
     """The ``stability/*`` part of a monitored step (see the module docstring).
 
-    ``start`` arms the attention probes and hooks the output head; the
-    numerics monitor's block hook calls ``block_output``; ``read_probes``
-    after the backward pass, ``before_optimizer`` / ``after_optimizer``
-    around the step; ``scalars`` turns the reduced stores into metrics."""
+    ``start`` arms the attention probes, reads the norms' gains and hooks the
+    output head and the down projections' inputs; the numerics monitor's block
+    hook calls ``block_output``; ``read_probes`` after the backward pass,
+    ``before_optimizer`` / ``after_optimizer`` around the step; ``scalars``
+    turns the reduced stores into metrics. ``rank`` / ``world`` (from the
+    process group) place this rank's row in the massive-activation table."""
 
     def __init__(self, model: nn.Module):
         self._attn = {group_of(n): m for n, m in _outermost(model, _is_attention).items()}
         heads = _outermost(model, lambda canon, mod: canon == "lm_head")
         self._head: Optional[nn.Module] = heads.get("lm_head")
+        self._down = down_projections(model)
+        self._norms = norm_modules(model)
+        self.rank, self.world = _rank_world()
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.clear()
 
@@ -135,9 +284,10 @@ class StabilityMonitor:
             mod.probe = False
 
     def start(self, device: torch.device, blocks: list[str]) -> list:
-        """Arm the probes, zero the stores and hook the head; returns the hook
-        handles for the caller to remove. ``blocks``: the groups whose outputs
-        the numerics monitor's hooks pass to :meth:`block_output`.
+        """Arm the probes, zero the stores, read the norms' weights and hook the
+        head and the down projections' inputs; returns the hook handles for the
+        caller to remove. ``blocks``: the groups whose outputs the numerics
+        monitor's hooks pass to :meth:`block_output`.
 
         Every key is created here, in a fixed order, so that every rank packs
         the same layout for the collectives in ``collect``."""
@@ -150,6 +300,16 @@ class StabilityMonitor:
 
         for group in blocks:
             self.sum_all[f"stab/act_sq/{group}"], self.sum_all[f"stab/act_n/{group}"] = z(), z()
+            # This rank's row of the massive-activation table; -1: no forward seen yet (|x| >= 0).
+            table = torch.zeros((self.world, 4), dtype=torch.float64, device=device)
+            table[self.rank, 0] = -1.0
+            self.sum_all[f"stab/massive/{group}"] = table
+        for group in self._down:
+            self.max_all[f"stab/down_max/{group}"] = z(torch.float32)
+            for part in ("sq", "q4", "n"):
+                self.sum_all[f"stab/down_{part}/{group}"] = z()
+        self._norm_range(device)
+        hooks = [mod.register_forward_pre_hook(self._down_hook(group)) for group, mod in self._down.items()]
         for group, mod in self._attn.items():
             mod.probe, mod.probe_stats = True, None
             # -inf: a logit may be negative; a layer that never ran stays -inf and is left out.
@@ -157,11 +317,39 @@ class StabilityMonitor:
             self.sum_all[f"stab/attn_ent/{group}"] = z()
             self.sum_all[f"stab/attn_calls/{group}"] = z()
         if self._head is None:
-            return []
+            return hooks
         self.max_all["stab/out_max"] = z(torch.float32)
         self.sum_all["stab/out_lse"] = z()
         self.sum_all["stab/out_rows"] = z()
-        return [self._head.register_forward_hook(self._head_hook)]
+        return hooks + [self._head.register_forward_hook(self._head_hook)]
+
+    def _norm_range(self, device: torch.device) -> None:
+        """The largest and (negated) smallest norm weight per group, over this
+        rank's shards (a rank without one: -inf), into ``max_all``: the max over
+        every rank is the max over the shards, replicas holding the same values."""
+        for group, mods in self._norms.items():
+            ws = [w for w in (local_shard(m.weight.detach()) for m in mods) if w.numel() > 0]
+            hi = neg_lo = torch.full((), -math.inf, dtype=torch.float32, device=device)
+            if ws:
+                lo, hi = torch.aminmax(torch.cat([w.reshape(-1).float() for w in ws]))
+                neg_lo = -lo
+            self.max_all[f"stab/norm_max/{group}"] = hi
+            self.max_all[f"stab/norm_negmin/{group}"] = neg_lo
+
+    def _down_hook(self, group: str):
+        """A forward pre-hook on ``group``'s down projection: the statistics of its input."""
+        def hook(module, args) -> None:
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if x is None or x.numel() == 0:
+                return
+            with observing():  # the monitor's ops, not the step's: a dtype audit of this step skips them
+                top, sq, quad, n = down_input_sums(local_shard(x))
+                # Several forwards per step (gradient accumulation): max of maxima, sums of sums.
+                key = f"stab/down_max/{group}"
+                self.max_all[key] = torch.maximum(self.max_all[key], top)
+                for part, v in (("sq", sq), ("q4", quad), ("n", n)):
+                    self.sum_all[f"stab/down_{part}/{group}"] = self.sum_all[f"stab/down_{part}/{group}"] + v
+        return hook
 
     def _head_hook(self, module, args, output) -> None:
         out = output if isinstance(output, torch.Tensor) else None
@@ -174,10 +362,16 @@ class StabilityMonitor:
         self.sum_all["stab/out_rows"] = self.sum_all["stab/out_rows"] + rows
 
     def block_output(self, group: str, out: torch.Tensor) -> None:
-        """Sum of squares and count of one block output (its max is the numerics monitor's ``act/<group>``)."""
+        """Sum of squares and count of one block output (its max is the numerics
+        monitor's ``act/<group>``), and its massive-activation figures: over
+        several forwards (gradient accumulation), those of the one with the largest max."""
         sq, n = f"stab/act_sq/{group}", f"stab/act_n/{group}"
         self.sum_all[sq] = self.sum_all[sq] + torch.linalg.vector_norm(out.detach(), dtype=torch.float32).square()
         self.sum_all[n] = self.sum_all[n] + out.numel()
+        with observing():  # as in the down projections' hook
+            table = self.sum_all[f"stab/massive/{group}"]
+            new, mine = massive_stats(out), table[self.rank]
+            table[self.rank] = torch.where(new[0] > mine[0], new, mine)
 
     def read_probes(self) -> None:
         """Move the attention probes' figures into the stores and turn the probes off."""
@@ -267,7 +461,35 @@ class StabilityMonitor:
                     out[f"stability/adam_update_rms/{group}"] = math.sqrt(float(v[0]) / float(v[1]))
                 else:
                     out[f"stability/adam_g2_over_v/{group}"] = float(v[0]) / float(v[1])
+        self._outlier_scalars(vals, out)
         return out
+
+    def _outlier_scalars(self, vals: dict[str, torch.Tensor], out: dict[str, float]) -> None:
+        """The down projections' inputs, the massive activations and the norms' range."""
+        for group in self._down:
+            n = vals.get(f"stab/down_n/{group}")
+            if n is None:
+                continue
+            figs = down_input_figures(float(vals[f"stab/down_max/{group}"]), float(vals[f"stab/down_sq/{group}"]),
+                                      float(vals[f"stab/down_q4/{group}"]), float(n))
+            for name, v in figs.items():
+                out[f"stability/down_in_{name}/{group}"] = v
+        for key in [k for k in vals if k.startswith("stab/massive/")]:
+            group = key.rsplit("/", 1)[1]
+            table = vals[key].reshape(-1, 4)
+            top, med, channel, position = table[int(torch.argmax(table[:, 0]))].tolist()  # the first: lowest rank
+            if top < 0:  # no forward on any rank
+                continue
+            if med > 0:
+                out[f"stability/massive_ratio/{group}"] = top / med
+            # indices as ints (exact in the float64 table): metrics.jsonl writes 3, not 3.0
+            out[f"stability/massive_channel/{group}"] = int(channel)
+            out[f"stability/massive_position/{group}"] = int(position)
+        for group in self._norms:
+            hi, neg_lo = vals.get(f"stab/norm_max/{group}"), vals.get(f"stab/norm_negmin/{group}")
+            if hi is not None and float(hi) > -math.inf:  # -inf: no rank held a shard
+                out[f"stability/norm_weight_min/{group}"] = -float(neg_lo)
+                out[f"stability/norm_weight_max/{group}"] = float(hi)
 
     def _attention_scalars(self, vals: dict[str, torch.Tensor], out: dict[str, float]) -> None:
         top = -math.inf
@@ -287,6 +509,37 @@ class StabilityMonitor:
 def _over_format_max(out: dict[str, float], name: str, value: float) -> None:
     for fmt in RATIO_FORMATS:
         out[f"{name}_over_{fmt}_max"] = value / formats.info(fmt).max
+
+
+# ----------------------------------------------------------------- end-of-run table
+_TABLE = (("down_in_max", "down-in max", ".4g"), ("down_in_max_over_rms", "max/RMS", ".4g"),
+          ("down_in_kurtosis", "kurtosis", ".4g"), ("massive_ratio", "massive max/median", ".4g"),
+          ("massive_channel", "channel", ".0f"), ("massive_position", "position", ".0f"))
+
+
+def outlier_table(row: dict, step: int) -> str:
+    """The console table of one monitored step's outlier figures (a row's
+    ``stability/*``): one line per layer group, empty when the row has none."""
+    groups: dict[str, dict[str, float]] = {}
+    for key, v in row.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "stability" and (parts[1] in {k for k, _, _ in _TABLE}
+                                                            or parts[1].startswith("norm_weight_")):
+            groups.setdefault(parts[2], {})[parts[1]] = float(v)
+    if not groups:
+        return ""
+
+    def cell(figs: dict, key: str, spec: str) -> str:
+        return format(figs[key], spec) if key in figs else ""
+
+    rows = []
+    for g, figs in groups.items():  # in the row's order: the monitor's, block0 first, head last
+        norms = (f"{figs['norm_weight_min']:.4g}..{figs['norm_weight_max']:.4g}"
+                 if "norm_weight_min" in figs and "norm_weight_max" in figs else "")
+        rows.append([g, *(cell(figs, k, spec) for k, _, spec in _TABLE), norms])
+    head = ["group", *(title for _, title, _ in _TABLE), "norm weights"]
+    return "\n".join([f"outliers at step {step} (down projection input; residual stream after the block):",
+                      *text_table(head, rows)])
 
 
 # ----------------------------------------------------------------- warnings

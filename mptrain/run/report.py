@@ -42,7 +42,7 @@ from mptrain.observe.memory import estimate as memory_estimate
 from mptrain.observe.memory import summary_figures
 from mptrain.observe.numerics import NumericsMonitor
 from mptrain.observe.perf import SLOW_AT, Pace, Throughput, flops_per_token, matmul_kind, mfu, peak_flops, predict_pace
-from mptrain.observe.stability import StabilityWarnings
+from mptrain.observe.stability import StabilityWarnings, outlier_table
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.optimizers import Choice
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
@@ -131,6 +131,7 @@ class Reporter:
         self.eval_set: dict = {}  # what the validation loss is measured on, once evaluated (for the summary)
         self.last_comm: dict = {}
         self.fp8_casts: Optional[dict] = None  # the last monitored step's float8 cast figures (fp8watch.report)
+        self.outliers: Optional[tuple[int, dict]] = None  # (step, the last monitored step's figures)
         self.waited = {"wait_s": 0.0, "copy_s": 0.0}  # the data wait of the logged laps, for the summary
         self.resumed_from: Optional[Path] = None
         self.history: list = []
@@ -338,6 +339,8 @@ class Reporter:
             row.update(scalars)
             if "fp8/worst/flush" in scalars:
                 self.fp8_casts = fp8watch.report(scalars, self.fp8_recipe, done)
+            if scalars:
+                self.outliers = (done, scalars)  # the last monitored step's, for the closing table
         comm, audit = out.comm, out.audit
         if comm is not None:
             self.last_comm = comm.metrics()
@@ -394,6 +397,9 @@ class Reporter:
             self.dtypes.update(observed_dtypes(model, optimizer))  # at the end, not just after step 1
         if self.fp8_casts is not None:
             self.metrics.write(fp8watch.table(self.fp8_casts))
+        outliers = outlier_table(self.outliers[1], self.outliers[0]) if self.outliers is not None else ""
+        if outliers:
+            self.metrics.write(outliers)
         summary = self._summary(model, progress, stopped_by)
         self.record.write_json("summary.json", summary)
         self.metrics.summary(summary)

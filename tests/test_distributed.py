@@ -146,6 +146,12 @@ EXTRA_CASES = {
     },
 }
 EXTRA_CASES["ddp"].update({f"opt-{name}": [*COMMON, *OPTIMIZER_CASES[name]] for name in ("8bit", "kahan")})
+# test_llama.py::test_two_ranks_follow_one_process_with_the_configured_dtypes, under every wrapper
+# (the same command line as its one-process bf16 run)
+LLAMA_CASE = [*TINY, "model=llama-nano", "monitor.every=100", "monitor.fp8_whatif=[]", "precision=bf16",
+              "train.max_steps=3", "train.audit=true"]
+for _wrapper in ("ddp", "fsdp", "fsdp1"):
+    EXTRA_CASES.setdefault(_wrapper, {})["llama"] = LLAMA_CASE
 
 
 def launch_wrapper_cases(cwd: Path, parallel: str) -> dict[str, Path]:

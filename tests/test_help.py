@@ -21,7 +21,7 @@ COMMANDS = {  # name -> main(argv), returning an exit code or raising SystemExit
     "mptrain.advise": advise.main,
 }
 SCRIPTS = ["export_hf.py", "compare.py", "bench.py", "prepare_data.py", "bench_monitor.py", "bench_checkpoint.py",
-           "bench_nanogpt.py", "gpu_check.py", "bench_precision.py", "fp4_grad_noise.py"]
+           "bench_nanogpt.py", "gpu_check.py", "bench_precision.py", "fp4_grad_noise.py", "rope_error.py"]
 
 
 def _exit_code(call) -> int:

@@ -6,7 +6,8 @@ mptrain needs these.
 - :func:`param_count`: mptrain's GPT parameter count, by hand;
 - :func:`cast_stats`: the float8 cast figures of one whole tensor;
 - :func:`state_bytes`: the bytes an optimizer's state really holds;
-- :class:`Plant`: a pickle that runs code when loaded (it makes a directory).
+- :class:`Plant`: a pickle that runs code when loaded (it makes a directory);
+- :func:`without_wall_clock`: metric rows without the keys that depend on timing.
 """
 from __future__ import annotations
 
@@ -69,3 +70,12 @@ class Plant:
 
     def __reduce__(self):
         return (os.mkdir, (self.marker,))
+
+
+VOLATILE = ("perf/", "mem/")
+"""Wall-clock and memory figures: the only metric keys two runs of the same math may differ in."""
+
+
+def without_wall_clock(rows: list[dict]) -> list[dict]:
+    """``rows`` without the :data:`VOLATILE` keys, for bit-for-bit comparisons of runs."""
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]

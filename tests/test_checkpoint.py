@@ -17,14 +17,11 @@ from mptrain.run.checkpoint import load_full_state
 from mptrain.run.integrity import CheckpointError, complete_checkpoints, verify
 from mptrain.run.resume import resolve_resume
 
+from .aids import without_wall_clock
 from .conftest import ROOT, TINY, make_cfg, read_rows, run_cli, train
 
 BASE = [*TINY, "train.max_steps=20", "train.eval_every=5", "train.eval_tokens=1024"]
-VOLATILE = ("perf/", "mem/")  # wall-clock figures: the only keys allowed to differ
-
-
-def _values(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+_values = without_wall_clock
 
 
 FP16_BUSY = ["precision=fp16", "precision.loss_scale.growth_interval=3", "debug.inject_inf_grad_steps=[4,12]"]

@@ -221,11 +221,27 @@ def no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def keep_rope_theta(path: Path) -> None:
+    """Put the rotary base back at the top of a Llama's ``config.json``.
+
+    transformers 5.x saves it only inside ``rope_parameters``; a 4.x reader
+    finds no ``rope_theta`` there and silently takes 10000, so an exported
+    llama-1b (base 500000) would compute another function. Written both ways,
+    as :func:`mptrain.model.hf_llama.hf_config` gives it. A GPT's config has no
+    rotary base and is left as it is."""
+    config = json.loads(path.read_text())
+    params = config.get("rope_parameters")
+    if config.get("rope_theta") is None and isinstance(params, dict) and params.get("rope_theta") is not None:
+        config["rope_theta"] = params["rope_theta"]
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def write(hf, tokenizer, staging: Path, out: Path) -> None:
     """Save the model and the tokenizer into ``staging`` (the export to be, a new
     directory); an OS error (no permission, a full disk) is one line naming ``out``."""
     try:
         hf.save_pretrained(staging)
+        keep_rope_theta(staging / "config.json")
         tokenizer.save_pretrained(staging)
         # safetensors writes model.safetensors through a private temporary file and
         # renames it, so it lands 0600 while its neighbours follow the umask (0644

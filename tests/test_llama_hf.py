@@ -200,16 +200,22 @@ def test_llama_export_round_trip(llama_run, tmp_path, capsys):
 
 
 def test_tied_llama_export_ties_the_head(tmp_path, capsys):
-    """A Llama trained with a tied head exports without lm_head.weight, its
-    config says tie_word_embeddings, and transformers ties the head back
-    (export() returns its own logits check, to 1e-4)."""
+    """A Llama trained with a tied head and Llama 3's rotary base exports without
+    lm_head.weight, its config says tie_word_embeddings, and transformers ties the
+    head back (export() returns its own logits check, to 1e-4). The base is in
+    config.json both ways: transformers 5.x saves only ``rope_parameters``, and a
+    4.x reader without the top-level ``rope_theta`` would take 10000."""
     from safetensors import safe_open
 
     run_dir = tmp_path / "run"
-    train(run_dir, *LLAMA, "model.tie_embeddings=true", "train.max_steps=1", "checkpoint.at_end=true", tiny=False)
+    train(run_dir, *LLAMA, "model.tie_embeddings=true", "model.rope_theta=500000", "train.max_steps=1",
+          "checkpoint.at_end=true", tiny=False)
     diff = load_script("export_hf").export(run_dir, tmp_path / "hf")
     assert diff < 1e-5, diff
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    assert config["rope_theta"] == 500000.0, config
+    assert config.get("rope_parameters", {"rope_theta": 500000.0})["rope_theta"] == 500000.0, config
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
         names = set(f.keys())
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names, sorted(names)

@@ -23,6 +23,11 @@ e. what the numerics monitor costs (off, default cadence, every step) and
    what the dtype audit's step costs against a plain one.
 f. the dtype audit of one bf16 step (``train.audit_only=true``): which ops
    ran in fp32 under CUDA autocast.
+g. the Llama family: ``llama-1b`` bf16 compiled through the harness (MFU goal
+   45%), then Llama 3 8B's shape (``llama-8b``, with as many of its 32 layers
+   as fit one GPU beside fp32 AdamW state) in bf16 against float8 tensorwise
+   and rowwise, compiled. Goal: tensorwise >= 1.3x bf16 (torchtitan publishes
+   1.28x for Llama 3.1 8B on 8 H100s).
 
 Harness figures are over the logged laps after the first two (compilation and
 the first recompiles fall in those); the bare loop is timed from the same step. Data: the embedded corpus with the byte tokenizer and
@@ -68,9 +73,9 @@ from mptrain.data import store  # noqa: E402
 from mptrain.precision import optimizers  # noqa: E402
 from mptrain.run.faults import NonFiniteGuard  # noqa: E402
 from mptrain.observe.memory import estimate  # noqa: E402
-from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
+from mptrain.model import families  # noqa: E402
 from mptrain.distributed.parallel import setup, wrap  # noqa: E402
-from mptrain.observe.perf import HostSyncCounter, matmul_kind, mfu, peak_flops  # noqa: E402
+from mptrain.observe.perf import HostSyncCounter, flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names, train_step  # noqa: E402
 from mptrain.run.trainer import Trainer, run  # noqa: E402
@@ -81,9 +86,15 @@ GOAL_FP8 = 1.20
 PRESETS = ["gpt-small", "gpt-medium", "gpt-large", "gpt-xl", "gpt-2.7b", "gpt-6.7b"]  # ascending size
 FIT_MARGIN = 0.85  # of the free memory: the estimate's activations are approximate
 FP8_STEP_FLOPS = 2.5e14  # model FLOPs per fp8-case step: ~0.4 s in bf16 at ~600 TFLOP/s, well under 1 s
+LLAMA_VOCAB = 128256  # Llama 3's vocabulary
+LLAMA_BATCH = 8  # llama-1b sequences per step: 8 x 2048 tokens, ~65 GiB by the estimate
+GOAL_LLAMA_MFU = 0.45
+GOAL_LLAMA_FP8 = 1.30
+LLAMA_DEPTHS = (32, 24, 16, 12, 8, 4)  # llama-8b's layers, tried in turn until the estimate fits
 CASES = {"a": "bf16: harness vs bare loop", "b": "fp16", "c": "fp8 vs bf16 on the largest preset that fits",
-         "d": "host syncs per step", "e": "monitor and audit overhead", "f": "dtype audit of one bf16 step"}
-RUN_ORDER = "acdbfe"  # the goals first, then what reuses their compiled graphs and runs
+         "d": "host syncs per step", "e": "monitor and audit overhead", "f": "dtype audit of one bf16 step",
+         "g": "Llama: llama-1b bf16 MFU, llama-8b's shape bf16 vs fp8"}
+RUN_ORDER = "acgdbfe"  # the goals first, then what reuses their compiled graphs and runs
 
 
 # ------------------------------------------------------------------ the plan
@@ -302,11 +313,10 @@ class StepLoop:
             self.policy = PrecisionPolicy(cfg.precision, ctx.device)
             vocab = m.vocab_size or VOCAB
             with torch.device("meta"):
-                model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias,
-                                     qk_norm=m.qk_norm))
+                model = families.build(m, vocab)
             model = model.to_empty(device=ctx.device)
             model.tie_weights()  # to_empty makes two tensors of the tied pair
-            # GPT-2's init drawn where the weights live: a multi-billion parameter model
+            # The model's init drawn where the weights live: a multi-billion parameter model
             # drawn on the CPU takes longer than its whole measurement (speed does not
             # depend on the values; a run's own init is the reproducible CPU draw).
             model.reset_parameters(torch.Generator(ctx.device).manual_seed(0))
@@ -320,7 +330,7 @@ class StepLoop:
             x = torch.randint(0, vocab, (batch, m.block_size + 1), device=ctx.device)
             self.micro = [(x[:, :-1], x[:, 1:])]
             self.tokens_per_step = batch * m.block_size
-            self.flops_tok = 6.0 * self.n_params + 12.0 * m.n_layer * m.d_model * m.block_size
+            self.flops_tok = flops_per_token(self.n_params, m.n_layer, m.d_model, m.block_size)
             self.done = 0
         except BaseException:
             self.close()
@@ -381,9 +391,15 @@ def profile(plan: Plan, loop: StepLoop, name: str, report: Report, case: str, st
         shutil.copyfileobj(src, dst)
     raw.unlink()
     kept = gz.name
-    if gz.stat().st_size > 15 * 2**20:  # what may come back from the machine: < 16 MiB a file
+    # What may come back from the machine: at most 8 files, each under 16 MiB. The
+    # three tables and a .txt per profile (cases a, c, g) leave room for one trace:
+    # the first profile's.
+    if gz.stat().st_size > 15 * 2**20:
         gz.unlink()
         kept = "trace too large to keep"
+    elif len(list(plan.out.glob("profile_*.json.gz"))) > 1:
+        gz.unlink()
+        kept = "trace not kept: one per run, the first profile's"
     key = "self_cuda_time_total" if plan.cuda else "self_cpu_time_total"
     table = events.table(sort_by=key, row_limit=15)
     (plan.out / f"profile_{name}.txt").write_text(f"{steps} steps of {name}, top 15 by {key}\n{table}\n")
@@ -463,51 +479,84 @@ def case_b(plan: Plan, rep: Report, keep: dict) -> None:
                 figures={"loss_scale": s.get("amp/final_loss_scale"), "skipped": s.get("amp/skipped_steps")}))
 
 
-def fp8_setting(free_bytes: float, only: Optional[str] = None) -> tuple[str, int, bool, float, list[str]]:
-    """(preset, micro-batch, activation checkpointing, estimated bytes, notes): the
-    largest preset (or ``only``) whose estimate fits ``FIT_MARGIN`` of
-    ``free_bytes``, with the micro-batch that keeps a step near
-    ``FP8_STEP_FLOPS``; block checkpointing only where the activations would not fit.
+def fit(cfg, vocab: int, free_bytes: float) -> tuple[Optional[int], bool, float]:
+    """(micro-batch or None, activation checkpointing, estimated bytes) for ``cfg``:
+    the micro-batch that keeps a step near ``FP8_STEP_FLOPS`` and whose estimate
+    fits ``FIT_MARGIN`` of ``free_bytes``, halved until it does; block
+    checkpointing only where the activations would not fit without it. None:
+    micro-batch 1 with checkpointing does not fit (the bytes are that estimate's).
 
     The estimate: ``mptrain.memory``'s (weights, gradients, AdamW moments,
     activations), plus the logits' gradient; with block checkpointing, the
     activations of one block (the estimate's over the blocks), each block's
     fp32 input, the head's logits and a 16-bit copy of every weight (what
     autocast may hold through an eager forward: conservative when compiled)."""
+    m = cfg.model
+    t = m.block_size
+    per_seq = 8.0 * 12 * m.n_layer * m.d_model ** 2 * t  # with recompute: ~8 N FLOPs per token
+    need = 0.0
+    for ckpt in (False, True):
+        b = max(1, min(16, int(FP8_STEP_FLOPS // per_seq)))
+        while b >= 1:
+            e = estimate(cfg, vocab, 1, b)
+            logits_grad = b * t * vocab * 4
+            if ckpt:
+                act = (e.activations / m.n_layer + m.n_layer * b * t * m.d_model * 4
+                       + b * t * vocab * (2 + 4) + 2 * e.n_params)
+            else:
+                act = e.activations
+            need = e.state + act + logits_grad
+            if need <= FIT_MARGIN * free_bytes:
+                return b, ckpt, need
+            b //= 2
+    return None, True, need
+
+
+def fp8_setting(free_bytes: float, only: Optional[str] = None) -> tuple[str, int, bool, float, list[str]]:
+    """(preset, micro-batch, activation checkpointing, estimated bytes, notes): the
+    largest GPT preset (or ``only``) that :func:`fit` fits in ``free_bytes``."""
     notes: list[str] = []
     need = 0.0
     for name in [only] if only else reversed(PRESETS):
-        cfg = bench.compose_cfg([f"model={name}", "precision=bf16", f"model.vocab_size={VOCAB}"])
-        m = cfg.model
-        t = m.block_size
-        per_seq = 8.0 * 12 * m.n_layer * m.d_model ** 2 * t  # with recompute: ~8 N FLOPs per token
-        for ckpt in (False, True):
-            b = max(1, min(16, int(FP8_STEP_FLOPS // per_seq)))
-            while b >= 1:
-                e = estimate(cfg, VOCAB, 1, b)
-                logits_grad = b * t * VOCAB * 4
-                if ckpt:
-                    act = (e.activations / m.n_layer + m.n_layer * b * t * m.d_model * 4
-                           + b * t * VOCAB * (2 + 4) + 2 * e.n_params)
-                else:
-                    act = e.activations
-                need = e.state + act + logits_grad
-                if need <= FIT_MARGIN * free_bytes:
-                    return name, b, ckpt, need, notes
-                b //= 2
+        b, ckpt, need = fit(bench.compose_cfg([f"model={name}", "precision=bf16", f"model.vocab_size={VOCAB}"]),
+                            VOCAB, free_bytes)
+        if b is not None:
+            return name, b, ckpt, need, notes
         notes.append(f"{name} does not fit: {need / 2**30:.0f} GiB at micro-batch 1 with checkpointing")
     if only:
         return only, 1, True, need, notes
     return PRESETS[0], 1, False, need, notes
 
 
-def case_c(plan: Plan, rep: Report, keep: dict) -> None:
-    """fp8 tensorwise and rowwise against bf16 on the largest preset that fits, compiled."""
+def llama_setting(free_bytes: float) -> tuple[int, int, bool, float, list[str]]:
+    """(layers, micro-batch, activation checkpointing, estimated bytes, notes):
+    llama-8b's shape with the most of :data:`LLAMA_DEPTHS` layers that
+    :func:`fit` fits in ``free_bytes``. All 32 need ~120 GiB of weights,
+    gradients and AdamW moments in fp32 before any activation; a layer's
+    matmuls, which decide float8's gain, are the same at any depth."""
+    notes: list[str] = []
+    need = 0.0
+    for depth in LLAMA_DEPTHS:
+        cfg = bench.compose_cfg(["model=llama-8b", f"model.n_layer={depth}", "precision=bf16",
+                                 f"model.vocab_size={LLAMA_VOCAB}"])
+        b, ckpt, need = fit(cfg, LLAMA_VOCAB, free_bytes)
+        if b is not None:
+            return depth, b, ckpt, need, notes
+        notes.append(f"{depth} layers do not fit: {need / 2**30:.0f} GiB at micro-batch 1 with checkpointing")
+    return LLAMA_DEPTHS[-1], 1, True, need, notes
+
+
+def free_where(plan: Plan) -> tuple[float, str]:
+    """The GPU's free bytes and a note of them; on CPU an H200's, assumed."""
     if plan.cuda:
         free, total = torch.cuda.mem_get_info()
-        where = f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"
-    else:
-        free, where = 139 * 2**30, "139 GiB assumed free (an H200)"
+        return free, f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"
+    return 139 * 2**30, "139 GiB assumed free (an H200)"
+
+
+def case_c(plan: Plan, rep: Report, keep: dict) -> None:
+    """fp8 tensorwise and rowwise against bf16 on the largest preset that fits, compiled."""
+    free, where = free_where(plan)
     name, batch, ckpt, need, notes = fp8_setting(free, plan.fp8_model if plan.cuda else None)
     seq = bench.compose_cfg([f"model={name}"]).model.block_size
     chosen = f"{name}, micro-batch {batch} x {seq}" + (", activation checkpointing" if ckpt else "")
@@ -523,7 +572,7 @@ def case_c(plan: Plan, rep: Report, keep: dict) -> None:
                     figures={"model": model, "estimate_pick": name}))
     for _ in range(3):
         try:
-            fp8_settings(plan, rep, model, batch, ckpt)
+            fp8_settings(plan, rep, "c", model, fp8_overrides(plan, model), batch, ckpt, C_SETTINGS, GOAL_FP8)
             return
         except torch.OutOfMemoryError:
             pass  # (the memory is released once the error and its frames are gone: below)
@@ -538,49 +587,57 @@ def case_c(plan: Plan, rep: Report, keep: dict) -> None:
 ROWWISE_CPU = "only supports per-tensor scaling for CPU"  # torch before 2.13 on CPU
 
 
-def fp8_settings(plan: Plan, rep: Report, model: str, batch: int, ckpt: bool) -> None:
-    """bf16, fp8 tensorwise, rowwise and delayed, and the emulated nvfp4 on ``model``: a row each (a failure is that
-    setting's FAILED row); out of memory in bf16 is raised, for a smaller setting."""
+def fp8_overrides(plan: Plan, model: str) -> list[str]:
+    """The GPT preset ``model`` as case c steps it: GPT-2's padded vocabulary on CUDA, tiny on CPU."""
     if plan.cuda:
-        over = [f"model={model}", f"model.vocab_size={VOCAB}", "train.device=cuda"]
-    else:
-        over = [f"model={model}", "model.block_size=32", "model.vocab_size=320", "train.device=cpu"]
-    settings = [("bf16", ["precision=bf16"]), ("fp8 tensorwise", ["precision=fp8"]),
-                ("fp8 rowwise", ["precision=fp8", "precision.fp8.recipe=rowwise"]),
-                # our own delayed-scaling layer: never yet compiled or timed on a GPU
-                ("fp8 delayed", ["precision=fp8-delayed"]),
-                # the 4-bit emulation (fp32 products of dequantized E2M1): never yet run on a GPU
-                ("nvfp4 emulated", ["precision=nvfp4"])]
+        return [f"model={model}", f"model.vocab_size={VOCAB}", "train.device=cuda"]
+    return [f"model={model}", "model.block_size=32", "model.vocab_size=320", "train.device=cpu"]
+
+
+C_SETTINGS = [("bf16", ["precision=bf16"]), ("fp8 tensorwise", ["precision=fp8"]),
+              ("fp8 rowwise", ["precision=fp8", "precision.fp8.recipe=rowwise"]),
+              # our own delayed-scaling layer: never yet compiled or timed on a GPU
+              ("fp8 delayed", ["precision=fp8-delayed"]),
+              # the 4-bit emulation (fp32 products of dequantized E2M1): never yet run on a GPU
+              ("nvfp4 emulated", ["precision=nvfp4"])]
+G_SETTINGS = C_SETTINGS[:3]
+
+
+def fp8_settings(plan: Plan, rep: Report, case: str, model: str, over: list[str], batch: int, ckpt: bool,
+                 settings: list[tuple[str, list[str]]], goal: float) -> None:
+    """Each of ``settings`` (bf16 first) on ``over``, named ``model`` in its row: a
+    row each (a failure is that setting's FAILED row); out of memory in bf16 is
+    raised, for a smaller setting. Float8 tensorwise's goal: ``goal`` x bf16."""
     res: dict[str, dict] = {}
     for label, prec in settings:
         check = f"{model} {label} {'compiled' if plan.compile else 'eager'}" + \
             (", activation checkpointing" if ckpt else "")
         if label in ("fp8 rowwise", "fp8 delayed", "nvfp4 emulated") and rep.elapsed() > plan.budget_s - 60:
-            rep.add(Row("c", check, f"skipped (time budget: {rep.elapsed():.0f} s used)"))
+            rep.add(Row(case, check, f"skipped (time budget: {rep.elapsed():.0f} s used)"))
             continue
         left = torch.cuda.memory_allocated() / 2**30 if plan.cuda else 0.0  # what the previous setting left
         if left > 1:
             print(f"    note: {left:.1f} GiB still allocated before {label}", flush=True)
         try:
-            res[label] = fp8_one(plan, rep, check, label, [*over, *prec], batch, ckpt, res.get("bf16"))
+            res[label] = fp8_one(plan, rep, case, check, label, [*over, *prec], batch, ckpt, res.get("bf16"), goal)
         except torch.OutOfMemoryError:
             if label == "bf16":
                 raise
-            rep.add(Row("c", check, f"FAILED: out of memory at micro-batch {batch}"))
+            rep.add(Row(case, check, f"FAILED: out of memory at micro-batch {batch}"))
         except RuntimeError as e:
             if not plan.cuda and ROWWISE_CPU in str(e):
-                rep.add(Row("c", check, f"skipped: torch {torch.__version__} on CPU scales float8 matmuls per "
+                rep.add(Row(case, check, f"skipped: torch {torch.__version__} on CPU scales float8 matmuls per "
                             "tensor only (rowwise runs on CUDA)"))
                 continue
-            rep.add(Row("c", check, f"FAILED: {one_line(e)}"))
+            rep.add(Row(case, check, f"FAILED: {one_line(e)}"))
             if label == "bf16":
                 return  # nothing to compare with
 
 
-def fp8_one(plan: Plan, rep: Report, check: str, label: str, overrides: list[str], batch: int, ckpt: bool,
-            bf16: Optional[dict]) -> dict:
-    """One setting of case c: built, timed, its row; profiled when it is the
-    tensorwise setting and misses its goal."""
+def fp8_one(plan: Plan, rep: Report, case: str, check: str, label: str, overrides: list[str], batch: int,
+            ckpt: bool, bf16: Optional[dict], goal_x: float) -> dict:
+    """One setting of case c or g: built, timed, its row; profiled when it is the
+    tensorwise setting and misses its goal (``goal_x`` x bf16's tokens/s)."""
     t = time.perf_counter()
     loop = StepLoop(overrides, batch, ckpt, plan.compile)
     try:
@@ -589,19 +646,62 @@ def fp8_one(plan: Plan, rep: Report, check: str, label: str, overrides: list[str
         peak, kind = peak_of(plan, "bf16", label.startswith("fp8"))
         u = mfu(r["tokens_per_s"], loop.flops_tok, peak, 1) if peak else None
         gain = r["tokens_per_s"] / bf16["tokens_per_s"] if label != "bf16" and bf16 else None
-        goal = f"tensorwise >= {GOAL_FP8}x bf16" if label == "fp8 tensorwise" else ""
-        verdict = (yes(gain is not None and gain >= GOAL_FP8) if plan.cuda else "n/a on CPU") if goal else ""
+        goal = f"tensorwise >= {goal_x}x bf16" if label == "fp8 tensorwise" else ""
+        verdict = (yes(gain is not None and gain >= goal_x) if plan.cuda else "n/a on CPU") if goal else ""
         text = speed(r["tokens_per_s"], 1e3 * r["step_s"], u, r["mem_gib"], kind)
         if gain is not None:
             text += f"; {gain:.2f}x bf16"
         text += f" ({plan.fp8_warmup} warm-up + {plan.fp8_timed} timed steps, {time.perf_counter() - t:.0f} s)"
-        rep.add(Row("c", check, text, goal, verdict, {**r, "mfu": u, "speedup": gain}))
+        rep.add(Row(case, check, text, goal, verdict, {**r, "mfu": u, "speedup": gain}))
         # (not on CPU: the smoke run profiles case a only, with the same function)
-        if goal and plan.cuda and want_profile(plan, gain is None or gain < GOAL_FP8):
-            profile(plan, loop, "fp8_tensorwise", rep, "c")
+        if goal and plan.cuda and want_profile(plan, gain is None or gain < goal_x):
+            profile(plan, loop, f"fp8_tensorwise_{case}", rep, case)
         return r
     finally:
         loop.close()
+
+
+def case_g(plan: Plan, rep: Report, keep: dict) -> None:
+    """The Llama family: llama-1b bf16 compiled through the harness (its MFU), then
+    llama-8b's shape, as deep as fits, in bf16 against float8 tensorwise and rowwise."""
+    if plan.cuda:
+        small = "llama-1b"
+        over = [f"model={small}", f"model.vocab_size={LLAMA_VOCAB}", f"train.global_batch_size={LLAMA_BATCH}"]
+    else:  # the same code on llama-nano: a few eager steps
+        small, over = "llama-nano", ["model=llama-nano", "model.block_size=32"]
+    h = harness(plan, [*over, "precision=bf16"], plan.steps)
+    text, u = harness_speed(plan, h, "bf16")
+    cfg = h["cfg"]
+    text += f" ({cfg.train.global_batch_size} x {cfg.model.block_size} tokens a step)"
+    rep.add(Row("g", f"{small} bf16 {'compiled' if plan.compile else 'eager'}, harness", text,
+                f"MFU >= {GOAL_LLAMA_MFU:.0%}" if plan.cuda else "",
+                yes(u is not None and u >= GOAL_LLAMA_MFU) if plan.cuda else "n/a on CPU",
+                {"tokens_per_s": h["tokens_per_s"], "step_s": h["step_s"], "mfu": u, "peak_gib": h["mem_gib"],
+                 "steps_timed": h["steps_timed"]}))
+    if plan.cuda and want_profile(plan, u is None or u < GOAL_LLAMA_MFU):
+        loop = StepLoop([*plan.base, *over, "precision=bf16"], LLAMA_BATCH, False, plan.compile)
+        try:
+            loop.step()
+            profile(plan, loop, "llama_mfu", rep, "g")
+        finally:
+            loop.close()
+    free, where = free_where(plan)
+    depth, batch, ckpt, need, notes = llama_setting(free)
+    seq = bench.compose_cfg(["model=llama-8b"]).model.block_size
+    pick = (f"llama-8b's shape with {depth} of its 32 layers, micro-batch {batch} x {seq}"
+            + (", activation checkpointing" if ckpt else "") + f": estimate {need / 2**30:.1f} GiB, {where} "
+            f"(margin {FIT_MARGIN:.0%})" + (f"; {'; '.join(notes)}" if notes else ""))
+    if plan.cuda:
+        name = "llama-8b" if depth == 32 else f"llama-8b x{depth} layers"
+        big = ["model=llama-8b", f"model.n_layer={depth}", f"model.vocab_size={LLAMA_VOCAB}", "train.device=cuda"]
+        rep.add(Row("g", "llama float8 setting (deepest that fits)", pick,
+                    figures={"n_layer": depth, "batch": batch, "ckpt": ckpt, "estimate_gib": need / 2**30}))
+    else:
+        name, batch = "llama-nano", 2
+        big = ["model=llama-nano", "model.block_size=32", "train.device=cpu"]
+        rep.add(Row("g", "llama float8 setting", f"{name} on CPU; on an H200 the estimate picks {pick}",
+                    figures={"estimate_n_layer": depth}))
+    fp8_settings(plan, rep, "g", name, big, batch, ckpt, G_SETTINGS, GOAL_LLAMA_FP8)
 
 
 @contextlib.contextmanager
@@ -727,7 +827,7 @@ def case_f(plan: Plan, rep: Report, keep: dict) -> None:
         rep.notes.append(f"Dtype audit of one bf16 step (case f):\n\n```\n{table}\n```")
 
 
-RUNNERS = {"a": case_a, "b": case_b, "c": case_c, "d": case_d, "e": case_e, "f": case_f}
+RUNNERS = {"a": case_a, "b": case_b, "c": case_c, "d": case_d, "e": case_e, "f": case_f, "g": case_g}
 
 
 def versions() -> list[str]:
@@ -750,7 +850,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny models, few eager steps, on CPU (the test suite)")
     ap.add_argument("--out", help="where the table, figures and profiles go (default: a new temporary folder)")
-    ap.add_argument("--only", default="abcdef", help="cases to run, e.g. a,c (default: all)")
+    ap.add_argument("--only", default="abcdefg", help="cases to run, e.g. a,g (default: all)")
     ap.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
                     help="auto: profile a case that misses its goal (CUDA); --cpu-smoke profiles to test the path")
     ap.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds (CUDA: 450)")

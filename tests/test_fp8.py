@@ -231,6 +231,8 @@ GPU_CHECK_ROWS = [
     ("e", "gpt-nano bf16 harness, monitor off"), ("e", "gpt-nano bf16 harness, monitor default (every 50)"),
     ("e", "gpt-nano bf16 harness, monitor every step"), ("e", "dtype audit, one step"),
     ("f", "dtype audit of one bf16 step (CPU)"),
+    ("g", "llama-nano bf16 eager, harness"), ("g", "llama float8 setting"), ("g", "llama-nano bf16 eager"),
+    ("g", "llama-nano fp8 tensorwise eager"), ("g", "llama-nano fp8 rowwise eager"),
 ]
 
 
@@ -238,7 +240,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
     """``bash scripts/gpu_check.sh --cpu-smoke``: the GPU check's every case on CPU with
     gpt-nano and a few eager steps (harness and bench.py's bare loop, fp16, fp8 with
     the preset choice for an H200, host syncs through the harness's own loop, monitor
-    and audit cost, the dtype audit), so a GPU session does not find its bugs first.
+    and audit cost, the dtype audit) and llama-nano for the Llama case (the harness,
+    llama-8b's depth choice for an H200, bf16 against float8), so a GPU session does
+    not find its bugs first.
     The table has every row and no FAILED one; the files it leaves are what may come
     back from the device (at most 8, each under 16 MiB)."""
     r = _gpu_check("--cpu-smoke", "--out", str(tmp_path), timeout=600)
@@ -252,6 +256,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
     for p in ("fp32", "bf16", "fp16"):
         assert verdicts[("d", f"host syncs per step, {p}, fused AdamW, eager")] == "met"
     assert verdicts[("f", "dtype audit of one bf16 step (CPU)")] == "met"  # norms, softmax, loss in fp32
+    # the Llama case's H200 pick: llama-8b's shape cut to the layers that fit beside fp32 AdamW state
+    pick = next(row for row in rows if row["check"] == "llama float8 setting")
+    assert pick["figures"]["estimate_n_layer"] in (8, 12, 16, 24), pick
     harness = next(row for row in rows if row["case"] == "a" and row["check"].endswith(", harness"))
     assert "data wait" in harness["result"] and harness["figures"]["data_wait_s"] >= 0  # the prefetcher's wait
     assert "Dtype audit of one bf16 step" in table and "ops recorded, 0 flags" in table

@@ -29,9 +29,11 @@ def test_groups_of_design_exist():
 
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)
 def test_every_option_composes_with_schema(group, option):
-    cfg = make_cfg(f"{group}={option}", tiny=False)
+    # a llama_row is one run of experiment=llama_precision (Smooth-SwiGLU needs its Llama model)
+    study = ["experiment=llama_precision"] if group == "llama_row" else []
+    cfg = make_cfg(*study, f"{group}={option}", tiny=False)
     assert OmegaConf.get_type(cfg) is Config  # typed by the dataclass schema, not a loose dict
-    if group in ("experiment", "optimizer_row"):  # `# @package _global_` files: they set keys all over
+    if group in ("experiment", "optimizer_row", "llama_row"):  # `# @package _global_` files: they set keys all over
         validate(cfg)
         return
     section = cfg[group]
@@ -124,8 +126,8 @@ def test_group_options_include_folders_added_to_the_search_path(tmp_path):
     with pytest.raises(ConfigError) as e:
         check_overrides([f"hydra.searchpath=[file://{tmp_path}]", "experiment=case2"], str(CONFIGS))
     assert str(e.value) == ("Unknown experiment option 'case2'. Did you mean 'experiment=case1'? Valid options "
-                            f"(configs/experiment/, {tmp_path}/experiment/): case1, fp4_recipes, fp8_recipes, lr_sensitivity, "
-                            "optimizer_precision, "
+                            f"(configs/experiment/, {tmp_path}/experiment/): case1, fp4_recipes, fp8_recipes, llama_precision, "
+                            "lr_sensitivity, optimizer_precision, "
                             "precision_study.")
     # options in a package cannot be listed from here: Hydra's to check, while keys and values still are checked
     check_overrides(["hydra.searchpath=[pkg://elsewhere]", "experiment=case2", "train.max_steps=3"], str(CONFIGS))

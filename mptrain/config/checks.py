@@ -83,9 +83,9 @@ def _user_key(ov: str) -> Optional[str]:
 
 
 # Config groups that a study composes for its sweep (experiment=optimizer_precision
-# picks optimizer_row=...), not a choice a user makes: left out of the list of
+# picks optimizer_row=..., experiment=llama_precision llama_row=...), not a choice a user makes: left out of the list of
 # valid keys an unknown key is shown, though they stay valid on the command line.
-INTERNAL_GROUPS = {"optimizer_row"}
+INTERNAL_GROUPS = {"optimizer_row", "llama_row"}
 
 # Keys that were replaced: an old command line or config file is told the new key
 # and what it means, not shown a list of the section's keys. Old key -> that sentence.

@@ -701,7 +701,20 @@ def case_g(plan: Plan, rep: Report, keep: dict) -> None:
         big = ["model=llama-nano", "model.block_size=32", "train.device=cpu"]
         rep.add(Row("g", "llama float8 setting", f"{name} on CPU; on an H200 the estimate picks {pick}",
                     figures={"estimate_n_layer": depth}))
-    fp8_settings(plan, rep, "g", name, big, batch, ckpt, G_SETTINGS, GOAL_LLAMA_FP8)
+    for _ in range(3):
+        try:
+            fp8_settings(plan, rep, "g", name, big, batch, ckpt, G_SETTINGS, GOAL_LLAMA_FP8)
+            return
+        except torch.OutOfMemoryError:
+            pass  # (the memory is released once the error and its frames are gone: below)
+        free_memory()
+        # bf16 did not fit: the next depth down, with block checkpointing
+        depth = next((d for d in LLAMA_DEPTHS if d < depth), depth // 2 or 1)
+        was, name, ckpt = name, f"llama-8b x{depth} layers", True
+        big = [o for o in big if not o.startswith("model.n_layer=")] + [f"model.n_layer={depth}"]
+        rep.add(Row("g", "llama float8 setting, out of memory", f"{was} did not fit; again with {name}, "
+                    "activation checkpointing"))
+    raise RuntimeError("out of memory three times")
 
 
 @contextlib.contextmanager

@@ -279,6 +279,30 @@ def _write_whole(p: torch.Tensor, full: torch.Tensor) -> None:
         p.copy_(full)
 
 
+def draw_init(model: nn.Module, generator: Optional[torch.Generator], norm: type, residual: tuple[str, ...],
+              n_layer: int) -> None:
+    """GPT-2's init, as both families draw it: zero biases, unit weights for every
+    ``norm`` module (QK-norm's included), N(0, 0.02) for the rest, with the residual
+    output projections (names ending in one of ``residual``) scaled by
+    1/sqrt(2 * n_layer). Each tensor is drawn whole in fp32, in ``named_parameters``
+    order, on the CPU (or ``generator``'s device), then written whole into its
+    parameter (:func:`_write_whole`). Ones and zeros draw no random numbers, so
+    adding QK-norm or biases leaves the other weights' values as they were."""
+    std = 0.02
+    norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, norm)}
+    for name, p in model.named_parameters():
+        full = torch.empty(p.shape, dtype=torch.float32, device=generator.device if generator is not None else "cpu")
+        if name.endswith("bias"):
+            full.zero_()
+        elif name in norms:
+            full.fill_(1.0)
+        elif name.endswith(residual):
+            full.normal_(0.0, std / math.sqrt(2 * n_layer), generator=generator)
+        else:
+            full.normal_(0.0, std, generator=generator)
+        _write_whole(p, full)
+
+
 def cross_entropy_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T),
     computed in fp32: log-softmax over the vocabulary loses digits in half
@@ -342,21 +366,7 @@ class GPT(nn.Module):
         more memory than the largest single tensor. A generator on a GPU draws
         there, much faster, but other numbers than the CPU's (scripts/gpu_check.py's
         speed runs, where the values do not matter, use one)."""
-        std = 0.02
-        # every norm weight, the QK-layernorm's included; ones draw no random
-        # numbers, so adding qk_norm leaves the other weights' initial values as they were
-        norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, LayerNorm)}
-        for name, p in self.named_parameters():
-            full = torch.empty(p.shape, dtype=torch.float32, device=generator.device if generator is not None else "cpu")
-            if name.endswith("bias"):
-                full.zero_()
-            elif name in norms:
-                full.fill_(1.0)
-            elif name.endswith("proj.weight"):
-                full.normal_(0.0, std / math.sqrt(2 * self.shape.n_layer), generator=generator)
-            else:
-                full.normal_(0.0, std, generator=generator)
-            _write_whole(p, full)
+        draw_init(self, generator, LayerNorm, ("proj.weight",), self.shape.n_layer)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; the position embedding is left out by default (as

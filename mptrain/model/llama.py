@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mptrain.model.gpt import AttentionProbe, _write_whole, blocks_and_head, cross_entropy_fp32
+from mptrain.model.gpt import AttentionProbe, _write_whole, blocks_and_head, cross_entropy_fp32, draw_init
 from mptrain.model.names import canonical_name
 
 
@@ -404,18 +404,7 @@ class Llama(nn.Module):
                 _write_whole(p, self.initial_weights[canonical_name(name)].to(torch.float32))
             self.initial_weights = None  # written: the copy is not kept (an 8B model's is 32 GB)
             return
-        std = 0.02
-        # ones draw no random numbers, so adding qk_norm leaves the other weights as they were
-        norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, RMSNorm)}
-        for name, p in self.named_parameters():
-            full = torch.empty(p.shape, dtype=torch.float32, device=generator.device if generator is not None else "cpu")
-            if name in norms:
-                full.fill_(1.0)
-            elif name.endswith(("attn.o.weight", "mlp.down.weight")):
-                full.normal_(0.0, std / math.sqrt(2 * self.shape.n_layer), generator=generator)
-            else:
-                full.normal_(0.0, std, generator=generator)
-            _write_whole(p, full)
+        draw_init(self, generator, RMSNorm, ("attn.o.weight", "mlp.down.weight"), self.shape.n_layer)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count, the tied head counted once. ``non_embedding``

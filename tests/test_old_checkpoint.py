@@ -1,9 +1,17 @@
-"""A checkpoint written before the package was split into layers still resumes exactly.
+"""Checkpoints written by earlier layouts of the package still resume exactly.
 
-``fixtures/old_layout/`` holds a run that the flat-layout code (commit 4b839fd)
-stopped at step 10 of 20, and the metric rows that code wrote continuing it to
-step 20 (see its README). The corpus is regenerated here, so the resume allows
-``data.paths`` to change (same tokens, another directory).
+Each fixture holds a run that older code stopped at step 10 of 20, and the
+metric rows that code wrote continuing it to step 20 (see each README):
+
+- ``fixtures/old_layout/``: the flat layout (commit 4b839fd), before the
+  package was split into layers;
+- ``fixtures/layout_2026_12/``: the layered package before checkpointing got
+  its own layer (commit 8f147b4), with dropout, the inf/nan guard's ``skip``
+  after one skipped step and the stability warnings fired, so the RNG, the
+  guard's count and the warnings' state all decide what the continuation does.
+
+Both go through the same checks. The corpus is regenerated here, so the resume
+allows ``data.paths`` to change (same tokens, another directory).
 """
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ import math
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -24,28 +33,38 @@ from mptrain.run.trainer import Trainer
 from .conftest import make_cfg, read_rows, train
 from .test_golden import _corpus
 
-FIXTURE = Path(__file__).parent / "fixtures" / "old_layout"
+FIXTURES = Path(__file__).parent / "fixtures"
+# fixture -> whether its old code evaluated on the same validation windows as
+# today's (the flat layout read the split's first windows, later code windows
+# spread over all of it; test_data.py compares those)
+SAME_VAL = {"old_layout": False, "layout_2026_12": True}
 STOP, STEPS = 10, 20
 # fp32 on CPU differs in the last bits between CPU kinds (another BLAS kernel);
 # a wrong data position, RNG or optimizer state moves the loss by far more.
 LOSS_ATOL, GRAD_NORM_RTOL = 2e-5, 1e-4
 
 
-def _launch(tmp_path: Path, name: str) -> tuple[Path, list[str]]:
+@pytest.fixture(params=sorted(SAME_VAL))
+def fixture(request) -> Path:
+    """The directory of one old run (each test runs once per fixture)."""
+    return FIXTURES / request.param
+
+
+def _launch(fixture: Path, tmp_path: Path, name: str) -> tuple[Path, list[str]]:
     """A copy of the old run directory, and the old run's overrides with the
     corpus regenerated under ``tmp_path``."""
     run_dir = tmp_path / name
-    shutil.copytree(FIXTURE / "run", run_dir)
+    shutil.copytree(fixture / "run", run_dir)
     corpus = _corpus(tmp_path / "corpus")
-    args = json.loads((FIXTURE / "continuation.json").read_text())["args"]
+    args = json.loads((fixture / "continuation.json").read_text())["args"]
     args = [f"data.paths=[{corpus}]" if a.startswith("data.paths=") else a for a in args]
     # train.eval_batches=2 (2 batches of 8 windows of 64) was replaced by train.eval_tokens: as many tokens
     args = ["train.eval_tokens=1024" if a == "train.eval_batches=2" else a for a in args]
     return run_dir, [*args, "resume.allow_changes=[data.paths]"]
 
 
-def test_old_checkpoint_continues_as_the_old_code_did(tmp_path):
-    run_dir, args = _launch(tmp_path, "run")
+def test_old_checkpoint_continues_as_the_old_code_did(fixture, tmp_path):
+    run_dir, args = _launch(fixture, tmp_path, "run")
     before = read_rows(run_dir)
     summary, rows = train(run_dir, *args, tiny=False)
     assert summary["resumed_from"] == str(run_dir / "checkpoints" / f"step-{STOP}")
@@ -53,7 +72,7 @@ def test_old_checkpoint_continues_as_the_old_code_did(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # one row per step, none twice
     assert rows[:STOP] == before  # the old rows are kept as the old code wrote them
 
-    old = json.loads((FIXTURE / "continuation.json").read_text())["rows"]
+    old = json.loads((fixture / "continuation.json").read_text())["rows"]
     assert [r["step"] for r in old] == list(range(1, STEPS + 1))
     for new_row, old_row in zip(rows[STOP:], old[STOP:], strict=True):
         step = old_row["step"]
@@ -61,19 +80,28 @@ def test_old_checkpoint_continues_as_the_old_code_did(tmp_path):
         # The schedule and the token count are integer and closed-form arithmetic: exact.
         assert new_row["train/lr"] == old_row["train/lr"], step
         assert new_row["train/tokens"] == old_row["train/tokens"], step
+        # Counters restored from the checkpoint go on from the saved count (absent in both when off).
+        for key in ("train/nonfinite_skipped", "amp/skipped_steps"):
+            assert new_row.get(key) == old_row.get(key), (step, key)
         assert abs(new_row["train/loss"] - old_row["train/loss"]) <= LOSS_ATOL, (step, new_row, old_row)
-        # evaluated at the same steps; not on the same text: the old code read the split's first
-        # windows, the new one windows spread over all of it (test_data.py compares those)
+        # Every metric the old code logged at this step is still logged (monitored
+        # steps fall on the same steps), and the warnings fire at the same steps:
+        # a warning state that was not restored would warn again, or not at all.
+        assert old_row.keys() <= new_row.keys(), (step, old_row.keys() - new_row.keys())
+        assert _events(new_row) == _events(old_row), step
+        # evaluated at the same steps; on the same text only where SAME_VAL says so
         assert ("val/loss" in new_row) == ("val/loss" in old_row), step
+        if "val/loss" in old_row and SAME_VAL[fixture.name]:
+            assert abs(new_row["val/loss"] - old_row["val/loss"]) <= LOSS_ATOL, (step, new_row, old_row)
         assert math.isclose(new_row["train/grad_norm"], old_row["train/grad_norm"], rel_tol=GRAD_NORM_RTOL, abs_tol=0), \
             (step, new_row["train/grad_norm"], old_row["train/grad_norm"])
     assert sum("val/loss" in r for r in rows[STOP:]) == 2  # evaluations at 15 and 20 were compared
 
 
-def test_old_checkpoint_loads_bit_for_bit(tmp_path):
+def test_old_checkpoint_loads_bit_for_bit(fixture, tmp_path):
     """What the new code loads into the model, the optimizer and the loop's
     states is, tensor by tensor, what the old checkpoint holds."""
-    run_dir, args = _launch(tmp_path, "loaded")
+    run_dir, args = _launch(fixture, tmp_path, "loaded")
     ckpt = run_dir / "checkpoints" / f"step-{STOP}"
     saved = load_full_state(ckpt, log=lambda _: None)
     saved_states = load_plain(ckpt / "train_state.pt")
@@ -103,10 +131,16 @@ def test_old_checkpoint_loads_bit_for_bit(tmp_path):
     assert states["progress"] == saved_states["progress"] == {"step": STOP, "tokens": STOP * 512}
     for name, sd in saved_states.items():
         assert _plain(states[name]) == _plain(sd), name
-    # The RNG continues where the old run left it. (This fp32 run without dropout
-    # draws nothing after the init, so here the state also matches without the
-    # restore: the check is that rng-rank0.pt reads back, not that it is applied.)
+    # The RNG continues where the old run left it. (old_layout's run, without
+    # dropout, draws nothing after the init, so there the state also matches
+    # without the restore; layout_2026_12's dropout masks make it count, and
+    # its continuation's losses show it was applied.)
     assert torch.equal(rng, saved_rng)
+
+
+def _events(row: dict) -> set[str]:
+    """The warnings a row reports (``events/*`` metrics)."""
+    return {k for k in row if k.startswith("events/")}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

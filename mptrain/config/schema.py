@@ -776,7 +776,7 @@ class MonitorConfig:
     comm: bool = harmless(True, why=_OBSERVES)
     """On monitored steps, count the payload bytes of every collective the step
     issues (all-gather, reduce-scatter, all-reduce, broadcast), by dtype, as
-    ``comm/<kind>/<dtype>_bytes`` (``mptrain/distributed/comm.py``). Only runs with a
+    ``comm/<kind>/<dtype>_bytes`` (``mptrain/observe/comm.py``). Only runs with a
     process group (``parallel`` other than ``none``) have any."""
     fp8_casts: bool = harmless(True, why=_OBSERVES)
     """With float8 or 4-bit linears, on monitored steps: for every converted

@@ -9,9 +9,9 @@ import torch.nn as nn
 
 from mptrain.core.shards import local_shard
 from mptrain.core.text import text_table
-from mptrain.distributed.comm import uncounted
 from mptrain.model.names import canonical_name, layer_name
 from mptrain.observe.audit import observing
+from mptrain.observe.comm import uncounted
 from mptrain.precision.fp8casts import FORMATS, FP4_RECIPES, SUMS, cast_counts, element_format, summarize
 
 # ------------------------------------------------------------------ in a run

@@ -32,7 +32,7 @@ from mptrain.config.schema import ParallelMode
 from mptrain.core.shards import local_shard
 from mptrain.core.text import fmt
 from mptrain.data.batches import ValSet
-from mptrain.distributed.comm import CommCounter, counting
+from mptrain.observe.comm import CommCounter, counting
 from mptrain.distributed.parallel import DistContext
 from mptrain.model.generate import generate
 from mptrain.observe import fp8watch

@@ -45,8 +45,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 
 import mptrain.config.schema  # noqa: E402,F401  registers the schema
-from mptrain.run.checkpoint import Checkpointer, Progress  # noqa: E402
-from mptrain.run.integrity import hash_files, file_sizes, verify  # noqa: E402
+from mptrain.checkpoint.checkpointer import Checkpointer, Progress  # noqa: E402
+from mptrain.checkpoint.integrity import hash_files, file_sizes, verify  # noqa: E402
 from mptrain.config.schema import ParallelMode  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import DistContext  # noqa: E402

@@ -53,8 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from omegaconf import OmegaConf  # noqa: E402
 
+from mptrain.checkpoint.checkpointer import flatten  # noqa: E402
 from mptrain.config.schema import Config  # noqa: E402
-from mptrain.run.checkpoint import flatten  # noqa: E402
 
 # (panel title, metric, x axis, y scale)
 PANELS = [

@@ -56,7 +56,7 @@ under a marker that says the export is incomplete until the last file is in
 interrupted export never leaves a half directory that passes for an export.
 
 The checkpoint, its weights and its tokenizer are found by the functions
-``python -m mptrain.sample`` uses (``mptrain/sample.py``). A user error (no
+``python -m mptrain.sample`` uses (``mptrain/checkpoint/readers.py``). A user error (no
 checkpoint there, a damaged one, a tokenizer refused or missing, an output
 directory that cannot be written, holds the checkpoint, holds files of its
 own or a previous export without ``--overwrite``) is one line,
@@ -79,21 +79,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mptrain.checkpoint.integrity import CheckpointError, read_meta  # noqa: E402
+from mptrain.checkpoint.readers import (  # noqa: E402
+    build_model,
+    checkpoint_tokenizer,
+    model_section,
+    model_weights,
+    read_newest,
+)
 from mptrain.core.errors import ConfigError, UserError  # noqa: E402
 from mptrain.core.files import write_json  # noqa: E402
 from mptrain.data.tokenizers import EOT  # noqa: E402
 from mptrain.model import hf_llama  # noqa: E402
 from mptrain.model.families import llama_shape  # noqa: E402
-from mptrain.run.integrity import CheckpointError, read_meta  # noqa: E402
-from mptrain.sample import (  # noqa: E402
-    OneLineParser,
-    build_model,
-    checkpoint_tokenizer,
-    model_section,
-    model_weights,
-    one_line_errors,
-    read_newest,
-)
+from mptrain.sample import OneLineParser, one_line_errors  # noqa: E402
 
 TOLERANCE = 1e-4
 MARKER = "mptrain_export.json"

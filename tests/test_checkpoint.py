@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from mptrain.run.checkpoint import load_full_state
-from mptrain.run.integrity import CheckpointError, complete_checkpoints, verify
-from mptrain.run.resume import resolve_resume
+from mptrain.checkpoint.checkpointer import load_full_state
+from mptrain.checkpoint.integrity import CheckpointError, complete_checkpoints, verify
+from mptrain.checkpoint.resolve import resolve_resume
 
 from .aids import without_wall_clock
 from .conftest import ROOT, TINY, make_cfg, read_rows, run_cli, train

@@ -329,7 +329,7 @@ def test_user_errors_name_their_kind():
 
     import mptrain
     from mptrain.core.errors import UserError
-    from mptrain.run.checkpoint import CheckpointSaveError
+    from mptrain.checkpoint.checkpointer import CheckpointSaveError
 
     for m in pkgutil.walk_packages(mptrain.__path__, "mptrain."):
         importlib.import_module(m.name)

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from mptrain.run.checkpoint import load_full_model_state
-from mptrain.run.integrity import complete_checkpoints, read_meta
+from mptrain.checkpoint.checkpointer import load_full_model_state
+from mptrain.checkpoint.integrity import complete_checkpoints, read_meta
 from mptrain.model.gpt import GPT, GPTShape
 
 from .conftest import ROOT, TINY, train
@@ -190,7 +190,7 @@ def test_export_refuses_a_tokenizer_with_custom_code(tmp_path, monkeypatch, caps
     """The checkpoint names a tokenizer that ships Python code: the export stops
     with one line naming --trust-remote-code before it reads any weights (the
     checkpoint here is a meta.json alone), and the code never runs."""
-    from mptrain.run.integrity import FORMAT
+    from mptrain.checkpoint.integrity import FORMAT
 
     tok_dir, marker = make_remote_code_tokenizer(tmp_path)
     ckpt = tmp_path / "step-1"

@@ -172,8 +172,8 @@ def test_llama_export_round_trip(llama_run, tmp_path, capsys):
     transformers' model loaded from it computes mptrain's logits."""
     from transformers import AutoModelForCausalLM
 
-    from mptrain.run.integrity import complete_checkpoints, read_meta
-    from mptrain.sample import build_model, model_weights
+    from mptrain.checkpoint.integrity import complete_checkpoints, read_meta
+    from mptrain.checkpoint.readers import build_model, model_weights
 
     out = tmp_path / "hf"
     load_script("export_hf").main([str(llama_run), str(out)])

@@ -24,10 +24,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from mptrain.checkpoint.checkpointer import flatten, load_full_state
+from mptrain.checkpoint.safeload import load_plain
 from mptrain.distributed.parallel import setup
-from mptrain.run.checkpoint import flatten, load_full_state
 from mptrain.run.resume import plan as resume_plan
-from mptrain.run.safeload import load_plain
 from mptrain.run.trainer import Trainer
 
 from .conftest import make_cfg, read_rows, train

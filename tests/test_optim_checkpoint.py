@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
-from mptrain.precision.optim_layout import quantized_layout_refusal
-from mptrain.run.checkpoint import load_full_state
-from mptrain.run.integrity import complete_checkpoints, read_meta
+from mptrain.checkpoint.optim_layout import quantized_layout_refusal
+from mptrain.checkpoint.checkpointer import load_full_state
+from mptrain.checkpoint.integrity import complete_checkpoints, read_meta
 from mptrain.precision.optimizers import choice_of, state_parts, stored_as
 from mptrain.distributed.parallel import setup
 from mptrain.run.resume import ResumeRefused, compare

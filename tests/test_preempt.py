@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from mptrain.run.integrity import complete_checkpoints, step_of
+from mptrain.checkpoint.integrity import complete_checkpoints, step_of
 
 from .conftest import ROOT, TINY, read_rows, train
 from .test_distributed import PREEMPT

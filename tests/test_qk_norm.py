@@ -186,8 +186,8 @@ def test_gpt_nano_with_qk_norm_trains_samples_and_refuses_export(tmp_path, capsy
     """A real run: the loss falls, the checkpoint holds the norms (so the trainer
     built the model with them), sampling rebuilds it from the checkpoint, and
     the GPT-2 export refuses it in one line that points to sampling."""
-    from mptrain.run.integrity import complete_checkpoints, read_meta
-    from mptrain.sample import build_model, model_weights
+    from mptrain.checkpoint.integrity import complete_checkpoints, read_meta
+    from mptrain.checkpoint.readers import build_model, model_weights
 
     run = tmp_path / "run"
     _, rows = train(run, "model.qk_norm=true", "train.max_steps=20", "checkpoint.at_end=true")

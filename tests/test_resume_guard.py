@@ -13,7 +13,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from mptrain.config.schema import GUARDED, HARMLESS, RECORDED, Config, on_resume
-from mptrain.run.checkpoint import flatten
+from mptrain.checkpoint.checkpointer import flatten
 from mptrain.run.resume import ResumeRefused
 
 from .conftest import train

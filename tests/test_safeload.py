@@ -14,9 +14,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from mptrain.run.checkpoint import load_full_state
-from mptrain.run.integrity import CheckpointError, reseal
-from mptrain.run.safeload import OutsideCheckpoint, SafeReader, check_metadata, load_plain
+from mptrain.checkpoint.checkpointer import load_full_state
+from mptrain.checkpoint.integrity import CheckpointError, reseal
+from mptrain.checkpoint.safeload import OutsideCheckpoint, SafeReader, check_metadata, load_plain
 from mptrain.sample import main as sample_main
 
 from .aids import Plant

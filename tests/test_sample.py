@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
-from mptrain.run.integrity import CheckpointError, complete_checkpoints, read_meta
-from mptrain.sample import SampleError, build_model, find_checkpoint, main, model_weights, parse_args, sample_text
+from mptrain.checkpoint.integrity import CheckpointError, complete_checkpoints, read_meta
+from mptrain.checkpoint.readers import CheckpointVanished, build_model, find_checkpoint, model_weights
+from mptrain.sample import main, parse_args, sample_text
 from mptrain.model.generate import generate
 
 from .conftest import ROOT, TINY, train
@@ -194,7 +195,7 @@ def test_a_checkpoint_pruned_while_read_gives_way_to_the_newest(trained, tmp_pat
         shutil.copytree(ckpt, newer)
         (ckpt / "__0_0.distcp").unlink()
 
-    with pytest.raises(SampleError) as e:
+    with pytest.raises(CheckpointVanished) as e:
         sample_text(parse_args(args), notes.append, picked=save_newer_then_prune)
     msg = str(e.value)
     assert "deletes its checkpoints faster than they can be read (step-5, step-6, step-7" in msg, msg

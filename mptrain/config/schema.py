@@ -720,7 +720,7 @@ class LogConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Distributed checkpoints in ``<run>/checkpoints/step-N/`` (``mptrain/run/checkpoint.py``)."""
+    """Distributed checkpoints in ``<run>/checkpoints/step-N/`` (``mptrain/checkpoint/checkpointer.py``)."""
 
     every: int = harmless(0, why="when checkpoints are written; a save reads the state and changes nothing")
     """Save every this many optimizer steps, and at the end of the run. 0: no

@@ -1,1 +1,1 @@
-"""Layer 7, run: the loop (trainer, step math, resume, run record and directory, checkpoints and their integrity, faults, console, metric sinks)."""
+"""Layer 8, run: the loop (trainer, step math, resume decisions, run record and directory, faults, console, metric sinks)."""

@@ -50,7 +50,7 @@ from hydra.experimental.callback import Callback
 from mptrain.core import files
 from mptrain.core.errors import NO_ROOM_FIXES, DiskError, UserError
 from mptrain.distributed.launch import CREATED_PARENTS, LIVE_CLAIMS
-from mptrain.run.integrity import complete_checkpoints
+from mptrain.checkpoint.integrity import complete_checkpoints
 
 LOCK_NAME = ".lock"
 

@@ -25,7 +25,7 @@ from mptrain.data.batches import Prefetcher, ValSet
 from mptrain.distributed.parallel import DistContext, export_submitit_env, setup
 from mptrain.precision.rules import validate
 from mptrain.run.build import build_data, build_model, build_policy
-from mptrain.run.checkpoint import Checkpointer, Progress
+from mptrain.checkpoint.checkpointer import Checkpointer, Progress
 from mptrain.run.console import LOG_NAME, RunLog
 from mptrain.run.faults import (
     FaultInjector,
@@ -128,7 +128,7 @@ class Trainer:
         self.states = {"scaler": self.scaler, "progress": self.progress, **self.report.states()}
         if self.nonfinite.guard is not None:
             self.states["nonfinite_guard"] = self.nonfinite.guard
-        self.ckpt = Checkpointer(cfg.checkpoint, self.run_dir, self.ctx, cfg, self.faults,
+        self.ckpt = Checkpointer(cfg.checkpoint, self.run_dir, self.ctx, cfg, hooks=[self.faults],
                                  meta_extra={"tokenizer": {"name": self.tokens.tokenizer.name,
                                                            "path": self.tokens.tokenizer.path},
                                              "history": self.plan.history})

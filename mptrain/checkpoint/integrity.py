@@ -1,7 +1,7 @@
 """What a checkpoint is on disk, and whether it is still what its save wrote.
 
-Holds what both saving (:mod:`mptrain.run.checkpoint`) and choosing a
-checkpoint to resume from (:mod:`mptrain.run.resume`) need: the errors a
+Holds what both saving (:mod:`mptrain.checkpoint.checkpointer`) and choosing a
+checkpoint to resume from (:mod:`mptrain.checkpoint.resolve`) need: the errors a
 checkpoint that cannot be used raises, the ``step-N`` directory names and the
 list of complete checkpoints, ``meta.json`` (:func:`read_meta`), and the
 manifest of every other file with its size and CRC-32.
@@ -9,7 +9,7 @@ manifest of every other file with its size and CRC-32.
 Integrity: :func:`verify` compares a checkpoint with its manifest (the set of
 files, then sizes, then checksums) before anything reads it; ``resume=auto``
 skips a damaged checkpoint for the previous intact one, and says so
-(:func:`mptrain.run.resume.resolve_resume`). :func:`reseal` rewrites the
+(:func:`mptrain.checkpoint.resolve.resolve_resume`). :func:`reseal` rewrites the
 manifest after a deliberate edit of a checkpoint's files.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import zlib
 from pathlib import Path
 from typing import Callable, Optional
 
+from mptrain.checkpoint.safeload import check_inside
 from mptrain.core.errors import UserError
-from mptrain.run.safeload import check_inside
 
 FORMAT = "mptrain-dcp-1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -11,21 +11,28 @@ Layout of one checkpoint (``<run>/checkpoints/step-N/``):
                             progress, spike detector, skip-rate warning): whatever
                             the trainer hands ``save`` as ``states``
     rng-rank<R>.pt          each rank's RNG states (stochastic rounding draws from them)
-    manifest.json           every file above with its size and CRC-32 (:mod:`mptrain.run.integrity`)
+    manifest.json           every file above with its size and CRC-32 (:mod:`mptrain.checkpoint.integrity`)
     meta.json               step, world size, parallel, precision, model shape, resolved config,
                             and the CRC-32 of manifest.json; written last
 
 Optimizer state: stored as plain tensors only; torchao's quantized moments as
-their parts (:mod:`mptrain.precision.optim_layout`).
+their parts (:mod:`mptrain.checkpoint.optim_layout`).
 
 Atomicity: everything is written into ``step-N.tmp/``; only when every rank
 has finished does rank 0 rename it to ``step-N/``. A process killed during a
 save leaves a ``.tmp`` directory, which is never taken for a checkpoint (and is
 cleared by the next save of that step).
 
-Integrity: :func:`mptrain.run.integrity.verify` compares a checkpoint with its
+Integrity: :func:`mptrain.checkpoint.integrity.verify` compares a checkpoint with its
 manifest before anything reads it; which checkpoint a run resumes from is
-chosen by :func:`mptrain.run.resume.resolve_resume`.
+chosen by :func:`mptrain.checkpoint.resolve.resolve_resume`.
+
+Save hooks: the checkpointer knows nothing of what else a run does. Whoever
+builds it may pass ``hooks``, objects with ``during_save(step)`` (called once
+the files are written and sealed, before the checkpoint is made visible) and
+``after_save(step)`` (called once it is visible, before older ones are
+pruned); the test-only fault injector is one, which rehearses a process killed
+at either point.
 
 Save errors: a save runs in phases (prepare, write, list, hash, seal, publish);
 after each, every rank learns every rank's outcome through one all-gather,
@@ -49,7 +56,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Callable, Iterable, Optional, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -59,11 +66,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from mptrain.core.errors import NO_ROOM_FIXES
-from mptrain.precision.optim_layout import plain_optim_state, quantized_layout_refusal, rebuild_quantized
-from mptrain.precision.optimizers import choice_of
-from mptrain.run.faults import FaultInjector
-from mptrain.run.integrity import (
+from mptrain.checkpoint.integrity import (
     FORMAT,
     CheckpointError,
     complete_checkpoints,
@@ -75,7 +78,8 @@ from mptrain.run.integrity import (
     write_file,
     write_manifest,
 )
-from mptrain.run.safeload import (
+from mptrain.checkpoint.optim_layout import plain_optim_state, quantized_layout_refusal, rebuild_quantized
+from mptrain.checkpoint.safeload import (
     RefusedFile,
     SafeFullLoadPlanner,
     SafeLoadPlanner,
@@ -83,6 +87,8 @@ from mptrain.run.safeload import (
     check_metadata,
     load_plain,
 )
+from mptrain.core.errors import NO_ROOM_FIXES
+from mptrain.precision.optimizers import choice_of
 
 # Shape fields a checkpoint must agree on with the run that loads it.
 _SHAPE_KEYS = ("n_layer", "n_head", "d_model", "block_size")
@@ -94,6 +100,15 @@ class Stateful(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, sd: dict) -> None: ...
+
+
+class SaveHook(Protocol):
+    """What ``Checkpointer`` calls at the two points of a save where a process
+    can be lost with different outcomes (see the module docstring)."""
+
+    def during_save(self, step: int) -> None: ...
+
+    def after_save(self, step: int) -> None: ...
 
 
 # States a checkpoint cannot be resumed without; the others start fresh when a
@@ -126,14 +141,14 @@ class Progress:
 class Checkpointer:
     """Saves and loads the whole training state of one run."""
 
-    def __init__(self, ccfg, run_dir: Path, ctx, cfg, faults: Optional[FaultInjector] = None,
-                 meta_extra: Optional[dict] = None):
+    def __init__(self, ccfg, run_dir: Path, ctx, cfg, meta_extra: Optional[dict] = None,
+                 hooks: Iterable[SaveHook] = ()):
         self.cfg = ccfg
         self.root = run_dir / "checkpoints"
         self.ctx = ctx
         self.run_cfg = cfg
-        self.faults = faults or FaultInjector()
         self.meta_extra = meta_extra or {}
+        self.hooks = tuple(hooks)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model, optimizer, states: dict[str, Stateful]) -> Path:
@@ -153,7 +168,8 @@ class Checkpointer:
         shares = phase(lambda: hash_files(tmp, rank_share(sizes, ctx.rank, ctx.world)))
         phase(lambda: self._seal(tmp, step, {k: v for part in shares for k, v in part.items()}, model_sd,
                                  states["progress"], optimizer) if main else None)
-        self.faults.during_save(step)  # debug.kill_during_save_at_step: shards written, nothing visible yet
+        for h in self.hooks:  # shards written and sealed, nothing visible yet
+            h.during_save(step)
         phase(lambda: self._publish(step, tmp, final) if main else None)
         return final
 
@@ -206,7 +222,8 @@ class Checkpointer:
                 os.replace(old, final)
             raise
         shutil.rmtree(old, ignore_errors=True)
-        self.faults.after_save(step)  # debug.kill_after_save_at_step: visible, older ones not yet pruned
+        for h in self.hooks:  # visible, older ones not yet pruned
+            h.after_save(step)
         self.prune()
 
     def _phase(self, step: int, tmp: Path, work: Callable, fs: Optional["_KeepOSError"] = None) -> list:
@@ -442,7 +459,7 @@ def load_full_state(path: Path, log: Callable[[str], None] = print) -> dict[str,
     """Model and optimizer state of a checkpoint as flat ``model.*`` / ``optim.*``
     keys, unsharded, in one process and without building the model (for export,
     inspection and tests). The checkpoint is verified first
-    (:func:`mptrain.run.integrity.verify`)."""
+    (:func:`mptrain.checkpoint.integrity.verify`)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     verify(path, log)

@@ -1,0 +1,107 @@
+"""Which checkpoint a run resumes from, verified before anything reads it.
+
+:func:`resolve_resume` turns ``resume.source`` (``auto``, ``none``, a run
+directory or a checkpoint directory) into one checkpoint directory: the newest
+intact one, each damaged one passed over with one line that names the file and
+the reason. Whether this launch may continue it (the config compared, the
+history) is the run layer's decision (``mptrain/run/resume.py``); the tools
+that read a checkpoint (``python -m mptrain.sample``, ``scripts/export_hf.py``)
+pick theirs through the same function (``readers.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+from mptrain.checkpoint.integrity import (
+    CheckpointDamaged,
+    CheckpointError,
+    complete_checkpoints,
+    incomplete_checkpoints,
+    step_of,
+    verify,
+)
+from mptrain.core.text import quiet
+
+
+def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = print,
+                   label: Optional[str] = None) -> Optional[Path]:
+    """The checkpoint directory to resume from, verified against its manifest, or
+    None to start from scratch. Messages name it ``label`` (default
+    ``resume=<resume>``, the trainer's argument; tools pass their own).
+
+    ``auto`` (and a run directory given as a path) takes the newest intact
+    checkpoint: a damaged one is skipped with one line through ``log`` naming the
+    file and the reason. A checkpoint named by its own path is used as it is or
+    refused (:class:`CheckpointDamaged`), offering the previous intact one."""
+    if resume == "none":
+        return None
+    label = label or f"resume={resume}"
+    if resume == "auto":
+        return _newest_intact(_listed(run_dir / "checkpoints", label, log), label, log)
+    p = Path(os.path.expanduser(resume))
+    if not p.exists():
+        raise CheckpointError(f"{label}: no such file or directory.")
+    if (p / "meta.json").is_file():
+        _verify_named(p, log)
+        return p
+    for root in (p / "checkpoints", p):
+        found = _listed(root, label, log)
+        if found:
+            return _newest_intact(found, label, log)
+    if p.name.endswith(".tmp"):
+        raise CheckpointError(f"{label}: this checkpoint was never completed (its save was interrupted).")
+    raise CheckpointError(f"{label}: not a checkpoint (no meta.json) and holds no complete checkpoints/step-N.")
+
+
+def _listed(root: Path, label: str, log) -> list[Path]:
+    """:func:`complete_checkpoints` of ``root``, with one line through ``log`` for
+    each ``step-N`` folder there that is passed over for holding no meta.json."""
+    for p in incomplete_checkpoints(root):
+        what = "it is empty" if not any(p.iterdir()) else "it holds no meta.json (an incomplete copy?)"
+        log(f"{label}: {p} is not a checkpoint ({what}), skipped; delete it, or copy the whole "
+            "checkpoint in, to silence this line")
+    return complete_checkpoints(root)
+
+
+def _newest_intact(found: list[Path], label: str, log) -> Optional[Path]:
+    """The newest of ``found`` (oldest first) that passes :func:`verify`; a line
+    through ``log`` for each damaged one passed over."""
+    damaged: list[CheckpointDamaged] = []
+    for older, ckpt in zip([None, *found[:-1]][::-1], found[::-1]):
+        try:
+            verify(ckpt, log)
+            return ckpt
+        except CheckpointDamaged as e:
+            damaged.append(e)
+            if older is not None:
+                log(f"{label}: checkpoint {ckpt.name} is damaged ({e.ckpt / e.file} {e.reason}); "
+                    f"falling back to {older.name}")
+    if not damaged:
+        return None
+    what = "; ".join(f"{e.ckpt.name}: {e.file} {e.reason}" for e in damaged)
+    raise CheckpointError(f"{label}: every checkpoint in {found[0].parent} is damaged ({what}); restore the "
+                          "damaged files from a copy, or start afresh in a new run directory.")
+
+
+def _verify_named(path: Path, log) -> None:
+    """:func:`verify` a checkpoint the user named; when damaged, the error offers
+    the newest intact checkpoint older than it, if its directory holds one."""
+    try:
+        verify(path, log)
+    except CheckpointDamaged as e:
+        step = step_of(path)
+        older = [c for c in complete_checkpoints(path.parent)
+                 if c != path and (step is None or (step_of(c) or 0) < step)]
+        previous = None
+        for c in reversed(older):
+            with contextlib.suppress(CheckpointError):
+                verify(c, log=quiet)
+                previous = c
+                break
+        offer = (f"resume from the previous complete checkpoint with resume={previous}" if previous else
+                 "no earlier intact checkpoint is beside it, so restore the file from a copy or start afresh")
+        raise CheckpointDamaged(e.ckpt, e.file, e.reason,
+                                f"checkpoint {path} is damaged: {e.ckpt / e.file} {e.reason}; {offer}.") from None

@@ -49,7 +49,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -61,8 +61,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from mptrain.core.errors import NO_ROOM_FIXES
 from mptrain.precision.optim_layout import plain_optim_state, quantized_layout_refusal, rebuild_quantized
-from mptrain.precision.optimizers import choice_of
-from mptrain.run.faults import FaultInjector
+from mptrain.precision.optimizers import choose
 from mptrain.run.integrity import (
     FORMAT,
     CheckpointError,
@@ -126,14 +125,14 @@ class Progress:
 class Checkpointer:
     """Saves and loads the whole training state of one run."""
 
-    def __init__(self, ccfg, run_dir: Path, ctx, cfg, faults: Optional[FaultInjector] = None,
-                 meta_extra: Optional[dict] = None):
+    def __init__(self, ccfg, run_dir: Path, ctx, cfg, meta_extra: Optional[dict] = None, hooks: Sequence = ()):
         self.cfg = ccfg
         self.root = run_dir / "checkpoints"
         self.ctx = ctx
         self.run_cfg = cfg
-        self.faults = faults or FaultInjector()
         self.meta_extra = meta_extra or {}
+        # Told during_save(step) and after_save(step) (the run's components; debug.* kills a save there).
+        self.hooks = tuple(hooks)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model, optimizer, states: dict[str, Stateful]) -> Path:
@@ -153,7 +152,8 @@ class Checkpointer:
         shares = phase(lambda: hash_files(tmp, rank_share(sizes, ctx.rank, ctx.world)))
         phase(lambda: self._seal(tmp, step, {k: v for part in shares for k, v in part.items()}, model_sd,
                                  states["progress"], optimizer) if main else None)
-        self.faults.during_save(step)  # debug.kill_during_save_at_step: shards written, nothing visible yet
+        for h in self.hooks:
+            h.during_save(step)  # debug.kill_during_save_at_step: shards written, nothing visible yet
         phase(lambda: self._publish(step, tmp, final) if main else None)
         return final
 
@@ -176,7 +176,7 @@ class Checkpointer:
         """manifest.json, then meta.json: its presence marks the content complete."""
         record = write_manifest(tmp, files)
         m = self.run_cfg.model
-        choice = choice_of(optimizer)
+        choice = choose(self.run_cfg)  # the AdamW this config runs (build_model built it from the same)
         meta = {
             "format": FORMAT,
             "step": step,
@@ -206,7 +206,8 @@ class Checkpointer:
                 os.replace(old, final)
             raise
         shutil.rmtree(old, ignore_errors=True)
-        self.faults.after_save(step)  # debug.kill_after_save_at_step: visible, older ones not yet pruned
+        for h in self.hooks:
+            h.after_save(step)  # debug.kill_after_save_at_step: visible, older ones not yet pruned
         self.prune()
 
     def _phase(self, step: int, tmp: Path, work: Callable, fs: Optional["_KeepOSError"] = None) -> list:

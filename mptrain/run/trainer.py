@@ -116,6 +116,11 @@ class Trainer:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.state.optimizer
 
+    @property
+    def resumed_from(self) -> Optional[Path]:
+        """The checkpoint this launch resumed from; None on a fresh start."""
+        return self.plan.path
+
     def _build_parts(self, policy) -> None:
         """The run's optional parts (``parts.py``: each from its config section,
         only those that are on) and the state each step works on."""

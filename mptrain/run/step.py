@@ -133,7 +133,7 @@ class ZLoss:
 
     def begin(self, device: torch.device) -> "_ZSum | _NoZ":
         """This step's tally over its micro-batches."""
-        return _ZSum(self.coef, device) if self.coef > 0 else _NO_Z
+        return _ZSum(self.coef, device) if self.coef > 0 else _NoZ()
 
 
 class _ZSum:
@@ -161,9 +161,6 @@ class _NoZ:
 
     def mean(self, n: int) -> Optional[torch.Tensor]:
         return None
-
-
-_NO_Z = _NoZ()
 
 
 @dataclass(frozen=True)

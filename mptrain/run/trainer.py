@@ -34,7 +34,6 @@ from mptrain.precision.rules import validate
 from mptrain.run.build import build_data, build_model, build_policy
 from mptrain.run.checkpoint import Checkpointer, Progress
 from mptrain.run.console import LOG_NAME, RunLog
-from mptrain.run.nonfinite import NonFiniteError
 from mptrain.run.parts import build_parts
 from mptrain.run.report import LoopStep, Reporter, read_back, start_clock
 from mptrain.run.resume import ResumePlan, finished_summary
@@ -43,7 +42,7 @@ from mptrain.run.rundir import Claim, held
 from mptrain.run.step import evaluate, set_lr_at, step_state, train_step
 from mptrain.run.stop import StopSignal
 
-__all__ = ["run", "Trainer", "NonFiniteError"]
+__all__ = ["run", "Trainer"]
 
 
 def run(cfg: DictConfig, run_dir: Optional[str | Path] = None) -> dict:

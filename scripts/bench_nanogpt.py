@@ -99,11 +99,11 @@ import bench  # scripts/bench.py: the harness's config, the bare loop, the quiet
 from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
 from mptrain.precision import optimizers  # noqa: E402
-from mptrain.run.faults import NonFiniteGuard  # noqa: E402
+from mptrain.run.nonfinite import NO_GUARD, NonFiniteGuard  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import setup  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
-from mptrain.run.step import build_optimizer, decay_names, lr_at, train_step  # noqa: E402
+from mptrain.run.step import build_optimizer, decay_names, lr_at, step_state, train_step  # noqa: E402
 from mptrain.run.trainer import run  # noqa: E402
 
 PROG = "bench_nanogpt"
@@ -291,12 +291,12 @@ def harness_step(cfg, vocab: int, batches, ctx):
     opt = build_optimizer(model, decay_names(model), cfg.optim, ctx.device, optimizers.choose(cfg))
     policy = PrecisionPolicy(cfg.precision, ctx.device)
     scaler = policy.make_scaler()
-    guard = None if scaler.enabled else NonFiniteGuard(tc.on_nonfinite.value, opt, ctx.device)
+    guard = NO_GUARD if scaler.enabled else NonFiniteGuard(tc.on_nonfinite.value, opt, ctx.device)
+    state = step_state(cfg, model, opt, scaler, policy, ctx, guard)  # grad_clip, z_loss, update_clip as configured
 
     def step(i: int) -> None:
         optimizers.set_lr(opt, lr_at(i, cfg.optim, tc.max_steps))
-        train_step(model, opt, scaler, policy, ctx, batches.batch(i), tc.grad_clip, guard=guard, step=i,
-                   z_loss=tc.z_loss)
+        train_step(state, batches.batch(i), step=i)
     return step
 
 

@@ -71,13 +71,13 @@ sys.path.insert(0, str(ROOT / "scripts"))  # bench.py's config composition and b
 import bench  # noqa: E402
 from mptrain.data import store  # noqa: E402
 from mptrain.precision import optimizers  # noqa: E402
-from mptrain.run.faults import NonFiniteGuard  # noqa: E402
+from mptrain.run.nonfinite import NO_GUARD, NonFiniteGuard  # noqa: E402
 from mptrain.observe.memory import estimate  # noqa: E402
 from mptrain.model import families  # noqa: E402
 from mptrain.distributed.parallel import setup, wrap  # noqa: E402
 from mptrain.observe.perf import HostSyncCounter, flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
-from mptrain.run.step import build_optimizer, decay_names, train_step  # noqa: E402
+from mptrain.run.step import build_optimizer, decay_names, step_state, train_step  # noqa: E402
 from mptrain.run.trainer import Trainer, run  # noqa: E402
 
 VOCAB = 50304  # GPT-2's vocabulary rounded up to a multiple of 64
@@ -326,7 +326,8 @@ class StepLoop:
             self.opt = build_optimizer(self.model, decay, cfg.optim, ctx.device, optimizers.choose(cfg))
             self.policy.attach_optimizer(self.opt, self.model)
             self.scaler = self.policy.make_scaler()
-            self.guard = None if self.scaler.enabled else NonFiniteGuard("abort", self.opt, ctx.device)
+            guard = NO_GUARD if self.scaler.enabled else NonFiniteGuard("abort", self.opt, ctx.device)
+            self.state = step_state(cfg, self.model, self.opt, self.scaler, self.policy, ctx, guard)
             x = torch.randint(0, vocab, (batch, m.block_size + 1), device=ctx.device)
             self.micro = [(x[:, :-1], x[:, 1:])]
             self.tokens_per_step = batch * m.block_size
@@ -337,8 +338,7 @@ class StepLoop:
             raise
 
     def step(self) -> None:
-        train_step(self.model, self.opt, self.scaler, self.policy, self.ctx, self.micro, self.cfg.train.grad_clip,
-                   guard=self.guard, step=self.done)
+        train_step(self.state, self.micro, step=self.done)
         self.done += 1
 
     def time(self, warmup: int, timed: int) -> dict:
@@ -357,7 +357,7 @@ class StepLoop:
 
     def close(self) -> None:
         """Frees the model and optimizer (and Dynamo's graphs of them) for the next setting."""
-        for name in ("model", "opt", "micro", "scaler", "guard"):
+        for name in ("state", "model", "opt", "micro", "scaler"):
             self.__dict__.pop(name, None)
         self.ctx.shutdown()
         torch._dynamo.reset()

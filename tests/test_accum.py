@@ -7,7 +7,7 @@ from mptrain.config.schema import ParallelMode
 from mptrain.model.gpt import GPT, GPTShape
 from mptrain.distributed.parallel import DistContext
 from mptrain.precision.policy import PrecisionPolicy
-from mptrain.run.step import build_optimizer, decay_names, train_step
+from mptrain.run.step import StepState, build_optimizer, decay_names, train_step
 
 from .conftest import make_cfg
 
@@ -22,7 +22,8 @@ def _one_step(micro: int):
     policy = PrecisionPolicy(cfg.precision, CPU)
     x = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     chunks = [(c[:, :-1], c[:, 1:]) for c in x.split(8 // micro)]
-    out = train_step(model, opt, policy.make_scaler(), policy, DistContext(mode=ParallelMode.none), chunks, 1.0)
+    state = StepState(model, opt, policy.make_scaler(), policy, DistContext(mode=ParallelMode.none), grad_clip=1.0)
+    out = train_step(state, chunks)
     return model, out
 
 

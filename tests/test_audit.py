@@ -16,7 +16,7 @@ from mptrain.config.schema import ParallelMode
 from mptrain.model.gpt import GPT, GPTShape
 from mptrain.distributed.parallel import DistContext, wrap
 from mptrain.precision.policy import PrecisionPolicy
-from mptrain.run.step import build_optimizer, decay_names, train_step
+from mptrain.run.step import StepState, build_optimizer, decay_names, train_step
 
 from .conftest import make_cfg
 
@@ -49,7 +49,7 @@ def _batch(vocab: int = 64):
 
 def _audit(model, opt, policy, scaler, batch=None) -> DtypeAudit:
     with DtypeAudit(model, opt, policy) as audit:
-        out = train_step(model, opt, scaler, policy, CTX, batch or _batch(), 1.0)
+        out = train_step(StepState(model, opt, scaler, policy, CTX, 1.0), batch or _batch())
     assert torch.isfinite(out.loss)
     return audit
 
@@ -270,7 +270,7 @@ def test_exit_removes_every_hook_and_training_goes_on():
     assert _hook_counts(model, opt) == before and _get_current_dispatch_mode() is None
     n = audit.report()["n_ops"]
     w = model.blocks[0].mlp.fc.weight.detach().clone()
-    out = train_step(model, opt, scaler, policy, CTX, _batch(), 1.0)
+    out = train_step(StepState(model, opt, scaler, policy, CTX, 1.0), _batch())
     assert torch.isfinite(out.loss) and not torch.equal(w, model.blocks[0].mlp.fc.weight)
     assert audit.report()["n_ops"] == n  # nothing recorded after exit
     # an exception inside the step leaves nothing behind either

@@ -67,7 +67,7 @@ def step_once(cfg, vocab: int, ctx):
     rows, wrapped for ``ctx`` (on the CPU)."""
     from mptrain.distributed.parallel import wrap
     from mptrain.precision.policy import PrecisionPolicy
-    from mptrain.run.step import build_optimizer, decay_names, train_step
+    from mptrain.run.step import StepState, build_optimizer, decay_names, train_step
 
     cpu = torch.device("cpu")
     policy = PrecisionPolicy(cfg.precision, cpu)
@@ -78,8 +78,8 @@ def step_once(cfg, vocab: int, ctx):
     model = wrap(model, policy, ctx)
     opt = build_optimizer(model, decay, cfg.optim, cpu, optimizers.choose(cfg))
     x = torch.randint(0, vocab, (2, m.block_size + 1), generator=torch.Generator().manual_seed(ctx.rank))
-    train_step(model, opt, policy.make_scaler(distributed=ctx.world > 1), policy, ctx,
-               [(x[:, :-1], x[:, 1:])], 1.0)
+    train_step(StepState(model, opt, policy.make_scaler(distributed=ctx.world > 1), policy, ctx, 1.0),
+               [(x[:, :-1], x[:, 1:])])
     return model, opt
 
 

@@ -8,7 +8,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mptrain.observe.alerts import SpikeDetector
-from mptrain.run.faults import NonFiniteError
+from mptrain.run.nonfinite import NonFiniteError
 from mptrain.core.text import fmt
 
 from .conftest import read_rows, run_cli, train

@@ -13,7 +13,7 @@ import torch
 from mptrain.checkpoint.optim_layout import quantized_layout_refusal
 from mptrain.checkpoint.checkpointer import load_full_state
 from mptrain.checkpoint.integrity import complete_checkpoints, read_meta
-from mptrain.precision.optimizers import choice_of, state_parts, stored_as
+from mptrain.precision.optimizers import state_parts, stored_as
 from mptrain.distributed.parallel import setup
 from mptrain.run.resume import ResumeRefused, compare
 from mptrain.run.resume import plan as resume_plan
@@ -79,14 +79,15 @@ def _assert_bitwise_equal(loaded: dict, saved: dict) -> None:
 
 def _trainer_run(run_dir, *overrides: str):
     """A launch as ``trainer.run`` makes it (the resume plan, then the Trainer),
-    keeping the optimizer: its state as loaded, and as it was at the end."""
+    keeping the optimizer: its state as loaded, and as it was at the end, and which
+    AdamW the Trainer built (``optimizers.Choice``)."""
     cfg = make_cfg(*BASE, *overrides)
     ctx = setup(cfg.parallel, cfg.train.device)
     try:
         t = Trainer(cfg, ctx, run_dir, resume_plan(cfg, run_dir, ctx, print))
         loaded = _snapshot(t.optimizer)
         t.train()
-        return t.optimizer, loaded, _snapshot(t.optimizer)
+        return t.optimizer, loaded, _snapshot(t.optimizer), t.built.opt_choice
     finally:
         ctx.shutdown()
 
@@ -102,10 +103,10 @@ def runs(tmp_path_factory):
             extra = OPTIMIZERS[name]
             root = tmp_path_factory.mktemp(f"optim-{name}")
             _, straight = train(root / "straight", *BASE, *extra)
-            _, _, saved = _trainer_run(root / "resumed", *extra, f"train.stop_after={STOP}")
-            optimizer, loaded, _ = _trainer_run(root / "resumed", *extra)
+            _, _, saved, _ = _trainer_run(root / "resumed", *extra, f"train.stop_after={STOP}")
+            _, loaded, _, choice = _trainer_run(root / "resumed", *extra)
             done[name] = {"straight": straight, "resumed": read_rows(root / "resumed"), "saved": saved,
-                          "loaded": loaded, "choice": choice_of(optimizer), "run": root / "resumed",
+                          "loaded": loaded, "choice": choice, "run": root / "resumed",
                           "ckpt": root / "resumed" / "checkpoints" / f"step-{STOP}"}
         return done[name]
 

@@ -11,7 +11,8 @@ from mptrain.model.gpt import GPT, GPTShape
 from mptrain.distributed.parallel import DistContext
 from mptrain.config.schema import ParallelMode
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
-from mptrain.run.step import build_optimizer, decay_names, train_step
+from mptrain.run.nonfinite import NonFiniteGuard
+from mptrain.run.step import StepState, build_optimizer, decay_names, train_step
 
 from .aids import inf_grad_at
 from .conftest import make_cfg, train
@@ -25,7 +26,7 @@ def _setup(*overrides):
     model = GPT(GPTShape(vocab_size=64, n_layer=1, n_head=2, d_model=32, block_size=16))
     policy = PrecisionPolicy(cfg.precision, CPU)
     opt = build_optimizer(model, decay_names(model), cfg.optim, CPU)
-    return model, opt, policy.make_scaler(), policy, DistContext(mode=ParallelMode.none)
+    return StepState(model, opt, policy.make_scaler(), policy, DistContext(mode=ParallelMode.none), grad_clip=1.0)
 
 
 def _batch(seed):
@@ -49,11 +50,12 @@ def _same(a, b):
 
 
 def test_injected_inf_skips_step_halves_scale_counts():
-    model, opt, scaler, policy, ctx = _setup()
-    train_step(model, opt, scaler, policy, ctx, _batch(0), 1.0)  # one clean step: optimizer state exists
+    state = _setup()
+    model, opt, scaler = state.model, state.optimizer, state.scaler
+    train_step(state, _batch(0))  # one clean step: optimizer state exists
     assert int(scaler.skipped) == 0 and scaler.get_scale() == 65536.0
     before = _state(model, opt)
-    out = train_step(model, opt, scaler, policy, ctx, _batch(1), 1.0, faults=inf_grad_at(0))
+    out = train_step(state, _batch(1), inf_grad_at(0))
     after = _state(model, opt)
     assert int(out.skipped) == 1
     assert not torch.isfinite(out.grad_norm)
@@ -62,28 +64,26 @@ def test_injected_inf_skips_step_halves_scale_counts():
     assert scaler.get_scale() == 32768.0
     assert int(scaler.skipped) == 1
     # and the next clean step does update
-    train_step(model, opt, scaler, policy, ctx, _batch(2), 1.0)
+    train_step(state, _batch(2))
     assert not _same(after[0], _state(model, opt)[0])
 
 
 def test_scale_grows_after_growth_interval_clean_steps():
-    model, opt, scaler, policy, ctx = _setup("precision.loss_scale.growth_interval=3",
-                                             "precision.loss_scale.init_scale=1024")
+    state = _setup("precision.loss_scale.growth_interval=3", "precision.loss_scale.init_scale=1024")
     scales = []
     for i in range(7):
-        train_step(model, opt, scaler, policy, ctx, _batch(i), 1.0)
-        scales.append(scaler.get_scale())
+        train_step(state, _batch(i))
+        scales.append(state.scaler.get_scale())
     assert scales == [1024, 1024, 2048, 2048, 2048, 4096, 4096]
 
 
 def test_static_scale_skips_but_never_moves():
-    model, opt, scaler, policy, ctx = _setup("precision.loss_scale.mode=static",
-                                             "precision.loss_scale.init_scale=512",
-                                             "precision.loss_scale.growth_interval=1")
+    state = _setup("precision.loss_scale.mode=static", "precision.loss_scale.init_scale=512",
+                   "precision.loss_scale.growth_interval=1")
     for i, bad in enumerate([False, True, False, False]):
-        train_step(model, opt, scaler, policy, ctx, _batch(i), 1.0, step=i, faults=inf_grad_at(1))
-        assert scaler.get_scale() == 512.0
-    assert int(scaler.skipped) == 1
+        train_step(state, _batch(i), inf_grad_at(1), step=i)
+        assert state.scaler.get_scale() == 512.0
+    assert int(state.scaler.skipped) == 1
 
 
 def test_disabled_scaler_is_identity():
@@ -97,7 +97,8 @@ def test_scaler_state_across_a_precision_change():
     """A resume that changes precision (resume.allow_changes=[precision]) hands the scaler the
     other kind's state. fp32/bf16 saved an empty GradScaler state, which GradScaler itself
     refuses: fp16 scaling starts fresh at init_scale. fp16 state means nothing without scaling."""
-    model, opt, used, policy, ctx = _setup("precision.loss_scale.init_scale=1024")
+    state = _setup("precision.loss_scale.init_scale=1024")
+    used, policy = state.scaler, state.policy
     on = policy.cfg.loss_scale  # one composed config serves all four scalers
     off = OmegaConf.merge(on, {"enabled": False})  # what fp32/bf16 have
 
@@ -106,7 +107,7 @@ def test_scaler_state_across_a_precision_change():
     assert fp16.get_scale() == 1024.0 and int(fp16.skipped) == 0
     assert fp16.scale(torch.tensor(2.0)).item() == 2048.0
 
-    train_step(model, opt, used, policy, ctx, _batch(0), 1.0, faults=inf_grad_at(0))  # backs off to 512, one skip
+    train_step(state, _batch(0), inf_grad_at(0))  # backs off to 512, one skip
     saved = used.state_dict()
     bf16 = LossScaler(off, CPU)
     bf16.load_state_dict(saved)
@@ -140,19 +141,17 @@ def test_fp16_without_scaling_warns(tmp_path, capsys):
 def test_device_side_skip_leaves_weights_and_optimizer_untouched(mode):
     """Fused AdamW skips a bad step on the device (no host sync): weights, moments and
     the step count stay exactly as they were; under abort every later step is skipped too."""
-    from mptrain.run.faults import NonFiniteGuard
-
-    model, opt, _, _, ctx = _setup("precision=fp32", "optim.fused=true")
+    base = _setup("precision=fp32", "optim.fused=true")
+    model, opt = base.model, base.optimizer
     policy = PrecisionPolicy(make_cfg("precision=fp32").precision, CPU)
-    scaler = policy.make_scaler()
     guard = NonFiniteGuard(mode, opt, CPU)
     assert guard.on_device
-    train_step(model, opt, scaler, policy, ctx, _batch(0), 1.0, guard=guard, step=0)
+    state = StepState(model, opt, policy.make_scaler(), policy, base.ctx, grad_clip=1.0, guard=guard)
+    train_step(state, _batch(0), step=0)
     before = _state(model, opt)
-    out = train_step(model, opt, scaler, policy, ctx, _batch(1), 1.0, guard=guard, step=1,
-                     faults=inf_grad_at(1))
+    out = train_step(state, _batch(1), inf_grad_at(1), step=1)
     assert bool(out.skipped) and _same(_state(model, opt), before)
-    out = train_step(model, opt, scaler, policy, ctx, _batch(2), 1.0, guard=guard, step=2)  # a clean step
+    out = train_step(state, _batch(2), step=2)  # a clean step
     if mode == "abort":
         assert bool(out.skipped) and _same(_state(model, opt), before) and guard.first_bad_step() == 1
     else:

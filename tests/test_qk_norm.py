@@ -149,7 +149,7 @@ def test_qk_norm_model_shape_init_and_memory_estimate():
     from mptrain.observe.memory import estimate
     from mptrain.distributed.parallel import DistContext, wrap
     from mptrain.precision.policy import PrecisionPolicy
-    from mptrain.run.step import build_optimizer, decay_names, train_step
+    from mptrain.run.step import StepState, build_optimizer, decay_names, train_step
 
     cfg = make_cfg("model.qk_norm=true", "model.vocab_size=64")
     m = cfg.model
@@ -174,7 +174,7 @@ def test_qk_norm_model_shape_init_and_memory_estimate():
     model = wrap(model, policy, ctx)
     opt = build_optimizer(model, decay, cfg.optim, cpu)
     x = torch.randint(0, 64, (2, m.block_size + 1))
-    train_step(model, opt, policy.make_scaler(), policy, ctx, [(x[:, :-1], x[:, 1:])], 1.0)
+    train_step(StepState(model, opt, policy.make_scaler(), policy, ctx, 1.0), [(x[:, :-1], x[:, 1:])])
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     params = list(model.parameters())
     e = estimate(cfg, vocab=64, world=1, micro_batch=2)

@@ -10,12 +10,21 @@ import torch
 import torch.nn as nn
 
 from mptrain.config.schema import ParallelMode
-from mptrain.run.faults import NonFiniteGuard
 from mptrain.model.gpt import GPT, GPTShape
 from mptrain.distributed.parallel import DistContext
 from mptrain.observe.perf import HostSyncCounter
 from mptrain.precision.policy import PrecisionPolicy
-from mptrain.run.step import build_optimizer, decay_names, train_step, update_clipping, update_rms
+from mptrain.run.nonfinite import NonFiniteGuard
+from mptrain.run.step import (
+    StepState,
+    UpdateClip,
+    ZLoss,
+    build_optimizer,
+    decay_names,
+    train_step,
+    update_clipping,
+    update_rms,
+)
 
 from .aids import inf_grad_at
 from .conftest import make_cfg
@@ -41,7 +50,7 @@ def test_z_loss_is_coefficient_times_mean_log_z_squared_and_reaches_the_gradient
     ref = copy.deepcopy(model)
     opt = build_optimizer(model, decay_names(model), cfg.optim, CPU)
     micro = _batches(0, micro=2)
-    out = train_step(model, opt, policy.make_scaler(), policy, CTX, micro, 0.0, z_loss=coef)
+    out = train_step(StepState(model, opt, policy.make_scaler(), policy, CTX, 0.0, ZLoss(coef)), micro)
 
     # Independently: log Z as log(sum(exp)) in fp64, the cross-entropy from log-softmax.
     ces, terms = [], []
@@ -69,9 +78,9 @@ def _set_grads(model: nn.Module, grads: dict) -> None:
         p.grad = grads[n].clone()
 
 
-def _clipped_step(model, opt) -> torch.Tensor:
+def _clipped_step(model, opt, clip: float) -> torch.Tensor:
     """What train_step does around the optimizer: clip the learning rates, step, restore."""
-    with update_clipping(opt, CTX, opt.update_clip) as ratio:
+    with update_clipping(opt, CTX, clip) as ratio:
         opt.step()
     return ratio
 
@@ -93,7 +102,7 @@ def test_update_clipping_shrinks_a_jumping_tensor_by_its_rms_and_leaves_steady_o
     for _ in range(3):  # the same gradient every step: v matches g^2, so RMS is 1
         _set_grads(model, steady)
         torch.testing.assert_close(update_rms(opt, CTX), torch.ones(len(named)), rtol=1e-5, atol=0)
-        _clipped_step(model, opt)
+        _clipped_step(model, opt, cfg.optim.update_clip)
 
     jump = "blocks.0.mlp.fc.weight"  # a decayed matrix: its weight decay shrinks with its step
     grads = {n: g * (30.0 if n == jump else 0.5) for n, g in steady.items()}
@@ -104,13 +113,12 @@ def test_update_clipping_shrinks_a_jumping_tensor_by_its_rms_and_leaves_steady_o
     r = (g ** 2 / v.clamp(min=eps ** 2)).mean().sqrt().item()
     assert r > 1.5  # (the bound at step 4, for any jump: sqrt((1 - b2 ** 4) / (1 - b2)) = 1.92)
 
-    ref_model, ref_opt = copy.deepcopy((model, opt))
-    ref_opt.update_clip = 0.0  # the same optimizer, state and groups, unclipped
+    ref_model, ref_opt = copy.deepcopy((model, opt))  # the same optimizer, state and groups, stepped unclipped
     before = {n: p.detach().clone() for n, p in named.items()}
     _set_grads(model, grads)
-    ratio = _clipped_step(model, opt)
+    ratio = _clipped_step(model, opt, cfg.optim.update_clip)
     _set_grads(ref_model, grads)
-    assert _clipped_step(ref_model, ref_opt) is None
+    assert _clipped_step(ref_model, ref_opt, 0.0) is None
     assert math.isclose(ratio.item(), r, rel_tol=1e-5)  # the largest RMS / update_clip: the jump's
     for n, p in ref_model.named_parameters():
         delta, ref_delta = named[n].detach() - before[n], p.detach() - before[n]
@@ -128,10 +136,12 @@ def _run(fused: bool, steps: int = 8):
     policy = PrecisionPolicy(cfg.precision, CPU)
     model = _tiny()
     opt = build_optimizer(model, decay_names(model), cfg.optim, CPU)
-    scaler, outs = policy.make_scaler(), []
+    state = StepState(model, opt, policy.make_scaler(), policy, CTX, grad_clip=1.0, z_loss=ZLoss(1e-4),
+                      update_clip=UpdateClip(cfg.optim.update_clip))
+    outs = []
     with HostSyncCounter() as syncs:
         for i in range(steps):
-            outs.append(train_step(model, opt, scaler, policy, CTX, _batches(0), 1.0, step=i, z_loss=1e-4))
+            outs.append(train_step(state, _batches(0), step=i))
     return model, opt, policy, outs, [c for c in syncs.calls if c[1].startswith("step.py")]
 
 
@@ -155,8 +165,8 @@ def test_training_with_z_loss_and_update_clipping_lowers_the_loss_fused_or_not()
     model, opt, policy, _, _ = runs[True]
     before = copy.deepcopy((model.state_dict(), opt.state_dict()["state"]))
     guard = NonFiniteGuard("skip", opt, CPU)
-    out = train_step(model, opt, policy.make_scaler(), policy, CTX, _batches(1), 0.0, guard=guard, step=8,
-                     z_loss=1e-4, faults=inf_grad_at(8))
+    state = StepState(model, opt, policy.make_scaler(), policy, CTX, 0.0, ZLoss(1e-4), UpdateClip(1.0), guard)
+    out = train_step(state, _batches(1), inf_grad_at(8), step=8)
     assert out.skipped.item() == 1 and out.update_clip_max.item() == 0
     after = (model.state_dict(), opt.state_dict()["state"])
     assert all(torch.equal(before[0][k], after[0][k]) for k in after[0])

@@ -88,7 +88,7 @@ from mptrain.checkpoint.safeload import (
     load_plain,
 )
 from mptrain.core.errors import NO_ROOM_FIXES
-from mptrain.precision.optimizers import choice_of
+from mptrain.precision.optimizers import choose
 
 # Shape fields a checkpoint must agree on with the run that loads it.
 _SHAPE_KEYS = ("n_layer", "n_head", "d_model", "block_size")
@@ -192,7 +192,7 @@ class Checkpointer:
         """manifest.json, then meta.json: its presence marks the content complete."""
         record = write_manifest(tmp, files)
         m = self.run_cfg.model
-        choice = choice_of(optimizer)
+        choice = choose(self.run_cfg)  # the AdamW this config runs (build_model built it from the same)
         meta = {
             "format": FORMAT,
             "step": step,

@@ -881,6 +881,19 @@ class DebugConfig:
     node lost between the final checkpoint and ``summary.json``."""
 
 
+def debug_set(dcfg) -> bool:
+    """Whether any ``debug.*`` key differs from its default: only then does a run
+    build its fault injector (a test aid has no place in an ordinary run)."""
+    plain = DebugConfig()
+    return any(_listed(getattr(dcfg, f.name)) != _listed(getattr(plain, f.name)) for f in fields(DebugConfig))
+
+
+def _listed(value: Any) -> Any:
+    """A sequence as a plain list (a composed config holds a ListConfig where the
+    dataclass default holds a list); anything else as it is."""
+    return list(value) if isinstance(value, typing.Sequence) and not isinstance(value, str) else value
+
+
 # --------------------------------------------------------------------------- root
 @dataclass
 class Config:

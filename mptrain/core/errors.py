@@ -6,7 +6,7 @@ a resume, a save), and the entry points print it as one line,
 ``mptrain: <kind>: <message>``, with exit code 2 (``docs/outputs.md``). The
 kind is part of the message on purpose: "configuration error" in front of a
 full disk would send the user to the wrong place. Numerics that stop a run
-are not user errors (``run/faults.py``: exit code 3).
+are not user errors (``run/nonfinite.py``: exit code 3).
 
 The classes that need another layer's context (checkpoints, resume, the run
 directory) subclass these where they are raised; the family is defined here,

@@ -285,6 +285,7 @@ class NumericsMonitor:
                 self._blocks.setdefault(group_of(name), mod)
         self.stability = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.choice: optimizers.Choice = optimizers.TORCH_ADAMW
         if self.enabled and getattr(mcfg, "stability", False):
 
             self.stability = StabilityMonitor(model)
@@ -294,12 +295,14 @@ class NumericsMonitor:
         self._hooks: list = []
         self._reset()
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer,
+                         choice: optimizers.Choice = optimizers.TORCH_ADAMW) -> None:
         """The optimizer whose state gives the ``numerics/update_lost*`` and
-        ``stability/adam_*`` figures (none without it)."""
-        self.optimizer = optimizer
+        ``stability/adam_*`` figures (none without it), and which AdamW it is
+        (``choice``, from ``optimizers.choose``; torch's unless told)."""
+        self.optimizer, self.choice = optimizer, choice
         if self.stability is not None:
-            self.stability.attach_optimizer(optimizer)
+            self.stability.attach_optimizer(optimizer, choice)
 
     def pause_probes(self) -> None:
         """No attention probe in this step (the dtype audit records the step's own
@@ -491,13 +494,13 @@ class NumericsMonitor:
     def _applied(self, params: list, after: torch.Tensor) -> Optional[torch.Tensor]:
         """:func:`applied_update_stats` summed over the tensors the step updated
         (``after``: every parameter's shard, flat, as :meth:`after_optimizer` has it)."""
-        stochastic = optimizers.choice_of(self.optimizer).rounding == "stochastic"
+        stochastic = self.choice.rounding == "stochastic"
         groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         befores, afters, intendeds, comps = [], [], [], []
         for before, p in zip(self._snapshot, params, strict=True):
             if p.grad is None or id(p) not in groups:
                 continue
-            intended = optimizers.intended_update(self.optimizer, p, groups[id(p)], before)
+            intended = optimizers.intended_update(self.optimizer, p, groups[id(p)], before, self.choice)
             if intended is None:
                 continue
             befores.append(before)
@@ -593,8 +596,7 @@ class NumericsMonitor:
         if applied is not None and applied[0] > 0:
             moved, unchanged, expected, held, held_abs, intended_abs = (float(v) for v in applied)
             out["numerics/update_lost"] = unchanged / moved
-
-            choice = optimizers.choice_of(self.optimizer)
+            choice = self.choice
             if choice.rounding == "stochastic":
                 out["numerics/update_lost_expected"] = expected / moved
             if choice.kahan:

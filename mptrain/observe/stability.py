@@ -266,11 +266,14 @@ class StabilityMonitor:
         self._norms = norm_modules(model)
         self.rank, self.world = _rank_world()
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.choice: optimizers.Choice = optimizers.TORCH_ADAMW
         self.clear()
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer whose state (exp_avg, exp_avg_sq, step) gives Adam's figures."""
-        self.optimizer = optimizer
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer,
+                         choice: optimizers.Choice = optimizers.TORCH_ADAMW) -> None:
+        """The optimizer whose state (exp_avg, exp_avg_sq, step) gives Adam's figures,
+        and which AdamW it is (how its moments are stored)."""
+        self.optimizer, self.choice = optimizer, choice
 
     def clear(self) -> None:
         """Drop the stores (after collect, or at the start of a monitored step)."""
@@ -402,7 +405,7 @@ class StabilityMonitor:
         for group, entries in self._states(model).items():
             total, n = torch.zeros((), dtype=torch.float64, device=device), 0
             for p, hyper in entries:
-                moments = optimizers.moments(self.optimizer, p, hyper)
+                moments = optimizers.moments(self.optimizer, p, hyper, self.choice)
                 value = None if moments is None or moments[1].numel() == 0 else term(p, moments, hyper)
                 if value is not None:
                     total, n = total + value.double(), n + moments[1].numel()

@@ -160,7 +160,9 @@ def _asked(choice: Choice) -> str:
 
 # ------------------------------------------------------------------ building
 def make(groups: list[dict], ocfg, choice: Choice, device: torch.device) -> torch.optim.Optimizer:
-    """The optimizer ``choice`` names, over ``groups`` (each with its ``weight_decay``)."""
+    """The optimizer ``choice`` names, over ``groups`` (each with its ``weight_decay``).
+    The choice travels beside it (``build.RunModel.opt_choice``), never on it: what
+    needs to know which AdamW runs (the monitor, a checkpoint's meta.json) is handed it."""
     betas, kw = (ocfg.beta1, ocfg.beta2), dict(lr=ocfg.lr, eps=ocfg.eps)
     if choice.impl == "torch":
         fused = ocfg.fused if ocfg.get("fused") is not None else device.type == "cuda"
@@ -179,7 +181,6 @@ def make(groups: list[dict], ocfg, choice: Choice, device: torch.device) -> torc
         opt = _torchao_class(choice.state)(groups, betas=betas, **kw,
                                            bf16_stochastic_round=choice.rounding == "stochastic")
         opt.compile_step = compiled
-    opt.choice = choice
     return opt
 
 
@@ -230,11 +231,6 @@ TORCH_ADAMW = Choice("torch", "fp32", "nearest", "fp32")
 """torch's AdamW over fp32 weights: what an optimizer built without a choice is."""
 
 
-def choice_of(optimizer: torch.optim.Optimizer) -> Choice:
-    """The :class:`Choice` an optimizer was built for (torch's AdamW when built elsewhere)."""
-    return getattr(optimizer, "choice", None) or TORCH_ADAMW
-
-
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Every group's learning rate to ``lr``. torchao reads it as a 0-d tensor
     (changing it must not retrace its compiled step), the others as a float."""
@@ -255,17 +251,18 @@ def dequantized(t: torch.Tensor) -> torch.Tensor:
     return t.float()
 
 
-def moments(optimizer: torch.optim.Optimizer, p: torch.Tensor,
-            group: dict) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def moments(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict,
+            choice: Choice) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Bias-corrected ``(m_hat, v_hat)`` of ``p`` (this rank's shard, fp32), or
-    None before its first step. torch-optimi keeps them bias-corrected already
-    (its betas are debiased each step); torch and torchao keep the raw averages
-    and a per-parameter step count."""
+    None before its first step. ``choice``: what the optimizer was built as
+    (:func:`make`). torch-optimi keeps them bias-corrected already (its betas
+    are debiased each step); torch and torchao keep the raw averages and a
+    per-parameter step count."""
     state = optimizer.state.get(p)
     if not state or state.get("exp_avg_sq") is None:
         return None
     m, v = dequantized(state["exp_avg"]), dequantized(state["exp_avg_sq"])
-    if choice_of(optimizer).impl == "optimi":
+    if choice.impl == "optimi":
         return m, v
     if "step" not in state:
         return None
@@ -274,14 +271,14 @@ def moments(optimizer: torch.optim.Optimizer, p: torch.Tensor,
 
 
 def intended_update(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict,
-                    before: torch.Tensor) -> Optional[torch.Tensor]:
+                    before: torch.Tensor, choice: Choice) -> Optional[torch.Tensor]:
     """What the step just taken meant to add to ``p`` (fp32, this rank's shard),
     from the moments as stored after it and the weights ``before`` it:
     ``-lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * before)``. None when
     ``p`` has no state yet. With quantized or bf16 moments this is the update
     their stored values give, within their rounding of the fp32 values the
     step used; the lr is the group's (update clipping's per-step factor is not in it)."""
-    mv = moments(optimizer, p, group)
+    mv = moments(optimizer, p, group, choice)
     if mv is None:
         return None
     m_hat, v_hat = mv

@@ -1,26 +1,29 @@
 """What the run reports about itself, in one place.
 
-The loop (``trainer.py``) decides *when*; :class:`Reporter` decides *what*:
+The loop (``trainer.py``) decides *when*, and the run's components
+(``parts.py``) add what they measured; this module formats:
 
-- run_info (:meth:`Reporter.describe`): the dtypes, data, model and
-  throughput figures that the banner prints and config.yaml records;
-- the metric row of a logged step (:meth:`Reporter.row`): the loss read back
-  (the one host sync of the logging cadence), tokens/s, MFU, data wait, the
-  loss scaler's figures, the gradient norm, whether the ranks still agree,
-  and the alerts (loss spike, skip rate, stability) that ride on it;
-- a monitored step's extras (:meth:`Reporter.observe`): the numerics
-  monitor's scalars, float8 cast figures, collective bytes, the dtype audit;
+- run_info (:func:`describe`, when the :class:`Reporter` is built): the dtypes,
+  data, model and throughput figures that the banner prints and config.yaml
+  records;
+- the read-back of a logged step (:func:`read_back`): the loss and the
+  switches' figures, with what the components ask to read along, in the one
+  host sync of the logging cadence;
+- the metric row of a logged step (:meth:`Reporter.row`): tokens/s, MFU, data
+  wait, the loss scaler's figures, the gradient norm, whether the ranks still
+  agree;
+- the validation line and the text sample;
 - the summary (:meth:`Reporter.finish`): summary.json and the closing lines.
 
-The names of metrics and summary keys are a contract (``docs/outputs.md``):
-tools read them.
+It decides nothing: it raises no error of the run's, replays nothing and
+stops nothing (the loop and the components do). The names of metrics and
+summary keys are a contract (``docs/outputs.md``): tools read them.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -28,26 +31,18 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
-from mptrain.config.schema import ParallelMode
 from mptrain.core.shards import local_shard
 from mptrain.core.text import fmt
 from mptrain.data.batches import ValSet
-from mptrain.observe.comm import CommCounter, counting
 from mptrain.distributed.parallel import DistContext
 from mptrain.model.generate import generate
-from mptrain.observe import fp8watch
-from mptrain.observe.alerts import SkipRateWarning, SpikeDetector
-from mptrain.observe.audit import DtypeAudit
+from mptrain.observe.memory import Estimate, summary_figures
 from mptrain.observe.memory import estimate as memory_estimate
-from mptrain.observe.memory import summary_figures
-from mptrain.observe.numerics import NumericsMonitor
 from mptrain.observe.perf import SLOW_AT, Pace, Throughput, flops_per_token, matmul_kind, mfu, peak_flops, predict_pace
-from mptrain.observe.stability import StabilityWarnings, outlier_table
 from mptrain.precision.formats import dtype_name
-from mptrain.precision.optimizers import Choice
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
+from mptrain.run.build import RunData, RunModel
 from mptrain.run.console import RunLog, plain_cadence
-from mptrain.run.faults import NonFiniteHandler
 from mptrain.run.metrics import Metrics
 from mptrain.run.record import ComputeDtypeProbe, RunRecord, banner, observed_dtypes, peak_memory, reset_peak_memory
 from mptrain.run.step import StepResult
@@ -59,160 +54,156 @@ def start_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def numerics_monitor(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
-                     ctx: DistContext) -> NumericsMonitor:
-    """The numerics monitor of the run (``monitor.*``), with the float8 cast
-    watch when the run casts to float8 and ``monitor.fp8_casts`` is on."""
-    fp8_watch = (fp8watch.CastWatch.of_run(policy.lowp, model, cfg.monitor.fp8_whatif)
-                 if policy.lowp and cfg.monitor.fp8_casts else None)
-    monitor = NumericsMonitor(cfg.monitor, model, reduce_sum=ctx.shard_sum, reduce_max=ctx.shard_max,
-                              reduce_max_all=ctx.all_reduce_max, reduce_sum_all=ctx.all_reduce_sum,
-                              fp8_watch=fp8_watch)
-    monitor.attach_optimizer(optimizer)  # Adam's health on monitored steps (stability.py)
-    return monitor
-
-
 @dataclass
 class LoopStep:
-    """One step as the loop hands it to the reporter: the math's result and
-    what the loop added around it."""
+    """One step as the loop hands it to the reporter: the math's result and the
+    learning rate the loop set for it."""
 
     result: StepResult
     lr: float
-    """The learning rate the step ran with."""
-    comm: Optional[CommCounter] = None
-    """The step's collectives, counted on monitored steps under ``monitor.comm``."""
-    audit: Optional[DtypeAudit] = None
-    """The step's dtype audit (``train.audit``: the first step of a launch)."""
 
 
-def _eager_if(enabled: bool):
-    """Compiled blocks run eagerly inside (a monitored step). The monitor hooks
-    every block with its own closure for that step only; traced, each hook
-    would recompile every block on and off the monitored steps, past dynamo's
-    recompile limit, after which the blocks fall back to eager for good."""
-    return torch.compiler.set_stance("force_eager") if enabled else contextlib.nullcontext()
+@dataclass
+class Reading:
+    """What a logged step reads back from the device, in one host sync (each the
+    mean over ranks)."""
+
+    loss: float
+    figures: dict[str, float]
+    """The switches' own figures (``z_loss``, ``update_clip_max``), those that are on."""
+    flags: dict[str, float]
+    """What the components asked to read along (``Component.to_read``), by name."""
+    loss_scale: Optional[float]
+    """fp16 loss scaling's current scale; None without loss scaling."""
 
 
-@contextlib.contextmanager
-def _audit(enabled: bool, model, optimizer, policy):
-    """The dtype audit of one step (``audit.py``), or None when not auditing.
-    Compiled blocks run eagerly for it: a dispatch mode cannot look inside a graph."""
-    if not enabled:
-        yield None
-        return
-    with torch.compiler.set_stance("force_eager"), DtypeAudit(model, optimizer, policy) as audit:
-        yield audit
+def read_back(ctx: DistContext, result: StepResult, flags: dict[str, torch.Tensor], scaler: LossScaler) -> Reading:
+    """The logging cadence's read-back of ``result``, with ``flags`` riding along."""
+    extra = {k: v for k, v in (("z_loss", result.z_loss), ("update_clip_max", result.update_clip_max))
+             if v is not None}
+    read = torch.stack([result.loss.float(), *(v.float() for v in extra.values()),
+                        *(v.float() for v in flags.values())])
+    loss, *rest = ctx.all_reduce_mean(read).tolist()  # host sync: read back only at this cadence
+    return Reading(loss, dict(zip(extra, rest[:len(extra)], strict=True)),
+                   dict(zip(flags, rest[len(extra):], strict=True)), scaler.get_scale())
+
+
+@dataclass
+class RunFacts:
+    """What the run is, as the banner, the rows and the summary state it; fixed once built."""
+
+    n_params: int
+    """Parameters without position embeddings (the N of 6N)."""
+    dtypes: dict
+    """The dtype table (as configured; observed ones added after the first step and at the end)."""
+    lowp: Optional[dict]
+    """The float8 (or 4-bit) linears' report, None without them."""
+    lowp_key: str
+    """run_info's and summary.json's key for :attr:`lowp`: ``fp8`` or ``fp4``."""
+    flops_tok: float
+    peak: Optional[float]
+    """The device's peak FLOP/s for MFU, None where unknown."""
+    mem_est: Estimate
+    pace: Optional[Pace]
+    """How much slower than fp32 this CPU run's matmuls are predicted to be; None where not predicted."""
+
+
+@dataclass
+class Latest:
+    """What the summary repeats: the last training row, the last validation loss and
+    the set it was measured on, the data wait summed over the logged laps."""
+
+    train: dict = field(default_factory=dict)
+    val: Optional[float] = None
+    eval_set: dict = field(default_factory=dict)
+    wait_s: float = 0.0
+    copy_s: float = 0.0
+
+
+def describe(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, data: RunData, built: RunModel,
+             info: dict) -> RunFacts:
+    """run_info (into ``info``) and the run's facts: what the banner prints and config.yaml records."""
+    tc, choice, model = cfg.train, built.opt_choice, built.model
+    dtypes = {**policy.describe(), **ctx.wrapper_dtypes}
+    # the moments as configured; after step 1, as observed
+    dtypes["optimizer_state"] = choice.state + (f" + Kahan compensation {choice.param_dtype}" if choice.kahan else "")
+    tokens = data.tokens
+    info.update({
+        "dtypes": dtypes, "world_size": ctx.world, "device": str(ctx.device), "backend": ctx.backend,
+        "micro_batch_size": data.micro_batch, "grad_accum_steps": data.accum, "vocab_size": data.vocab,
+        "tokenizer": tokens.tokenizer.name, "tokenizer_path": tokens.tokenizer.path, "corpus": tokens.source,
+        "train_tokens": int(len(tokens.train)), "val_tokens": int(len(tokens.val)), "params": built.n_params,
+        "compile": built.compile_blocks, "activation_checkpointing": tc.activation_checkpointing.value,
+        "fused_adamw": any(g.get("fused") for g in built.optimizer.param_groups),
+        "optimizer": choice.describe()})
+    lowp_key = "fp4" if policy.fp4 else "fp8"
+    lowp = policy.lowp.report if policy.lowp else None
+    if lowp is not None:
+        # Weights FSDP2 will all-gather in float8 carry torchao's float8-cast tensor subclass.
+        lowp["float8_all_gather_weights"] = sum("Float8" in type(local_shard(p)).__name__ for p in model.parameters())
+        info[lowp_key] = lowp
+    m = cfg.model
+    flops_tok = flops_per_token(built.n_params, m.n_layer, m.d_model, m.block_size)
+    device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    kind = matmul_kind(dtype_name(policy.compute_dtype), policy.fp8_enabled,
+                       ctx.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    mem_est = memory_estimate(cfg, data.vocab, ctx.world, data.micro_batch)
+    info["flops_per_token"] = flops_tok
+    info["stability"] = {"model.qk_norm": m.qk_norm, "train.z_loss": tc.z_loss,
+                         "optim.update_clip": cfg.optim.update_clip}
+    info["memory_estimate_gib"] = {k: round(v / 2**30, 4) for k, v in mem_est.parts().items()}
+    return RunFacts(built.n_params, dtypes, lowp, lowp_key, flops_tok, peak_flops(device_name, kind, tc.peak_tflops),
+                    mem_est, _predict_pace(cfg, ctx, policy, model, flops_tok, data.micro_batch))
+
+
+def _predict_pace(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, model: nn.Module, flops_tok: float,
+                  mbs: int) -> Optional[Pace]:
+    """How much slower than fp32 this CPU run's matmuls will be (``perf.Pace``),
+    or None where that is not predicted: on a GPU, and in fp32."""
+    compute = dtype_name(policy.compute_dtype)
+    if ctx.device.type != "cpu" or not (policy.lowp or compute in ("bf16", "fp16")):
+        return None
+    m = cfg.model
+    by_dtype = {compute: flops_tok}
+    if policy.lowp:
+        # The converted linears' share (6 FLOPs per weight per token) in their matmul path:
+        # float8's kernel, or fp32 for the 4-bit emulation (its casts are not counted);
+        # attention, the head and excluded linears stay in the autocast dtype.
+        low = 6.0 * sum(mod.in_features * mod.out_features for mod in model.modules()
+                        if isinstance(mod, nn.Linear) and type(mod) is not nn.Linear)
+        path = f"fp8_{policy.fp8.matmul}" if policy.fp8 else "fp32"
+        by_dtype = {compute: flops_tok - low}
+        by_dtype[path] = by_dtype.get(path, 0.0) + low
+    return predict_pace(str(ctx.device), by_dtype, mbs * m.block_size, m.d_model)
 
 
 class Reporter:
     """The run's record (``RunRecord``), its metric sinks (``Metrics``, opened by
-    :meth:`open`) and every figure that goes into them. Built once the model,
-    optimizer and loss scaler exist; the warnings it holds are resumable
-    (:meth:`states`)."""
+    :meth:`open`) and the figures that go into them. Built once the data, the
+    model, its optimizer and loss scaler exist; every attribute is set here."""
 
-    def __init__(self, cfg: DictConfig, ctx: DistContext, run_dir: Path, t_start: float, policy: PrecisionPolicy,
-                 scaler: LossScaler, nonfinite: NonFiniteHandler, tokens_per_step: int):
-        self.cfg, self.ctx, self.tc, self.run_dir, self.t_start = cfg, ctx, cfg.train, run_dir, t_start
-        self.scaler, self.nonfinite, self.tokens_per_step = scaler, nonfinite, tokens_per_step
+    def __init__(self, cfg: DictConfig, ctx: DistContext, run_dir: Path, t_start: float, runlog: RunLog,
+                 policy: PrecisionPolicy, data: RunData, built: RunModel):
+        self.cfg, self.ctx, self.run_dir, self.t_start = cfg, ctx, run_dir, t_start
+        self.runlog = runlog
+        self.scaler, self.tokens, self.tokens_per_step = built.scaler, data.tokens, data.tokens_per_step
         self.record = RunRecord(cfg, run_dir, ctx.is_main)
-        self.clock = Throughput(tokens_per_step)
-        self.spikes = SpikeDetector(cfg.monitor.spike_factor, cfg.monitor.spike_window)
-        self.stability_warnings = StabilityWarnings(cfg.monitor, dtype_name(policy.compute_dtype))
-        self.skip_warning = SkipRateWarning(cfg.precision.loss_scale)
-        self.fp8_recipe = policy.lowp.recipe if policy.lowp else None
-        # run_info's and summary.json's key for the low-precision linears' report
-        self.lowp_key = "fp4" if policy.fp4 else "fp8"
-        self.count_comm = cfg.monitor.comm and ctx.mode != ParallelMode.none
-        self.metrics: Optional[Metrics] = None
-        self.say = print
-        self.last_train: dict = {}
-        self.last_val: Optional[float] = None
-        self.eval_set: dict = {}  # what the validation loss is measured on, once evaluated (for the summary)
-        self.last_comm: dict = {}
-        self.fp8_casts: Optional[dict] = None  # the last monitored step's float8 cast figures (fp8watch.report)
-        self.outliers: Optional[tuple[int, dict]] = None  # (step, the last monitored step's figures)
-        self.waited = {"wait_s": 0.0, "copy_s": 0.0}  # the data wait of the logged laps, for the summary
+        self.clock = Throughput(data.tokens_per_step)  # training time: eval and checkpoints pause it
+        self.compute_probe = ComputeDtypeProbe(built.model)  # the dtype the first forward computes in
+        self.facts = describe(cfg, ctx, policy, data, built, self.record.info)
+        self.latest = Latest()
+        self.metrics: Optional[Metrics] = None  # opened by open(), once the run starts writing
         self.resumed_from: Optional[Path] = None
         self.history: list = []
-
-    def states(self) -> dict:
-        """The warnings' state, which survives a resume (state_dict/load_state_dict)."""
-        return {"spikes": self.spikes, "skip_warning": self.skip_warning,
-                "stability_warnings": self.stability_warnings}
-
-    # ------------------------------------------------------------- run_info
-    def describe(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
-                 choice: Choice, tokens, n_params: int, vocab: int, micro: tuple[int, int],
-                 compile_blocks: bool) -> None:
-        """run_info and the dtype table: what the banner prints and config.yaml
-        records. ``micro`` is (micro-batch size, accumulation steps)."""
-        cfg, ctx, tc = self.cfg, self.ctx, self.tc
-        self.tokens, self.n_params = tokens, n_params
-        self.compute_probe = ComputeDtypeProbe(model)  # the dtype the first forward computes in
-        self.dtypes = {**policy.describe(), **ctx.wrapper_dtypes}
-        # the moments as configured; after step 1, as observed
-        self.dtypes["optimizer_state"] = choice.state + (f" + Kahan compensation {choice.param_dtype}"
-                                                         if choice.kahan else "")
-        info = self.record.info
-        info.update({
-            "dtypes": self.dtypes, "world_size": ctx.world, "device": str(ctx.device), "backend": ctx.backend,
-            "micro_batch_size": micro[0], "grad_accum_steps": micro[1], "vocab_size": vocab,
-            "tokenizer": tokens.tokenizer.name, "tokenizer_path": tokens.tokenizer.path, "corpus": tokens.source,
-            "train_tokens": int(len(tokens.train)), "val_tokens": int(len(tokens.val)), "params": n_params,
-            "compile": compile_blocks, "activation_checkpointing": tc.activation_checkpointing.value,
-            "fused_adamw": any(g.get("fused") for g in optimizer.param_groups),
-            "optimizer": choice.describe()})
-        self.fp8_report = policy.lowp.report if policy.lowp else None
-        if self.fp8_report is not None:
-            # Weights FSDP2 will all-gather in float8 carry torchao's float8-cast tensor subclass.
-            self.fp8_report["float8_all_gather_weights"] = sum(
-                "Float8" in type(local_shard(p)).__name__ for p in model.parameters())
-            info[self.lowp_key] = self.fp8_report
-        self._perf_figures(policy, vocab, micro[0])
-        self.pace = self._predict_pace(model, policy, micro[0])
-        info["stability"] = {"model.qk_norm": cfg.model.qk_norm, "train.z_loss": tc.z_loss,
-                             "optim.update_clip": cfg.optim.update_clip}
-        info["memory_estimate_gib"] = {k: round(v / 2**30, 4) for k, v in self.mem_est.parts().items()}
-
-    def _perf_figures(self, policy: PrecisionPolicy, vocab: int, mbs: int) -> None:
-        """FLOPs per token, the device's peak (for MFU) and the memory estimate."""
-        cfg, ctx, m = self.cfg, self.ctx, self.cfg.model
-        self.flops_tok = flops_per_token(self.n_params, m.n_layer, m.d_model, m.block_size)
-        device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
-        kind = matmul_kind(dtype_name(policy.compute_dtype), policy.fp8_enabled,
-                           ctx.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
-        self.peak = peak_flops(device_name, kind, self.tc.peak_tflops)
-        self.mem_est = memory_estimate(cfg, vocab, ctx.world, mbs)
-        self.record.info["flops_per_token"] = self.flops_tok
-
-    def _predict_pace(self, model: nn.Module, policy: PrecisionPolicy, mbs: int) -> Optional[Pace]:
-        """How much slower than fp32 this CPU run's matmuls will be (``perf.Pace``),
-        or None where that is not predicted: on a GPU, and in fp32."""
-        compute = dtype_name(policy.compute_dtype)
-        if self.ctx.device.type != "cpu" or not (policy.lowp or compute in ("bf16", "fp16")):
-            return None
-        m = self.cfg.model
-        by_dtype = {compute: self.flops_tok}
-        if policy.lowp:
-            # The converted linears' share (6 FLOPs per weight per token) in their matmul path:
-            # float8's kernel, or fp32 for the 4-bit emulation (its casts are not counted);
-            # attention, the head and excluded linears stay in the autocast dtype.
-            low = 6.0 * sum(mod.in_features * mod.out_features for mod in model.modules()
-                            if isinstance(mod, nn.Linear) and type(mod) is not nn.Linear)
-            path = f"fp8_{policy.fp8.matmul}" if policy.fp8 else "fp32"
-            by_dtype = {compute: self.flops_tok - low}
-            by_dtype[path] = by_dtype.get(path, 0.0) + low
-        return predict_pace(str(self.ctx.device), by_dtype, mbs * m.block_size, m.d_model)
 
     def _pace_warning(self, steps: int) -> Optional[str]:
         """The banner's run-time estimate, only where the matmuls are predicted
         :data:`perf.SLOW_AT` times slower than fp32's."""
-        p = getattr(self, "pace", None)
+        p = self.facts.pace
         if p is None or p.slowdown < SLOW_AT or steps <= 0:
             return None
         faster = "precision=fp32"
-        fp8 = self.fp8_report
+        fp8 = self.facts.lowp
         if fp8 is not None and fp8.get("matmul") == "scaled_mm" and "float8 torch._scaled_mm" in p.slowest:
             faster = "precision.fp8.matmul=emulated (the same float8 casts), or precision=fp32"
         return p.message(steps, self.tokens_per_step, faster)
@@ -227,73 +218,55 @@ class Reporter:
 
     def after_first_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The dtypes the objects hold once a step has run (optimizer state exists now)."""
-        self.dtypes.update(observed_dtypes(model, optimizer))
-        self.dtypes["compute_observed"] = self.compute_probe.close()
+        self.facts.dtypes.update(observed_dtypes(model, optimizer))
+        self.facts.dtypes["compute_observed"] = self.compute_probe.close()
         self.record.write_config()
 
     # --------------------------------------------------------------- outputs
-    def open(self, start: int, runlog: RunLog, warnings: list[str], tokens_seen: int) -> Metrics:
+    def open(self, start: int, warnings: list[str], tokens_seen: int) -> Metrics:
         """config.yaml, the metric sinks and the banner, from step ``start`` on."""
-        cfg, tc, run_dir = self.cfg, self.tc, self.run_dir
-        self.say = runlog.say
+        cfg, tc, run_dir = self.cfg, self.cfg.train, self.run_dir
         name, tags = self.record.names()
         self.record.write_config()
         total = start + 1 if tc.audit_only else tc.max_steps  # the audit stops after one step
         self.metrics = Metrics(run_dir, cfg.log, total, self.ctx.is_main, self.record.resolved(), name, tags,
-                               start_step=start, runlog=runlog,
+                               start_step=start, runlog=self.runlog,
                                plain_every=plain_cadence(cfg.log.plain_every, tc.log_every, tc.max_steps))
-        self.say(banner(cfg, self.ctx, self.record.info, self.dtypes, self.tokens, self.tokens_per_step, run_dir))
+        self.runlog.say(banner(cfg, self.ctx, self.record.info, self.facts.dtypes, self.tokens, self.tokens_per_step,
+                        run_dir))
         pace = self._pace_warning(total - start)
         for w in warnings + ([pace] if pace else []):
-            self.say(f"WARNING: {w}")
+            self.runlog.say(f"WARNING: {w}")
         if self.resumed_from is not None:
-            self.say(f"resumed from {self.resumed_from} at step {start} ({tokens_seen:,} tokens seen)")
+            self.runlog.say(f"resumed from {self.resumed_from} at step {start} ({tokens_seen:,} tokens seen)")
         if tc.audit:
-            self.say(f"dtype audit of step {start + 1}: every operator's dtypes into {run_dir / 'audit.json'}"
+            self.runlog.say(f"dtype audit of step {start + 1}: every operator's dtypes into {run_dir / 'audit.json'}"
                      + ("; the run stops after it (train.audit_only)" if tc.audit_only else ""))
         self.metrics.text("config", "```\n" + OmegaConf.to_yaml(cfg) + "\n```", wandb=False)  # W&B has it
         return self.metrics
 
-    @contextlib.contextmanager
-    def instruments(self, monitored: bool, auditing: bool, compile_blocks: bool, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, policy: PrecisionPolicy):
-        """What watches one step: eager blocks on a monitored step, its collectives
-        counted (``monitor.comm``, monitored steps), its dtype audit. Yields
-        (comm counter or None, audit or None), for :class:`LoopStep`."""
-        with _eager_if(compile_blocks and monitored), counting(self.count_comm and monitored) as comm, \
-                _audit(auditing, model, optimizer, policy) as audit:
-            yield comm, audit
-
     # ------------------------------------------------------------- log rows
-    def row(self, done: int, out: LoopStep, tokens_seen: int, feed) -> dict:
-        """The training metrics of step ``done``: the host syncs of the logging cadence."""
+    def row(self, done: int, out: LoopStep, seen: Reading, tokens_seen: int, feed) -> dict:
+        """The training metrics of step ``done``, from what was read back (``seen``)."""
         ctx, r = self.ctx, out.result
-        self.nonfinite.check_guard(done)
-        flag = self.nonfinite.loss_flag()  # fp16 under abort: was any loss since the last look non-finite?
-        # The switches' own figures ride along in the same read-back.
-        extra = {k: v for k, v in (("z_loss", r.z_loss), ("update_clip_max", r.update_clip_max)) if v is not None}
-        read = torch.stack([r.loss.float(), *(v.float() for v in extra.values())]
-                           + ([flag] if flag is not None else []))
-        loss, *rest = ctx.all_reduce_mean(read).tolist()  # host sync: read back only at this cadence
-        extra, flagged = dict(zip(extra, rest)), rest[len(extra):]
-        self.nonfinite.check_loss(done, loss, bool(flagged and flagged[0] > 0))  # before the scale: the cause
         elapsed, steps = self.clock.lap()
         tps = steps * self.tokens_per_step / elapsed
-        row = {"train/loss": loss, "train/lr": out.lr, "train/grad_norm": float(r.grad_norm),
+        f = self.facts
+        row = {"train/loss": seen.loss, "train/lr": out.lr, "train/grad_norm": float(r.grad_norm),
                "train/tokens": tokens_seen, "perf/tokens_per_s": tps, "perf/step_time_s": elapsed / steps,
                **self._data_wait(feed, elapsed, steps),
-               **({"perf/mfu": mfu(tps, self.flops_tok, self.peak, ctx.world)} if self.peak else {}),
-               **{f"train/{k}": v for k, v in extra.items()}, **peak_memory(ctx.device)}
-        row.update(self._amp_metrics(done))
-        if self.nonfinite.skipped is not None:
-            row["train/nonfinite_skipped"] = int(self.nonfinite.skipped)
-        row.update(self._alert(*self.spikes.check(done, loss)))
+               **({"perf/mfu": mfu(tps, f.flops_tok, f.peak, ctx.world)} if f.peak else {}),
+               **{f"train/{k}": v for k, v in seen.figures.items()}, **peak_memory(ctx.device)}
+        if seen.loss_scale is not None:  # fp16 loss scaling's figures
+            skipped = int(self.scaler.skipped)
+            row.update({"amp/loss_scale": seen.loss_scale, "amp/skipped_steps": skipped,
+                        "amp/skip_rate": skipped / done})
         if ctx.world > 1:
             # Every rank must have the same global grad norm and skip count; a
             # disagreement means the ranks are no longer training one model.
             mine = torch.stack([r.grad_norm.float(), self.scaler.skipped.float()])
             row["dist/rank_mismatch"] = 0 if ctx.ranks_agree(mine) else 1
-        self.last_train = row.copy()
+        self.latest.train = row.copy()  # the summary's final training figures
         return row
 
     def _data_wait(self, feed, elapsed: float, steps: int) -> dict:
@@ -304,63 +277,18 @@ class Reporter:
         as the lap it is given: the waits happen in the loop, outside the
         clock's paused eval and checkpoint time. Host clocks only, no sync."""
         wait, copy, _ = feed.take_times()
-        self.waited["wait_s"] += wait
-        self.waited["copy_s"] += copy
+        self.latest.wait_s += wait
+        self.latest.copy_s += copy
         row = {"perf/data_wait_s": wait / steps, "perf/data_wait_fraction": wait / elapsed}
         if feed.device.type == "cuda":
             row["perf/data_copy_s"] = copy / steps
         return row
 
-    def _amp_metrics(self, done: int) -> dict:
-        """Loss scale and skipped steps (fp16 loss scaling only); stops a collapsed scale."""
-        if not self.scaler.enabled:
-            return {}
-        skipped, scale = int(self.scaler.skipped), self.scaler.get_scale()
-        row = {"amp/loss_scale": scale, "amp/skipped_steps": skipped, "amp/skip_rate": skipped / done}
-        row.update(self._alert(*self.skip_warning.check(done, skipped)))
-        self.nonfinite.check_loss_scale(done, scale)
-        return row
-
-    def _alert(self, row: dict, message: Optional[str]) -> dict:
-        if message:
-            self.metrics.write(message)
-        return row
-
-    def warn_stability(self, done: int, row: dict) -> None:
-        """The stability/* warnings of a monitored step's row, into the row."""
-        row.update(self._alert(*self.stability_warnings.check(done, row)))
-
-    def observe(self, step: int, start: int, out: LoopStep, row: dict, monitor: NumericsMonitor) -> dict:
-        """Numerics monitor, collective bytes and the dtype audit of this step, into
-        ``row``; returns the monitor's histograms."""
-        done, hists = step + 1, {}
-        if monitor.active(step):
-            scalars, hists = monitor.collect()  # collectives + one host sync, on monitored steps only
-            row.update(scalars)
-            if "fp8/worst/flush" in scalars:
-                self.fp8_casts = fp8watch.report(scalars, self.fp8_recipe, done)
-            if scalars:
-                self.outliers = (done, scalars)  # the last monitored step's, for the closing table
-        comm, audit = out.comm, out.audit
-        if comm is not None:
-            self.last_comm = comm.metrics()
-            row.update(self.last_comm)
-            if step == start:
-                self.metrics.write(f"step {done:>6} | collectives of one step on this rank: {comm.text()}")
-        if audit is not None:
-            report = audit.report()
-            report["comm"] = self.last_comm if comm is not None else {}
-            path = self.record.write_json("audit.json", report)
-            self.metrics.write(audit.table())
-            self.metrics.write(f"step {done:>6} | dtype audit written to {path}")
-            row["audit/flags"] = len(report["flags"])
-        return hists
-
     def evaluated(self, done: int, val_loss: float, val_set: ValSet) -> dict:
         """The validation loss of step ``done`` on ``val_set``: its console line and its row."""
-        self.last_val = val_loss
-        self.eval_set = {"eval/tokens": val_set.tokens, "eval/windows": val_set.windows}
-        self.metrics.write(f"step {done:>6} | train loss {fmt(self.last_train.get('train/loss'))} | "
+        self.latest.val = val_loss
+        self.latest.eval_set = {"eval/tokens": val_set.tokens, "eval/windows": val_set.windows}
+        self.metrics.write(f"step {done:>6} | train loss {fmt(self.latest.train.get('train/loss'))} | "
                            f"val loss {fmt(val_loss)} | unigram baseline {self.tokens.unigram_nats:.4f}")
         return {"val/loss": val_loss}
 
@@ -368,7 +296,7 @@ class Reporter:
         """Continue the fixed prompt (greedy, in the run's precision) so the model's
         progress can be read, not only its loss. Every rank runs it: under FSDP each
         forward gathers weights from all of them."""
-        tc, tok = self.tc, self.tokens.tokenizer
+        tc, tok = self.cfg.train, self.tokens.tokenizer
         if not tc.sample_tokens or not hasattr(tok, "encode_batch"):
             return  # token shards carry only the tokenizer's name: nothing to decode with
         ids = tok.encode_batch([tc.sample_prompt])[0] or [tok.eos_id]  # no prompt: a new document
@@ -386,73 +314,67 @@ class Reporter:
         path = self.run_dir / "metrics.jsonl"
         rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
         rows = [r for r in rows if r["step"] <= step]
-        self.last_train = next((r for r in reversed(rows) if "train/loss" in r), {})
-        self.last_val = next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), None)
-        if self.last_val is not None and val_set is not None:
-            self.eval_set = {"eval/tokens": val_set.tokens, "eval/windows": val_set.windows}
+        self.latest.train = next((r for r in reversed(rows) if "train/loss" in r), {})
+        self.latest.val = next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), None)
+        if self.latest.val is not None and val_set is not None:
+            self.latest.eval_set = {"eval/tokens": val_set.tokens, "eval/windows": val_set.windows}
 
-    def finish(self, model: nn.Module, optimizer: torch.optim.Optimizer, progress, stopped_by: Optional[str]) -> dict:
-        """summary.json, the sinks closed, the closing lines; returns the summary."""
-        if "compute_observed" in self.dtypes:  # a launch that ran no step holds no gradients to observe
-            self.dtypes.update(observed_dtypes(model, optimizer))  # at the end, not just after step 1
-        if self.fp8_casts is not None:
-            self.metrics.write(fp8watch.table(self.fp8_casts))
-        outliers = outlier_table(self.outliers[1], self.outliers[0]) if self.outliers is not None else ""
-        if outliers:
-            self.metrics.write(outliers)
-        summary = self._summary(model, progress, stopped_by)
+    def finish(self, model: nn.Module, optimizer: torch.optim.Optimizer, progress, stopped_by: Optional[str],
+               figures: dict) -> dict:
+        """summary.json (with ``figures``, what the components measured), the sinks
+        closed, the closing lines; returns the summary."""
+        if "compute_observed" in self.facts.dtypes:  # a launch that ran no step holds no gradients to observe
+            self.facts.dtypes.update(observed_dtypes(model, optimizer))  # at the end, not just after step 1
+        summary = self._summary(model, progress, stopped_by, figures)
         self.record.write_json("summary.json", summary)
         self.metrics.summary(summary)
         self.metrics.close()
-        self.say(f"done in {summary['wall_time_s']:.1f}s | train loss {fmt(summary['final/train_loss'])} | "
-                 f"val loss {fmt(self.last_val)} | unigram baseline {self.tokens.unigram_nats:.4f} nats/token"
+        self.runlog.say(f"done in {summary['wall_time_s']:.1f}s | train loss {fmt(summary['final/train_loss'])} | "
+                 f"val loss {fmt(self.latest.val)} | unigram baseline {self.tokens.unigram_nats:.4f} nats/token"
                  + self._skip_text(summary))
-        self.say(f"run directory: {self.run_dir}")
+        self.runlog.say(f"run directory: {self.run_dir}")
         return summary
 
-    def _summary(self, model: nn.Module, progress, stopped_by: Optional[str]) -> dict:
-        cfg, ctx, p = self.cfg, self.ctx, progress
+    def _summary(self, model: nn.Module, progress, stopped_by: Optional[str], figures: dict) -> dict:
+        cfg, ctx, p, f, last = self.cfg, self.ctx, progress, self.facts, self.latest
         tps = self.clock.tokens_per_s()
         summary = {
             "steps": p.step, "tokens": p.tokens,
-            "final/train_loss": self.last_train.get("train/loss"), "final/val_loss": self.last_val,
+            "final/train_loss": last.train.get("train/loss"), "final/val_loss": last.val,
             "baseline/unigram_val_loss": self.tokens.unigram_nats,
             "perf/tokens_per_s": tps,
             "wall_time_s": time.perf_counter() - self.t_start,
-            "params": self.n_params,  # excluding position embeddings: the N of 6N
-            "flops_per_token": self.flops_tok, "mem/estimate_gib": self.mem_est.total / 2**30,
-            **summary_figures(self.mem_est),  # bytes per parameter of weights, gradients, moments
+            "params": f.n_params,  # excluding position embeddings: the N of 6N
+            "flops_per_token": f.flops_tok, "mem/estimate_gib": f.mem_est.total / 2**30,
+            **summary_figures(f.mem_est),  # bytes per parameter of weights, gradients, moments
             "precision": cfg.precision.name, "parallel": cfg.parallel.name.value, "model": cfg.model.name,
-            "world_size": ctx.world, "dtypes": self.dtypes, **peak_memory(ctx.device),
+            "world_size": ctx.world, "dtypes": f.dtypes, **peak_memory(ctx.device),
             **self._dist_summary(model),
-            **({self.lowp_key: self.fp8_report} if self.fp8_report else {}),
-            **({"fp8_casts": self.fp8_casts} if self.fp8_casts else {}),
+            **({f.lowp_key: f.lowp} if f.lowp else {}),
             **({"resumed_from": str(self.resumed_from)} if self.resumed_from is not None else {}),
             **({"config_history": self.history} if self.history else {}),
             **({"stopped_early": stopped_by} if stopped_by else {}),
-            **self.last_comm,
-            **self.eval_set,
+            **figures,
+            **last.eval_set,
         }
-        if self.peak and tps:
-            summary["perf/mfu"] = mfu(tps, self.flops_tok, self.peak, ctx.world)
+        if f.peak and tps:
+            summary["perf/mfu"] = mfu(tps, f.flops_tok, f.peak, ctx.world)
         if self.clock.total_steps:  # over the logged laps, like perf/tokens_per_s
-            summary["perf/data_wait_s"] = self.waited["wait_s"] / self.clock.total_steps
-            summary["perf/data_wait_fraction"] = self.waited["wait_s"] / self.clock.total_time
+            summary["perf/data_wait_s"] = last.wait_s / self.clock.total_steps
+            summary["perf/data_wait_fraction"] = last.wait_s / self.clock.total_time
             if ctx.device.type == "cuda":
-                summary["perf/data_copy_s"] = self.waited["copy_s"] / self.clock.total_steps
+                summary["perf/data_copy_s"] = last.copy_s / self.clock.total_steps
         if self.scaler.enabled:
             skipped = int(self.scaler.skipped)
             summary.update({"amp/skipped_steps": skipped, "amp/skip_rate": skipped / max(p.step, 1),
                             "amp/final_loss_scale": self.scaler.get_scale()})
-        if self.nonfinite.skipped is not None:
-            summary["train/nonfinite_skipped"] = int(self.nonfinite.skipped)
         return summary
 
     def _skip_text(self, summary: dict) -> str:
         """The final line's skip counts, each with its cause; empty when nothing can be skipped."""
         if "amp/skipped_steps" in summary:
             # Under skip a non-finite forward also reaches the scaler (its gradients are inf/nan too).
-            cause = ("loss-scale overflow" if self.tc.on_nonfinite.value == "abort"
+            cause = ("loss-scale overflow" if self.cfg.train.on_nonfinite.value == "abort"
                      else "loss-scale overflow or non-finite loss, train.on_nonfinite=skip")
             return f" | skipped steps {summary['amp/skipped_steps']} ({cause})"
         if "train/nonfinite_skipped" in summary:

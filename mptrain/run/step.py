@@ -1,9 +1,12 @@
 """The math of one training step, free of any schedule.
 
-``train_step`` is a function of the model, the optimizer, the precision
-objects and one step's micro-batches, returning a :class:`StepResult`; it
-knows nothing about logging, checkpoints or which wrapper is in use beyond
-the ``DistContext`` calls it is handed. ``lr_at`` is the learning-rate
+``train_step`` is a function of the step's state (:class:`StepState`: the
+model, the optimizer, the precision objects and the step's switches), one
+step's micro-batches and the run's optional parts (``components.py``),
+returning a :class:`StepResult`; it knows nothing about logging, checkpoints
+or which wrapper is in use beyond the ``DistContext`` calls it is handed.
+Each switch (the guard, z-loss, update clipping) is an object whose off form
+does nothing, so the step holds no branch per feature. ``lr_at`` is the learning-rate
 schedule (``set_lr_at`` applies it), ``build_optimizer`` the
 AdamW with its weight-decay groups, ``update_clipping`` the optional
 per-tensor update clipping (StableAdamW), ``evaluate`` the validation loss.
@@ -13,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -24,7 +27,11 @@ from mptrain.model.names import canonical_name
 from mptrain.precision import optimizers
 from mptrain.precision.optimizers import Choice, bias_correction
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
-from mptrain.run.faults import NO_FAULTS, FaultInjector, NonFiniteGuard
+from mptrain.run.components import NO_PARTS, Component
+from mptrain.run.nonfinite import NO_GUARD, NonFiniteGuard, Unguarded
+
+Guard = Union[NonFiniteGuard, Unguarded]
+"""What decides whether a step with inf/nan gradients is applied."""
 
 
 def schedule_lengths(ocfg, max_steps: int) -> tuple[int, int]:
@@ -97,8 +104,8 @@ def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.devic
     (with its weight decay), because torch's AdamW takes one learning rate per
     group and the clipping sets one per tensor (:func:`update_clipping`). That
     costs one foreach/fused launch per tensor instead of per group. The
-    threshold is kept as ``optimizer.update_clip``, an attribute rather than a
-    group entry: loading a checkpoint overwrites the groups' entries with the
+    threshold itself travels in the step's state (:class:`UpdateClip`), not in
+    the groups: loading a checkpoint overwrites the groups' entries with the
     saved ones, and the current config must decide. The layout itself is in
     every checkpoint, so one saved with the switch off does not load with it
     on, nor the other way round.
@@ -112,9 +119,93 @@ def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.devic
             {"params": [p for d, p in params if d], "weight_decay": ocfg.weight_decay},
             {"params": [p for d, p in params if not d], "weight_decay": 0.0},
         ]
-    optimizer = optimizers.make(groups, ocfg, choice or optimizers.TORCH_ADAMW, device)
-    optimizer.update_clip = clip
-    return optimizer
+    return optimizers.make(groups, ocfg, choice or optimizers.TORCH_ADAMW, device)
+
+
+class ZLoss:
+    """``train.z_loss``: the penalty ``coef * logsumexp(logits)^2`` (mean over
+    positions) added to each micro-batch's loss, which keeps the softmax's
+    normalizer near 1. ``ZLoss(0)`` is off: nothing is computed or added, and
+    the step reports no z-loss figure."""
+
+    def __init__(self, coef: float = 0.0):
+        self.coef = float(coef or 0.0)
+
+    def begin(self, device: torch.device) -> "_ZSum | _NoZ":
+        """This step's tally over its micro-batches."""
+        return _ZSum(self.coef, device) if self.coef > 0 else _NoZ()
+
+
+class _ZSum:
+    """One step's z-loss: added to each micro-batch's loss, summed for the report."""
+
+    def __init__(self, coef: float, device: torch.device):
+        self.coef, self.sum = coef, torch.zeros((), device=device)
+
+    def add(self, logits: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        # Outside autocast and in fp32, like the cross-entropy: log Z of
+        # half-precision logits would lose the digits the penalty acts on.
+        z = self.coef * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+        self.sum += z.detach()
+        return loss + z
+
+    def mean(self, n: int) -> Optional[torch.Tensor]:
+        return self.sum / n
+
+
+class _NoZ:
+    """No z-loss: the loss as it is, no figure."""
+
+    def add(self, logits: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def mean(self, n: int) -> Optional[torch.Tensor]:
+        return None
+
+
+@dataclass(frozen=True)
+class UpdateClip:
+    """``optim.update_clip``: StableAdamW's per-tensor update clipping around the
+    optimizer step (:func:`update_clipping`); 0 is off. The optimizer must have
+    been built for it (:func:`build_optimizer`: one group per parameter)."""
+
+    threshold: float = 0.0
+
+    def around(self, optimizer: torch.optim.Optimizer, ctx: DistContext):
+        """The clipping context of one step; yields its largest ratio, or None when off."""
+        return update_clipping(optimizer, ctx, self.threshold)
+
+    def unapplied(self, device: torch.device) -> Optional[torch.Tensor]:
+        """The figure of a step that was not taken: 0, or None when off."""
+        return torch.zeros((), device=device) if self.threshold > 0 else None
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What one optimizer step works on, each part by name: the model, its
+    optimizer, the loss scaler and precision policy, the process group's
+    context, and the step's switches (each a no-op object when off)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    policy: PrecisionPolicy
+    ctx: DistContext
+    grad_clip: float = 0.0
+    """``train.grad_clip``: the global norm gradients are clipped to; 0 measures only."""
+    z_loss: ZLoss = ZLoss()
+    update_clip: UpdateClip = UpdateClip()
+    guard: Guard = NO_GUARD
+    """Whether a step with inf/nan gradients is applied (runs without a loss scaler,
+    :class:`NonFiniteGuard`); :data:`NO_GUARD` leaves it to the loss scaler."""
+
+
+def step_state(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler, policy: PrecisionPolicy,
+               ctx: DistContext, guard: Guard = NO_GUARD) -> StepState:
+    """The :class:`StepState` a run of ``cfg`` steps with (``train.grad_clip``,
+    ``train.z_loss``, ``optim.update_clip``)."""
+    return StepState(model, optimizer, scaler, policy, ctx, cfg.train.grad_clip, ZLoss(cfg.train.z_loss),
+                     UpdateClip(float(cfg.optim.get("update_clip") or 0.0)), guard)
 
 
 @dataclass
@@ -131,79 +222,65 @@ class StepResult:
     z_loss: Optional[torch.Tensor] = None
     """With ``z_loss > 0``: the term added to the loss, mean over micro-batches; else None."""
     update_clip_max: Optional[torch.Tensor] = None
-    """With ``optimizer.update_clip > 0`` (see :func:`build_optimizer`): the largest
-    ``RMS / update_clip`` over tensors (above 1, that tensor's step was shrunk;
-    0 on a skipped step); else None."""
+    """With update clipping (:class:`UpdateClip`): the largest ``RMS / update_clip``
+    over tensors (above 1, that tensor's step was shrunk; 0 on a skipped step); else None."""
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler,
-               policy: PrecisionPolicy, ctx: DistContext, micro_batches: list, grad_clip: float,
-               monitor=None, guard: Optional[NonFiniteGuard] = None, step: int = 0, z_loss: float = 0.0,
-               faults: FaultInjector = NO_FAULTS) -> StepResult:
+def train_step(state: StepState, micro_batches: list, parts: Component = NO_PARTS, step: int = 0) -> StepResult:
     """One optimizer step over this rank's micro-batches (:class:`StepResult`).
 
     Host syncs: none with a fused optimizer; with a foreach/for-loop
     optimizer, one inside ``GradScaler.step`` (fp16 loss scaling) or one in
-    ``guard`` (inf/nan check without a scaler), and one more with update
+    the guard (inf/nan check without a scaler), and one more with update
     clipping (the learning rates, see :func:`update_clipping`).
 
-    ``guard`` (runs without a loss scaler) decides whether a step with inf/nan
-    gradients is applied; ``None`` does not look. ``monitor`` is the numerics
-    monitor (its calls return at once on unmonitored steps). ``faults`` is the
-    run's ``debug.*`` injector (``faults.py``), which hands each backward its
-    loss and is told when the backward is done; without ``debug.*`` it does nothing.
+    ``state.guard`` decides whether a step with inf/nan gradients is applied.
+    ``parts`` are the run's optional parts (``components.py``): the numerics
+    monitor (its calls return at once on unmonitored steps) and the ``debug.*``
+    injector, which hands each backward its loss and is told when the backward
+    is done; :data:`NO_PARTS` does nothing.
     """
+    model, optimizer, scaler, ctx = state.model, state.optimizer, state.scaler, state.ctx
     optimizer.zero_grad(set_to_none=True)
-    loss, z = _forward_backward(model, scaler, policy, ctx, micro_batches, z_loss, faults)
-    policy.end_backward(ctx.all_reduce_max)  # delayed float8 scaling: the step's amaxes into the histories
-    faults.after_backward(model, step)
-    if monitor is not None:
-        monitor.after_backward(model, scaler.scale_tensor())  # gradients as held: still scaled
+    loss, z = _forward_backward(state, micro_batches, parts)
+    state.policy.end_backward(ctx.all_reduce_max)  # delayed float8 scaling: the step's amaxes into the histories
+    parts.after_backward(model, scaler.scale_tensor(), step)  # gradients as held: still scaled
     scaler.unscale_(optimizer)  # clipping and the norm must see true gradients
-    grad_norm = ctx.clip_grad_norm(model, grad_clip).float().detach()
-    found_inf, skip_now = guard.gate(grad_norm, step) if guard is not None else (None, False)
-    clip = getattr(optimizer, "update_clip", 0.0)
+    grad_norm = ctx.clip_grad_norm(model, state.grad_clip).float().detach()
+    found_inf, skip_now = state.guard.gate(grad_norm, step)
     if skip_now:  # read back on the host (non-fused optimizer)
         optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, grad_norm, torch.ones((), device=ctx.device), z,
-                          torch.zeros((), device=ctx.device) if clip > 0 else None)
-    if monitor is not None:
-        monitor.before_optimizer(model)
-    with update_clipping(optimizer, ctx, clip) as clip_max:
+                          state.update_clip.unapplied(ctx.device))
+    parts.before_optimizer(model)
+    with state.update_clip.around(optimizer, ctx) as clip_max:
         skipped = _apply(optimizer, scaler, found_inf)
-    if monitor is not None:
-        monitor.after_optimizer(model, skipped)
+    parts.after_optimizer(model, skipped)
     return StepResult(loss, grad_norm, skipped, z, clip_max)
 
 
-def _forward_backward(model: nn.Module, scaler: LossScaler, policy: PrecisionPolicy, ctx: DistContext,
-                      micro_batches: list, z_loss: float,
-                      faults: FaultInjector = NO_FAULTS) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _forward_backward(state: StepState, micro_batches: list,
+                      parts: Component) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Forward and backward over the micro-batches, gradients accumulated in
-    ``.grad``; returns (loss, z_loss): the cross-entropy and, with ``z_loss > 0``,
-    the z-loss term (else None), each the mean over micro-batches, on the device
+    ``.grad``; returns (loss, z_loss): the cross-entropy and, with a z-loss,
+    its term (else None), each the mean over micro-batches, on the device
     (as computed: ``debug.loss_multiplier`` acts on what the backward sees only)."""
+    model, ctx, policy = state.model, state.ctx, state.policy
     n = len(micro_batches)
     loss_sum = torch.zeros((), device=ctx.device)
-    z_sum = torch.zeros((), device=ctx.device) if z_loss > 0 else None
+    z = state.z_loss.begin(ctx.device)
     for i, (x, y) in enumerate(micro_batches):
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)  # no-op when prefetched
         # Gradients cross ranks only on the last micro-batch.
         with ctx.grad_sync(model, enabled=(i == n - 1)):
             with policy.autocast():
                 logits, loss = model(x, y)
-            total = loss
-            if z_loss > 0:
-                # Outside autocast and in fp32, like the cross-entropy: log Z of
-                # half-precision logits would lose the digits the penalty acts on.
-                z = z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
-                total = loss + z
-                z_sum += z.detach()
+            total = z.add(logits, loss)
             # Dividing by n makes K micro-batches sum to the mean over the whole batch.
-            # faults.backward_loss: total itself unless debug.loss_multiplier is set.
-            scaler.scale(faults.backward_loss(total) / n).backward()
+            # parts.backward_loss: total itself unless debug.loss_multiplier is set.
+            state.scaler.scale(parts.backward_loss(total) / n).backward()
         loss_sum += loss.detach()
-    return loss_sum / n, (z_sum / n if z_loss > 0 else None)
+    return loss_sum / n, z.mean(n)
 
 
 @torch.no_grad()

@@ -3,20 +3,27 @@
 Read it top to bottom like a table of contents:
 
 - ``Trainer.__init__`` builds: data, model, precision, wrapper, optimizer,
-  the loop's resumable state, resume, outputs;
+  the reporter, the run's optional parts, the loop's resumable state, resume,
+  outputs;
 - ``Trainer.train`` is the loop: for each step, ``train_step`` (the math, in
-  ``step.py``), then ``log``, ``evaluate``, ``observe`` (monitor, collectives,
-  audit), ``checkpoint``; at the end ``summarize``.
+  ``step.py``), then ``log`` (one read-back, the non-finite check, the row),
+  ``evaluate``, ``observe`` (what the parts measured), ``checkpoint``; at the
+  end ``summarize``.
 
-The concerns the loop calls into have their own homes: inf/nan handling and
-fault injection in ``faults.py``; everything the run reports (run_info, the
-banner, metric rows, alerts, the numerics monitor's figures, summary.json and
-the closing lines) in ``report.py``, which the loop only tells when.
+The optional parts of a run (the numerics monitor, the non-finite handling,
+the dtype audit, the collective counter, the alerts, the ``debug.*`` faults)
+are components (``components.py``, built in ``parts.py``): the loop calls them
+all at the same few points and never one by name. Everything the run reports
+(run_info, the banner, metric rows, summary.json and the closing lines) is
+formatted in ``report.py``, which the loop only tells when.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
+
+import torch
+import torch.nn as nn
 
 from omegaconf import DictConfig
 
@@ -27,20 +34,15 @@ from mptrain.precision.rules import validate
 from mptrain.run.build import build_data, build_model, build_policy
 from mptrain.checkpoint.checkpointer import Checkpointer, Progress
 from mptrain.run.console import LOG_NAME, RunLog
-from mptrain.run.faults import (
-    FaultInjector,
-    NonFiniteError,
-    NonFiniteHandler,
-    NonFiniteStep,
-)
-from mptrain.run.report import LoopStep, Reporter, numerics_monitor, start_clock
+from mptrain.run.parts import build_parts
+from mptrain.run.report import LoopStep, Reporter, read_back, start_clock
 from mptrain.run.resume import ResumePlan, finished_summary
 from mptrain.run.resume import plan as resume_plan
 from mptrain.run.rundir import Claim, held
-from mptrain.run.step import evaluate, set_lr_at, train_step
+from mptrain.run.step import evaluate, set_lr_at, step_state, train_step
 from mptrain.run.stop import StopSignal
 
-__all__ = ["run", "Trainer", "NonFiniteError"]
+__all__ = ["run", "Trainer"]
 
 
 def run(cfg: DictConfig, run_dir: Optional[str | Path] = None) -> dict:
@@ -85,74 +87,73 @@ class Trainer:
     # ------------------------------------------------------------------ build
     def __init__(self, cfg: DictConfig, ctx: DistContext, run_dir: Path, plan: Optional[ResumePlan] = None,
                  claim: Optional[Claim] = None, log: Optional[RunLog] = None):
-        self.t_start = start_clock(ctx.device)  # wall time and peak memory count from here
+        t_start = start_clock(ctx.device)  # wall time and peak memory count from here
         validate(cfg, ctx.world)
-        self.cfg, self.ctx, self.run_dir, self.tc = cfg, ctx, run_dir, cfg.train
+        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.plan, self.claim = plan or ResumePlan(), claim
         self.runlog = log or RunLog(None, enabled=ctx.is_main)
-        self.say = self.runlog.say
-        self.policy, self.hw_warnings = build_policy(cfg, ctx)  # refuses the impossible before any work
-        self._build_data()
-        self._build_model()
+        policy, hw_warnings = build_policy(cfg, ctx)  # refuses the impossible before any work
+        self.data = build_data(cfg, ctx, self.runlog.say)  # tokens, windows, this rank's batches
+        self.built = build_model(cfg, ctx, policy, self.data.vocab, self.data.tokens.vocab_size)
+        # run_info and the dtype table: what the banner prints and config.yaml records
+        self.report = Reporter(cfg, ctx, run_dir, t_start, self.runlog, policy, self.data, self.built)
+        self._build_parts(policy)
         self._build_state()
-        self._describe()
         self._resume()
-        self._open_outputs()
+        self._open_outputs(([policy.warning] if policy.warning else []) + hw_warnings)
+        self.feed: Optional[Prefetcher] = None  # the batches, while the loop runs
 
-    def _build_data(self) -> None:
-        """Tokens, windows and this rank's batches (``build.py``)."""
-        d = build_data(self.cfg, self.ctx, self.say)
-        self.tokens, self.vocab, self.mbs, self.accum = d.tokens, d.vocab, d.micro_batch, d.accum
-        self.val_windows, self.batches, self.tokens_per_step = d.val_windows, d.batches, d.tokens_per_step
+    @property
+    def tc(self):
+        return self.cfg.train
 
-    def _build_model(self) -> None:
-        """The wrapped model, its optimizer and loss scaler (``build.py``), then
-        what watches over them: fault handling and the numerics monitor."""
-        cfg, ctx = self.cfg, self.ctx
-        m = build_model(cfg, ctx, self.policy, self.vocab, self.tokens.vocab_size)
-        self.model, self.n_params, self.compile_blocks = m.model, m.n_params, m.compile_blocks
-        self.opt_choice, self.optimizer, self.scaler = m.opt_choice, m.optimizer, m.scaler
-        self.faults = FaultInjector(cfg.debug, self.model, ctx.rank)
-        self.nonfinite = NonFiniteHandler(self.tc.on_nonfinite.value, self.optimizer, self.scaler, self.model,
-                                          self.policy, ctx, self.batches, self.faults,
-                                          cfg.precision.loss_scale.min_loss_scale)
-        self.monitor = numerics_monitor(cfg, self.model, self.optimizer, self.policy, ctx)
+    @property
+    def model(self) -> nn.Module:
+        return self.state.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.state.optimizer
+
+    @property
+    def resumed_from(self) -> Optional[Path]:
+        """The checkpoint this launch resumed from; None on a fresh start."""
+        return self.plan.path
+
+    def _build_parts(self, policy) -> None:
+        """The run's optional parts (``parts.py``: each from its config section,
+        only those that are on) and the state each step works on."""
+        built = build_parts(self.cfg, self.ctx, self.built, policy, self.data.batches, self.report.record.write_json)
+        self.parts = built.parts
+        self.state = step_state(self.cfg, self.built.model, self.built.optimizer, self.built.scaler, policy, self.ctx,
+                                built.guard)
 
     def _build_state(self) -> None:
         """The loop's state. Everything in ``self.states`` survives a resume: the
-        checkpointer saves and restores each through state_dict/load_state_dict."""
+        checkpointer saves and restores each through state_dict/load_state_dict,
+        under the names train_state.pt has always used."""
         cfg = self.cfg
         self.progress = Progress()
-        self.report = Reporter(cfg, self.ctx, self.run_dir, self.t_start, self.policy, self.scaler, self.nonfinite,
-                               self.tokens_per_step)
-        self.states = {"scaler": self.scaler, "progress": self.progress, **self.report.states()}
-        if self.nonfinite.guard is not None:
-            self.states["nonfinite_guard"] = self.nonfinite.guard
-        self.ckpt = Checkpointer(cfg.checkpoint, self.run_dir, self.ctx, cfg, hooks=[self.faults],
-                                 meta_extra={"tokenizer": {"name": self.tokens.tokenizer.name,
-                                                           "path": self.tokens.tokenizer.path},
-                                             "history": self.plan.history})
-        self.clock = self.report.clock  # training time: eval and checkpoints pause it
+        self.states = {"scaler": self.built.scaler, "progress": self.progress, **self.parts.states()}
+        tok = self.data.tokens.tokenizer
+        self.ckpt = Checkpointer(cfg.checkpoint, self.run_dir, self.ctx, cfg,
+                                 meta_extra={"tokenizer": {"name": tok.name, "path": tok.path},
+                                             "history": self.plan.history},
+                                 hooks=(self.parts,))  # during and after each save (debug.* kills)
         self.last_saved: Optional[int] = None
         self.stopped_by: Optional[str] = None
-
-    def _describe(self) -> None:
-        """run_info and the dtype table (``report.py``): what the banner prints and config.yaml records."""
-        self.report.describe(self.model, self.optimizer, self.policy, self.opt_choice, self.tokens, self.n_params,
-                             self.vocab, (self.mbs, self.accum), self.compile_blocks)
 
     def _resume(self) -> None:
         """Load the checkpoint the plan picked (``resume.py``: chosen, verified and
         compared with this config by rank 0 before anything was built)."""
-        self.resumed_from = self.plan.path
-        if self.resumed_from is not None:
-            self.ckpt.load(self.resumed_from, self.model, self.optimizer, self.states, self.policy)
-        self.report.resumed(self.resumed_from, self.plan.history)
+        if self.plan.path is not None:
+            self.ckpt.load(self.plan.path, self.model, self.optimizer, self.states, self.state.policy)
+        self.report.resumed(self.plan.path, self.plan.history)
         self.start = self.progress.step
         if self.plan.closing:
             self.last_saved = self.start  # the final checkpoint is the one just loaded: not saved again
 
-    def _open_outputs(self) -> None:
+    def _open_outputs(self, warnings: list[str]) -> None:
         """From here on the run writes its records. Every (re)start first drops what
         the model's current state did not go through: metric rows after the step it
         starts from (all of them on a fresh start) and the summary of an earlier launch."""
@@ -161,8 +162,7 @@ class Trainer:
         self.runlog.keep()
         if self.ctx.is_main:
             (self.run_dir / "summary.json").unlink(missing_ok=True)
-        warnings = ([self.policy.warning] if self.policy.warning else []) + self.hw_warnings
-        self.metrics = self.report.open(self.start, self.runlog, warnings, self.progress.tokens)
+        self.metrics = self.report.open(self.start, warnings, self.progress.tokens)
 
     # ------------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -171,7 +171,7 @@ class Trainer:
         self.model.train()
         self.metrics.console.start(initial=self.start)
         try:
-            with Prefetcher(self.batches, self.start, self.tc.max_steps, self.ctx.device) as feed:
+            with Prefetcher(self.data.batches, self.start, self.tc.max_steps, self.ctx.device) as feed:
                 self.feed = feed
                 for step, micro in feed:
                     if self.run_step(step, micro, stop):
@@ -190,13 +190,13 @@ class Trainer:
         log_now = done == 1 or done % self.tc.log_every == 0 or done == self.tc.max_steps
         row = self.log(done, out) if log_now else {}
         row.update(self.evaluate(done))
-        hists = self.observe(step, out, row)
-        self.report.warn_stability(done, row)  # stability/* of a monitored step
+        hists = self.observe(done, row)
         if row:
             self.metrics.log(done, row, hists)
-        if self.tc.audit_only:
-            self.stopped_by = "train.audit_only"
-            return True  # the audit was the point: no checkpoint of a one-step run
+        ended = self.parts.ends_run(done)  # train.audit_only: the audit was the point, no checkpoint of it
+        if ended:
+            self.stopped_by = ended
+            return True
         self.stopped_by = self.stop_reason(done, log_now, stop)
         every = self.cfg.checkpoint.every
         if self.stopped_by or (every and (done % every == 0 or done == self.tc.max_steps)):
@@ -207,51 +207,48 @@ class Trainer:
         return self.stopped_by is not None
 
     def train_step(self, step: int, micro: list) -> LoopStep:
-        """Set the learning rate, run the step's math (``step.train_step``), count it."""
+        """Set the learning rate, run the step's math (``step.train_step``) inside
+        what the parts wrap it in, count it."""
         lr = set_lr_at(self.optimizer, step, self.cfg.optim, self.tc.max_steps)
-        self.faults.begin_step(step)
-        self.monitor.start_step(step)
-        auditing = self.tc.audit and step == self.start
-        if auditing:  # the audit records the step's own ops: no attention probe (monitoring) inside them
-            self.monitor.pause_probes()
-        try:
-            with self.report.instruments(self.monitor.active(step), auditing, self.compile_blocks, self.model,
-                                         self.optimizer, self.policy) as (comm, audit):
-                result = train_step(self.model, self.optimizer, self.scaler, self.policy, self.ctx, micro,
-                                    self.tc.grad_clip, self.monitor, self.nonfinite.guard, step,
-                                    z_loss=self.tc.z_loss, faults=self.faults)
-        except NonFiniteStep:
-            raise self.nonfinite.error(step) from None
-        self.nonfinite.watch_loss(result.loss, step)  # on the device: read back with the loss when logging
+        self.parts.begin_step(step)
+        with self.parts.around_step(step):
+            result = train_step(self.state, micro, self.parts, step)
+        self.parts.after_step(step, result)
         self.progress.step = step + 1
-        self.progress.tokens += self.tokens_per_step
-        self.clock.step()
+        self.progress.tokens += self.data.tokens_per_step
+        self.report.clock.step()
         self.metrics.console.advance()
         if step == self.start:
             self.report.after_first_step(self.model, self.optimizer)
-        return LoopStep(result, lr, comm, audit)
+        return LoopStep(result, lr)
 
     def log(self, done: int, out: LoopStep) -> dict:
-        """The training metrics of step ``done`` (``report.py``): the host syncs of the logging cadence."""
-        return self.report.row(done, out, self.progress.tokens, self.feed)
+        """The training metrics of step ``done``: one read-back (the logging
+        cadence's host sync), the non-finite check on it, then the row and its alerts."""
+        seen = read_back(self.ctx, out.result, self.parts.to_read(), self.state.scaler)
+        self.parts.check(done, seen)  # may stop the run: a non-finite loss or step, a collapsed loss scale
+        row = self.report.row(done, out, seen, self.progress.tokens, self.feed)
+        self.parts.on_log(done, row, self.metrics.write)  # the alerts: skip rate, loss spike
+        return row
 
     def evaluate(self, done: int) -> dict:
         """Validation loss at the eval cadence and at the last step; not counted as training time."""
         tc = self.tc
         if not (tc.eval_every and (done % tc.eval_every == 0 or done == tc.max_steps)):
             return {}
-        with self.clock.paused():
+        with self.report.clock.paused():
             # The same windows at every evaluation and on any batch or world size (cheap to lay out again).
-            val = ValSet(self.val_windows, tc.eval_tokens)
-            loss = evaluate(self.model, self.policy, self.ctx, val.batches(self.mbs, self.ctx.rank, self.ctx.world))
+            val = ValSet(self.data.val_windows, tc.eval_tokens)
+            mbs, ctx = self.data.micro_batch, self.ctx
+            loss = evaluate(self.model, self.state.policy, ctx, val.batches(mbs, ctx.rank, ctx.world))
             row = self.report.evaluated(done, loss, val)
-            self.report.sample(done, self.model, self.policy)
+            self.report.sample(done, self.model, self.state.policy)
         return row
 
-    def observe(self, step: int, out: LoopStep, row: dict) -> dict:
-        """Numerics monitor, collective bytes and the dtype audit of this step, into
-        ``row`` (``report.py``); returns the monitor's histograms."""
-        return self.report.observe(step, self.start, out, row, self.monitor)
+    def observe(self, done: int, row: dict) -> dict:
+        """What the parts measured on step ``done`` (numerics monitor, collective
+        bytes, the dtype audit, stability warnings), into ``row``; returns histograms."""
+        return self.parts.observe(done, row, self.metrics.write)
 
     def stop_reason(self, done: int, log_now: bool, stop: StopSignal) -> Optional[str]:
         """Why the run stops after step ``done``, or None to go on."""
@@ -266,8 +263,8 @@ class Trainer:
 
     def checkpoint(self, done: int) -> None:
         """Save step ``done``; never after a bad step, and not counted as training time."""
-        self.nonfinite.check_deferred(done)
-        with self.clock.paused():
+        self.parts.before_save(done)  # the non-finite handler looks first: a bad step stops the run here
+        with self.report.clock.paused():
             self.ckpt.save(done, self.model, self.optimizer, self.states)
         self.last_saved = done
         self.metrics.write(f"step {done:>6} | checkpoint saved: {self.ckpt.root / f'step-{done}'}")
@@ -284,7 +281,8 @@ class Trainer:
             self.checkpoint(step)
         if self.plan.closing:  # the lost launch's unfinished business: its pruning, its final figures
             self.ckpt.prune()
-            self.report.logged_up_to(step, ValSet(self.val_windows, self.tc.eval_tokens))
-        summary = self.report.finish(self.model, self.optimizer, self.progress, self.stopped_by)
+            self.report.logged_up_to(step, ValSet(self.data.val_windows, self.tc.eval_tokens))
+        figures = self.parts.summarize(self.metrics.write)  # the parts' closing tables and figures
+        summary = self.report.finish(self.model, self.optimizer, self.progress, self.stopped_by, figures)
         self.ctx.barrier()  # leave together: the next multirun job starts on every rank at once
         return summary

@@ -1,0 +1,294 @@
+"""The run's optional parts, each a component (``components.py``) built from its
+own config section, and registered only when it is on.
+
+The measuring and warning classes live in ``observe/`` and know nothing of the
+loop; the small adapters here give each the component hooks it needs:
+
+- :class:`NumericsPart` (``monitor.*``): the numerics monitor, with the
+  stability monitor and the float8 cast watch it drives; compiled blocks run
+  eagerly on its monitored steps; the closing float8 and outlier tables;
+- :class:`CommPart` (``monitor.comm``, several ranks): the collectives of the
+  monitored steps, by kind and dtype;
+- :class:`AuditPart` (``train.audit``, ``train.audit_only``): the dtype audit
+  of the first step of a launch, and the end of the run after it;
+- :class:`SkipRatePart`, :class:`SpikePart`, :class:`StabilityPart`: the
+  alerts, always on (their thresholds decide), each resumable under its name.
+
+:func:`build_parts` puts them in order with the non-finite handler
+(``nonfinite.py``, always on) and, only when a ``debug.*`` key is set, the fault
+injector (``faults.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterator, Optional
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from mptrain.config.schema import ParallelMode, debug_set
+from mptrain.observe.comm import CommCounter
+from mptrain.distributed.parallel import DistContext
+from mptrain.observe import fp8watch
+from mptrain.observe.alerts import SkipRateWarning, SpikeDetector
+from mptrain.observe.audit import DtypeAudit
+from mptrain.observe.numerics import NumericsMonitor
+from mptrain.observe.stability import StabilityWarnings, outlier_table
+from mptrain.precision.formats import dtype_name
+from mptrain.precision.policy import PrecisionPolicy
+from mptrain.run.build import RunModel
+from mptrain.run.components import Component, Components, Write
+from mptrain.run.faults import NO_FAULTS, FaultInjector
+from mptrain.run.nonfinite import NonFiniteHandler
+from mptrain.run.step import Guard
+
+
+class NumericsPart(Component):
+    """``monitor.*``: the numerics monitor on its monitored steps (its calls
+    return at once on the others). ``audit_first``: the run audits its first
+    step, whose attention probe (fp32 logits: monitoring) must stay out of the
+    operators the audit records."""
+
+    def __init__(self, monitor: NumericsMonitor, compile_blocks: bool, fp8_recipe: Optional[str],
+                 audit_first: bool):
+        self.monitor, self.compile_blocks, self.fp8_recipe = monitor, compile_blocks, fp8_recipe
+        self.audit_first = audit_first
+        self.started = False
+        self.fp8_casts: Optional[dict] = None  # the last monitored step's float8 cast figures (fp8watch.report)
+        self.outliers: Optional[tuple[int, dict]] = None  # (step, the last monitored step's figures)
+
+    def begin_step(self, step: int) -> None:
+        self.monitor.start_step(step)
+        if self.audit_first and not self.started:
+            self.monitor.pause_probes()
+        self.started = True
+
+    def around_step(self, step: int) -> ContextManager:
+        # Compiled blocks run eagerly on a monitored step. The monitor hooks every
+        # block with its own closure for that step only; traced, each hook would
+        # recompile every block on and off the monitored steps, past dynamo's
+        # recompile limit, after which the blocks fall back to eager for good.
+        if self.compile_blocks and self.monitor.active(step):
+            return torch.compiler.set_stance("force_eager")
+        return contextlib.nullcontext()
+
+    def after_backward(self, model: nn.Module, scale: Optional[torch.Tensor], step: int) -> None:
+        self.monitor.after_backward(model, scale)
+
+    def before_optimizer(self, model: nn.Module) -> None:
+        self.monitor.before_optimizer(model)
+
+    def after_optimizer(self, model: nn.Module, skipped: torch.Tensor) -> None:
+        self.monitor.after_optimizer(model, skipped)
+
+    def observe(self, done: int, row: dict, write: Write) -> dict:
+        if not self.monitor.active(done - 1):
+            return {}
+        scalars, hists = self.monitor.collect()  # collectives + one host sync, on monitored steps only
+        row.update(scalars)
+        if "fp8/worst/flush" in scalars:
+            self.fp8_casts = fp8watch.report(scalars, self.fp8_recipe, done)
+        if scalars:
+            self.outliers = (done, scalars)  # the last monitored step's, for the closing table
+        return hists
+
+    def summarize(self, write: Write) -> dict:
+        if self.fp8_casts is not None:
+            write(fp8watch.table(self.fp8_casts))
+        outliers = outlier_table(self.outliers[1], self.outliers[0]) if self.outliers is not None else ""
+        if outliers:
+            write(outliers)
+        return {"fp8_casts": self.fp8_casts} if self.fp8_casts else {}
+
+
+def numerics_monitor(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.Optimizer, choice,
+                     policy: PrecisionPolicy, ctx: DistContext) -> NumericsMonitor:
+    """The numerics monitor of the run (``monitor.*``), with the float8 cast
+    watch when the run casts to float8 and ``monitor.fp8_casts`` is on."""
+    fp8_watch = (fp8watch.CastWatch.of_run(policy.lowp, model, cfg.monitor.fp8_whatif)
+                 if policy.lowp and cfg.monitor.fp8_casts else None)
+    monitor = NumericsMonitor(cfg.monitor, model, reduce_sum=ctx.shard_sum, reduce_max=ctx.shard_max,
+                              reduce_max_all=ctx.all_reduce_max, reduce_sum_all=ctx.all_reduce_sum,
+                              fp8_watch=fp8_watch)
+    monitor.attach_optimizer(optimizer, choice)  # Adam's health on monitored steps (stability.py)
+    return monitor
+
+
+class CommPart(Component):
+    """``monitor.comm``: the collectives of each monitored step (``when``), counted
+    by kind and dtype (``comm/*`` metrics, and a console line for the first step of
+    a launch that is counted)."""
+
+    def __init__(self, when: Callable[[int], bool]):
+        self.when = when
+        self.first: Optional[int] = None  # the first step this launch runs
+        self.counter: Optional[CommCounter] = None  # this step's, when it is counted
+        self.last: dict = {}  # the last counted step's figures, for the summary
+
+    def begin_step(self, step: int) -> None:
+        self.first = step if self.first is None else self.first
+        self.counter = CommCounter() if self.when(step) else None
+
+    def around_step(self, step: int) -> ContextManager:
+        return self.counter if self.counter is not None else contextlib.nullcontext()
+
+    def step_figures(self) -> dict:
+        """The figures of this step's collectives; empty when it was not counted."""
+        return self.counter.metrics() if self.counter is not None else {}
+
+    def observe(self, done: int, row: dict, write: Write) -> dict:
+        if self.counter is not None:
+            self.last = self.counter.metrics()
+            row.update(self.last)
+            if done - 1 == self.first:
+                write(f"step {done:>6} | collectives of one step on this rank: {self.counter.text()}")
+        return {}
+
+    def summarize(self, write: Write) -> dict:
+        return dict(self.last)
+
+
+class AuditPart(Component):
+    """``train.audit``: the dtype audit (``observe/audit.py``) of the first step of
+    this launch: audit.json, its table and flags. ``train.audit_only``: the run ends
+    right after that step, without a checkpoint (the audit was the point).
+    ``comm_figures``: the audited step's collectives (empty when not counted)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
+                 write_json: Callable[[str, dict], object], audit: bool, only: bool,
+                 comm_figures: Callable[[], dict] = dict):
+        self.model, self.optimizer, self.policy = model, optimizer, policy
+        self.write_json, self.comm_figures = write_json, comm_figures
+        self.audit, self.only = audit, only
+        self.first: Optional[int] = None  # the first step this launch runs: the audited one
+        self.recorded: Optional[DtypeAudit] = None
+
+    def begin_step(self, step: int) -> None:
+        self.first = step if self.first is None else self.first
+
+    @contextlib.contextmanager
+    def around_step(self, step: int) -> Iterator[None]:
+        if not (self.audit and step == self.first):
+            yield
+            return
+        # Compiled blocks run eagerly for it: a dispatch mode cannot look inside a graph.
+        with torch.compiler.set_stance("force_eager"), DtypeAudit(self.model, self.optimizer, self.policy) as audit:
+            self.recorded = audit
+            yield
+
+    def observe(self, done: int, row: dict, write: Write) -> dict:
+        audit, self.recorded = self.recorded, None
+        if audit is not None:
+            report = audit.report()
+            report["comm"] = self.comm_figures()
+            path = self.write_json("audit.json", report)
+            write(audit.table())
+            write(f"step {done:>6} | dtype audit written to {path}")
+            row["audit/flags"] = len(report["flags"])
+        return {}
+
+    def ends_run(self, done: int) -> Optional[str]:
+        return "train.audit_only" if self.only and done - 1 == self.first else None
+
+
+def _alert(row: dict, figures: dict, message: Optional[str], write: Write) -> None:
+    """An alert's figures into the row, its message onto the console."""
+    row.update(figures)
+    if message:
+        write(message)
+
+
+class SkipRatePart(Component):
+    """The fp16 skip-rate warning (``precision.loss_scale.warn_*``), on the logged
+    rows that carry the loss scaler's figures; warns once per run."""
+
+    state_key = "skip_warning"
+
+    def __init__(self, ls_cfg):
+        self.warning = SkipRateWarning(ls_cfg)
+
+    def on_log(self, done: int, row: dict, write: Write) -> None:
+        if "amp/skipped_steps" in row:  # a run with fp16 loss scaling
+            _alert(row, *self.warning.check(done, row["amp/skipped_steps"]), write)
+
+    def state_dict(self) -> dict:
+        return self.warning.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.warning.load_state_dict(sd)
+
+
+class SpikePart(Component):
+    """The loss-spike detector (``monitor.spike_*``), on every logged loss."""
+
+    state_key = "spikes"
+
+    def __init__(self, mcfg):
+        self.detector = SpikeDetector(mcfg.spike_factor, mcfg.spike_window)
+
+    def on_log(self, done: int, row: dict, write: Write) -> None:
+        _alert(row, *self.detector.check(done, row["train/loss"]), write)
+
+    def state_dict(self) -> dict:
+        return self.detector.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.detector.load_state_dict(sd)
+
+
+class StabilityPart(Component):
+    """The stability warnings (``monitor.warn_*``) on a monitored step's ``stability/*``
+    figures; it stands after the numerics monitor, whose figures it reads."""
+
+    state_key = "stability_warnings"
+
+    def __init__(self, mcfg, compute: str):
+        self.warnings = StabilityWarnings(mcfg, compute)
+
+    def observe(self, done: int, row: dict, write: Write) -> dict:
+        _alert(row, *self.warnings.check(done, row), write)
+        return {}
+
+    def state_dict(self) -> dict:
+        return self.warnings.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.warnings.load_state_dict(sd)
+
+
+@dataclass
+class RunParts:
+    """The run's components in order, and the guard its step asks (the non-finite handler's)."""
+
+    parts: Components
+    guard: Guard
+
+
+def build_parts(cfg: DictConfig, ctx: DistContext, built: RunModel, policy: PrecisionPolicy, batches,
+                write_json: Callable[[str, dict], object]) -> RunParts:
+    """Every part that is on, in the order its hooks must run: the injector first
+    (its inf goes in before the monitor reads the gradients), the non-finite
+    handler next (its context is the outermost: a bad step is replayed once the
+    others have closed), the alerts of the logged row, then what a monitored step
+    measures, in the order of its lines: monitor, collectives, audit, and the
+    stability warnings on the monitor's figures."""
+    tc, mcfg, model = cfg.train, cfg.monitor, built.model
+    injector = [FaultInjector(cfg.debug, model, ctx.rank)] if debug_set(cfg.debug) else []  # a test aid: debug.* only
+    handler = NonFiniteHandler(tc.on_nonfinite.value, built.optimizer, built.scaler, model, policy, ctx, batches,
+                               injector[0] if injector else NO_FAULTS, cfg.precision.loss_scale.min_loss_scale)
+    members: list[Component] = [*injector, handler, SkipRatePart(cfg.precision.loss_scale), SpikePart(mcfg)]
+    comm: Optional[CommPart] = None
+    if mcfg.enabled:
+        monitor = numerics_monitor(cfg, model, built.optimizer, built.opt_choice, policy, ctx)
+        members.append(NumericsPart(monitor, built.compile_blocks, policy.lowp.recipe if policy.lowp else None,
+                                    audit_first=tc.audit))
+        if mcfg.comm and ctx.mode != ParallelMode.none:
+            comm = CommPart(monitor.active)
+            members.append(comm)
+    if tc.audit or tc.audit_only:
+        members.append(AuditPart(model, built.optimizer, policy, write_json, tc.audit, tc.audit_only,
+                                 comm.step_figures if comm is not None else dict))
+    members.append(StabilityPart(mcfg, dtype_name(policy.compute_dtype)))
+    return RunParts(Components(members), handler.step_guard)

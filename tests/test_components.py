@@ -1,0 +1,107 @@
+"""The run's optional parts as components: only those that are on are built (the
+``debug.*`` injector only with a ``debug.*`` key), ``train_step`` takes at most
+four parameters and branches on no feature, the Reporter gains no attribute after
+it is built, and the checkpointer calls its save hooks."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from mptrain.distributed.parallel import setup
+from mptrain.run.components import Component, Components
+from mptrain.run.faults import FaultInjector
+from mptrain.run.nonfinite import NonFiniteHandler
+from mptrain.run.parts import AuditPart, CommPart, NumericsPart, SkipRatePart, SpikePart, StabilityPart
+from mptrain.run.resume import ResumePlan
+from mptrain.run.step import train_step
+from mptrain.run.trainer import Trainer
+
+from .conftest import make_cfg
+
+ALWAYS = [NonFiniteHandler, SkipRatePart, SpikePart, StabilityPart]
+"""The parts every run holds: the non-finite handling and the alerts (resumable)."""
+
+
+@pytest.fixture
+def built(tmp_path):
+    """``built(*overrides)``: a Trainer built (not trained) for a tiny config."""
+    ctxs = []
+
+    def make(*overrides: str) -> Trainer:
+        cfg = make_cfg(*overrides)
+        ctx = setup(cfg.parallel, cfg.train.device)
+        ctxs.append(ctx)
+        return Trainer(cfg, ctx, tmp_path / f"run{len(ctxs)}", ResumePlan())
+
+    yield make
+    for ctx in ctxs:
+        ctx.shutdown()
+
+
+def _kinds(t: Trainer) -> list[type]:
+    return [type(p) for p in t.parts]
+
+
+def test_only_the_parts_that_are_on_are_built(built):
+    plain = built("monitor.enabled=false")
+    assert _kinds(plain) == ALWAYS  # no injector, monitor, counter or audit
+    assert not any(isinstance(p, FaultInjector) for p in plain.parts)
+    # The checkpoint keys of train_state.pt stay those old checkpoints have.
+    assert list(plain.states) == ["scaler", "progress", "nonfinite_guard", "skip_warning", "spikes",
+                                  "stability_warnings"]
+
+    monitored = built("train.audit=true")  # monitor.enabled is the default; one process: no counter
+    assert _kinds(monitored) == [NonFiniteHandler, SkipRatePart, SpikePart, NumericsPart, AuditPart, StabilityPart]
+    assert CommPart not in _kinds(monitored)
+
+
+def test_a_debug_key_builds_the_injector_first_and_the_handler_replays_it(built):
+    t = built("monitor.enabled=false", "debug.loss_multiplier=0.5")
+    assert _kinds(t) == [FaultInjector, *ALWAYS]
+    injector, handler = t.parts.members[:2]
+    assert handler.faults is injector  # a replay repeats the run's faults
+    assert t.ckpt.hooks == (t.parts,)  # kills during and after a save reach it through the save hooks
+    assert not any(isinstance(p, FaultInjector) for p in built("monitor.enabled=false").parts)
+
+
+def test_train_step_takes_at_most_four_parameters_and_branches_on_no_feature():
+    assert len(inspect.signature(train_step).parameters) <= 4
+    source = inspect.getsource(train_step)
+    assert "is not None" not in source and "is None" not in source
+
+
+class _Recorder(Component):
+    """Records the hooks the loop and the checkpointer call, in order."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def begin_step(self, step):
+        self.calls.append(("begin_step", step))
+
+    def check(self, done, reading):
+        self.calls.append(("check", done, reading.loss == reading.loss))  # the read-back's loss, a float
+
+    def before_save(self, step):
+        self.calls.append(("before_save", step))
+
+    def during_save(self, step):
+        self.calls.append(("during_save", step))
+
+    def after_save(self, step):
+        self.calls.append(("after_save", step))
+
+
+def test_reporter_gains_no_attribute_while_running_and_hooks_are_called_in_order(built):
+    t = built("train.max_steps=2", "checkpoint.at_end=true", "monitor.enabled=false")
+    rec = _Recorder()
+    t.parts = Components([*t.parts, rec])  # what the loop calls
+    t.ckpt.hooks = (t.parts,)  # and the checkpointer
+    report_attrs, trainer_attrs = set(vars(t.report)), set(vars(t))
+    summary = t.train()
+    assert summary["steps"] == 2
+    assert set(vars(t.report)) == report_attrs  # every attribute set in __init__
+    assert set(vars(t)) == trainer_attrs
+    assert rec.calls == [("begin_step", 0), ("check", 1, True), ("begin_step", 1), ("check", 2, True),
+                         ("before_save", 2), ("during_save", 2), ("after_save", 2)]

@@ -33,7 +33,7 @@ from mptrain.core.shards import local_shard
 from mptrain.core.text import fmt
 from mptrain.data.batches import ValSet
 from mptrain.distributed.comm import CommCounter, counting
-from mptrain.distributed.parallel import DistContext
+from mptrain.distributed.parallel import DistContext, wrapper_dtypes
 from mptrain.model.generate import generate
 from mptrain.observe import fp8watch
 from mptrain.observe.alerts import SkipRateWarning, SpikeDetector
@@ -150,7 +150,7 @@ class Reporter:
         cfg, ctx, tc = self.cfg, self.ctx, self.tc
         self.tokens, self.n_params = tokens, n_params
         self.compute_probe = ComputeDtypeProbe(model)  # the dtype the first forward computes in
-        self.dtypes = {**policy.describe(), **ctx.wrapper_dtypes}
+        self.dtypes = {**policy.describe(), **wrapper_dtypes(policy, ctx.mode)}
         # the moments as configured; after step 1, as observed
         self.dtypes["optimizer_state"] = choice.state + (f" + Kahan compensation {choice.param_dtype}"
                                                          if choice.kahan else "")

@@ -3,7 +3,7 @@
 over a one-rank group).
 
 For each wrapper and precision setting it wraps a small GPT with
-``mptrain.parallel.wrap``, runs one forward/backward and writes, per rank, one
+``mptrain.distributed.parallel.wrap``, runs one forward/backward and writes, per rank, one
 JSON line (to ``<out_dir>/probe-rank<R>.jsonl``) with what was observed inside the wrapper:
 - ``storage``: dtypes of the (sharded) parameters the optimizer sees;
 - ``compute_weight``: dtype of a Linear's weight as the module sees it in forward

@@ -221,7 +221,7 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
     """Bytes per rank for ``cfg`` (a composed mptrain config) with ``vocab``
     rows, on ``world`` ranks; ``micro_batch`` sequences per forward (default:
     the config's). An optimizer combination that cannot run is a ConfigError
-    (:func:`mptrain.optimizers.choose`)."""
+    (:func:`mptrain.precision.optimizers.choose`)."""
     m, p = cfg.model, cfg.precision
     choice = choose(cfg)
     mode = cfg.parallel.name.value

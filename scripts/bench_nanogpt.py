@@ -358,7 +358,7 @@ def cpu_time(root: Path, cfg, tokens, steps: int) -> None:
                 t = time.thread_time()
                 step(3 + i)
                 took[name].append(time.thread_time() - t)
-    ratios = sorted(h / n for h, n in zip(took["harness"], took["nanoGPT"]))
+    ratios = sorted(h / n for h, n in zip(took["harness"], took["nanoGPT"], strict=True))
     n = len(ratios)
     # a 95% interval for the median that assumes nothing about the ratios' distribution, only
     # that they are independent (the order statistics n/2 -+ 1.96 sqrt(n)/2, the binomial's

@@ -205,7 +205,7 @@ class _SigmoidTanhGelu(torch.autograd.Function):
             y = torch.addcmul(_GELU_B_CPU, x, x, value=_GELU_A).mul_(x).sigmoid_().mul_(x)
         else:
             y = torch.empty_like(x)
-            for xs, ys in zip(x.view(-1).split(_GELU_SLICE), y.view(-1).split(_GELU_SLICE)):
+            for xs, ys in zip(x.view(-1).split(_GELU_SLICE), y.view(-1).split(_GELU_SLICE), strict=True):
                 torch.addcmul(_GELU_B_CPU, xs, xs, value=_GELU_A, out=ys).mul_(xs).sigmoid_().mul_(xs)
         ctx.save_for_backward(x, y)
         return y
@@ -224,7 +224,7 @@ class _SigmoidTanhGelu(torch.autograd.Function):
             return torch.div(y, x).nan_to_num_(0.5, math.inf, -math.inf).lerp_(_ONE_CPU, w).mul_(grad)
         dx = torch.empty_like(x)
         w = x.new_empty(_GELU_SLICE)
-        for xs, ys, gs, ds in zip(*(t.view(-1).split(_GELU_SLICE) for t in (x, y, grad, dx))):
+        for xs, ys, gs, ds in zip(*(t.view(-1).split(_GELU_SLICE) for t in (x, y, grad, dx)), strict=True):
             ws = w[:xs.numel()]
             torch.addcmul(_GELU_B_CPU, xs, xs, value=3 * _GELU_A, out=ws).mul_(ys)
             torch.div(ys, xs, out=ds).nan_to_num_(0.5, math.inf, -math.inf).lerp_(_ONE_CPU, ws).mul_(gs)

@@ -124,7 +124,7 @@ def local_numels(shape_list: list[tuple[int, ...]], mode: str, world: int) -> li
         return [math.ceil(sum(numels) / world)]
     # a 0-d parameter is not sharded; an empty one holds nothing anywhere
     return [n if not s else (math.ceil(s[0] / world) * (n // s[0]) if s[0] else 0)
-            for s, n in zip(shape_list, numels)]
+            for s, n in zip(shape_list, numels, strict=True)]
 
 
 ATTENTION_KERNEL = "flash/mem-efficient SDPA, no T x T"

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=2 scripts/bench.py parallel=ddp model=gpt-nano
 
 Runs, for the given config (default: model=gpt-mini precision=fp32):
-- the harness (``mptrain.trainer.run``: default logging, metrics files,
+- the harness (``mptrain.run.trainer.run``: default logging, metrics files,
   progress bar off) with the numerics monitor off, and at its default cadence;
 - a bare, hand-written PyTorch loop: the same model object (built and wrapped
   by mptrain), the same batches, the same precision (autocast, loss scaler),
@@ -206,7 +206,7 @@ def steady_laps(rows: list[dict], warmup: int) -> tuple[int, float]:
 
 
 def harness(overrides: list[str], steps: int, progress: Progress, show: bool = False, warmup: int = 0) -> dict:
-    """One run of ``mptrain.trainer.run`` in a temporary directory; its progress read from its metrics.jsonl.
+    """One run of ``mptrain.run.trainer.run`` in a temporary directory; its progress read from its metrics.jsonl.
     Timed over the logged laps after step ``warmup`` (all of them when 0)."""
     cfg = compose_cfg([*overrides, f"train.max_steps={steps}"])
     rank0 = int(os.environ.get("RANK", "0")) == 0

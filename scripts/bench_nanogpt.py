@@ -18,7 +18,7 @@ adds noise, never speed):
   one: ``train.bin``/``val.bin`` (uint16) and ``meta.pkl`` in a temporary
   directory, made from the harness's embedded corpus (``data.tokenizer=byte``).
   Its per-iteration times (``iter N: ... time X ms``) are parsed.
-- **harness**: ``mptrain.trainer.run`` with the numerics monitor off (add
+- **harness**: ``mptrain.run.trainer.run`` with the numerics monitor off (add
   ``monitor.enabled=true`` to include it), no evaluation, no end-of-run
   checkpoint; timed from its own ``metrics.jsonl`` laps (``perf/step_time_s``).
 - **bare loop**: ``scripts/bench.py``'s hand-written loop over the harness's
@@ -220,7 +220,7 @@ def run_nanogpt(root: Path, args: list[str], threads: int, warmup: int, steps: i
 
 
 def run_harness(overrides: list[str], steps: int, warmup: int, verbose: bool) -> dict:
-    """``mptrain.trainer.run`` in a temporary directory; the time of its laps after ``warmup``
+    """``mptrain.run.trainer.run`` in a temporary directory; the time of its laps after ``warmup``
     (each ``metrics.jsonl`` row holds the mean step time since the previous row)."""
     cfg = bench.compose_cfg([*HARNESS, *overrides, f"train.max_steps={steps}"])
     with tempfile.TemporaryDirectory() as d, bench.quiet_harness(verbose):
@@ -282,7 +282,7 @@ def nanogpt_step(root: Path, cfg, vocab: int, batches):
 
 
 def harness_step(cfg, vocab: int, batches, ctx):
-    """A step of the harness's model through ``mptrain.step.train_step``, as the trainer
+    """A step of the harness's model through ``mptrain.run.step.train_step``, as the trainer
     calls it (no monitor); returns ``step(i)``."""
     m, tc = cfg.model, cfg.train
     torch.manual_seed(tc.seed)
@@ -358,7 +358,7 @@ def cpu_time(root: Path, cfg, tokens, steps: int) -> None:
                 t = time.thread_time()
                 step(3 + i)
                 took[name].append(time.thread_time() - t)
-    ratios = sorted(h / n for h, n in zip(took["harness"], took["nanoGPT"]))
+    ratios = sorted(h / n for h, n in zip(took["harness"], took["nanoGPT"], strict=True))
     n = len(ratios)
     # a 95% interval for the median that assumes nothing about the ratios' distribution, only
     # that they are independent (the order statistics n/2 -+ 1.96 sqrt(n)/2, the binomial's

@@ -245,8 +245,8 @@ def label_runs(runs: list[Run]) -> list[str]:
         changed = [k for k in shown if k.endswith(".name") or not _same([_value(r, k), defaults.get(k)])]
         labels.append(", ".join(_show(k, _value(r, k)) for k in (changed or shown)[:4]))
     if len(set(labels)) < len(labels):  # still ambiguous: add the directory
-        labels = [f"{lab} ({r.path.name})" for lab, r in zip(labels, runs)]
-    for r, lab in zip(runs, labels):
+        labels = [f"{lab} ({r.path.name})" for lab, r in zip(labels, runs, strict=True)]
+    for r, lab in zip(runs, labels, strict=True):
         r.label = lab
     return labels
 
@@ -391,7 +391,7 @@ def coinciding(runs: list[Run], metric: str, x: str) -> list[list[Run]]:
     would hide the others. Runs sharing no x never coincide."""
     groups: list[list[tuple[Run, dict]]] = []
     for r in runs:
-        points = dict(zip(*r.series(metric, x)))
+        points = dict(zip(*r.series(metric, x), strict=True))
         if not points:
             continue
         for g in groups:
@@ -452,7 +452,7 @@ def is_sparse(run: Run, xs: list, x: str = "step") -> bool:
 
 def _interval(xs: list) -> Optional[int]:
     """The usual step between samples (the median gap; the first monitored step is step 1)."""
-    gaps = sorted(b - a for a, b in zip(xs, xs[1:]))
+    gaps = sorted(b - a for a, b in zip(xs, xs[1:], strict=False))  # neighbours: one pair fewer than points
     return round(gaps[len(gaps) // 2]) if gaps else None
 
 
@@ -571,7 +571,7 @@ def build_figure(runs: list[Run]):
     height = 3.8 * rows + title_h + legend_h
     fig = Figure(figsize=(6 * cols, height))
     axes = fig.subplots(rows, cols, squeeze=False)
-    for ax, spec in zip(axes.flat, panels):
+    for ax, spec in zip(axes.flat, panels, strict=False):  # the grid's spare cells are hidden below
         _panel(ax, runs, spec, same.get(spec[0], []))
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
@@ -769,7 +769,7 @@ def _fp8_line_panel(ax, runs: list[Run], layer: str, ops: list[str], stat: str, 
             ys = [100 * y for y in ys] if stat != "sqnr_db" else ys
             ax.plot(xs, [y if math.isfinite(y) else math.nan for y in ys], zorder=2 + i, **look)
             values += ys
-            exact += [(x, look["color"]) for x, y in zip(xs, ys) if y == math.inf]
+            exact += [(x, look["color"]) for x, y in zip(xs, ys, strict=True) if y == math.inf]
     notes = _fp8_notes(layer, ops, stat, same)
     ax.set_title("\n".join([f"{layer}: {title}", *notes]), fontsize=9 if notes else 10)
     ax.set_xlabel("step")
@@ -810,7 +810,7 @@ def _fp8_recipe_panel(ax, shown: list[tuple[Run, dict]], layer: str, recipes: li
             own_cols.append(recipes.index(own))
     # Colour by the gain over the row's own cast, so that a recipe worth switching to stands
     # out whatever the operand's format (E5M2 gradients sit several dB below E4M3 inputs).
-    gains = [[_gain_db(v, row[j]) for v in row] for row, j in zip(rows, own_cols)]
+    gains = [[_gain_db(v, row[j]) for v in row] for row, j in zip(rows, own_cols, strict=True)]
     ax.imshow([[max(min(g, norm.vmax), norm.vmin) if not math.isnan(g) else g for g in row] for row in gains],
               cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
     for y, row in enumerate(rows):
@@ -863,8 +863,8 @@ def build_fp8_figure(runs: list[Run]):
     cmap = colormaps["RdBu"].with_extremes(bad="#f0f0f0")  # red: below the run's own casts, blue: above
 
     fig, axes = _fp8_axes(shown, layers, ops, same)
-    for row, layer in zip(axes, layers):
-        for ax, stat in zip(row[:3], FP8_STATS):
+    for row, layer in zip(axes, layers, strict=True):
+        for ax, stat in zip(row[:3], FP8_STATS, strict=True):
             _fp8_line_panel(ax, shown_runs, layer, ops[layer], stat, same)
         _fp8_recipe_panel(row[3], shown, layer, recipes, norm, cmap)
     _fp8_titles(fig, shown, layers, ops, dropped_layers, dropped_runs)
@@ -930,7 +930,7 @@ def lr_settings(runs: list[Run]) -> Optional[dict[str, list[Run]]]:
     keys = sorted({k for f in flats for k in f} - {LR_KEY, "train.seed"})
     differing = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flats}) > 1]
     groups: dict[str, list[Run]] = {}
-    for r, f in zip(runs, flats):
+    for r, f in zip(runs, flats, strict=True):
         name = ", ".join(f"{k}={f.get(k)}" for k in differing) or "all runs"
         groups.setdefault(name, []).append(r)
     return {g: sorted(rs, key=lambda r: _flat(r)[LR_KEY]) for g, rs in groups.items()}
@@ -971,7 +971,7 @@ def lr_figure(groups: dict[str, list[Run]], out: Path) -> None:
         lrs = [_flat(r)[LR_KEY] for r in rs]
         losses = [final_loss(r) for r in rs]
         ax_loss.plot(lrs, [v if math.isfinite(v) else math.nan for v in losses], label=name, **look)
-        bad = [lr for lr, v in zip(lrs, losses) if not math.isfinite(v)]
+        bad = [lr for lr, v in zip(lrs, losses, strict=True) if not math.isfinite(v)]
         if bad:
             ax_loss.scatter(bad, [ceiling] * len(bad), marker="x", color=look["color"], s=60, zorder=5)
         top = rs[-1]

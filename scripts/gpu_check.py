@@ -8,9 +8,9 @@ lacks and printing the versions.) Cases, each independent: a failure is a
 FAILED row with its reason and the next case runs; each prints as it ends:
 
 a. ``gpt-small`` bf16, compiled blocks, fused AdamW: the harness
-   (``mptrain.trainer.run``) against ``scripts/bench.py``'s bare loop under the
+   (``mptrain.run.trainer.run``) against ``scripts/bench.py``'s bare loop under the
    same compile setting: tokens/s, step time, MFU against the device's dense
-   bf16 peak (``mptrain/perf.py``), peak memory. Goal: MFU >= 40%.
+   bf16 peak (``mptrain/observe/perf.py``), peak memory. Goal: MFU >= 40%.
 b. the same in fp16, with the final loss scale and the skipped steps.
 c. fp8 against bf16 on the largest preset that fits one GPU (chosen from
    ``mptrain.memory``'s estimate against the free memory, with a margin),
@@ -268,7 +268,7 @@ def steady(rows: list[dict], tokens_per_step: int) -> dict:
 
 def harness(plan: Plan, overrides: list[str], steps: int, log_every: Optional[int] = None,
             around: Optional[Callable] = None) -> dict:
-    """One ``mptrain.trainer.run`` in a directory of its own, quiet: its summary,
+    """One ``mptrain.run.trainer.run`` in a directory of its own, quiet: its summary,
     metrics rows, console text and steady-state speed. ``around``: a context
     manager factory wrapped around the run (the sync counter)."""
     cfg = bench.compose_cfg([*plan.base, *overrides, f"train.max_steps={steps}",
@@ -299,7 +299,7 @@ def tokens_for_bare(plan: Plan):
 # ------------------------------------------------------- a step loop of our own
 class StepLoop:
     """A model built, wrapped and optimized with mptrain's own functions, as a
-    run builds it, stepped by ``mptrain.step.train_step`` (the harness's step
+    run builds it, stepped by ``mptrain.run.step.train_step`` (the harness's step
     math) on random tokens: the fp8 case and the profiles."""
 
     def __init__(self, overrides: list[str], batch: int, ckpt: bool, compile_blocks: bool):

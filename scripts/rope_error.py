@@ -27,10 +27,10 @@ def measure(theta: float, head_dim: int) -> list[tuple[int, int, float, float]]:
     """(first, last position, bf16 error, fp32 error) per window."""
     out = []
     r = rope_error_by_position(range(0, 8192), theta, head_dim, bucket=256, samples=8)
-    out += list(zip(r["first"], r["last"], r["bf16"], r["fp32"]))
+    out += list(zip(r["first"], r["last"], r["bf16"], r["fp32"], strict=True))
     for p in FAR:
         r = rope_error_by_position(range(p - 256, p), theta, head_dim, bucket=256, samples=8)
-        out += list(zip(r["first"], r["last"], r["bf16"], r["fp32"]))
+        out += list(zip(r["first"], r["last"], r["bf16"], r["fp32"], strict=True))
     return out
 
 

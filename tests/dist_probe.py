@@ -3,7 +3,7 @@
 over a one-rank group).
 
 For each wrapper and precision setting it wraps a small GPT with
-``mptrain.parallel.wrap``, runs one forward/backward and writes, per rank, one
+``mptrain.distributed.parallel.wrap``, runs one forward/backward and writes, per rank, one
 JSON line (to ``<out_dir>/probe-rank<R>.jsonl``) with what was observed inside the wrapper:
 - ``storage``: dtypes of the (sharded) parameters the optimizer sees;
 - ``compute_weight``: dtype of a Linear's weight as the module sees it in forward
@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 import mptrain.config.schema  # noqa: E402,F401
 from mptrain.model.gpt import GPT, GPTShape, LayerNorm  # noqa: E402
-from mptrain.distributed.parallel import setup, wrap  # noqa: E402
+from mptrain.distributed.parallel import setup, wrap, wrapper_dtypes  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
 from mptrain.precision.formats import dtype_name
 
@@ -112,7 +112,7 @@ def _probe_wrapped(mode: str, case: str, precision_cfg, ctx) -> dict:
     rec = {"mode": mode, "case": case, "rank": ctx.rank, "world": ctx.world, "storage": ",".join(storage),
            "grad_dtype": dtype_name(flat.dtype), "grads_in_bf16": representable(flat, torch.bfloat16),
            "grads_in_fp16": representable(flat, torch.float16), **seen, "acts": acts, "gathered": gathered,
-           "declared": ctx.wrapper_dtypes}
+           "declared": wrapper_dtypes(policy, ctx.mode)}
     return rec
 
 

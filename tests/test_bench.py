@@ -15,7 +15,7 @@ from .conftest import load_script, read_rows
 def test_bench_prints_the_table(monkeypatch, capsys):
     """bench.py's ``main`` in this process, with the command line a user would type:
     nothing in it depends on being a fresh process (it trains through
-    ``mptrain.trainer.run`` like the in-process tests), and a new one would only add
+    ``mptrain.run.trainer.run`` like the in-process tests), and a new one would only add
     the start-up. Captured output is not a terminal: progress comes as plain lines."""
     bench = load_script("bench")
     harness_runs = []  # (summary, metrics rows) of each harness run, read before its directory goes

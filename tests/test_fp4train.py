@@ -144,9 +144,12 @@ def test_mxfp4_preset_trains(tmp_path):
     assert not (r["hadamard"] or r["stochastic_rounding"] or r["weight_2d"])
 
 
-def test_resume_is_exact_with_stochastic_rounding(tmp_path):
+def test_resume_is_exact_with_stochastic_rounding(tmp_path, monkeypatch):
     """The rounding draws come from torch's generator, whose state the checkpoint
-    saves: a run stopped at step 5 and resumed repeats the straight run bit for bit."""
+    saves: a run stopped at step 5 and resumed repeats the straight run bit for bit.
+    And the draws matter: the same run with another seed for the rounding alone
+    starts from the same loss and then leaves the straight run's curve, so a resume
+    that lost the generator's state could not have repeated it."""
     base = ["precision=nvfp4", *FP32_REST, "train.max_steps=10", "monitor.every=5"]
     _, straight = train(tmp_path / "straight", *base)
     s1, _ = train(tmp_path / "resumed", *base, "train.stop_after=5")
@@ -154,8 +157,19 @@ def test_resume_is_exact_with_stochastic_rounding(tmp_path):
     s2, resumed = train(tmp_path / "resumed", *base)
     assert s2["resumed_from"].endswith("step-5")
     assert without_wall_clock(resumed) == without_wall_clock(straight)
-    # and the draws matter: a run with another seed for the rounding alone would differ
-    assert len({r["train/loss"] for r in straight if "train/loss" in r}) > 5
+    losses = [r["train/loss"] for r in straight if "train/loss" in r]
+    assert len(set(losses)) > 5
+    # Another seed for the rounding alone: its uniforms (fp4.round_e2m1's torch.rand_like,
+    # the only draw a 4-bit step makes) from a private generator; the weights, the
+    # batches and every other draw as in the straight run. The first 3 steps of the
+    # same schedule (stop_after keeps max_steps' learning rates).
+    other_seed = torch.Generator().manual_seed(12345)
+    monkeypatch.setattr(torch, "rand_like", lambda a: torch.rand(a.shape, generator=other_seed, dtype=a.dtype,
+                                                                 device=a.device))
+    _, other = train(tmp_path / "other-seed", *base, "train.stop_after=3")
+    other_losses = [r["train/loss"] for r in other if "train/loss" in r]
+    assert other_losses[0] == losses[0]  # step 1's forward: nearest rounding only, nothing drawn yet
+    assert all(a != b for a, b in zip(other_losses[1:], losses[1:3], strict=True)), (other_losses, losses)
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -181,8 +195,34 @@ def test_two_rank_fsdp2(two_rank_jobs):
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.2
 
 
-def test_the_config_says_what_each_preset_is():
-    cfg = make_cfg("precision=nvfp4")
+@pytest.mark.parametrize("preset,two_d,stochastic", [("nvfp4", True, True), ("mxfp4", False, False)])
+def test_the_config_says_what_each_preset_is(preset, two_d, stochastic):
+    """What each preset's file says, and what the precision policy then builds from it:
+    bf16 autocast around linears whose forward is the format's fake-quantized product
+    (2-D weight tiles for nvfp4 only) and whose input gradient is random (stochastic
+    rounding) for nvfp4 only; the products checked here against fp4's casts."""
+    from mptrain.model.families import build
+    from mptrain.precision.policy import PrecisionPolicy
+
+    cfg = make_cfg(f"precision={preset}")
     f = cfg.precision.fp4
-    assert f.enabled and f.format.value == "nvfp4" and f.hadamard and f.stochastic_rounding and f.weight_2d
-    assert cfg.precision.compute_dtype.value == "bfloat16" and not cfg.precision.fp8.enabled
+    assert f.enabled and f.format.value == preset and not cfg.precision.fp8.enabled
+    assert f.hadamard == f.stochastic_rounding == f.weight_2d == (preset == "nvfp4")
+    assert cfg.precision.compute_dtype.value == "bfloat16"
+    policy = PrecisionPolicy(cfg.precision, torch.device("cpu"))
+    assert policy.autocast_enabled and policy.compute_dtype == torch.bfloat16
+    torch.manual_seed(0)
+    model = policy.convert_model(build(cfg.model, 320))
+    layer = model.blocks[0].mlp.fc
+    assert isinstance(layer, Fp4Linear)
+    x = torch.randn(32, layer.in_features)
+    w = layer.weight.detach()
+    expected = fp4.fake_quantize(x, preset) @ fp4.fake_quantize(w, preset, two_d=two_d).t() + layer.bias.detach()
+    assert torch.equal(layer(x).detach(), expected)  # fp32 in, autocast off: the casts' own values
+    grads = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        xi = x.clone().requires_grad_()
+        layer(xi).backward(torch.randn(32, layer.out_features, generator=torch.Generator().manual_seed(3)))
+        grads.append(xi.grad)
+    assert torch.equal(grads[0], grads[1]) != stochastic  # two seeds, two draws: only with stochastic rounding

@@ -47,7 +47,7 @@ def test_emulated_matmul_matches_scaled_mm_without_calling_it(recipe, monkeypatc
     monkeypatch.setattr(torch, "_scaled_mm", _no_scaled_mm)
     emulated, p_emulated = _layer_step(recipe, "emulated")
     assert p_native.fp8.matmul == "scaled_mm" and p_emulated.fp8.matmul == "emulated"
-    for name, a, b in zip(("output", "grad_input", "grad_weight"), native, emulated):
+    for name, a, b in zip(("output", "grad_input", "grad_weight"), native, emulated, strict=True):
         err = (a - b).abs().max().item() / a.abs().max().item()
         assert err <= CLOSE, (recipe, name, err)
     # rowwise_with_gw_hp keeps its weight gradient out of float8: that one is the same matmul
@@ -94,7 +94,7 @@ def test_a_run_says_its_matmul_and_keeps_the_casts(tmp_path, monkeypatch):
     s_emul, r_emul = train(tmp_path / "emulated", *common, "precision.fp8.matmul=emulated")
     assert s_native["fp8"]["matmul"] == "scaled_mm" and s_emul["fp8"]["matmul"] == "emulated"
     assert s_emul["dtypes"]["fp8_linears"].endswith("matmul emulated")
-    for a, b in zip(r_native, r_emul):
+    for a, b in zip(r_native, r_emul, strict=True):
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-3)
     la, lb = s_native["fp8_casts"]["layers"], s_emul["fp8_casts"]["layers"]
     assert la.keys() == lb.keys()

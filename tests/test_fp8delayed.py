@@ -1,4 +1,4 @@
-"""Delayed-scaling float8 linears (mptrain.fp8delayed) against the definition,
+"""Delayed-scaling float8 linears (mptrain.precision.fp8delayed) against the definition,
 against fp32 and torchao's current scaling, through state_dict and meta, compiled."""
 from __future__ import annotations
 

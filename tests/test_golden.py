@@ -41,6 +41,6 @@ def test_golden_loss_trace(tmp_path):
     assert len(trace) == len(golden) == 20
     # fp32 on CPU is reproducible to the last bit on one machine; 2e-5 leaves room for
     # a different BLAS build while any real change (init, lr, data order) moves it by >1e-3.
-    bad = [(i + 1, a, b) for i, (a, b) in enumerate(zip(trace, golden)) if abs(a - b) > 2e-5]
+    bad = [(i + 1, a, b) for i, (a, b) in enumerate(zip(trace, golden, strict=True)) if abs(a - b) > 2e-5]
     assert not bad, f"loss trace moved (step, now, golden): {bad[:5]}"
     assert golden[-1] < golden[0] - 1.0

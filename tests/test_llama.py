@@ -100,6 +100,16 @@ def test_the_dtype_audit_flags_nothing_and_norms_stay_fp32(runs):
     audit = json.loads((run_dir / "audit.json").read_text())
     text = json.dumps(audit)
     assert "blocks.0.mlp.gate" in text and "blocks.0.ln_1" in text
+    # A bf16 autocast run whose linears did compute in bf16 ...
+    assert audit["expected"]["compute"] == "bf16" and audit["expected"]["autocast"] is True
+    assert audit["modules"]["blocks.0.mlp.gate"]["matmul"] == "bf16"
+    # ... and every RMSNorm's forward ops, the mean square and its rsqrt included,
+    # took and returned fp32 only
+    norms = {f"blocks.{i}.ln_{j}" for i in range(2) for j in (1, 2)} | {"ln_f"}
+    ops = [o for o in audit["ops"] if o["module"] in norms and o["phase"] == "forward"]
+    assert {o["module"] for o in ops if o["op"] == "rsqrt"} == norms
+    assert {o["module"] for o in ops if o["op"] == "mean"} == norms
+    assert all(set(o["in"]) <= {"fp32"} and set(o["out"]) == {"fp32"} for o in ops), ops
 
 
 def test_flops_per_token_counts_gqa_and_leaves_out_the_untied_embedding():
@@ -125,7 +135,7 @@ def test_smooth_swiglu_trains_exactly_like_swiglu_in_fp32(runs):
 def test_smooth_swiglu_in_float8_smooths_the_down_projections_input(tmp_path):
     """In a float8 run the down projection casts the smoothed input: every
     channel's amax is within a factor 2 of the others, so its flushed share
-    falls (or stays 0), and training goes on."""
+    falls, and training goes on."""
     base = [*LLAMA, "precision=fp8", *FP32_REST, "train.max_steps=2", "monitor.every=1", "monitor.fp8_whatif=[]",
             "debug.outlier_module=blocks.0.mlp.gate", "debug.outlier_scale=30"]
     _, plain = train(tmp_path / "plain", *base)
@@ -133,7 +143,9 @@ def test_smooth_swiglu_in_float8_smooths_the_down_projections_input(tmp_path):
     key = "fp8.block0.mlp.down/input/amax"
     assert smooth[0][key] <= 1.0 < plain[0][key]  # h / s: every channel at most 1
     flush = "fp8.block0.mlp.down/input/flush"
-    assert smooth[0][flush] <= plain[0][flush]
+    # the outlier does push the plain input's other channels under E4M3's smallest
+    # value (about 6e-4 of them here), and smoothing leaves a quarter of that (half: the bound)
+    assert plain[0][flush] > 0 and smooth[0][flush] < plain[0][flush] / 2, (smooth[0][flush], plain[0][flush])
     assert all(x == x for x in _losses(smooth))
 
 

@@ -227,7 +227,7 @@ def test_bf16_rope_error_grows_with_position():
     # but stays hundreds of times below bf16's
     assert fp32[0] < 1e-5 and short["fp32"][0] < 1e-6
     assert far["fp32"][0] < 2e-3
-    for b, f in zip(bf16 + far["bf16"], fp32 + far["fp32"]):
+    for b, f in zip(bf16 + far["bf16"], fp32 + far["fp32"], strict=True):
         assert f < b / 300, (b, f)
 
 
@@ -282,7 +282,7 @@ def test_smooth_swiglu_leaves_outputs_and_gradients_unchanged():
     ys.backward(g)
     yp.backward(g)
     _close(xs.grad, xp.grad)
-    for (name, a), b in zip(smooth.named_parameters(), plain.parameters()):
+    for (name, a), b in zip(smooth.named_parameters(), plain.parameters(), strict=True):
         _close(a.grad, b.grad, msg=name)
 
 

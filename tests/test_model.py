@@ -74,3 +74,35 @@ def test_cpu_gelu_equals_torchs_tanh_gelu():
     # 1 + tanh(u) cancels in fp32; the sigmoid form keeps the true ~1e-6.
     assert torch.allclose(a.grad[gfin], b.grad[gfin], rtol=1e-5, atol=5e-6)
     assert ya.dtype == torch.float32 and ya.grad_fn is not None and "SigmoidTanh" in type(ya.grad_fn).__name__
+
+
+def test_wrap_hands_weights_in_and_sticks_nothing_on_the_model():
+    """What wrap() needs travels as its arguments and what it tells comes from a
+    function: given initial weights are the materialized model's, the model's own
+    attributes are the ones its constructor set (nothing added by wrapping or by
+    compiling the loss), and the wrapper's dtypes follow from policy and mode."""
+    from mptrain.config.schema import ParallelMode
+    from mptrain.distributed.parallel import DistContext, wrap, wrapper_dtypes
+    from mptrain.model.gpt import LossFn
+    from mptrain.precision.policy import PrecisionPolicy
+    from .conftest import make_cfg
+
+    policy = PrecisionPolicy(make_cfg("precision=bf16").precision, torch.device("cpu"))
+    ctx = DistContext(mode=ParallelMode.none)
+    source = GPT(S)  # drawn on the CPU from the global generator: not what seed 3 draws
+    weights = {n: p.detach().clone() for n, p in source.named_parameters()}
+    with torch.device("meta"):
+        model = GPT(S)
+    declared = set(vars(model))
+    model = wrap(model, policy, ctx, init_seed=3, initial_weights=weights)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, weights[n]), n
+    assert set(vars(model)) == declared and not hasattr(ctx, "wrapper_dtypes")
+    assert wrapper_dtypes(policy, ParallelMode.none) == {"wrapper": "none"}
+    assert wrapper_dtypes(policy, ParallelMode.ddp)["grad_reduce"] == "fp32 (all-reduce)"
+    assert wrapper_dtypes(policy, ParallelMode.fsdp)["compute_params"].startswith("bf16")
+    with pytest.raises(ValueError, match="initial_weights"):
+        wrap(GPT(S), policy, ctx, initial_weights=weights)  # weights are written at materialization only
+    loss = LossFn()
+    loss.compile()
+    assert loss.compiled and "LossFn" not in {type(m).__name__ for m in model.modules()}

@@ -1,4 +1,4 @@
-"""mptrain.numerics: counts that agree with real casts, at and next to every
+"""mptrain.observe.numerics: counts that agree with real casts, at and next to every
 boundary; histograms, lost updates and layer groups on known values; the
 monitor on a tiny GPT with real steps."""
 from __future__ import annotations

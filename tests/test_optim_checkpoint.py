@@ -161,7 +161,7 @@ def test_checkpoint_holds_plain_tensors_only(runs, name):
     their parts and read back as plain data."""
     ckpt = runs(name)["ckpt"]
     _assert_no_torchao_pickled(ckpt)
-    state = load_full_state(ckpt)  # mptrain.safeload's readers
+    state = load_full_state(ckpt)  # mptrain.run.safeload's readers
     optim = {k: v for k, v in state.items() if k.startswith("optim.state.")}
     assert optim and all(type(v) is torch.Tensor for v in optim.values() if torch.is_tensor(v))
     if name in ("8bit", "4bit", "fp8"):

@@ -1,4 +1,4 @@
-"""mptrain.stability: each monitor against a value worked out independently (a
+"""mptrain.observe.stability: each monitor against a value worked out independently (a
 hand-built model whose attention and output logits are known, Adam states
 with a known update and a known share of g^2 >> v), the early warning's
 rules and resumable state, and the stability/* names in a real run."""

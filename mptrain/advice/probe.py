@@ -254,7 +254,7 @@ def read_facts(run_dir: Path, cfg, world: int, options: dict[str, tuple[StateOpt
     tops = []
     for r in rows:
         counts = r["numerics/grad_log2_hist"]["counts"]
-        hist = [a + b for a, b in zip(hist, counts)]
+        hist = [a + b for a, b in zip(hist, counts, strict=True)]
         nz = [i for i, n in enumerate(counts) if n]
         if nz:
             tops.append(lo + nz[-1])

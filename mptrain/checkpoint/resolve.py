@@ -70,7 +70,8 @@ def _newest_intact(found: list[Path], label: str, log) -> Optional[Path]:
     """The newest of ``found`` (oldest first) that passes :func:`verify`; a line
     through ``log`` for each damaged one passed over."""
     damaged: list[CheckpointDamaged] = []
-    for older, ckpt in zip([None, *found[:-1]][::-1], found[::-1]):
+    # strict=False: with nothing found, the first list still holds its None
+    for older, ckpt in zip([None, *found[:-1]][::-1], found[::-1], strict=False):
         try:
             verify(ckpt, log)
             return ckpt

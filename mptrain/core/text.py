@@ -26,7 +26,7 @@ def text_table(head: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
 
     def line(cells: list[str]) -> str:
-        return " | ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+        return " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
     return [line(head), "-+-".join("-" * w for w in widths), *(line(r) for r in rows)]
 

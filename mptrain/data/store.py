@@ -176,7 +176,7 @@ class ShardedTokens:
         self.dtype = np.dtype(dtype)
         used = [s for s in shards if s["tokens"]]
         self.files = [Path(root) / s["file"] for s in used]
-        for f, s in zip(self.files, used):
+        for f, s in zip(self.files, used, strict=True):
             if not f.is_file():
                 raise TokenCacheDamaged(f, "missing")
             size = f.stat().st_size
@@ -247,7 +247,7 @@ def _tokenized(data_cfg, split: str, tok, eos: int):
 
     def encode(batch, rows):
         texts = batch[field_]
-        for text, row in zip(texts, rows):
+        for text, row in zip(texts, rows, strict=True):
             if not isinstance(text, str):  # the tokenizer's own TypeError names neither the row nor the column
                 raise ConfigError(
                     f"row {row} (0-based) of {data_cfg.path}, split {split}, holds {repr(text)[:60]} instead of "
@@ -555,7 +555,7 @@ def prepare(data_cfg, log=print) -> TokenData:
         d.mkdir(parents=True)
         meta = {"format": CACHE_FORMAT, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
                 "source": corpus.source, "docs": len(corpus.docs)}
-        for split, docs in zip(("train", "val"), _split_docs(corpus.docs, data_cfg.val_fraction)):
+        for split, docs in zip(("train", "val"), _split_docs(corpus.docs, data_cfg.val_fraction), strict=True):
             ids = _encode_stream(tok, docs)
             np.save(d / f"{split}.npy", ids)
             # read back from the file: the fingerprint is of the bytes on disk

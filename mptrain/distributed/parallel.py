@@ -27,6 +27,7 @@ from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError
 from mptrain.core.shards import local_shard
 from mptrain.model.families import BLOCKS
+from mptrain.model.gpt import write_weights
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.policy import PrecisionPolicy
 
@@ -55,7 +56,6 @@ class DistContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
     owns_group: bool = False
-    wrapper_dtypes: dict = field(default_factory=dict)
 
     @property
     def is_main(self) -> bool:
@@ -297,8 +297,10 @@ def setup(pcfg, device_spec: str) -> DistContext:
 
 
 def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation_checkpointing: bool = False,
-         compile_blocks: bool = False, init_seed: Optional[int] = None) -> nn.Module:
-    """Wrap ``model`` for ``ctx.mode`` and record the dtypes the wrapper uses.
+         compile_blocks: bool = False, init_seed: Optional[int] = None,
+         initial_weights: Optional[dict[str, torch.Tensor]] = None) -> nn.Module:
+    """Wrap ``model`` for ``ctx.mode``; :func:`wrapper_dtypes` says which dtypes
+    the wrapper was given.
 
     Order (the one place it is decided): move to device -> float8 conversion
     -> activation checkpointing -> torch.compile per block -> data-parallel
@@ -310,13 +312,17 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
     FSDP2 that happens after sharding, so no rank ever holds the whole model;
     under the other wrappers, on the device, before wrapping. Either way the
     weights equal those of a model built on the CPU and reset with the same seed.
+    ``initial_weights`` (whole CPU tensors by parameter name, ``model.init_from``)
+    replace the drawn ones, written at the same point (:func:`materialize`).
     """
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and init_seed is None:
         raise ValueError("a model on the meta device needs init_seed to be materialized")
+    if initial_weights is not None and not on_meta:
+        raise ValueError("initial_weights are written when a meta-device model is materialized; this one has storage")
     model = model.to(dtype=policy.param_dtype)  # fp32 unless master_weights=false
     if on_meta and ctx.mode != ParallelMode.fsdp:
-        materialize(model, ctx.device, init_seed)
+        materialize(model, ctx.device, init_seed, initial_weights)
         on_meta = False
     if not on_meta:
         model = model.to(ctx.device)
@@ -336,33 +342,60 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
             blk.compile()  # in place: module names (and checkpoints) stay as they are
         # The loss too: eager, its fp32 upcast and log-softmax write B x T x vocab fp32
         # tensors out whole, about a third of gpt-small's step on an H200 (gpu_check's profile).
-        model.loss_fn = torch.compile(model.loss_fn)
+        # In place, as the blocks: the model's own declared loss object compiles itself.
+        model.loss_fn.compile()
     mode = ctx.mode
     if mode == ParallelMode.none:
-        ctx.wrapper_dtypes = {"wrapper": "none"}
         return model
     if mode == ParallelMode.ddp:
         return _wrap_ddp(model, policy, ctx)
     if mode == ParallelMode.fsdp:
         model = _wrap_fsdp2(model, policy, ctx)
         if on_meta:
-            materialize(model, ctx.device, init_seed)
+            materialize(model, ctx.device, init_seed, initial_weights)
         return model
     if mode == ParallelMode.fsdp1:
         return _wrap_fsdp1(model, policy, ctx)
     raise ConfigError(f"parallel={mode} is unknown")  # unreachable: the schema's Enum rejects it
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Give a meta-device model storage on ``device`` and its initial weights
-    (``reset_parameters`` with a generator seeded ``seed``), in place. Under
-    FSDP2 only this rank's shards get storage."""
+def materialize(model: nn.Module, device: torch.device, seed: int,
+                weights: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """Give a meta-device model storage on ``device`` and its initial weights, in
+    place: ``weights`` when given (whole tensors by name, :func:`write_weights`),
+    else ``reset_parameters`` with a generator seeded ``seed``. Under FSDP2 only
+    this rank's shards get storage, and take only their part of each tensor."""
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own new tensor: tie them again
-    model.reset_parameters(torch.Generator().manual_seed(seed))
+    if weights is None:
+        model.reset_parameters(torch.Generator().manual_seed(seed))
+    else:  # no random draw to throw away: an 8B model's takes minutes on the CPU
+        write_weights(model, weights)
     for m in model.modules():  # state that to_empty left uninitialized (delayed float8 scaling's histories)
         if hasattr(m, "reset_delayed_state"):
             m.reset_delayed_state()
+
+
+def wrapper_dtypes(policy: PrecisionPolicy, mode: ParallelMode) -> dict:
+    """What the wrapper of ``mode`` is given under ``policy`` (storage, gathered
+    and reduced dtypes), for the banner and run_info. A function of the two,
+    not a record kept by :func:`wrap`: every part of it follows from them."""
+    if mode == ParallelMode.ddp:
+        comm = "fp32 (all-reduce)"
+        if policy.reduce_dtype != torch.float32:
+            comm = f"{dtype_name(policy.reduce_dtype)} (compress comm hook)"
+        return {
+            "wrapper": "DistributedDataParallel",
+            "param_storage": dtype_name(policy.param_dtype),
+            "compute_params": dtype_name(policy.compute_dtype) + (" (autocast casts per op)" if policy.autocast_enabled else ""),
+            "grad_reduce": comm,
+            "buffers": dtype_name(policy.buffer_dtype),
+        }
+    if mode == ParallelMode.fsdp:
+        return _sharded_dtypes("FSDP2 fully_shard (per block + its norms, root)", "sharded", policy)
+    if mode == ParallelMode.fsdp1:
+        return _sharded_dtypes("FullyShardedDataParallel (FSDP1, per-block auto-wrap)", "flat, sharded", policy)
+    return {"wrapper": "none"}
 
 
 def _sharded_dtypes(wrapper: str, storage: str, policy) -> dict:
@@ -431,22 +464,13 @@ def _wrap_ddp(model, policy, ctx):
 
     _cast_buffers(model, policy.buffer_dtype)
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, **_no_buffer_sync(model))
-    comm = "fp32 (all-reduce)"
     if policy.reduce_dtype != torch.float32:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         hook = {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}[policy.reduce_dtype]
         if policy.reduce_dtype == torch.bfloat16 and ctx.backend == "gloo":
             hook = _gloo_bf16_compress_hook
-        ddp.register_comm_hook(dist.group.WORLD, hook)
-        comm = f"{dtype_name(policy.reduce_dtype)} (compress comm hook)"
-    ctx.wrapper_dtypes = {
-        "wrapper": "DistributedDataParallel",
-        "param_storage": dtype_name(policy.param_dtype),
-        "compute_params": dtype_name(policy.compute_dtype) + (" (autocast casts per op)" if policy.autocast_enabled else ""),
-        "grad_reduce": comm,
-        "buffers": dtype_name(policy.buffer_dtype),
-    }
+        ddp.register_comm_hook(dist.group.WORLD, hook)  # wrapper_dtypes' "compress comm hook"
     return ddp
 
 
@@ -481,7 +505,6 @@ def _wrap_fsdp2(model, policy, ctx):
             fully_shard(kept, mesh=mesh, mp_policy=mp(policy.gather_dtype(kept[0])))
         fully_shard(blk, mesh=mesh, mp_policy=mp(policy.wrapper_param_dtype))
     fully_shard(model, mesh=mesh, mp_policy=mp(policy.param_dtype))
-    ctx.wrapper_dtypes = _sharded_dtypes("FSDP2 fully_shard (per block + its norms, root)", "sharded", policy)
     return model
 
 
@@ -524,5 +547,4 @@ def _wrap_fsdp1(model, policy, ctx):
         device_id=ctx.device,  # explicit: FSDP1 otherwise refuses a CPU-only machine
         use_orig_params=True,
     )
-    ctx.wrapper_dtypes = _sharded_dtypes("FullyShardedDataParallel (FSDP1, per-block auto-wrap)", "flat, sharded", policy)
     return wrapped

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mptrain.core.sums import fixed_sum
+from mptrain.model.names import canonical_name
 
 
 @dataclass
@@ -204,7 +205,7 @@ class _SigmoidTanhGelu(torch.autograd.Function):
             y = torch.addcmul(_GELU_B_CPU, x, x, value=_GELU_A).mul_(x).sigmoid_().mul_(x)
         else:
             y = torch.empty_like(x)
-            for xs, ys in zip(x.view(-1).split(_GELU_SLICE), y.view(-1).split(_GELU_SLICE)):
+            for xs, ys in zip(x.view(-1).split(_GELU_SLICE), y.view(-1).split(_GELU_SLICE), strict=True):
                 torch.addcmul(_GELU_B_CPU, xs, xs, value=_GELU_A, out=ys).mul_(xs).sigmoid_().mul_(xs)
         ctx.save_for_backward(x, y)
         return y
@@ -223,7 +224,7 @@ class _SigmoidTanhGelu(torch.autograd.Function):
             return torch.div(y, x).nan_to_num_(0.5, math.inf, -math.inf).lerp_(_ONE_CPU, w).mul_(grad)
         dx = torch.empty_like(x)
         w = x.new_empty(_GELU_SLICE)
-        for xs, ys, gs, ds in zip(*(t.view(-1).split(_GELU_SLICE) for t in (x, y, grad, dx))):
+        for xs, ys, gs, ds in zip(*(t.view(-1).split(_GELU_SLICE) for t in (x, y, grad, dx)), strict=True):
             ws = w[:xs.numel()]
             torch.addcmul(_GELU_B_CPU, xs, xs, value=3 * _GELU_A, out=ws).mul_(ys)
             torch.div(ys, xs, out=ds).nan_to_num_(0.5, math.inf, -math.inf).lerp_(_ONE_CPU, ws).mul_(gs)
@@ -303,6 +304,16 @@ def draw_init(model: nn.Module, generator: Optional[torch.Generator], norm: type
         _write_whole(p, full)
 
 
+@torch.no_grad()
+def write_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Initial weights given instead of drawn (``model.init_from``): each parameter
+    gets ``weights``' tensor of its name (wrapper parts of the name ignored, so a
+    wrapped or sharded model reads the same keys), written as :func:`draw_init`
+    writes: whole in fp32, a shard taking only its part. Every name must be there."""
+    for name, p in model.named_parameters():
+        _write_whole(p, weights[canonical_name(name)].to(torch.float32))
+
+
 def cross_entropy_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T),
     computed in fp32: log-softmax over the vocabulary loses digits in half
@@ -311,6 +322,33 @@ def cross_entropy_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     with GPT-2's vocabulary); compiled (``GPT.loss_fn`` under ``train.compile``),
     the upcast, log-softmax and pick fuse into passes over the 16-bit logits."""
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class LossFn:
+    """Both families' loss, :func:`cross_entropy_fp32`, held by a declared object
+    (the model's ``loss_fn``, set in ``__init__``) so that compiling it is a method
+    of that object, called where the blocks are compiled (``parallel.wrap``:
+    ``model.loss_fn.compile()`` beside ``blk.compile()``), instead of a compiled
+    function swapped onto the module from outside.
+
+    Not an nn.Module on purpose: it has no weights, and as a submodule it would
+    join ``named_modules``, where the dtype audit, the monitors and the fault
+    localisation hook every module: the audit's table would gain a row, and
+    hooks that come and go on a compiled module make it recompile."""
+
+    def __init__(self) -> None:
+        self.compiled = False
+        self._fn = cross_entropy_fp32
+
+    def compile(self) -> None:
+        """Compile the loss (its fp32 upcast, log-softmax and pick fuse into passes
+        over the 16-bit logits); a second call changes nothing."""
+        if not self.compiled:
+            self._fn = torch.compile(cross_entropy_fp32)
+            self.compiled = True
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._fn(logits, targets)
 
 
 def blocks_and_head(model: nn.Module, x: torch.Tensor, targets: Optional[torch.Tensor]):
@@ -328,8 +366,8 @@ def blocks_and_head(model: nn.Module, x: torch.Tensor, targets: Optional[torch.T
 class GPT(nn.Module):
     """Token + position embeddings, ``n_layer`` blocks, final norm, tied head.
 
-    ``loss_fn`` computes the loss from the logits (:func:`cross_entropy_fp32`);
-    ``parallel.wrap`` replaces it by its compiled version when blocks are compiled."""
+    ``loss_fn`` computes the loss from the logits (:class:`LossFn`);
+    ``parallel.wrap`` compiles it when it compiles the blocks."""
 
     def __init__(self, s: GPTShape):
         super().__init__()
@@ -341,7 +379,7 @@ class GPT(nn.Module):
         self.ln_f = LayerNorm(s.d_model, s.bias)
         self.lm_head = nn.Linear(s.d_model, s.vocab_size, bias=False)
         self.tie_weights()
-        self.loss_fn = cross_entropy_fp32
+        self.loss_fn = LossFn()
         if not self.wte.weight.is_meta:  # on the meta device there is nothing to fill yet
             self.reset_parameters()
 

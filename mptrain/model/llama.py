@@ -32,8 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mptrain.model.gpt import AttentionProbe, _write_whole, blocks_and_head, cross_entropy_fp32, draw_init
-from mptrain.model.names import canonical_name
+from mptrain.model.gpt import AttentionProbe, LossFn, blocks_and_head, draw_init
 
 
 @dataclass
@@ -353,8 +352,8 @@ class Llama(nn.Module):
     unless ``tie_embeddings``). No position embedding: positions enter as
     rotations of each head's queries and keys.
 
-    ``loss_fn`` computes the loss from the logits (:func:`cross_entropy_fp32`);
-    ``parallel.wrap`` replaces it by its compiled version when blocks are compiled."""
+    ``loss_fn`` computes the loss from the logits (:class:`mptrain.model.gpt.LossFn`);
+    ``parallel.wrap`` compiles it when it compiles the blocks."""
 
     family = "llama"
 
@@ -368,10 +367,7 @@ class Llama(nn.Module):
         self.ln_f = RMSNorm(s.d_model, s.norm_eps)
         self.lm_head = nn.Linear(s.d_model, s.vocab_size, bias=False)
         self.tie_weights()
-        self.loss_fn = cross_entropy_fp32
-        # Pretrained weights to start from instead of the random ones (model.init_from:
-        # whole fp32 tensors on the CPU, by parameter name); reset_parameters writes them.
-        self.initial_weights: Optional[dict[str, torch.Tensor]] = None
+        self.loss_fn = LossFn()
         if not self.wte.weight.is_meta:  # on the meta device there is nothing to fill yet
             self.reset_parameters()
 
@@ -394,16 +390,8 @@ class Llama(nn.Module):
         after another in ``named_parameters`` order, then written into the
         parameter whatever its device, dtype or sharding. So one seeded
         generator gives the same weights on one rank or many, built on the
-        meta device or not.
-
-        With :attr:`initial_weights` set (``model.init_from``), each parameter
-        gets its pretrained tensor instead, by name (wrapper parts of the name
-        ignored), written the same way: a shard takes only its part."""
-        if self.initial_weights is not None:
-            for name, p in self.named_parameters():
-                _write_whole(p, self.initial_weights[canonical_name(name)].to(torch.float32))
-            self.initial_weights = None  # written: the copy is not kept (an 8B model's is 32 GB)
-            return
+        meta device or not. Pretrained weights (``model.init_from``) are written
+        instead of these by ``parallel.materialize`` (:func:`mptrain.model.gpt.write_weights`)."""
         draw_init(self, generator, RMSNorm, ("attn.o.weight", "mlp.down.weight"), self.shape.n_layer)
 
     def num_params(self, non_embedding: bool = True) -> int:

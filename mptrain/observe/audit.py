@@ -587,7 +587,7 @@ def _collapse_blocks(mods: dict[str, dict[str, str]]) -> dict[str, str]:
     for container in {c for c, _ in per_block}:
         idx = sorted(i for c, i in per_block if c == container)
         start = idx[0]
-        for prev, cur in zip(idx, idx[1:] + [None]):
+        for prev, cur in zip(idx, idx[1:] + [None], strict=True):
             if cur is None or cur != prev + 1 or per_block[(container, cur)] != per_block[(container, start)]:
                 for i in range(start, prev + 1):
                     group_of[(container, i)] = (start, prev)

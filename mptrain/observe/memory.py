@@ -124,7 +124,7 @@ def local_numels(shape_list: list[tuple[int, ...]], mode: str, world: int) -> li
         return [math.ceil(sum(numels) / world)]
     # a 0-d parameter is not sharded; an empty one holds nothing anywhere
     return [n if not s else (math.ceil(s[0] / world) * (n // s[0]) if s[0] else 0)
-            for s, n in zip(shape_list, numels)]
+            for s, n in zip(shape_list, numels, strict=True)]
 
 
 ATTENTION_KERNEL = "flash/mem-efficient SDPA, no T x T"
@@ -221,7 +221,7 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
     """Bytes per rank for ``cfg`` (a composed mptrain config) with ``vocab``
     rows, on ``world`` ranks; ``micro_batch`` sequences per forward (default:
     the config's). An optimizer combination that cannot run is a ConfigError
-    (:func:`mptrain.optimizers.choose`)."""
+    (:func:`mptrain.precision.optimizers.choose`)."""
     m, p = cfg.model, cfg.precision
     choice = choose(cfg)
     mode = cfg.parallel.name.value

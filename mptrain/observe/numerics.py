@@ -397,16 +397,16 @@ class NumericsMonitor:
         whole = None
         for group, params in layer_groups(model.named_parameters()).items():
             stats = self._group_stats(group, params, inv, dev)
-            for key, v in zip(("grad_sq", "weight_sq", "counts"), stats[:3]):
+            for key, v in zip(("grad_sq", "weight_sq", "counts"), stats[:3], strict=True):
                 self._sum[f"{key}/{group}"] = v
             self._max[f"weight_absmax/{group}"] = stats[3]
-            whole = stats if whole is None else (*(a + b for a, b in zip(whole[:3], stats[:3])),
+            whole = stats if whole is None else (*(a + b for a, b in zip(whole[:3], stats[:3], strict=True)),
                                                   torch.maximum(whole[3], stats[3]), whole[4] + stats[4])
         if whole is None:
             return
         if self._has_grad:
             self._has_grad.add(WHOLE_MODEL)
-        for key, v in zip(("grad_sq", "weight_sq", "counts"), whole[:3]):
+        for key, v in zip(("grad_sq", "weight_sq", "counts"), whole[:3], strict=True):
             self._sum[f"{key}/{WHOLE_MODEL}"] = v
         self._max[f"weight_absmax/{WHOLE_MODEL}"] = whole[3]
         if self.histogram:
@@ -463,7 +463,7 @@ class NumericsMonitor:
         self._snapshot_flat = _flat(shards) if shards else None
         self._snapshot = ([] if not shards else
                           [v.view(s.shape) for v, s in zip(self._snapshot_flat.split([s.numel() for s in shards]),
-                                                             shards)])
+                                                             shards, strict=True)])
 
     def after_optimizer(self, model: nn.Module, skipped: Union[torch.Tensor, bool, None] = None) -> None:
         """Count the updates bf16 / fp16 storage would lose (whole model).
@@ -514,7 +514,7 @@ class NumericsMonitor:
         # updated every parameter (the usual case), the flat copies are those at hand.
         comp = None
         if any(c is not None for c in comps):
-            comp = _flat([c if c is not None else torch.zeros_like(b) for c, b in zip(comps, befores)])
+            comp = _flat([c if c is not None else torch.zeros_like(b) for c, b in zip(comps, befores, strict=True)])
         if len(befores) == len(params):
             before_flat, after_flat = self._snapshot_flat, after
         else:

@@ -115,7 +115,8 @@ def format_table() -> str:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     # Names and dtypes left-aligned, numbers right-aligned so magnitudes line up.
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
     return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 

@@ -120,16 +120,17 @@ def build_model(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, voca
     # values whatever the world size or device (GPT.reset_parameters says how).
     with torch.device("meta"):
         model = build_family(m, vocab)
-    if m.init_from:  # read whole on every rank; materialize writes each rank's part
-        model.initial_weights = pretrained_weights(m, vocab, tokenizer_vocab)
     n_params = model.num_params()
     decay = decay_names(model)  # before wrapping: FSDP1 flattens shapes
     if ctx.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = tc.tf32
         torch.backends.cudnn.allow_tf32 = tc.tf32
     compile_blocks = tc.compile if tc.compile is not None else ctx.device.type == "cuda"
+    # model.init_from's weights: read whole on every rank, each rank's part written by wrap();
+    # passed, not kept in a local, so the copy (32 GB for an 8B model) is freed once wrap returns
     model = wrap(model, policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
-                 compile_blocks=compile_blocks, init_seed=tc.seed)
+                 compile_blocks=compile_blocks, init_seed=tc.seed,
+                 initial_weights=pretrained_weights(m, vocab, tokenizer_vocab) if m.init_from else None)
     choice = choose(cfg)
     optimizer = build_optimizer(model, decay, cfg.optim, ctx.device, choice)
     policy.attach_optimizer(optimizer, model)  # float8 scales follow every optimizer step

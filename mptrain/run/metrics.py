@@ -160,7 +160,8 @@ class TensorBoardSink:
             centers = [x + 0.5 for x in k]
             self.w.add_histogram_raw(
                 name, min=float(k[0]), max=float(k[-1] + 1), num=num,
-                sum=sum(a * b for a, b in zip(centers, c)), sum_squares=sum(a * a * b for a, b in zip(centers, c)),
+                sum=sum(a * b for a, b in zip(centers, c, strict=True)),
+                sum_squares=sum(a * a * b for a, b in zip(centers, c, strict=True)),
                 bucket_limits=[float(x + 1) for x in k], bucket_counts=c, global_step=step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:

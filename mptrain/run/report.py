@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from mptrain.core.shards import local_shard
 from mptrain.core.text import fmt
 from mptrain.data.batches import ValSet
-from mptrain.distributed.parallel import DistContext
+from mptrain.distributed.parallel import DistContext, wrapper_dtypes
 from mptrain.model.generate import generate
 from mptrain.observe.memory import Estimate, summary_figures
 from mptrain.observe.memory import estimate as memory_estimate
@@ -124,7 +124,7 @@ def describe(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, data: R
              info: dict) -> RunFacts:
     """run_info (into ``info``) and the run's facts: what the banner prints and config.yaml records."""
     tc, choice, model = cfg.train, built.opt_choice, built.model
-    dtypes = {**policy.describe(), **ctx.wrapper_dtypes}
+    dtypes = {**policy.describe(), **wrapper_dtypes(policy, ctx.mode)}
     # the moments as configured; after step 1, as observed
     dtypes["optimizer_state"] = choice.state + (f" + Kahan compensation {choice.param_dtype}" if choice.kahan else "")
     tokens = data.tokens

@@ -355,13 +355,13 @@ def update_clipping(optimizer: torch.optim.Optimizer, ctx: DistContext,
         # fp32 0-d tensors, as the fused kernel reads them (one copy up, one multiply).
         lrs = (factors * torch.tensor(base, dtype=torch.float32).to(ctx.device, non_blocking=True)).unbind()
     else:
-        lrs = [lr * f for lr, f in zip(base, factors.tolist())]  # host sync: the one the switch adds
+        lrs = [lr * f for lr, f in zip(base, factors.tolist(), strict=True)]  # host sync: the one the switch adds
     try:
-        for g, lr in zip(groups, lrs):
+        for g, lr in zip(groups, lrs, strict=True):
             g["lr"] = lr
         yield ratio.max()
     finally:
-        for g, lr in zip(groups, base):
+        for g, lr in zip(groups, base, strict=True):
             g["lr"] = lr
 
 

@@ -9,12 +9,12 @@ from typing import Any
 import torch.nn as nn
 
 from mptrain.core.errors import ConfigError
-from mptrain.model import gpt, hf_llama, llama
+from mptrain.model import common, gpt, hf_llama, llama
 from mptrain.model.gpt import GPT, GPTShape
 from mptrain.model.llama import Llama, LlamaShape, swiglu_hidden
 
 FAMILIES = ("gpt", "llama")
-BLOCKS = (gpt.Block, llama.Block)
+BLOCKS = (common.Block,)
 """Each family's transformer block: the unit of wrapping, checkpointing and compiling."""
 NORMS = (gpt.LayerNorm, llama.RMSNorm)
 """Each family's norm, computed in fp32 whatever the autocast dtype."""

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from mptrain.core.errors import ConfigError
-from mptrain.model.gpt import _write_whole
+from mptrain.model.common import write_whole
 from mptrain.model.llama import LlamaShape
 
 PathLike = Union[str, Path]
@@ -341,7 +341,7 @@ def load_into(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
             if tuple(full.shape) != tuple(p.shape):
                 raise ConfigError(f"model.init_from: the checkpoint's {name} has shape {tuple(full.shape)} but the "
                                   f"model's is {tuple(p.shape)}; set the model fields to the checkpoint's config.json")
-            _write_whole(p, full.to(p.dtype))
+            write_whole(p, full.to(p.dtype))
 
 
 # ----------------------------------------------------------------------- export

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mptrain.model.gpt import AttentionProbe, _write_whole, blocks_and_head, cross_entropy_fp32, draw_init
+from mptrain.model.common import AttentionProbe, Block, blocks_and_head, cross_entropy_fp32, draw_init, write_whole
 from mptrain.model.names import canonical_name
 
 
@@ -237,7 +237,7 @@ class Attention(AttentionProbe, nn.Module):
     serving ``n_head // n_kv_head`` consecutive query heads. With ``qk_norm``,
     each head's queries and keys pass through an RMSNorm over ``head_dim``
     before the rotation. ``probe`` / ``probe_stats`` are those of
-    :class:`mptrain.model.gpt.CausalSelfAttention`: on the steps a monitor
+    :class:`mptrain.model.common.AttentionProbe` (both families'): on the steps a monitor
     sets ``probe``, each forward folds the largest logit and the mean entropy
     of the (rotated, repeated) queries and keys into ``probe_stats``."""
 
@@ -333,19 +333,11 @@ def smoothed(down: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return torch.func.functional_call(down, {"weight": down.weight * s}, (h / s.to(h.dtype),))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, s: LlamaShape, rope: Optional[RotaryCache] = None):
-        super().__init__()
-        self.ln_1 = RMSNorm(s.d_model, s.norm_eps)
-        self.attn = Attention(s, rope)
-        self.ln_2 = RMSNorm(s.d_model, s.norm_eps)
-        self.mlp = SwiGLU(s)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+def llama_block(s: LlamaShape, rope: Optional[RotaryCache] = None) -> Block:
+    """A Llama block: RMSNorms, grouped-query attention with rotary positions
+    (reading the model's shared ``rope`` tables) and SwiGLU in the shared
+    pre-norm :class:`~mptrain.model.common.Block`."""
+    return Block(RMSNorm(s.d_model, s.norm_eps), Attention(s, rope), RMSNorm(s.d_model, s.norm_eps), SwiGLU(s))
 
 
 class Llama(nn.Module):
@@ -364,7 +356,7 @@ class Llama(nn.Module):
         self.wte = nn.Embedding(s.vocab_size, s.d_model)
         self.drop = nn.Dropout(s.dropout)
         rope = RotaryCache(s.head_dim, s.rope_theta, s.rope_dtype)  # one for all layers
-        self.blocks = nn.ModuleList(Block(s, rope) for _ in range(s.n_layer))
+        self.blocks = nn.ModuleList(llama_block(s, rope) for _ in range(s.n_layer))
         self.ln_f = RMSNorm(s.d_model, s.norm_eps)
         self.lm_head = nn.Linear(s.d_model, s.vocab_size, bias=False)
         self.tie_weights()
@@ -401,7 +393,7 @@ class Llama(nn.Module):
         ignored), written the same way: a shard takes only its part."""
         if self.initial_weights is not None:
             for name, p in self.named_parameters():
-                _write_whole(p, self.initial_weights[canonical_name(name)].to(torch.float32))
+                write_whole(p, self.initial_weights[canonical_name(name)].to(torch.float32))
             self.initial_weights = None  # written: the copy is not kept (an 8B model's is 32 GB)
             return
         draw_init(self, generator, RMSNorm, ("attn.o.weight", "mlp.down.weight"), self.shape.n_layer)

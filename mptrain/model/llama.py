@@ -348,8 +348,6 @@ class Llama(nn.Module):
     ``loss_fn`` computes the loss from the logits (:func:`cross_entropy_fp32`);
     ``parallel.wrap`` replaces it by its compiled version when blocks are compiled."""
 
-    family = "llama"
-
     def __init__(self, s: LlamaShape):
         super().__init__()
         self.shape = s

@@ -16,11 +16,13 @@ trained with ``model.qk_norm=true`` is refused: GPT-2 has no LayerNorm on
 queries and keys to hold it (``python -m mptrain.sample`` runs such a model).
 
 A Llama-family checkpoint (``model.family=llama``, the ``llama-*`` presets) is
-exported as transformers' ``LlamaForCausalLM``: ``config.json`` is
-``mptrain.model.hf_llama.hf_config`` as transformers' ``LlamaConfig`` writes it,
-and the weights are under Hugging Face names (``hf_llama.to_hf_state_dict``),
-each tensor as it is, since mptrain's RoPE rotates halves as transformers'
-``rotate_half`` does. ``model.qk_norm=true`` is refused here too
+exported as transformers' ``LlamaForCausalLM``: the weights under Hugging Face
+names, each tensor as it is, since mptrain's RoPE rotates halves as
+transformers' ``rotate_half`` does. Each family's spec
+(``mptrain/model/families.py``) gives its ``config.json`` (``hf_config``, as
+transformers' config class then writes it) and its tensors' names and layouts
+(``hf_state_dict``); the mappings themselves are ``mptrain/model/hf_gpt2.py``
+and ``mptrain/model/hf_llama.py``. ``model.qk_norm=true`` is refused here too
 (LlamaForCausalLM has no norm on queries and keys), and so is
 ``model.rope_dtype=bf16``: transformers builds its rotary tables in fp32, so
 the export would compute another function than the one trained.
@@ -90,8 +92,8 @@ from mptrain.checkpoint.readers import (  # noqa: E402
 from mptrain.core.errors import ConfigError, UserError  # noqa: E402
 from mptrain.core.files import write_json  # noqa: E402
 from mptrain.data.tokenizers import EOT  # noqa: E402
-from mptrain.model import hf_llama  # noqa: E402
-from mptrain.model.families import llama_shape  # noqa: E402
+from mptrain.model.families import family_spec  # noqa: E402
+from mptrain.model.spec import FamilySpec  # noqa: E402
 from mptrain.sample import OneLineParser, one_line_errors  # noqa: E402
 
 TOLERANCE = 1e-4
@@ -107,27 +109,6 @@ class ExportError(UserError):
     """An export that cannot proceed; main() prints it as one ``export_hf:`` line (exit status 2)."""
 
     kind = "export error"
-
-
-def gpt2_state_dict(sd: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
-    """mptrain names -> GPT-2 names; linear weights transposed to Conv1D layout."""
-    d = sd["wte.weight"].shape[1]
-    zeros = lambda n: torch.zeros(n, dtype=sd["wte.weight"].dtype)  # noqa: E731
-    out = {"transformer.wte.weight": sd["wte.weight"], "transformer.wpe.weight": sd["wpe.weight"],
-           "transformer.ln_f.weight": sd["ln_f.weight"],
-           "transformer.ln_f.bias": sd.get("ln_f.bias", zeros(d))}
-    for i in range(n_layer):
-        src, dst = f"blocks.{i}.", f"transformer.h.{i}."
-        for ours, theirs in (("ln_1", "ln_1"), ("ln_2", "ln_2")):
-            out[f"{dst}{theirs}.weight"] = sd[f"{src}{ours}.weight"]
-            out[f"{dst}{theirs}.bias"] = sd.get(f"{src}{ours}.bias", zeros(d))
-        for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
-                             ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            w = sd[f"{src}{ours}.weight"]
-            out[f"{dst}{theirs}.weight"] = w.t().contiguous()
-            out[f"{dst}{theirs}.bias"] = sd.get(f"{src}{ours}.bias", zeros(w.shape[0]))
-    out["lm_head.weight"] = sd["wte.weight"]  # tied, as in mptrain
-    return out
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -175,12 +156,7 @@ def export(src: Path, out: Path, trust_remote_code: bool = False, overwrite: boo
 
     def read(ckpt: Path):
         meta = read_meta(ckpt)
-        if is_llama(meta):
-            llama_config(meta, src)  # a model LlamaForCausalLM cannot hold is refused before any work
-        elif meta["config"]["model"].get("qk_norm", False):
-            raise ExportError(f"{src} was trained with model.qk_norm=true, and GPT-2 has no layer for the LayerNorm "
-                              f"on each head's queries and keys, so it cannot be exported; "
-                              f"python -m mptrain.sample {src} runs it as it is.")
+        hf_config(meta, src)  # a model its transformers class cannot compute is refused before any work
         _check_out(ckpt, out)
         _check_target(out, overwrite)
         # The tokenizer first: a refused one stops the export before the weights are read.
@@ -188,7 +164,8 @@ def export(src: Path, out: Path, trust_remote_code: bool = False, overwrite: boo
 
     ckpt, (meta, tokenizer, sd) = read_newest(src, read)
     m = meta["config"]["model"]
-    family = "llama " if is_llama(meta) else ""  # a GPT's line is as it always was
+    name = family_spec(model_section(meta)).name
+    family = "" if name == "gpt" else f"{name} "  # a GPT's line is as it always was
     print(f"export_hf: {ckpt} (step {meta['step']}, {family}{m['n_layer']}x{m['d_model']}, "
           f"vocab {meta['vocab_size']})")
     staging = _staging_dir(out)
@@ -360,74 +337,44 @@ def _check_out(ckpt: Path, out: Path) -> None:
                           f"{out.resolve().parent}/hf.")
 
 
-def gpt2_model(meta: dict, sd: dict[str, torch.Tensor], eos: int):
-    """A transformers ``GPT2LMHeadModel`` holding mptrain weights ``sd``."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    m = meta["config"]["model"]
-    config = GPT2Config(
-        vocab_size=meta["vocab_size"], n_positions=m["block_size"], n_embd=m["d_model"], n_layer=m["n_layer"],
-        n_head=m["n_head"], n_inner=4 * m["d_model"], activation_function="gelu_new",  # = tanh GELU
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
-        tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos,
-    )
-    hf = GPT2LMHeadModel(config)
-    missing, unexpected = hf.load_state_dict(gpt2_state_dict(sd, m["n_layer"]), strict=False)
-    # GPT-2 keeps a non-persistent causal-mask buffer on some versions; nothing else may be missing.
-    missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias"))]
-    if missing or unexpected:
-        raise CheckpointError(f"the checkpoint's weights do not map onto GPT-2 (missing {missing}, unexpected "
-                              f"{unexpected}); only mptrain GPT checkpoints can be exported.")
-    return hf
+def hf_config(meta: dict, src: Path) -> tuple[FamilySpec, object, dict]:
+    """(the checkpoint's family spec, its shape, the ``config.json`` of the family's
+    transformers class), or an :class:`ExportError` naming ``src`` for a model
+    that class cannot compute (QK-norm, bf16 rotary tables). The ``model``
+    section is read as ``mptrain.sample`` reads it: keys the checkpoint lacks
+    take the schema's defaults (one saved before ``model.family`` existed is a GPT)."""
+    m = model_section(meta)
+    spec = family_spec(m)
+    shape = spec.shape(m, meta["vocab_size"])
+    try:
+        return spec, shape, spec.hf_config(shape)
+    except ConfigError as e:
+        raise ExportError(f"{src} cannot be exported: {e}; python -m mptrain.sample {src} runs it as it is.") from None
 
 
 def hf_model(meta: dict, sd: dict[str, torch.Tensor], eos: int, src: Path):
-    """The transformers model of the checkpoint's family holding its weights ``sd``."""
-    return llama_model(meta, sd, eos, src) if is_llama(meta) else gpt2_model(meta, sd, eos)
+    """The transformers model of the checkpoint's family (``GPT2LMHeadModel`` or
+    ``LlamaForCausalLM``, as its spec's config names it) holding its weights
+    ``sd`` under the spec's names and layouts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-
-def is_llama(meta: dict) -> bool:
-    """Whether the checkpoint is of the Llama family (one saved before
-    ``model.family`` existed is a GPT)."""
-    return meta["config"]["model"].get("family", "gpt") == "llama"
-
-
-def llama_config(meta: dict, src: Path) -> dict:
-    """The ``config.json`` (:func:`mptrain.model.hf_llama.hf_config`) of the
-    checkpoint's Llama, or an :class:`ExportError` naming ``src`` for a model
-    ``LlamaForCausalLM`` cannot compute. The ``model`` section is read as
-    ``mptrain.sample`` reads it: keys the checkpoint lacks take the schema's
-    defaults."""
-    shape = llama_shape(model_section(meta), meta["vocab_size"])
-    runs_it = f"python -m mptrain.sample {src} runs it as it is"
+    spec, shape, config = hf_config(meta, src)
+    kind = config["model_type"]
+    settings = {k: v for k, v in config.items() if k != "model_type"}
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **settings, bos_token_id=eos, eos_token_id=eos))
+    arch = config["architectures"][0]
     try:
-        config = hf_llama.hf_config(shape)
-    except ConfigError as e:  # model.qk_norm=true
-        raise ExportError(f"{src} cannot be exported: {e}; {runs_it}.") from None
-    if shape.rope_dtype != "fp32":
-        raise ExportError(f"{src} was trained with model.rope_dtype={shape.rope_dtype}, and LlamaForCausalLM "
-                          "builds its rotary tables in fp32, so the export would compute another function than "
-                          f"the one trained; {runs_it}.")
-    return config
-
-
-def llama_model(meta: dict, sd: dict[str, torch.Tensor], eos: int, src: Path):
-    """A transformers ``LlamaForCausalLM`` holding mptrain Llama weights ``sd``:
-    the names mapped one to one, no tensor reshaped (both RoPEs rotate halves)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = llama_config(meta, src)
-    hf = LlamaForCausalLM(LlamaConfig(**config, bos_token_id=eos, eos_token_id=eos))
-    try:
-        state = hf_llama.to_hf_state_dict(sd, tied=config["tie_word_embeddings"])
-    except ConfigError as e:
-        raise CheckpointError(f"the checkpoint's weights do not map onto LlamaForCausalLM: {e}") from None
+        state = spec.hf_state_dict(sd, shape)
+    except (ConfigError, KeyError) as e:
+        raise CheckpointError(f"the checkpoint's weights do not map onto {arch}: {e}") from None
     missing, unexpected = hf.load_state_dict(state, strict=False)
-    if config["tie_word_embeddings"]:
-        missing = [k for k in missing if k != "lm_head.weight"]  # tied: the head is the embedding
+    # GPT-2 keeps a non-persistent causal-mask buffer on some versions, and a tied head
+    # is the embedding; nothing else may be missing.
+    missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))
+               and not (config["tie_word_embeddings"] and k == "lm_head.weight")]
     if missing or unexpected:
-        raise CheckpointError(f"the checkpoint's weights do not map onto LlamaForCausalLM (missing {missing}, "
-                              f"unexpected {unexpected}); only mptrain Llama checkpoints can be exported as Llama.")
+        raise CheckpointError(f"the checkpoint's weights do not map onto {arch} (missing {missing}, unexpected "
+                              f"{unexpected}); only mptrain {spec.name} checkpoints can be exported as {arch}.")
     return hf
 
 

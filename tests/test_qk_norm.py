@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import mptrain.model.gpt as model_mod
+import mptrain.model.common as model_mod  # where the probe and its slice size live
 from mptrain.model.gpt import GPT, CausalSelfAttention, GPTShape
 
 from .conftest import load_script, make_cfg, train

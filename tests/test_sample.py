@@ -120,7 +120,7 @@ def test_greedy_equals_transformers_greedy(trained, tmp_path):
     noisy = {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
     noisy["lm_head.weight"] = noisy["wte.weight"]  # tied
     ours = build_model(meta, noisy)
-    theirs, mine = both(export_hf.gpt2_model(meta, noisy, EOS).eval(), ours)
+    theirs, mine = both(export_hf.hf_model(meta, noisy, EOS, run_dir).eval(), ours)
     assert theirs == mine and len(set(mine)) > 5, (theirs, mine)
 
     # generate() crops a long prompt to the last block_size tokens, returns the new

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mptrain.precision import formats
-from mptrain.model.gpt import GPT, GPTShape, attention_logit_stats
+from mptrain.model.common import attention_logit_stats
+from mptrain.model.gpt import GPT, GPTShape
 from mptrain.observe.numerics import NumericsMonitor, applied_update_stats
 from mptrain.observe.stability import StabilityWarnings, logit_stats, update_sq_sum
 

@@ -494,9 +494,9 @@ def check_ranges(cfg: Any) -> None:
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Every value in its range (:func:`check_ranges`), then the rules that span
     fields. Raises :class:`ConfigError` naming the key and the fix. The rules
-    that need the precision layer's knowledge (which optimizer can run, which
-    float8 recipes the cast statistics know) are added on top by
-    :func:`mptrain.precision.rules.validate`, which is what a run calls."""
+    that need what the layers above know (what each model family can take,
+    which optimizer can run, which float8 recipes the cast statistics know) are
+    added on top by :func:`mptrain.precision.rules.validate`, which is what a run calls."""
     check_ranges(cfg)  # first: the rules below divide by some of these values
     m, p = cfg.model, cfg.precision
     if m.d_model % m.n_head:
@@ -504,7 +504,6 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}; "
             "pick a head count that divides the width."
         )
-    _family_rules(m)
     mbs, _ = micro_steps(cfg, world_size)  # raises on batch sizes that do not divide
     _delayed_knobs(p.fp8)
     if p.fp8.enabled and p.fp8.recipe.value == "mxfp8" and (mbs * m.block_size) % 32:
@@ -519,40 +518,6 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             "precision.master_weights=false is supported for bf16 compute without loss scaling, fp8 or fp4 "
             "(precision=bf16-pure): fp16 parameters cannot be unscaled by a GradScaler."
         )
-
-
-# The keys only the Llama family reads, with the value that means "not set".
-_LLAMA_ONLY = ("n_kv_head", "ffn_hidden", "ffn_dim_multiplier", "rope_theta", "rope_dtype", "norm_eps", "init_from")
-
-
-def _family_rules(m: Any) -> None:
-    """What each model family can and cannot take, refused in one line each
-    (a key the family would ignore is an error, not silently dropped)."""
-    ffn = m.ffn.value if m.ffn is not None else None
-    if m.family.value == "gpt":
-        given = [k for k in _LLAMA_ONLY if m[k] is not None]
-        if ffn not in (None, "gelu"):
-            given.insert(0, "ffn")
-        if m.tie_embeddings is False:
-            given.append("tie_embeddings")
-        if given:
-            raise ConfigError(f"model.{given[0]} applies to the Llama family; this is a GPT-family model "
-                              f"(model.family=gpt), which ignores it: pick a Llama preset (model=llama-nano, ...) "
-                              f"or drop model.{given[0]}.")
-        return
-    if m.bias:
-        raise ConfigError("model.bias=true: the Llama family has no biases; set model.bias=false (the llama-* "
-                          "presets do).")
-    if ffn == "gelu":
-        raise ConfigError("model.ffn=gelu is the GPT family's MLP; the Llama family takes swiglu or "
-                          "smooth_swiglu (or null for swiglu).")
-    kv = m.n_kv_head or m.n_head
-    if m.n_head % kv:
-        raise ConfigError(f"model.n_head={m.n_head} is not divisible by model.n_kv_head={kv}: each key/value "
-                          "head serves a whole number of query heads; pick n_kv_head dividing n_head.")
-    if (m.d_model // m.n_head) % 2:
-        raise ConfigError(f"model.d_model / model.n_head = {m.d_model // m.n_head} is odd; rotary embeddings "
-                          "rotate pairs of a head's dimensions: pick an even head size.")
 
 
 def _fp4_rules(p: Any, tokens: int) -> None:

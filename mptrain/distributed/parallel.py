@@ -26,7 +26,7 @@ import torch.nn as nn
 from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError
 from mptrain.core.shards import local_shard
-from mptrain.model.families import BLOCKS
+from mptrain.model.common import Block
 from mptrain.model.gpt import write_weights
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.policy import PrecisionPolicy
@@ -534,7 +534,7 @@ def _wrap_fsdp1(model, policy, ctx):
         if policy.splits_gather else set()
 
     def unit(module: nn.Module):
-        if isinstance(module, BLOCKS):
+        if isinstance(module, Block):
             return {"mixed_precision": mp(policy.wrapper_param_dtype)}
         if module in kept:
             return {"mixed_precision": mp(policy.gather_dtype(module))}

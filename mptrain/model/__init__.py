@@ -1,1 +1,1 @@
-"""Layer 2, model: the model families as plain nn.Modules (no distributed or precision code), their names and layer groups, and text generation."""
+"""Layer 2, model: the model families as plain nn.Modules (no distributed or precision code), the parts they share, one spec per family (shape checks, Hugging Face mapping), their names and layer groups, and text generation."""

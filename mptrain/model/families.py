@@ -1,6 +1,11 @@
-"""The model families behind ``model.family``: one function builds either from
-the ``model`` config section, so the trainer, the memory estimator, the
-advisor and ``mptrain.sample`` construct the same module the same way."""
+"""The model families behind ``model.family``, one :class:`~mptrain.model.spec.FamilySpec`
+each: the trainer, the start-up checks, the memory estimator, the advisor,
+``mptrain.sample`` and the export all read :func:`family_spec` (or :func:`build`,
+its factory), so they construct the same module the same way and none of them
+branches on the family's name.
+
+Also here, because only the Llama family has them: ``model.init_from``'s
+checks and weights (a Hugging Face ``LlamaForCausalLM`` to start from)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,15 +14,10 @@ from typing import Any
 import torch.nn as nn
 
 from mptrain.core.errors import ConfigError
-from mptrain.model import gpt, hf_llama, llama
-from mptrain.model.gpt import GPT, GPTShape
-from mptrain.model.llama import Llama, LlamaShape, swiglu_hidden
-
-FAMILIES = ("gpt", "llama")
-BLOCKS = (gpt.Block, llama.Block)
-"""Each family's transformer block: the unit of wrapping, checkpointing and compiling."""
-NORMS = (gpt.LayerNorm, llama.RMSNorm)
-"""Each family's norm, computed in fp32 whatever the autocast dtype."""
+from mptrain.model import hf_gpt2, hf_llama
+from mptrain.model.gpt import GPT, GPTShape, LayerNorm
+from mptrain.model.llama import Llama, LlamaShape, RMSNorm, swiglu_hidden
+from mptrain.model.spec import FamilySpec
 
 
 def _value(x: Any) -> Any:
@@ -28,6 +28,15 @@ def _value(x: Any) -> Any:
 def family_of(m: Any) -> str:
     """``gpt`` or ``llama``: the family a ``model`` section names."""
     return str(_value(m.family))
+
+
+# ------------------------------------------------------------------ shapes
+
+
+def gpt_shape(m: Any, vocab: int) -> GPTShape:
+    """The :class:`GPTShape` of a GPT-family ``model`` section."""
+    return GPTShape(vocab, int(m.n_layer), int(m.n_head), int(m.d_model), int(m.block_size),
+                    float(m.dropout), bool(m.bias), qk_norm=bool(m.qk_norm))
 
 
 def ffn_hidden(m: Any) -> int:
@@ -47,13 +56,92 @@ def llama_shape(m: Any, vocab: int) -> LlamaShape:
         qk_norm=bool(m.qk_norm), dropout=float(m.dropout), smooth_swiglu=_value(m.ffn) == "smooth_swiglu")
 
 
+# ------------------------------------------------------------------ what each family refuses
+
+# The keys only the Llama family reads, with the value that means "not set".
+_LLAMA_ONLY = ("n_kv_head", "ffn_hidden", "ffn_dim_multiplier", "rope_theta", "rope_dtype", "norm_eps", "init_from")
+
+
+def check_gpt(m: Any) -> None:
+    """A key the GPT family would ignore is an error, not silently dropped."""
+    given = [k for k in _LLAMA_ONLY if getattr(m, k) is not None]
+    if _value(m.ffn) not in (None, "gelu"):
+        given.insert(0, "ffn")
+    if m.tie_embeddings is False:
+        given.append("tie_embeddings")
+    if given:
+        raise ConfigError(f"model.{given[0]} applies to the Llama family; this is a GPT-family model "
+                          f"(model.family=gpt), which ignores it: pick a Llama preset (model=llama-nano, ...) "
+                          f"or drop model.{given[0]}.")
+
+
+def check_llama(m: Any) -> None:
+    """What the Llama family cannot take, one line each; then ``model.init_from``'s
+    checkpoint against the run's model (:func:`check_init_from`)."""
+    if m.bias:
+        raise ConfigError("model.bias=true: the Llama family has no biases; set model.bias=false (the llama-* "
+                          "presets do).")
+    if _value(m.ffn) == "gelu":
+        raise ConfigError("model.ffn=gelu is the GPT family's MLP; the Llama family takes swiglu or "
+                          "smooth_swiglu (or null for swiglu).")
+    kv = m.n_kv_head or m.n_head
+    if m.n_head % kv:
+        raise ConfigError(f"model.n_head={m.n_head} is not divisible by model.n_kv_head={kv}: each key/value "
+                          "head serves a whole number of query heads; pick n_kv_head dividing n_head.")
+    if (m.d_model // m.n_head) % 2:
+        raise ConfigError(f"model.d_model / model.n_head = {m.d_model // m.n_head} is odd; rotary embeddings "
+                          "rotate pairs of a head's dimensions: pick an even head size.")
+    check_init_from(m)
+
+
+# ------------------------------------------------------------------ banner lines
+
+
+def llama_banner(m: Any) -> str:
+    """The start-up banner's line on the Llama parts: key/value heads, the MLP, the rotary base and the head."""
+    return (f"\n  llama: {m.n_kv_head or m.n_head} key/value heads, "
+            f"{'smooth ' if _value(m.ffn) == 'smooth_swiglu' else ''}SwiGLU {ffn_hidden(m)}, "
+            f"RMSNorm, rotary base {m.rope_theta or 10000.0:g} ({_value(m.rope_dtype) or 'fp32'} "
+            f"tables), {'tied' if m.tie_embeddings else 'untied'} head")
+
+
+def no_banner(m: Any) -> str:
+    """Nothing beyond the common line (GPT-2's parts are the default)."""
+    return ""
+
+
+def llama_hf_state_dict(sd: dict, shape: LlamaShape) -> dict:
+    """:func:`mptrain.model.hf_llama.to_hf_state_dict`, the head left out when ``shape`` ties it."""
+    return hf_llama.to_hf_state_dict(sd, tied=shape.tie_embeddings)
+
+
+# ------------------------------------------------------------------ the specs
+
+GPT_SPEC = FamilySpec(name="gpt", model_class=GPT, norm=LayerNorm, shape=gpt_shape, check=check_gpt,
+                      banner=no_banner, hf_config=hf_gpt2.hf_config, model_fields=hf_gpt2.model_fields,
+                      hf_state_dict=hf_gpt2.to_hf_state_dict)
+LLAMA_SPEC = FamilySpec(name="llama", model_class=Llama, norm=RMSNorm, shape=llama_shape, check=check_llama,
+                        banner=llama_banner, hf_config=hf_llama.hf_config, model_fields=hf_llama.model_fields,
+                        hf_state_dict=llama_hf_state_dict)
+SPECS = {s.name: s for s in (GPT_SPEC, LLAMA_SPEC)}
+"""Every family by its ``model.family`` value."""
+FAMILIES = tuple(SPECS)
+NORMS = tuple(s.norm for s in SPECS.values())
+"""Each family's norm, computed in fp32 whatever the autocast dtype."""
+
+
+def family_spec(m: Any) -> FamilySpec:
+    """The spec of the family a ``model`` section names."""
+    return SPECS[family_of(m)]
+
+
 def build(m: Any, vocab: int) -> nn.Module:
     """The model ``m`` (the ``model`` config section) describes, with ``vocab``
     embedding rows, on the current default device (callers build on ``meta``)."""
-    if family_of(m) == "llama":
-        return Llama(llama_shape(m, vocab))
-    return GPT(GPTShape(vocab, int(m.n_layer), int(m.n_head), int(m.d_model), int(m.block_size),
-                        float(m.dropout), bool(m.bias), qk_norm=bool(m.qk_norm)))
+    return family_spec(m).build(m, vocab)
+
+
+# ------------------------------------------------------------------ model.init_from (Llama)
 
 
 def init_from_fields(m: Any) -> dict:

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from mptrain.core.errors import ConfigError
-from mptrain.model.gpt import _write_whole
+from mptrain.model.common import write_whole
 from mptrain.model.llama import LlamaShape
 
 PathLike = Union[str, Path]
@@ -202,6 +202,16 @@ def shape_fields(hf: dict) -> dict:
     }
 
 
+def model_fields(hf: dict) -> dict:
+    """The mptrain ``model`` fields of a Llama ``config.json`` (as :func:`hf_config`
+    writes it, or ``LlamaConfig.to_dict()`` of either transformers version):
+    :func:`shape_fields` with ``max_position_embeddings`` as the context length
+    (``block_size``); no biases, no QK-norm, plain SwiGLU."""
+    fields = shape_fields(hf)
+    fields["block_size"] = fields.pop("max_positions")
+    return {"family": "llama", **fields, "bias": False, "qk_norm": False}
+
+
 _HF_FIELD = {
     "n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
     "d_model": "hidden_size", "ffn_hidden": "intermediate_size", "vocab_size": "vocab_size",
@@ -341,17 +351,22 @@ def load_into(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
             if tuple(full.shape) != tuple(p.shape):
                 raise ConfigError(f"model.init_from: the checkpoint's {name} has shape {tuple(full.shape)} but the "
                                   f"model's is {tuple(p.shape)}; set the model fields to the checkpoint's config.json")
-            _write_whole(p, full.to(p.dtype))
+            write_whole(p, full.to(p.dtype))
 
 
 # ----------------------------------------------------------------------- export
 def hf_config(shape: LlamaShape) -> dict:
     """A ``config.json`` for ``LlamaForCausalLM`` with ``shape``'s numbers. The
     rotary base is written both ways (``rope_theta`` for transformers 4.x,
-    ``rope_parameters`` for 5.x); 5.x takes ``torch_dtype`` as ``dtype``."""
+    ``rope_parameters`` for 5.x); 5.x takes ``torch_dtype`` as ``dtype``. A
+    model ``LlamaForCausalLM`` cannot compute (QK-norm, bf16 rotary tables) is
+    a :class:`ConfigError` saying why."""
     if shape.qk_norm:
         raise ConfigError("model.qk_norm=true has no place in LlamaForCausalLM; "
                           "export a model trained with model.qk_norm=false")
+    if shape.rope_dtype != "fp32":
+        raise ConfigError(f"model.rope_dtype={shape.rope_dtype}, and LlamaForCausalLM builds its rotary tables in "
+                          "fp32, so it would compute another function than the one trained")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mptrain.model.gpt import AttentionProbe, LossFn, blocks_and_head, draw_init
+from mptrain.model.common import AttentionProbe, Block, blocks_and_head, draw_init
+from mptrain.model.gpt import LossFn
 
 
 @dataclass
@@ -236,7 +237,7 @@ class Attention(AttentionProbe, nn.Module):
     serving ``n_head // n_kv_head`` consecutive query heads. With ``qk_norm``,
     each head's queries and keys pass through an RMSNorm over ``head_dim``
     before the rotation. ``probe`` / ``probe_stats`` are those of
-    :class:`mptrain.model.gpt.CausalSelfAttention`: on the steps a monitor
+    :class:`mptrain.model.common.AttentionProbe` (both families'): on the steps a monitor
     sets ``probe``, each forward folds the largest logit and the mean entropy
     of the (rotated, repeated) queries and keys into ``probe_stats``."""
 
@@ -332,19 +333,11 @@ def smoothed(down: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return torch.func.functional_call(down, {"weight": down.weight * s}, (h / s.to(h.dtype),))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, s: LlamaShape, rope: Optional[RotaryCache] = None):
-        super().__init__()
-        self.ln_1 = RMSNorm(s.d_model, s.norm_eps)
-        self.attn = Attention(s, rope)
-        self.ln_2 = RMSNorm(s.d_model, s.norm_eps)
-        self.mlp = SwiGLU(s)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+def llama_block(s: LlamaShape, rope: Optional[RotaryCache] = None) -> Block:
+    """A Llama block: RMSNorms, grouped-query attention with rotary positions
+    (reading the model's shared ``rope`` tables) and SwiGLU in the shared
+    pre-norm :class:`~mptrain.model.common.Block`."""
+    return Block(RMSNorm(s.d_model, s.norm_eps), Attention(s, rope), RMSNorm(s.d_model, s.norm_eps), SwiGLU(s))
 
 
 class Llama(nn.Module):
@@ -355,15 +348,13 @@ class Llama(nn.Module):
     ``loss_fn`` computes the loss from the logits (:class:`mptrain.model.gpt.LossFn`);
     ``parallel.wrap`` compiles it when it compiles the blocks."""
 
-    family = "llama"
-
     def __init__(self, s: LlamaShape):
         super().__init__()
         self.shape = s
         self.wte = nn.Embedding(s.vocab_size, s.d_model)
         self.drop = nn.Dropout(s.dropout)
         rope = RotaryCache(s.head_dim, s.rope_theta, s.rope_dtype)  # one for all layers
-        self.blocks = nn.ModuleList(Block(s, rope) for _ in range(s.n_layer))
+        self.blocks = nn.ModuleList(llama_block(s, rope) for _ in range(s.n_layer))
         self.ln_f = RMSNorm(s.d_model, s.norm_eps)
         self.lm_head = nn.Linear(s.d_model, s.vocab_size, bias=False)
         self.tie_weights()

@@ -96,18 +96,25 @@ class Estimate:
         return out
 
 
-def shapes(cfg, vocab: int) -> tuple[list[tuple[int, ...]], int]:
-    """(shape of every parameter, elements of one transformer block) of the
-    model ``cfg`` builds with ``vocab`` rows: built on the meta device (no
-    memory, no initialisation), with the fields the trainer passes; the tied
-    head appears once, as in ``model.parameters()``."""
+def meta_model(m, vocab: int):
+    """The model the ``model`` section ``m`` builds with ``vocab`` rows, on the
+    meta device (no memory, no initialisation), with the fields the trainer passes."""
     import torch
 
-
-    m = cfg.model
     with torch.device("meta"):
-        model = build_family(m, vocab)
-    block = sum(p.numel() for p in model.blocks[0].parameters()) if m.n_layer else 0
+        return build_family(m, vocab)
+
+
+def shapes(cfg, vocab: int) -> tuple[list[tuple[int, ...]], int]:
+    """(shape of every parameter, elements of one transformer block) of the
+    model ``cfg`` builds with ``vocab`` rows (:func:`meta_model`); the tied
+    head appears once, as in ``model.parameters()``."""
+    return _shapes(meta_model(cfg.model, vocab))
+
+
+def _shapes(model) -> tuple[list[tuple[int, ...]], int]:
+    """:func:`shapes` of a model already built (the estimate builds it once for all its rows)."""
+    block = sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0
     return [tuple(p.shape) for p in model.parameters()], block
 
 
@@ -202,13 +209,20 @@ def llama_activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight
     return m.n_layer * b * t * per_token + b * t * head + weight_copies
 
 
-def linear_weights(m, vocab: int) -> tuple[int, int]:
-    """(weight elements of one block's linears, the head's): what autocast copies."""
-    d = m.d_model
-    if family_of(m) == "llama":
-        kv = m.n_kv_head or m.n_head
-        return 2 * d * d + 2 * d * kv * (d // m.n_head) + 3 * d * ffn_hidden(m), vocab * d
-    return 12 * d * d, vocab * d
+def linear_weights(model) -> tuple[int, int]:
+    """(weight elements of one block's linears, the head's): what autocast
+    copies, read off the (meta) model, whatever its family."""
+    import torch.nn as nn
+
+    block = sum(mod.weight.numel() for mod in model.blocks[0].modules() if isinstance(mod, nn.Linear)) \
+        if len(model.blocks) else 0
+    return block, model.lm_head.weight.numel()
+
+
+ACTIVATIONS = {"gpt": activation_bytes, "llama": llama_activation_bytes}
+"""Each family's activation count by ``model.family``. A table of the estimator's
+own, not a field of the family's spec: what autograd keeps is counted on real
+steps here (``tests/test_memory.py``), and the model layer knows nothing of it."""
 
 
 def micro_batch_of(cfg, world: int) -> int:
@@ -228,7 +242,8 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
     compute = p.compute_dtype.name
     store = choice.param_dtype  # the dtype the weights (and so their grads) are stored in
     pb = BYTES[store]
-    shape_list, block_numel = shapes(cfg, vocab)
+    model = meta_model(m, vocab)
+    shape_list, block_numel = _shapes(model)
     local = local_numels(shape_list, mode, world)
     n = sum(local)
 
@@ -248,10 +263,9 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
         # Autocast casts each linear's weight once per forward and the backward keeps
         # the copy (FSDP gathers weights already in the compute dtype: nothing to cast);
         # a checkpointed block keeps none of its own, only the one being recomputed.
-        per_block, head = linear_weights(m, vocab)
+        per_block, head = linear_weights(model)
         copies = BYTES[compute] * ((1 if checkpointed else m.n_layer) * per_block + head)
-    count = llama_activation_bytes if family_of(m) == "llama" else activation_bytes
-    activations = count(m, b, vocab, compute, copies, checkpointed)
+    activations = ACTIVATIONS[family_of(m)](m, b, vocab, compute, copies, checkpointed)
 
     # labels: what each row is made of, so that a reader sees where the bytes go
     if store == "fp32" and compute == "fp32":

@@ -1,6 +1,7 @@
-"""The config rules that need the precision layer's knowledge, on top of the
-schema's own (:func:`mptrain.config.checks.validate`): which optimizer a
-combination of keys can run, and which float8 recipes the cast statistics know.
+"""The config rules that need the model and precision layers' knowledge, on top
+of the schema's own (:func:`mptrain.config.checks.validate`): what the model
+family can take (its spec's ``check``), which optimizer a combination of keys
+can run, and which float8 recipes the cast statistics know.
 A run checks them all at start-up, before anything is built."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from mptrain.config import checks
 from mptrain.core.errors import ConfigError
-from mptrain.model.families import check_init_from, family_of, ffn_hidden
+from mptrain.model.families import family_of, family_spec, ffn_hidden
 from mptrain.precision.fp8casts import RECIPES
 from mptrain.precision.optimizers import choose
 
@@ -17,12 +18,13 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     """Every rule of :func:`mptrain.config.checks.validate`, then this layer's;
     the first broken one raises :class:`ConfigError` naming the key and the fix."""
     checks.validate(cfg, world_size)
+    # The model family's own rules (model.init_from's config.json among them: read before any data is prepared)
+    family_spec(cfg.model).check(cfg.model)
     unknown = [r for r in cfg.monitor.fp8_whatif if r not in RECIPES]
     if unknown:
         raise ConfigError(f"monitor.fp8_whatif has unknown recipe(s) {', '.join(map(str, unknown))}; "
                           f"choose from {', '.join(RECIPES)}, or [] for none.")
     _lowp_hidden(cfg)
-    check_init_from(cfg.model)  # its config.json, read before any data is prepared
     choose(cfg)  # optimizer combinations that cannot run
 
 

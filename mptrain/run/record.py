@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mptrain.core import files
 from mptrain.data.store import cache_dir
-from mptrain.model.families import family_of, ffn_hidden
+from mptrain.model.families import family_spec
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.optimizers import stored_as
 from mptrain.run.rundir import writing
@@ -188,10 +188,7 @@ def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run
     lines = [
         f"mptrain | {m.name} ({info['params'] / 1e6:.2f}M params, "
         f"{m.n_layer}x{m.d_model}, {m.n_head} heads, block {m.block_size}, vocab {info['vocab_size']})"
-        + (f"\n  llama: {m.n_kv_head or m.n_head} key/value heads, "
-           f"{'smooth ' if getattr(m.ffn, 'value', None) == 'smooth_swiglu' else ''}SwiGLU {ffn_hidden(m)}, "
-           f"RMSNorm, rotary base {m.rope_theta or 10000.0:g} ({getattr(m.rope_dtype, 'value', None) or 'fp32'} "
-           f"tables), {'tied' if m.tie_embeddings else 'untied'} head" if family_of(m) == "llama" else ""),
+        + family_spec(m).banner(m),
         f"  device {ctx.device} | world size {ctx.world} | parallel={cfg.parallel.name.value}"
         + (f" ({ctx.backend})" if ctx.backend else ""),
         f"  data {info['corpus']} | tokenizer {tokens.tokenizer.name} | {info['train_tokens']:,} train / "

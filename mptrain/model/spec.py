@@ -1,0 +1,51 @@
+"""What a model family is, as one object: :class:`FamilySpec`.
+
+Every place that must know which family it holds (building the model, the
+start-up checks, the banner, the memory estimate, the export to Hugging Face)
+reads the family's spec instead of branching on ``model.family``. Adding a
+family is writing its module and one spec (``mptrain/model/families.py`` holds
+both of today's); nothing else has to learn its name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One model family: the module, how the ``model`` config section makes it,
+    what the family refuses, and how it maps onto its ``transformers`` class.
+
+    ``m`` below is the ``model`` config section (or anything with its fields);
+    a *shape* is the family's own dataclass of numbers (``GPTShape``,
+    ``LlamaShape``) that its module class takes."""
+
+    name: str
+    """The ``model.family`` value."""
+    model_class: type[nn.Module]
+    """The module, built from a shape; its blocks are :class:`mptrain.model.common.Block`."""
+    norm: type[nn.Module]
+    """The family's norm, computed in fp32 whatever the autocast dtype (so kept in the storage dtype)."""
+    shape: Callable[[Any, int], Any]
+    """``(m, vocab)`` -> the shape, nulls resolved as the family defaults them."""
+    check: Callable[[Any], None]
+    """The family's rules on ``m``, beyond the schema's: a setting it cannot take is one ConfigError."""
+    banner: Callable[[Any], str]
+    """The start-up banner's words about the family's own parts, as a line of its own
+    (starting with a newline), or "" when the common line says it all."""
+    hf_config: Callable[[Any], dict]
+    """shape -> the ``config.json`` of the family's ``transformers`` class; a model that
+    class cannot compute is a ConfigError saying why."""
+    model_fields: Callable[[dict], dict]
+    """A ``config.json`` of that class -> the ``model`` fields it implies (the way back)."""
+    hf_state_dict: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]
+    """(our state dict, shape) -> the tensors under ``transformers``' names and layouts."""
+
+    def build(self, m: Any, vocab: int) -> nn.Module:
+        """The model ``m`` describes with ``vocab`` embedding rows, on the
+        current default device (callers build on ``meta``)."""
+        return self.model_class(self.shape(m, vocab))

@@ -9,7 +9,7 @@ from mptrain.config.checks import check_overrides, composition_error, expand_sho
 from mptrain.core.errors import NO_ROOM_FIXES, DiskError, UserError
 from mptrain.distributed.launch import LIVE_CLAIMS, exit_process, rank_overrides, say_once, stop_cleanly_before_training
 
-CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mptrain", "configs")
 
 # Hydra prints a composition error itself (with its search path and a hint about
 # HYDRA_FULL_ERROR) and exits 1, unless HYDRA_FULL_ERROR is set, in which case it
@@ -51,7 +51,7 @@ def _user_error(e: UserError) -> int:
     return 2
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+@hydra.main(version_base="1.3", config_path="mptrain/configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     from mptrain.run.faults import NonFiniteError
     from mptrain.run.trainer import run

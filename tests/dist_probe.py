@@ -53,7 +53,7 @@ def representable(g: torch.Tensor, dt: torch.dtype) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "mptrain", "configs"), version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
 

@@ -1,1 +1,1 @@
-"""Layer 7, run: the loop (trainer, step math, resume, run record and directory, checkpoints and their integrity, faults, console, metric sinks)."""
+"""Layer 7, run: the process's start-up and launch (run directory agreed between ranks, stop before training), the loop (trainer, step math, resume, run record and directory, checkpoints and their integrity, faults, console, metric sinks)."""

@@ -86,6 +86,29 @@ def test_resolvers_come_from_an_explicit_call_with_that_launchs_agreement(tmp_pa
     assert json.loads(os.environ["MPTRAIN_LAUNCH"])[f"dir:out/{second.agreement.stamp():%Y-%m-%d/%H-%M-%S}"] == b
 
 
+def test_the_resolvers_travel_to_a_submitit_job_with_their_launchs_values(tmp_path, monkeypatch, resolvers):
+    """Hydra hands OmegaConf's resolvers to each submitit job by pickling them (cloudpickle,
+    as submitit does): they must pickle while the launch holds its signals, and resolve to
+    the directory the launching process created."""
+    import cloudpickle
+    from omegaconf.basecontainer import BaseContainer
+
+    monkeypatch.chdir(tmp_path)
+    cfg = OmegaConf.create({"dir": "${mptrain_new_dir:multirun/${mptrain_now:%H-%M-%S}}"})
+    with Startup.begin() as launching:
+        launching.stop.install()  # a lock and a thread of its own: not part of what the resolvers carry
+        launching.register_resolvers()
+        made = cfg.dir
+        shipped = cloudpickle.loads(cloudpickle.dumps(BaseContainer._resolvers))
+    here = BaseContainer._resolvers
+    BaseContainer._resolvers = shipped  # what Hydra's Singleton.set_state does in the job's process
+    try:
+        assert cfg.dir == made  # the launching process's directory, not a second one
+    finally:
+        BaseContainer._resolvers = here
+    assert sorted(p.name for p in (tmp_path / "multirun").iterdir()) == [Path(made).name]
+
+
 def test_hydra_error_mode_is_set_while_composing_and_a_users_own_is_left_alone(monkeypatch):
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     mode = HydraErrorMode()

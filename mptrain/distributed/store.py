@@ -47,6 +47,7 @@ class TorchrunStore:
         return cls(client, os.environ.get("TORCHELASTIC_RUN_ID", ""))
 
     def _key(self, kind: str, key: str) -> str:
+        """The store's name for ``key``: per launch (run id) and per use, so that uses never collide."""
         return f"mptrain/{self.run_id}/{kind}/{key}"
 
     def first_value(self, key: str, compute: Callable[[], str]) -> str:

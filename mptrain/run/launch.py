@@ -39,13 +39,14 @@ class Task:
     An object rather than a function so that it carries the process's start-up
     object, and so that a submitit job (``hydra/launcher=slurm``) can start from
     it: submitit pickles the task into each job's new process, where
-    unpickling it (:meth:`__reduce__`) begins that process's start-up and
-    registers the resolvers before Hydra resolves the job's directory."""
+    unpickling it (:meth:`__reduce__`) begins that process's own start-up (the
+    resolvers come with Hydra's job state, see ``Startup.register_resolvers``)."""
 
     def __init__(self, startup: Startup):
         self.startup = startup
 
     def __call__(self, cfg: DictConfig) -> None:
+        """Hydra calls this once per job with the composed config: composition is over, the run starts."""
         self.startup.hydra_errors.give_back()
         try:
             run(cfg)
@@ -60,14 +61,13 @@ class Task:
             raise RunExit(3) from None
 
     def __reduce__(self):
+        """Pickled as "make the task anew": the start-up object (signals, threads, a store client) stays here."""
         return (_task_in_job, ())
 
 
 def _task_in_job() -> Task:
     """The task, unpickled in a submitit job's process: that process's start-up."""
-    startup = Startup.begin()
-    startup.register_resolvers()
-    return Task(startup)
+    return Task(Startup.begin())
 
 
 def launch(argv: list[str], startup: Optional[Startup] = None) -> int:

@@ -71,6 +71,11 @@ class Agreement:
         self.created_dirs: list[Path] = []  # the directories new_dir claimed for this launch (rank 0), in order
         self.created_parents: list[Path] = []  # folders new_dir created above them, outermost first
 
+    def __getstate__(self) -> dict:
+        """Pickled without the store's connection (a submitit job gets the resolvers, and with
+        them this agreement's values, through Hydra's job state; it connects anew if it must)."""
+        return {**self.__dict__, "_store": None, "_connected": False}
+
     @property
     def store(self) -> Optional[TorchrunStore]:
         """torchrun's store (None outside torchrun), connected on first use: it loads torch."""
@@ -101,6 +106,10 @@ class Agreement:
     def stamp(self) -> datetime.datetime:
         """Rank 0's start time, the same in every process of this launch (and its restarts)."""
         return datetime.datetime.fromisoformat(self.agree("stamp", lambda: datetime.datetime.now().isoformat()))
+
+    def now(self, fmt: str) -> str:
+        """``${mptrain_now:<fmt>}``: :meth:`stamp` as ``strftime`` writes it."""
+        return self.stamp().strftime(fmt)
 
     def new_dir(self, path: str) -> str:
         """A directory created for this launch alone: ``path`` or, if it exists,
@@ -157,6 +166,7 @@ class Claims(dict):
     trained = False
 
     def pop(self, key, default=None):
+        """Release ``key``'s claim from the set, remembering whether its run had trained."""
         claim = super().pop(key, default)
         if getattr(claim, "started", False):
             self.trained = True
@@ -179,6 +189,7 @@ class HydraErrorMode:
         self.composing = False  # whether this object set the variable and holds it
 
     def raise_while_composing(self) -> None:
+        """Have Hydra raise composition errors (for the entry point to put in one line) instead of printing them."""
         if self.VAR not in os.environ:
             os.environ[self.VAR] = "1"
             self.composing = True
@@ -357,9 +368,11 @@ class Startup:
         return _PROCESS
 
     def __enter__(self) -> "Startup":
+        """``with Startup.begin() as startup:``, for an entry point that returns rather than exits."""
         return self
 
     def __exit__(self, *exc) -> None:
+        """Close on the way out, whatever ended the block."""
         self.close()
 
     def close(self) -> None:
@@ -376,9 +389,11 @@ class Startup:
         alone), which ``config.yaml`` uses for the default ``hydra.run.dir`` and
         ``hydra.sweep.dir``: called by the entry point before Hydra composes.
         Registered anew for each start-up object (OmegaConf's resolvers are
-        process-wide; the newest entry point's agreement is the one in force)."""
-        OmegaConf.register_new_resolver("mptrain_now", lambda fmt: self.agreement.stamp().strftime(fmt),
-                                        replace=True)
+        process-wide; the newest entry point's agreement is the one in force).
+        Both are methods of the agreement alone, which pickles: Hydra hands
+        OmegaConf's resolvers to each submitit job with its own state, so a job
+        resolves its sweep directory to the one this process created."""
+        OmegaConf.register_new_resolver("mptrain_now", self.agreement.now, replace=True)
         OmegaConf.register_new_resolver("mptrain_new_dir", self.agreement.new_dir, replace=True)
 
     def check_command_line(self, argv: list[str]) -> Optional[int]:

@@ -10,7 +10,6 @@ COPY pyproject.toml README.md ./
 COPY mptrain/__init__.py mptrain/__init__.py
 RUN pip install --no-cache-dir -e ".[slurm]"
 COPY mptrain mptrain
-COPY configs configs
 COPY train.py ./
 
 ENV NPROC=auto

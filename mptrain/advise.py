@@ -60,11 +60,11 @@ from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.text import duration, wants_help
 from mptrain.data.batches import padded_vocab
 from mptrain.data.tokenizers import ByteTokenizer
-from mptrain.distributed.launch import new_dir, rank0_value, run_stamp, say_once
 from mptrain.observe.memory import micro_batch_of
 from mptrain.observe.perf import device_key, flops_per_token, predict_pace
 from mptrain.precision.rules import validate
 from mptrain.precision.support import verdicts
+from mptrain.run.startup import Agreement, Startup
 from mptrain.run.trainer import run
 
 DEFAULT_STEPS = 30
@@ -140,12 +140,12 @@ def _default_target(device: torch.device) -> str:
     return names[key]
 
 
-def _run_dir(overrides: list[str]) -> Path:
+def _run_dir(overrides: list[str], agreement: Agreement) -> Path:
     """The advise run's directory, chosen and created by rank 0, the same on every rank."""
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
     if not given:
-        stamp = run_stamp()
-        return Path(new_dir(f"outputs/{stamp:%Y-%m-%d}/{stamp:%H-%M-%S}-advise"))
+        stamp = agreement.stamp()
+        return Path(agreement.new_dir(f"outputs/{stamp:%Y-%m-%d}/{stamp:%H-%M-%S}-advise"))
     d = Path(given[-1])
     said = ""
     # rank 0 alone looks: another rank would find the probe/ rank 0 has just begun
@@ -155,7 +155,7 @@ def _run_dir(overrides: list[str]) -> Path:
                     "or leave it out for a new outputs/<date>/<time>-advise.")
         else:
             d.mkdir(parents=True, exist_ok=True)
-    said = rank0_value("advise_dir", said)
+    said = agreement.rank0_value("advise_dir", said)
     if said:
         raise ConfigError(said)
     return d
@@ -164,8 +164,9 @@ def _run_dir(overrides: list[str]) -> Path:
 class Advisor:
     """One ``advise`` invocation: check, plan, probe, answer, confirm."""
 
-    def __init__(self, args: Args):
+    def __init__(self, args: Args, agreement: Agreement):
         self.args = args
+        self.agreement = agreement  # rank 0's run directory and advice, shared with the other ranks
         self.rank = int(os.environ.get("RANK", "0"))
         self.overrides = list(args.overrides)
         if args.steps < MIN_STEPS:
@@ -274,12 +275,12 @@ class Advisor:
 
     def main(self) -> Advice:
         self.plan()
-        run_dir = _run_dir(self.overrides)
+        run_dir = _run_dir(self.overrides, self.agreement)
         self.probe(run_dir)
         advice = advise(self.facts, self.target, self.args.budget_gib)
         # Every rank read the same probe files into the same pure function; the confirm runs
         # below are collective, so a disagreement would train different things on different ranks.
-        theirs = rank0_value("advice", override_line(advice))
+        theirs = self.agreement.rank0_value("advice", override_line(advice))
         if theirs != override_line(advice):
             raise RuntimeError(f"rank {self.rank} advises `{override_line(advice)}`, rank 0 `{theirs}`: the ranks "
                                "read different probe files (is the run directory shared by every rank?)")
@@ -306,11 +307,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if wants_help(argv):
         print(__doc__.strip())
         return 0
-    try:
-        Advisor(parse_args(argv)).main()
-    except UserError as e:
-        say_once(f"mptrain.advise: {e.one_line()}")
-        return 2
+    with Startup.begin() as startup:  # the launch agreement between torchrun ranks, and the claimed run dirs
+        try:
+            Advisor(parse_args(argv), startup.agreement).main()
+        except UserError as e:
+            startup.agreement.say_once(f"mptrain.advise: {e.one_line()}")
+            return 2
     return 0
 
 

@@ -13,28 +13,23 @@ a checkpoint. The same as ``python train.py ... train.audit=true train.audit_onl
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 from mptrain.core.text import wants_help
+from mptrain.run.launch import launch
+from mptrain.train import exit_process
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """``python -m mptrain.audit <overrides>``: the same overrides as ``train.py``;
     runs one audited step (``train.audit=true train.audit_only=true``) in a run
     directory of its own and exits. Under torchrun: ``torchrun ... -m mptrain.audit``."""
-    import os
-    import runpy
-    import sys
-
     args = sys.argv[1:] if argv is None else list(argv)
     if wants_help(args):
         print(__doc__.strip())
         return
-    train_py = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
-    if not os.path.exists(train_py):
-        sys.exit(f"mptrain.audit: {train_py} not found; run it from a checkout of the project.")
-    sys.argv = [train_py, *args, "train.audit=true", "train.audit_only=true"]
-    runpy.run_path(train_py, run_name="__main__")
+    exit_process(launch([*args, "train.audit=true", "train.audit_only=true"]))
 
 
 if __name__ == "__main__":

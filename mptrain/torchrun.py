@@ -31,7 +31,7 @@ What changes, and only while workers are running:
   agree on stopping at the next step boundary, so one signalled node suffices.
 - Workers still starting (no training step yet) exit 0 at once on the
   forwarded signal and leave the run directory as it was
-  (``distributed/launch.py``'s ``stop_cleanly_before_training``).
+  (``run/startup.py``'s ``StopBeforeTraining``).
 
 And whatever stops the job: a rank that exits 2 (a user error) or 3 (numerics
 stopped the run) has printed its one line, once for all ranks; the launcher

@@ -60,7 +60,7 @@ from mptrain.precision import optimizers  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names, lr_at  # noqa: E402
 from mptrain.run.trainer import run  # noqa: E402
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/configs/, shipped in the package)
 # No checkpoint at the end: it is not part of the loop being compared (the bare loop has
 # none), and under torchrun each rank's harness runs in its own temporary directory.
 DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.eval_every=0", "log.progress=false", "checkpoint.at_end=false"]

@@ -53,7 +53,7 @@ from mptrain.distributed.parallel import DistContext  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names  # noqa: E402
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/configs/, shipped in the package)
 VOCAB = 50304  # GPT-2's 50,257 tokens padded to a multiple of 64
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "pclmulqdq", "vpclmulqdq")
 

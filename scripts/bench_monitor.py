@@ -34,7 +34,7 @@ from bench import Progress, configured, following, machine, quiet_harness  # noq
 from mptrain.config.checks import compose_checked  # noqa: E402
 from mptrain.run.trainer import run  # noqa: E402
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/configs/, shipped in the package)
 DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.max_steps=300", "train.eval_every=0",
             "log.progress=false", "log.tensorboard=false", "checkpoint.at_end=false"]  # not what is measured
 SETTINGS = {"monitor off": ["monitor.enabled=false"], "monitor every 50 (default)": [],

@@ -41,7 +41,7 @@ from bench_monitor import fastest  # noqa: E402
 from mptrain.config.checks import compose_checked  # noqa: E402
 from mptrain.precision.support import _cpu_flags, choose_fp8_matmul, torchao_version  # noqa: E402
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/configs/, shipped in the package)
 DEFAULTS = ["model=gpt-nano", "train.max_steps=60", "monitor.enabled=false"]
 SETTINGS = {
     "fp32": ["precision=fp32"],

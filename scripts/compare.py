@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from omegaconf import OmegaConf  # noqa: E402
 
 from mptrain.checkpoint.checkpointer import flatten  # noqa: E402
+from mptrain.config.checks import CONFIG_DIR  # noqa: E402
 from mptrain.config.schema import Config  # noqa: E402
 
 # (panel title, metric, x axis, y scale)
@@ -113,8 +114,8 @@ AS_HELD = "numerics/grad_underflow/"
 # gaps are read against). A run is paired with a reference that agrees on every other key
 # that can change training (the schema's harmless keys cannot); other runs get none.
 PAIRED_ACROSS = ("precision.", "optim.state_dtype", "train.seed")
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-# The config groups and the key that names each one's preset (configs/<group>/<value>.yaml).
+CONFIGS = Path(CONFIG_DIR)
+# The config groups and the key that names each one's preset (mptrain/configs/<group>/<value>.yaml).
 GROUP_KEYS = {"model": "name", "precision": "name", "parallel": "name", "data": "kind"}
 
 
@@ -182,7 +183,7 @@ def _schema_defaults() -> dict:
 
 @functools.cache
 def _preset(group: str, name) -> dict:
-    """``configs/<group>/<name>.yaml`` with the presets it builds on, dotted under ``group``;
+    """``mptrain/configs/<group>/<name>.yaml`` with the presets it builds on, dotted under ``group``;
     empty for a name without a file."""
     path = CONFIGS / group / f"{name}.yaml"
     if not isinstance(name, str) or "/" in name or not path.is_file():

@@ -41,7 +41,7 @@ from mptrain.precision.fp4train import Fp4Linear  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names, lr_at  # noqa: E402
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/configs/, shipped in the package)
 DEFAULTS = ["experiment=fp4_recipes", "precision=nvfp4", "monitor.enabled=false"]
 
 

@@ -4,7 +4,7 @@
         data.tokenizer=gpt2 data.num_proc=16 /data/fineweb-edu-gpt2
     python train.py data=tokens data.path=/data/fineweb-edu-gpt2 model=gpt-small
 
-Every ``data.*`` key of train.py applies (see configs/data/hf.yaml and the
+Every ``data.*`` key of train.py applies (see mptrain/configs/data/hf.yaml and the
 README's data section). Tokenization runs in ``data.num_proc`` processes
 (``datasets.map``); shards hold ``data.shard_tokens`` tokens each, as uint16
 when the vocabulary fits, else uint32, beside a ``meta.json``.
@@ -22,7 +22,7 @@ from mptrain.core.text import wants_help  # noqa: E402
 from mptrain.config.checks import compose_checked  # noqa: E402
 from mptrain.data.store import prepare_hf  # noqa: E402
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/configs/, shipped in the package)
 
 
 def main(argv: list[str]) -> int:

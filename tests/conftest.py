@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 import mptrain.config.schema  # noqa: F401  registers the schema in Hydra's ConfigStore
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs"
+CONFIGS = ROOT / "mptrain" / "configs"  # package data (mptrain.config.checks.CONFIG_DIR)
 
 # Tiny and fast: byte tokenizer (no BPE training), gpt-nano, 8 sequences of 64 tokens.
 TINY = [

@@ -53,7 +53,7 @@ def representable(g: torch.Tensor, dt: torch.dtype) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "mptrain", "configs"), version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
 
@@ -155,6 +155,6 @@ if __name__ == "__main__":
                 f.write(json.dumps(probe(mode, case, ov)) + "\n")
     with open(os.path.join(out_dir, f"init-rank{os.environ['RANK']}.json"), "w") as f:
         json.dump({p: init_digest("fsdp", p) for p in ("fp32", "fp8")}, f)
-    from mptrain.distributed.launch import exit_process
+    from mptrain.train import exit_process
 
     exit_process(0)  # leave the way train.py does (see exit_process for the gloo exit race)

@@ -112,7 +112,7 @@ def test_the_answer_is_a_table_markdown_json_and_an_experiment_config(planted, t
     assert all(d["evidence"] and d["threshold"] for d in doc["decisions"])
     # advice.yaml composes as an experiment: copied beside the project's own experiments
     configs = tmp_path / "configs"
-    shutil.copytree(ROOT / "configs", configs)
+    shutil.copytree(ROOT / "mptrain" / "configs", configs)
     shutil.copy(run_dir / "advice.yaml", configs / "experiment" / "advised.yaml")
     from hydra import compose, initialize_config_dir
 

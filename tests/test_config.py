@@ -77,16 +77,17 @@ def _options(group: str) -> str:
     return ", ".join(sorted(f.stem for f in (CONFIGS / group).glob("*.yaml")))
 
 
-# (override, the whole one-line message). Options are read from configs/<group>/, so a
+# (override, the whole one-line message). Options are read from mptrain/configs/<group>/, so a
 # new preset file changes the expected list, not the test.
 BAD_VALUES = [
     ("model=gpt-nanoo", "Unknown model option 'gpt-nanoo'. Did you mean 'model=gpt-nano'? "
-                        f"Valid options (configs/model/): {_options('model')}."),
+                        f"Valid options (mptrain/configs/model/): {_options('model')}."),
     ("precision=fp9", "Unknown precision option 'fp9'. Did you mean 'precision=fp8'? "
-                      f"Valid options (configs/precision/): {_options('precision')}."),
-    ("parallel=foo", f"Unknown parallel option 'foo'. Valid options (configs/parallel/): {_options('parallel')}."),
+                      f"Valid options (mptrain/configs/precision/): {_options('precision')}."),
+    ("parallel=foo", "Unknown parallel option 'foo'. "
+                     f"Valid options (mptrain/configs/parallel/): {_options('parallel')}."),
     ("-m precision=fp32,bf17", "Unknown precision option 'bf17'. Did you mean 'precision=bf16'? "
-                               f"Valid options (configs/precision/): {_options('precision')}."),
+                               f"Valid options (mptrain/configs/precision/): {_options('precision')}."),
     ("train.on_nonfinite=maybe", "Invalid value 'maybe' for train.on_nonfinite. Valid values: abort, skip."),
     ("train.on_nonfinite=skp", "Invalid value 'skp' for train.on_nonfinite. Did you mean 'train.on_nonfinite=skip'? "
                                "Valid values: abort, skip."),
@@ -126,7 +127,8 @@ def test_group_options_include_folders_added_to_the_search_path(tmp_path):
     with pytest.raises(ConfigError) as e:
         check_overrides([f"hydra.searchpath=[file://{tmp_path}]", "experiment=case2"], str(CONFIGS))
     assert str(e.value) == ("Unknown experiment option 'case2'. Did you mean 'experiment=case1'? Valid options "
-                            f"(configs/experiment/, {tmp_path}/experiment/): case1, fp4_recipes, fp8_recipes, llama_precision, "
+                            f"(mptrain/configs/experiment/, {tmp_path}/experiment/): case1, fp4_recipes, fp8_recipes, "
+                            "llama_precision, "
                             "lr_sensitivity, optimizer_precision, "
                             "precision_study.")
     # options in a package cannot be listed from here: Hydra's to check, while keys and values still are checked
@@ -270,7 +272,7 @@ def test_cli_unknown_option_is_one_line_without_hydra_report():
     assert r.returncode == 2
     assert r.stderr.splitlines() == [
         "mptrain: configuration error: Unknown precision option 'bf17'. Did you mean 'precision=bf16'? "
-        f"Valid options (configs/precision/): {_options('precision')}."]
+        f"Valid options (mptrain/configs/precision/): {_options('precision')}."]
     assert r.stdout == ""
 
 

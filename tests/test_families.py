@@ -30,7 +30,7 @@ BLOCK0 = {
 
 def section(preset: str, **extra):
     """A preset's ``model`` section, as the schema fills it."""
-    raw = yaml.safe_load((ROOT / "configs" / "model" / f"{preset}.yaml").read_text())
+    raw = yaml.safe_load((ROOT / "mptrain" / "configs" / "model" / f"{preset}.yaml").read_text())
     return OmegaConf.merge(OmegaConf.structured(ModelConfig), raw, extra)
 
 

@@ -332,7 +332,7 @@ def fsdp_worker(out_dir: str) -> None:
         out[case] = rank_bytes(*step_once(cfg, FSDP_VOCAB, ctx))
     with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
         json.dump(out, f)
-    from mptrain.distributed.launch import exit_process
+    from mptrain.train import exit_process
 
     exit_process(0)
 

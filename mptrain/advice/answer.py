@@ -83,7 +83,7 @@ def markdown(advice: Advice, target: Target, header: dict) -> str:
               "Worst operand over the probe's monitored steps: flushed share / saturated share / SQNR.", "", "```",
               *float8_table(advice), "```", "", "## To train it", "", "```",
               f"python train.py {override_line(advice)} <your other overrides>", "```", "",
-              "or copy `advice.yaml` to `configs/experiment/<name>.yaml` and pass `experiment=<name>`.", ""]
+              "or copy `advice.yaml` to `mptrain/configs/experiment/<name>.yaml` and pass `experiment=<name>`.", ""]
     if header.get("confirm"):
         lines += ["## Checked on this model (--confirm)", "", *header["confirm"], ""]
     return "\n".join(lines)

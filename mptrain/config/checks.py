@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import math
 import os
 import typing
@@ -24,6 +25,13 @@ from omegaconf import ListConfig, OmegaConf
 
 from mptrain.config.schema import Config, DType, Fp8Config
 from mptrain.core.errors import ConfigError
+
+CONFIG_DIR = str(importlib.resources.files("mptrain") / "configs")
+"""Where the YAML configs are: ``mptrain/configs/``, package data that ships with
+mptrain (``pyproject.toml``), so an installed copy finds them as a checkout does.
+The one path every reader of the configs uses (train.py, the commands, the
+scripts, the tests); a user adds folders with ``hydra.searchpath`` or
+``--config-dir`` instead of editing it."""
 
 
 # ------------------------------------------------------------------ CLI pre-check
@@ -40,7 +48,7 @@ def _schema_child(node: Any, key: str) -> Any:
 
 
 def _config_dirs(overrides: list[str], config_dir: str) -> Optional[list[str]]:
-    """``configs/`` and the folders the command line adds to Hydra's search path
+    """``mptrain/configs/`` and the folders the command line adds to Hydra's search path
     (``hydra.searchpath=[file://...]``, ``--config-dir``). None when that cannot
     be listed from here (a ``pkg://`` entry) or the primary config is replaced
     (``--config-path``): group options are then left to Hydra."""
@@ -172,7 +180,7 @@ def _values(parsed) -> Optional[list]:
 def check_override_values(overrides: list[str], config_dir: str) -> None:
     """Reject a bad value in command-line overrides before Hydra composes.
 
-    A group option must be a YAML file of ``configs/<group>/``; a schema key's
+    A group option must be a YAML file of ``mptrain/configs/<group>/``; a schema key's
     value must fit its type (Enum values, int, float, bool, lists of them,
     null only where the key is optional). Validity is decided by OmegaConf's own
     node types, so this accepts exactly what Hydra would; only the message
@@ -213,9 +221,10 @@ def _check_option(group: str, value: Any, dirs: list[str]) -> None:
     if value is None or str(value) in options:
         return
     hint = _did_you_mean(str(value), options, lambda c: f"{group}={c}")
-    # configs/ by its short name (as users see it in the checkout), added folders in full
-    where = ", ".join(f"{os.path.relpath(f, os.path.dirname(dirs[0])) if f.startswith(dirs[0]) else f}/"
-                      for f in folders)
+    # mptrain's own configs by their path in the package (mptrain/configs/<group>/, as users see it
+    # in the checkout, and under site-packages once installed), added folders in full
+    package_parent = os.path.dirname(os.path.dirname(dirs[0]))
+    where = ", ".join(f"{os.path.relpath(f, package_parent) if f.startswith(dirs[0]) else f}/" for f in folders)
     raise ConfigError(f"Unknown {group} option '{value}'.{hint} Valid options ({where}): {', '.join(options)}.")
 
 
@@ -581,7 +590,7 @@ def compose_checked(overrides: list[str], config_dir: Optional[str] = None):
     from omegaconf.errors import OmegaConfBaseException
 
 
-    config_dir = config_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+    config_dir = config_dir or CONFIG_DIR
     overrides = expand_shorthands(overrides)
     check_overrides(overrides, config_dir)
     try:

@@ -3,7 +3,7 @@
 Every key a user can set lives in one of the dataclasses below, with a
 docstring-style comment and a marker of what a resume may do with a changed
 value: ``guarded(...)``, ``recorded(...)`` or ``harmless(..., why=...)`` (see
-"on resume" below). Hydra merges the YAML files of ``configs/`` into this
+"on resume" below). Hydra merges the YAML files of ``mptrain/configs/`` into this
 schema, so a misspelt key or a value of the wrong type fails before any work
 starts. Choices that form a closed set are Enums: OmegaConf then names the
 valid values in its error message.
@@ -897,7 +897,7 @@ def _listed(value: Any) -> Any:
 # --------------------------------------------------------------------------- root
 @dataclass
 class Config:
-    """The whole run. ``configs/config.yaml`` picks one option of each group."""
+    """The whole run. ``mptrain/configs/config.yaml`` picks one option of each group."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -936,10 +936,11 @@ def on_resume() -> dict[str, tuple[str, str]]:
 def register() -> None:
     """Put the schema in Hydra's ConfigStore as ``base_config``.
 
-    ``configs/config.yaml`` lists ``base_config`` first in its defaults, so
+    ``mptrain/configs/config.yaml`` lists ``base_config`` first in its defaults, so
     every YAML merged after it is checked against these dataclasses.
     The run directory's resolvers (``${mptrain_now:...}``, ``${mptrain_new_dir:...}``)
-    are the launch's business: ``mptrain.distributed.launch`` registers them.
+    are the launch's business: the entry point registers them before Hydra composes
+    (``mptrain.run.startup.Startup.register_resolvers``).
     """
     ConfigStore.instance().store(name="base_config", node=Config)
 

@@ -24,7 +24,6 @@ from mptrain.core.errors import ConfigError
 from mptrain.core.shards import local_shard
 from mptrain.model.names import canonical_name
 from mptrain.run.components import Component
-from mptrain.run.nonfinite import NonFiniteError  # noqa: F401  (train.py imports it from here)
 
 
 def inject_inf_grad(model: nn.Module, value: float = math.inf) -> None:

@@ -41,16 +41,15 @@ import os
 import re
 import shutil
 import socket
-import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from hydra.experimental.callback import Callback
 
 from mptrain.core import files
 from mptrain.core.errors import NO_ROOM_FIXES, DiskError, UserError
-from mptrain.distributed.launch import CREATED_PARENTS, LIVE_CLAIMS
 from mptrain.checkpoint.integrity import complete_checkpoints
+from mptrain.run.startup import RunRefused, current
 
 LOCK_NAME = ".lock"
 
@@ -66,8 +65,11 @@ class Claim:
     """This process's hold on one run directory: the lock, and what the directory
     held before this launch (to undo a launch that never started training)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, created_parents: Sequence[Path] = ()):
         self.run_dir = Path(run_dir)
+        # The folders this launch created above its run directory (outermost first), removed with it
+        # while empty: the launch agreement's list, read at undo time.
+        self.created_parents = created_parents
         self.existed = _has_content(self.run_dir)
         self.snapshot = _snapshot(self.run_dir) if self.existed else {"entries": set(), "files": {}}
         self.started = False  # set once the run writes its own records: from then on, keep everything
@@ -116,7 +118,7 @@ class Claim:
         if not self.existed:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
-            for parent in reversed(CREATED_PARENTS):  # innermost first; only while empty
+            for parent in reversed(self.created_parents):  # innermost first; only while empty
                 with contextlib.suppress(OSError):
                     parent.rmdir()
             return
@@ -338,24 +340,24 @@ def _last_logged_step(path: Path) -> Optional[int]:
     return None
 
 
-_HELD: dict[Path, Claim] = LIVE_CLAIMS  # launch.py's, so that a signal before training can undo them
-
-
 def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
 def acquire(run_dir: Path) -> Optional[Claim]:
     """Lock ``run_dir`` for this process (rank 0 only; a no-op when already held).
-    Raises :class:`RunDirError` when another run holds it or it is not writable."""
+    Raises :class:`RunDirError` when another run holds it or it is not writable.
+    The claim is kept by the process's start-up object (``run/startup.py``), so
+    that a signal before training can undo it."""
     if not _is_rank0():
         return None
+    startup = current()
     key = Path(run_dir).resolve()
-    if key not in _HELD:
-        claim = Claim(key)
+    if key not in startup.claims:
+        claim = Claim(key, startup.agreement.created_parents)
         claim.acquire()
-        _HELD[key] = claim
-    return _HELD[key]
+        startup.claims[key] = claim
+    return startup.claims[key]
 
 
 @contextlib.contextmanager
@@ -373,17 +375,18 @@ def held(run_dir: Path) -> Iterator[Optional[Claim]]:
     finally:
         if claim is not None:
             claim.release()
-            _HELD.pop(claim.run_dir, None)
+            current().claims.pop(claim.run_dir, None)
 
 
 class RunDirCallback(Callback):
-    """Hydra callback (``hydra.callbacks`` in ``configs/config.yaml``): lock the run
-    directory in ``on_run_start``, before Hydra writes ``.hydra/`` and its log
-    there. A refusal is printed as one line and the process exits with code 2."""
+    """Hydra callback (``hydra.callbacks`` in ``mptrain/configs/config.yaml``): lock
+    the run directory in ``on_run_start``, before Hydra writes ``.hydra/`` and its
+    log there. A refusal is raised as :class:`~mptrain.run.startup.RunRefused`,
+    which Hydra cannot turn into a warning and go on; the entry point prints its
+    one line and exits with code 2."""
 
     def on_run_start(self, config, **_kw) -> None:
         try:
             acquire(Path(str(config.hydra.run.dir)))
         except UserError as e:
-            print(f"mptrain: {e.one_line()}", file=sys.stderr)
-            sys.exit(2)
+            raise RunRefused(e) from None

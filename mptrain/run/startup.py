@@ -1,0 +1,461 @@
+"""What a process does before its run trains, held by one object per process.
+
+An entry point (``train.py``, ``python -m mptrain.audit``, ``python -m
+mptrain.advise``) creates the process's :class:`Startup` with
+:meth:`Startup.begin` and calls, in order, what it needs of it; importing this
+module registers nothing, starts nothing and changes no setting. It holds:
+
+- the launch agreement (:class:`Agreement`): rank 0's start time and the run
+  directory rank 0 created for this launch, the same in every rank, shared
+  through torchrun's store (``distributed/store.py``) before any process group
+  exists; and the two resolvers ``mptrain/configs/config.yaml`` names them by,
+  ``${mptrain_now:...}`` and ``${mptrain_new_dir:...}``, registered by
+  :meth:`Startup.register_resolvers` before Hydra composes;
+- the run directories this process holds (:class:`Claims`: ``run/rundir.py``
+  locks and releases them; a stop before training undoes them);
+- Hydra's error mode while it composes (:class:`HydraErrorMode`);
+- the stop before training (:class:`StopBeforeTraining`): a SIGTERM or SIGINT
+  while the run is still starting leaves the run directory as it was and
+  exits 0;
+- the refusal of a command line (:meth:`Startup.refuse`): one line, said by
+  rank 0, exit code 2.
+
+Why one object: these used to be module globals of three files, shared by
+aliasing one dict, and the resolvers were registered as a side effect of an
+import. Code that runs a run without an entry point (the tests, the advisor's
+probe) gets an inert start-up object from :func:`current`.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Callable, Optional
+
+from omegaconf import OmegaConf
+
+from mptrain.config.checks import CONFIG_DIR, check_overrides, expand_shorthands
+from mptrain.core.errors import UserError
+from mptrain.distributed.store import TorchrunStore, rank
+
+LAUNCH_ENV = "MPTRAIN_LAUNCH"
+"""The values a launch agreed on, as JSON in the environment, for the submitit jobs it starts."""
+
+REFUSAL_WAIT_S = 30.0
+"""How long a rank > 0 waits for rank 0 to print a refused command line's line (see :meth:`Startup.refuse`)."""
+
+
+class Agreement:
+    """What every process of one launch must agree on before any process group
+    exists: rank 0's start time and the run directories rank 0 created.
+
+    Hydra's ``${now:...}`` is evaluated in each process at its own start-up, so
+    two ranks started a second apart would pick two directories. Here rank 0
+    computes each value once and torchrun's store hands it to the other ranks.
+    Jobs that submitit starts (``hydra/launcher=slurm``) have no such store:
+    they inherit the launching process's values through the environment
+    (:data:`LAUNCH_ENV`), since they re-resolve the directories it printed."""
+
+    def __init__(self, connect: Callable[[], Optional[TorchrunStore]] = TorchrunStore.connect):
+        self._connect = connect
+        self._store: Optional[TorchrunStore] = None
+        self._connected = False
+        self.values: dict[str, str] = {}  # key -> the agreed value, once asked for
+        self.created_dirs: list[Path] = []  # the directories new_dir claimed for this launch (rank 0), in order
+        self.created_parents: list[Path] = []  # folders new_dir created above them, outermost first
+
+    def __getstate__(self) -> dict:
+        """Pickled without the store's connection (a submitit job gets the resolvers, and with
+        them this agreement's values, through Hydra's job state; it connects anew if it must)."""
+        return {**self.__dict__, "_store": None, "_connected": False}
+
+    @property
+    def store(self) -> Optional[TorchrunStore]:
+        """torchrun's store (None outside torchrun), connected on first use: it loads torch."""
+        if not self._connected:
+            self._connected = True
+            self._store = self._connect()
+        return self._store
+
+    def agree(self, key: str, compute: Callable[[], str]) -> str:
+        """``compute()`` evaluated once, by rank 0, and the same string in every
+        process of this launch. The value outlives torchrun's elastic restarts
+        (the store does): a restarted job continues in the same directory, where
+        ``resume=auto`` finds its checkpoints."""
+        if key in self.values:
+            return self.values[key]
+        inherited = json.loads(os.environ.get(LAUNCH_ENV, "{}"))
+        in_submitit = any(k in os.environ for k in ("SUBMITIT_EXECUTOR", "SUBMITIT_LOCAL_JOB_ID"))
+        if in_submitit and key in inherited:
+            value = inherited[key]  # the launcher's value, not one of this job's own
+        elif self.store is not None:
+            value = self.store.first_value(key, compute)
+        else:
+            value = compute()
+        self.values[key] = value
+        os.environ[LAUNCH_ENV] = json.dumps({**inherited, **self.values})  # for submitit jobs launched from here
+        return value
+
+    def stamp(self) -> datetime.datetime:
+        """Rank 0's start time, the same in every process of this launch (and its restarts)."""
+        return datetime.datetime.fromisoformat(self.agree("stamp", lambda: datetime.datetime.now().isoformat()))
+
+    def now(self, fmt: str) -> str:
+        """``${mptrain_now:<fmt>}``: :meth:`stamp` as ``strftime`` writes it."""
+        return self.stamp().strftime(fmt)
+
+    def new_dir(self, path: str) -> str:
+        """A directory created for this launch alone: ``path`` or, if it exists,
+        the first free ``path-2``, ``path-3``, ... (``mkdir`` without ``exist_ok``
+        is the atomic claim), so two launches in the same second never share
+        one. Rank 0 creates it; every rank gets its name."""
+
+        def claim() -> str:
+            base = Path(path)
+            # Remembered so that a launch refused before training removes the empty
+            # outputs/<date>/ it made, not only its run directory (rundir.Claim.undo).
+            self.created_parents.extend(p for p in reversed(base.parents) if not p.exists())
+            base.parent.mkdir(parents=True, exist_ok=True)
+            for n in range(1, 10_000):
+                candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+                try:
+                    candidate.mkdir()
+                    self.created_dirs.append(candidate)
+                    return str(candidate)
+                except FileExistsError:
+                    continue
+            raise FileExistsError(f"{path}: no free name among 10,000 suffixes")
+
+        return self.agree(f"dir:{path}", claim)
+
+    def rank0_value(self, key: str, value: str) -> str:
+        """Rank 0's ``value`` for ``key``, in every process of this torchrun launch
+        (``value`` itself outside torchrun): ranks that each computed a value from
+        the same files compare theirs with rank 0's. Once per key and launch."""
+        store = self.store
+        return value if store is None else store.rank0_value(key, value)
+
+    def say_once(self, line: str) -> None:
+        """Print ``line`` on stderr once per launch. Under torchrun every rank that
+        meets the same error (a configuration the world size rules out, a
+        non-finite step the ranks agreed on) would print it; the first rank to
+        claim the line in torchrun's store prints it, the others stay silent. A
+        line that differs between ranks is printed by each."""
+        try:
+            if self.store is not None and not self.store.claim(f"said/{zlib.crc32(line.encode()):08x}"):
+                return
+        except Exception:  # the store is gone (the launcher is stopping): better twice than never
+            pass
+        print(line, file=sys.stderr, flush=True)
+
+
+class Claims(dict):
+    """The run directories this process holds, by resolved path: each a
+    ``rundir.Claim`` with ``started`` (the run has begun writing its records) and
+    ``undo()``; what a stop before training undoes. Remembers whether a claim
+    that is gone had started (a multirun's finished job): this launch has then
+    trained."""
+
+    trained = False
+
+    def pop(self, key, default=None):
+        """Release ``key``'s claim from the set, remembering whether its run had trained."""
+        claim = super().pop(key, default)
+        if getattr(claim, "started", False):
+            self.trained = True
+        return claim
+
+
+class HydraErrorMode:
+    """``HYDRA_FULL_ERROR`` set while Hydra composes, and only then.
+
+    Hydra prints a composition error itself (with its search path and a hint
+    about ``HYDRA_FULL_ERROR``) and exits 1, unless ``HYDRA_FULL_ERROR`` is set,
+    in which case it raises. Setting it while Hydra composes lets the entry
+    point put the error in mptrain's one-line form; it is given back as soon as
+    the task starts, so errors of the run itself are reported by Hydra as
+    before. A user's own setting is left alone."""
+
+    VAR = "HYDRA_FULL_ERROR"
+
+    def __init__(self):
+        self.composing = False  # whether this object set the variable and holds it
+
+    def raise_while_composing(self) -> None:
+        """Have Hydra raise composition errors (for the entry point to put in one line) instead of printing them."""
+        if self.VAR not in os.environ:
+            os.environ[self.VAR] = "1"
+            self.composing = True
+
+    def give_back(self) -> None:
+        """Give error reporting back to Hydra: composition is over."""
+        if self.composing:
+            os.environ.pop(self.VAR, None)
+            self.composing = False
+
+
+class StopBeforeTraining:
+    """From :meth:`install` until the run starts training, a SIGTERM or SIGINT
+    ends this process at once with exit code 0, after undoing what the launch
+    wrote: the run directory is removed if this launch created it (and the empty
+    folders above it), or put back as it was (Hydra's ``.hydra/`` and log).
+    Nothing else is lost: the run had not trained.
+
+    Why: the loop's own handler (``run/stop.py``: finish the step, save, exit
+    0) exists only once training runs; before that a signal killed the process
+    where it stood, leaving ``.lock``, ``.hydra/`` and a launch's log in a run
+    directory that holds no run, and a preempted start counted as a failure.
+    Training has begun once the loop's handler replaced this one, or once a
+    claim has started (``Claim.started``: the run writes its records); from
+    then on the signal does what it did before.
+
+    A Python signal handler runs only when the main thread is between
+    bytecodes, and a rank can sit for minutes in one C++ call while starting
+    (joining the process group waits for every rank, up to its timeout; a peer
+    that has just exited never comes). So the signal also wakes a thread of
+    ours (``signal.set_wakeup_fd``), the watchdog, which does the same without
+    waiting for the main thread."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, claims: Claims, agreement: Agreement):
+        self.claims, self.agreement = claims, agreement
+        self.replaced: dict = {}  # signal -> the handler install() replaced
+        self.owner = 0  # the process that installed it (a forked child inherits the handlers, not the watchdog)
+        self._stopping = threading.Lock()  # the main thread's handler and the watchdog: one of them undoes and exits
+        self._handler = self._on_signal  # one bound method, so that the watchdog can tell ours by identity
+        self._pipe: Optional[tuple[int, int]] = None
+
+    def install(self) -> None:
+        """Take SIGTERM and SIGINT (those not ignored on purpose) until training starts."""
+        for sig in self.SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # ignored on purpose (a background job's SIGINT, nohup): leave it so
+            self.replaced[sig] = signal.signal(sig, self._handler)
+        if not self.replaced:
+            return
+        self.owner = os.getpid()
+        os.register_at_fork(after_in_child=self._forget_in_child)
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)  # the C-level handler must never block
+        theirs = signal.set_wakeup_fd(write_end)
+        if theirs != -1:  # another part of the process uses it: theirs stays, and no watchdog
+            signal.set_wakeup_fd(theirs)
+            os.close(read_end)
+            os.close(write_end)
+            return
+        self._pipe = (read_end, write_end)
+        threading.Thread(target=self._watch, args=(read_end,), name="mptrain-stop-watch", daemon=True).start()
+
+    def uninstall(self) -> None:
+        """Give the signals back as they were, for an entry point that returns
+        into a process that goes on (a test, ``python -m mptrain.audit`` called
+        in-process); the watchdog ends. Main thread only, as signal handlers are."""
+        if self.owner != os.getpid():
+            return
+        for sig, previous in self.replaced.items():
+            if signal.getsignal(sig) is self._handler:  # (the loop's handler gives ours back when it ends)
+                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self.replaced = {}
+        if self._pipe is not None:
+            read_end, write_end = self._pipe
+            self._pipe = None
+            theirs = signal.set_wakeup_fd(-1)
+            if theirs != write_end:  # someone took it after us: theirs stays
+                signal.set_wakeup_fd(theirs)
+            os.close(write_end)  # the watchdog reads the end of the pipe and returns (it closes read_end)
+
+    def _forget_in_child(self) -> None:
+        """A forked child (a pool of tokenizing processes) gets the signals as they
+        were: it holds no claim, and its signals must not wake the parent's watchdog."""
+        if not self.replaced:
+            return
+        with contextlib.suppress(ValueError):  # (not the main thread: nothing to restore)
+            signal.set_wakeup_fd(-1)
+            for sig, previous in self.replaced.items():
+                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        for fd in self._pipe or ():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._pipe, self.replaced = None, {}
+
+    def _watch(self, fd: int) -> None:
+        """The watchdog: each byte is a signal number the process received."""
+        try:
+            while data := os.read(fd, 64):
+                for signum in data:
+                    # Ours only while our handler is installed: the loop's own replaces it.
+                    if signum in self.replaced and signal.getsignal(signum) is self._handler:
+                        self._stop_if_not_started(signum)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        """The Python handler: stop now if training has not begun, else what the signal did before."""
+        self._stop_if_not_started(signum)
+        previous = self.replaced.get(signum, signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)  # Python's SIGINT handler: KeyboardInterrupt
+            return
+        signal.signal(signum, signal.SIG_DFL)  # (an ignored signal was never replaced)
+        os.kill(os.getpid(), signum)  # ended by the signal, as it was without this handler
+
+    def _stop_if_not_started(self, signum: int) -> None:
+        """Undo this launch's writes and exit 0, unless a claim has started (then return)."""
+        claims = list(self.claims.values())
+        if os.getpid() != self.owner or any(c.started for c in claims):  # training has begun: its records stay
+            return
+        with self._stopping:  # the other caller, if any, waits here for the exit
+            for claim in claims:
+                with contextlib.suppress(Exception):
+                    claim.undo()
+            if self.claims.trained:  # a multirun whose earlier jobs trained: this job's start is undone,
+                return  # and the launch ends as a signal ended it before (it is not "nothing written")
+            # A directory new_dir made but no run claimed yet (Hydra still composing) is empty.
+            for folder in [*reversed(self.agreement.created_dirs), *reversed(self.agreement.created_parents)]:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # under torchrun its launcher says what happened
+                os.write(2, f"mptrain: stopped by {signal.Signals(signum).name} before training started: nothing "
+                            "was written, the run directory is as it was; rerun the same command to launch it "
+                            "again.\n".encode())
+            # os._exit, not sys.exit: this also runs in the watchdog thread, where SystemExit would end
+            # only that thread, and the main thread may sit for minutes in one C++ call (a gloo barrier,
+            # a tokenizer's training) that no exception interrupts. Nothing is lost by skipping Python's
+            # clean-up: the process had not produced anything to keep, and what it wrote is undone above.
+            os._exit(0)
+
+
+class RunRefused(BaseException):
+    """A run directory refused in Hydra's ``on_run_start`` (``rundir.RunDirCallback``),
+    carrying the :class:`UserError` to print. A BaseException, not an Exception:
+    Hydra turns a callback's Exception into a warning and goes on to write its
+    files into the directory it was refused; this one reaches the entry point,
+    which prints the error's one line and exits 2."""
+
+    def __init__(self, error: UserError):
+        super().__init__(str(error))
+        self.error = error
+
+
+class Startup:
+    """One process's start-up state: the launch agreement, the claimed run
+    directories, Hydra's error mode and the stop before training (see the
+    module's docstring). An entry point creates it with :meth:`begin`."""
+
+    def __init__(self, agreement: Optional[Agreement] = None):
+        self.rank = rank()  # this process's global rank (0 outside torchrun)
+        self.agreement = agreement or Agreement()
+        self.claims = Claims()
+        self.hydra_errors = HydraErrorMode()
+        self.stop = StopBeforeTraining(self.claims, self.agreement)
+
+    @classmethod
+    def begin(cls) -> "Startup":
+        """A new start-up object, made this process's (what :func:`current` returns)."""
+        global _PROCESS
+        _PROCESS = cls()
+        return _PROCESS
+
+    def __enter__(self) -> "Startup":
+        """``with Startup.begin() as startup:``, for an entry point that returns rather than exits."""
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Close on the way out, whatever ended the block."""
+        self.close()
+
+    def close(self) -> None:
+        """The entry point is done: signals and Hydra's error mode as they were."""
+        global _PROCESS
+        self.stop.uninstall()
+        self.hydra_errors.give_back()
+        if _PROCESS is self:
+            _PROCESS = None
+
+    def register_resolvers(self) -> None:
+        """``${mptrain_now:<strftime format>}`` (rank 0's start time) and
+        ``${mptrain_new_dir:<path>}`` (a directory rank 0 created for this launch
+        alone), which ``config.yaml`` uses for the default ``hydra.run.dir`` and
+        ``hydra.sweep.dir``: called by the entry point before Hydra composes.
+        Registered anew for each start-up object (OmegaConf's resolvers are
+        process-wide; the newest entry point's agreement is the one in force).
+        Both are methods of the agreement alone, which pickles: Hydra hands
+        OmegaConf's resolvers to each submitit job with its own state, so a job
+        resolves its sweep directory to the one this process created."""
+        OmegaConf.register_new_resolver("mptrain_now", self.agreement.now, replace=True)
+        OmegaConf.register_new_resolver("mptrain_new_dir", self.agreement.new_dir, replace=True)
+
+    def check_command_line(self, argv: list[str]) -> Optional[int]:
+        """The command line's keys, options and values checked before Hydra (or
+        torch) does any work: None when they pass, else the exit code of the
+        refusal (:meth:`refuse`)."""
+        try:
+            check_overrides(expand_shorthands(argv), CONFIG_DIR)
+        except UserError as e:
+            return self.refuse(e)
+        return None
+
+    def rank_overrides(self) -> list[str]:
+        """Extra Hydra overrides for ranks > 0: no ``.hydra/`` copy of the config and
+        no log file in the shared run directory (rank 0 writes those)."""
+        return [] if self.rank == 0 else ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+    def refuse(self, error: UserError) -> int:
+        """A launch refused before training: its one line on stderr, said by rank 0
+        alone (every rank meets the same error), and exit code 2.
+
+        torchrun stops the whole job when its first rank exits, so a rank > 0
+        must not leave before rank 0 has printed: it waits until rank 0 marks
+        the line as said in torchrun's store (or :data:`REFUSAL_WAIT_S` passes,
+        should rank 0 not meet the error). Without a store (ranks started by
+        something other than torchrun) it gives rank 0 two seconds, as it always
+        did: there is nothing to wait on."""
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restart's refusal is said again
+        if self.rank == 0:
+            print(f"mptrain: {error.one_line()}", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):  # no store, or gone: the line is out, nothing to tell
+                if self.agreement.store is not None:
+                    self.agreement.store.mark(f"refused/{restart}")
+            return 2
+        try:
+            store = self.agreement.store
+        except Exception:  # the launcher is stopping: rank 0 has exited
+            return 2
+        if store is not None:
+            store.wait(f"refused/{restart}", REFUSAL_WAIT_S)
+        else:
+            time.sleep(2)
+        return 2
+
+    def undo_unstarted(self) -> list[Path]:
+        """Undo the claims whose run never started (Hydra could not write its
+        own files), as a refused launch is undone; their directories."""
+        claims = [c for c in self.claims.values() if not c.started]
+        for claim in claims:
+            claim.undo()
+        return [c.run_dir for c in claims]
+
+
+_PROCESS: Optional[Startup] = None
+"""The process's start-up object: set by :meth:`Startup.begin`, cleared by :meth:`Startup.close`."""
+
+
+def current() -> Startup:
+    """The process's start-up object. A run started without an entry point (the
+    tests' in-process runs) gets a plain one on first use: it only keeps the
+    claims, as nothing else was started."""
+    global _PROCESS
+    if _PROCESS is None:
+        _PROCESS = Startup()
+    return _PROCESS

@@ -50,7 +50,7 @@ def test_both_families_build_their_blocks_from_the_one_shared_class(family):
     assert not hasattr(llama, "Block") or llama.Block is common.Block
     assert [n for n, _ in model.blocks[0].named_parameters()] == BLOCK0[family]
     assert isinstance(model.blocks[0].ln_1, spec.norm) and spec.norm in NORMS
-    assert model.loss_fn is common.cross_entropy_fp32
+    assert isinstance(model.loss_fn, common.LossFn) and model.loss_fn._fn is common.cross_entropy_fp32
 
 
 @pytest.mark.parametrize("family", sorted(SPECS))

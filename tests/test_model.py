@@ -83,7 +83,7 @@ def test_wrap_hands_weights_in_and_sticks_nothing_on_the_model():
     compiling the loss), and the wrapper's dtypes follow from policy and mode."""
     from mptrain.config.schema import ParallelMode
     from mptrain.distributed.parallel import DistContext, wrap, wrapper_dtypes
-    from mptrain.model.gpt import LossFn
+    from mptrain.model.common import LossFn
     from mptrain.precision.policy import PrecisionPolicy
     from .conftest import make_cfg
 

@@ -26,8 +26,7 @@ import torch.nn as nn
 from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError
 from mptrain.core.shards import local_shard
-from mptrain.model.common import Block
-from mptrain.model.gpt import write_weights
+from mptrain.model.common import Block, write_weights
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.policy import PrecisionPolicy
 

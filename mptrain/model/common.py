@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mptrain.core.sums import fixed_sum
+from mptrain.model.names import canonical_name
 
 # ------------------------------------------------------------------ the block
 
@@ -168,3 +169,40 @@ class AttentionProbe:
             st["logit_max"] = torch.maximum(st["logit_max"], top)
             st["entropy_sum"] = st["entropy_sum"] + ent
             st["calls"] = st["calls"] + 1
+
+
+@torch.no_grad()
+def write_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Initial weights given instead of drawn (``model.init_from``): each parameter
+    gets ``weights``' tensor of its name (wrapper parts of the name ignored, so a
+    wrapped or sharded model reads the same keys), written as :func:`draw_init`
+    writes: whole in fp32, a shard taking only its part. Every name must be there."""
+    for name, p in model.named_parameters():
+        write_whole(p, weights[canonical_name(name)].to(torch.float32))
+
+
+class LossFn:
+    """Both families' loss, :func:`cross_entropy_fp32`, held by a declared object
+    (the model's ``loss_fn``, set in ``__init__``) so that compiling it is a method
+    of that object, called where the blocks are compiled (``parallel.wrap``:
+    ``model.loss_fn.compile()`` beside ``blk.compile()``), instead of a compiled
+    function swapped onto the module from outside.
+
+    Not an nn.Module on purpose: it has no weights, and as a submodule it would
+    join ``named_modules``, where the dtype audit, the monitors and the fault
+    localisation hook every module: the audit's table would gain a row, and
+    hooks that come and go on a compiled module make it recompile."""
+
+    def __init__(self) -> None:
+        self.compiled = False
+        self._fn = cross_entropy_fp32
+
+    def compile(self) -> None:
+        """Compile the loss (its fp32 upcast, log-softmax and pick fuse into passes
+        over the 16-bit logits); a second call changes nothing."""
+        if not self.compiled:
+            self._fn = torch.compile(cross_entropy_fp32)
+            self.compiled = True
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._fn(logits, targets)

@@ -32,8 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mptrain.model.common import AttentionProbe, Block, blocks_and_head, draw_init
-from mptrain.model.gpt import LossFn
+from mptrain.model.common import AttentionProbe, Block, LossFn, blocks_and_head, draw_init
 
 
 @dataclass
@@ -345,7 +344,7 @@ class Llama(nn.Module):
     unless ``tie_embeddings``). No position embedding: positions enter as
     rotations of each head's queries and keys.
 
-    ``loss_fn`` computes the loss from the logits (:class:`mptrain.model.gpt.LossFn`);
+    ``loss_fn`` computes the loss from the logits (:class:`mptrain.model.common.LossFn`);
     ``parallel.wrap`` compiles it when it compiles the blocks."""
 
     def __init__(self, s: LlamaShape):
@@ -382,7 +381,7 @@ class Llama(nn.Module):
         parameter whatever its device, dtype or sharding. So one seeded
         generator gives the same weights on one rank or many, built on the
         meta device or not. Pretrained weights (``model.init_from``) are written
-        instead of these by ``parallel.materialize`` (:func:`mptrain.model.gpt.write_weights`)."""
+        instead of these by ``parallel.materialize`` (:func:`mptrain.model.common.write_weights`)."""
         draw_init(self, generator, RMSNorm, ("attn.o.weight", "mlp.down.weight"), self.shape.n_layer)
 
     def num_params(self, non_embedding: bool = True) -> int:

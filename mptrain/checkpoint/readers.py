@@ -41,7 +41,10 @@ T = TypeVar("T")
 
 class CheckpointVanished(CheckpointError):
     """The checkpoints a tool chose were deleted while it read them (a live run
-    pruning them faster than they can be read); the message names the fix."""
+    pruning them faster than they can be read); the message names the fix. Its own
+    kind, as every user error has: the line reads ``vanished checkpoint: ...``."""
+
+    kind = "vanished checkpoint"
 
 
 def find_checkpoint(path: Path, log: Callable[[str], None] = print) -> Path:

@@ -101,5 +101,5 @@ def test_host_sync_counter_sees_the_per_step_check_of_a_foreach_optimizer(tmp_pa
     with HostSyncCounter() as c:
         train(tmp_path / "run", "train.max_steps=6", "train.log_every=6", "optim.fused=false",
               "monitor.enabled=false")
-    guard_reads = [w for name, w in c.calls if name == "__bool__" and w.startswith("faults.py")]
+    guard_reads = [w for name, w in c.calls if name == "__bool__" and w.startswith("nonfinite.py")]
     assert len(guard_reads) >= 6

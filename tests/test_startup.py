@@ -61,9 +61,13 @@ def test_importing_every_module_registers_nothing_and_starts_nothing():
 
 @pytest.fixture
 def resolvers():
-    """Each test's resolvers are taken out again (OmegaConf's registry is process-wide)."""
+    """Each test starts and ends without the resolvers (OmegaConf's registry is
+    process-wide: a launch that an earlier test ran in this process registered them)."""
+    names = ("mptrain_now", "mptrain_new_dir")
+    for name in names:
+        OmegaConf.clear_resolver(name)
     yield
-    for name in ("mptrain_now", "mptrain_new_dir"):
+    for name in names:
         OmegaConf.clear_resolver(name)
 
 

@@ -200,62 +200,59 @@ def _alert(row: dict, figures: dict, message: Optional[str], write: Write) -> No
         write(message)
 
 
-class SkipRatePart(Component):
+class _AlertPart(Component):
+    """An alert of ``observe/alerts.py`` or ``observe/stability.py`` as a component:
+    its state (what it has already warned about) is the alert's own, saved and
+    restored under the part's ``state_key``."""
+
+    def __init__(self, alert):
+        self.alert = alert
+
+    def state_dict(self) -> dict:
+        return self.alert.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.alert.load_state_dict(sd)
+
+
+class SkipRatePart(_AlertPart):
     """The fp16 skip-rate warning (``precision.loss_scale.warn_*``), on the logged
     rows that carry the loss scaler's figures; warns once per run."""
 
     state_key = "skip_warning"
 
     def __init__(self, ls_cfg):
-        self.warning = SkipRateWarning(ls_cfg)
+        super().__init__(SkipRateWarning(ls_cfg))
 
     def on_log(self, done: int, row: dict, write: Write) -> None:
         if "amp/skipped_steps" in row:  # a run with fp16 loss scaling
-            _alert(row, *self.warning.check(done, row["amp/skipped_steps"]), write)
-
-    def state_dict(self) -> dict:
-        return self.warning.state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.warning.load_state_dict(sd)
+            _alert(row, *self.alert.check(done, row["amp/skipped_steps"]), write)
 
 
-class SpikePart(Component):
+class SpikePart(_AlertPart):
     """The loss-spike detector (``monitor.spike_*``), on every logged loss."""
 
     state_key = "spikes"
 
     def __init__(self, mcfg):
-        self.detector = SpikeDetector(mcfg.spike_factor, mcfg.spike_window)
+        super().__init__(SpikeDetector(mcfg.spike_factor, mcfg.spike_window))
 
     def on_log(self, done: int, row: dict, write: Write) -> None:
-        _alert(row, *self.detector.check(done, row["train/loss"]), write)
-
-    def state_dict(self) -> dict:
-        return self.detector.state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.detector.load_state_dict(sd)
+        _alert(row, *self.alert.check(done, row["train/loss"]), write)
 
 
-class StabilityPart(Component):
+class StabilityPart(_AlertPart):
     """The stability warnings (``monitor.warn_*``) on a monitored step's ``stability/*``
     figures; it stands after the numerics monitor, whose figures it reads."""
 
     state_key = "stability_warnings"
 
     def __init__(self, mcfg, compute: str):
-        self.warnings = StabilityWarnings(mcfg, compute)
+        super().__init__(StabilityWarnings(mcfg, compute))
 
     def observe(self, done: int, row: dict, write: Write) -> dict:
-        _alert(row, *self.warnings.check(done, row), write)
+        _alert(row, *self.alert.check(done, row), write)
         return {}
-
-    def state_dict(self) -> dict:
-        return self.warnings.state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.warnings.load_state_dict(sd)
 
 
 @dataclass

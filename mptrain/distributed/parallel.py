@@ -295,6 +295,29 @@ def setup(pcfg, device_spec: str) -> DistContext:
     return ctx
 
 
+def _checkpoint_and_compile(model: nn.Module, activation_checkpointing: bool, compile_blocks: bool) -> None:
+    """The block-level passes of :func:`wrap`, in place and in this order: each
+    block wrapped for activation checkpointing, then each block (and the loss)
+    compiled, so the compiled graph holds the checkpointing."""
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            checkpoint_wrapper,
+        )
+
+        # Non-reentrant checkpointing: works with FSDP, autocast and float8; the
+        # wrapper hides its own name from state_dict keys, so checkpoints do not change.
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(blk, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if compile_blocks:
+        for blk in model.blocks:
+            blk.compile()  # in place: module names (and checkpoints) stay as they are
+        # The loss too: eager, its fp32 upcast and log-softmax write B x T x vocab fp32
+        # tensors out whole, about a third of gpt-small's step on an H200 (gpu_check's profile).
+        # In place, as the blocks: the model's own declared loss object compiles itself.
+        model.loss_fn.compile()
+
+
 def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation_checkpointing: bool = False,
          compile_blocks: bool = False, init_seed: Optional[int] = None,
          initial_weights: Optional[dict[str, torch.Tensor]] = None) -> nn.Module:
@@ -326,23 +349,7 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
     if not on_meta:
         model = model.to(ctx.device)
     model = policy.convert_model(model)  # float8 linears first: FSDP must shard the converted weights
-    if activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl,
-            checkpoint_wrapper,
-        )
-
-        # Non-reentrant checkpointing: works with FSDP, autocast and float8; the
-        # wrapper hides its own name from state_dict keys, so checkpoints do not change.
-        for i, blk in enumerate(model.blocks):
-            model.blocks[i] = checkpoint_wrapper(blk, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    if compile_blocks:
-        for blk in model.blocks:
-            blk.compile()  # in place: module names (and checkpoints) stay as they are
-        # The loss too: eager, its fp32 upcast and log-softmax write B x T x vocab fp32
-        # tensors out whole, about a third of gpt-small's step on an H200 (gpu_check's profile).
-        # In place, as the blocks: the model's own declared loss object compiles itself.
-        model.loss_fn.compile()
+    _checkpoint_and_compile(model, activation_checkpointing, compile_blocks)
     mode = ctx.mode
     if mode == ParallelMode.none:
         return model

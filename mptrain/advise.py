@@ -57,6 +57,7 @@ from mptrain.advice.probe import (
 from mptrain.advice.rules import Advice, advise, smallest_option
 from mptrain.config.checks import compose_checked
 from mptrain.core.errors import ConfigError, UserError
+from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import duration, wants_help
 from mptrain.data.batches import padded_vocab
 from mptrain.data.tokenizers import ByteTokenizer
@@ -317,4 +318,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_then_leave(main)

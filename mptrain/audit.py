@@ -21,16 +21,16 @@ from mptrain.run.launch import launch
 from mptrain.train import exit_process
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> int:
     """``python -m mptrain.audit <overrides>``: the same overrides as ``train.py``;
     runs one audited step (``train.audit=true train.audit_only=true``) in a run
-    directory of its own and exits. Under torchrun: ``torchrun ... -m mptrain.audit``."""
+    directory of its own; returns the exit code. Under torchrun: ``torchrun ... -m mptrain.audit``."""
     args = sys.argv[1:] if argv is None else list(argv)
     if wants_help(args):
         print(__doc__.strip())
-        return
-    exit_process(launch([*args, "train.audit=true", "train.audit_only=true"]))
+        return 0
+    return launch([*args, "train.audit=true", "train.audit_only=true"])
 
 
 if __name__ == "__main__":
-    main()
+    exit_process(main())

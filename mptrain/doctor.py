@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import wants_help
 from mptrain.precision.support import (Verdict, choose_fp8_matmul, cpu_name, matmul_seconds, optimizer_support,
                                        torchao_version, verdicts)
@@ -80,4 +81,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_then_leave(main, sys.argv[1:])

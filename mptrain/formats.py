@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import wants_help
 from mptrain.precision.formats import format_table
 
@@ -32,4 +33,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_then_leave(main, sys.argv[1:])

@@ -16,6 +16,7 @@ import sys
 
 from mptrain.config.checks import compose_checked
 from mptrain.core.errors import ConfigError, UserError
+from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import wants_help
 from mptrain.observe.memory import estimate, format_table, micro_batch_of
 
@@ -61,4 +62,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_then_leave(main, sys.argv[1:])

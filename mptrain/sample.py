@@ -48,6 +48,7 @@ from mptrain.checkpoint.integrity import read_meta
 from mptrain.checkpoint.readers import build_model, checkpoint_tokenizer, model_weights, read_newest
 from mptrain.config.schema import DType
 from mptrain.core.errors import ConfigError, UserError
+from mptrain.core.process_exit import run_then_leave
 from mptrain.data.tokenizers import ByteTokenizer, HFTokenizer
 from mptrain.model.generate import sample_ids
 
@@ -154,4 +155,4 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_leave(main)

@@ -51,6 +51,8 @@ from torch.distributed.elastic.multiprocessing import api as _elastic
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as _torch_main
 
+from mptrain.core.process_exit import run_then_leave
+
 REPORTED = (2, 3)
 """Exit codes whose rank said why in one line (``docs/outputs.md``, Exit codes): passed on as they are."""
 
@@ -128,4 +130,4 @@ def main(args=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_leave(main)

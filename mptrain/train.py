@@ -10,55 +10,42 @@ this entry point ends the process with its exit code (:func:`exit_process`).
 """
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from typing import Optional
 
+from mptrain.core.process_exit import leave
 from mptrain.run.launch import launch
 from mptrain.run.startup import Startup
 
 
 def exit_process(code: int) -> None:
-    """End this process with ``code``. A rank of a multi-process torchrun job
-    leaves through ``os._exit`` after an explicit clean-up.
+    """End this process with ``code``: the process group destroyed on a torchrun rank
+    that succeeded, then :func:`mptrain.core.process_exit.leave` (Python's exit without
+    the interpreter's teardown, as every mptrain command ends).
 
-    Why: gloo's worker threads release each finished collective's work object
+    On a rank of a multi-process torchrun job, the teardown is a hazard as well as slow:
+    gloo's worker threads release each finished collective's work object
     themselves, and releasing it drops Python references, which needs the GIL.
     If the main thread has already reached interpreter finalization (it
     returns from the last barrier and exits at once), that thread cannot take
     the GIL, and CPython ends it with a forced unwind that C++ turns into
     ``std::terminate``: "terminate called without an active exception",
     SIGABRT, and torchrun reports the whole (finished, saved) job as failed.
-    Seen about once in 30 runs on a loaded 2-core machine. Skipping
-    finalization removes the window; everything it would have done is done
-    here first (group destroyed, W&B and log handlers closed, streams flushed).
+    Seen about once in 30 runs on a loaded 2-core machine.
     """
     under_torchrun = "MASTER_ADDR" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if not under_torchrun or "torch.distributed" not in sys.modules:  # no group can exist: skip torch's import
-        sys.exit(code)
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        sys.exit(code)
+    dist = sys.modules.get("torch.distributed") if under_torchrun else None  # no group without it: no import
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        leave(code)
     try:
         if code == 0:
             # After a failure a peer may still sit in a collective; leaving without
-            # the clean-up lets torchrun stop the job instead of hanging it.
+            # the clean-up (the atexit handlers included: one destroys the group)
+            # lets torchrun stop the job instead of hanging it.
             dist.destroy_process_group()
     finally:
-        if "wandb" in sys.modules:
-            try:
-                sys.modules["wandb"].teardown()
-            except Exception:  # nothing to tear down, or an old wandb: the runs are already finished
-                pass
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code)
+        leave(code, exit_handlers=False)
 
 
 def main(argv: Optional[list[str]] = None, startup: Optional[Startup] = None) -> None:

@@ -277,17 +277,16 @@ def test_cli_unknown_option_is_one_line_without_hydra_report():
 
 
 def test_what_hydra_still_refuses_is_put_in_the_same_form(capsys, monkeypatch):
-    """An error only composition finds ('+key' for a key that exists) goes through train.py's
-    catch-all; run in this process, the way python -m mptrain.audit runs train.py."""
+    """An error only composition finds ('+key' for a key that exists) goes through the
+    launch's catch-all; run in this process, as ``python -m mptrain.audit`` runs it."""
     import os
-    import runpy
+
+    from mptrain.run.launch import launch
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), "+train.max_steps=3"])
-    with pytest.raises(SystemExit) as e:
-        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    code = launch(["+train.max_steps=3"])
     err = capsys.readouterr().err
-    assert e.value.code == 2
+    assert code == 2
     assert err.splitlines() == ["mptrain: configuration error: Could not append to config. An item is already at "
                                 "'train.max_steps'; Either remove + prefix: 'train.max_steps=3'; Or add a second + "
                                 "to add or override 'train.max_steps': '++train.max_steps=3'; check the overrides "

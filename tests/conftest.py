@@ -93,21 +93,22 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="session")
 def two_rank_jobs(tmp_path_factory):
     """``two_rank_jobs(wrapper)`` -> {case: job directory}: every 2-rank case of
-    ``test_distributed.CASES`` (and that wrapper's extra ones) as jobs of ONE torchrun
-    launch, started on first use and shared by test_distributed, test_fastpath and
-    test_fp8. A failed launch fails every test that reads it, without relaunching."""
-    from .test_distributed import launch_wrapper_cases
+    ``test_distributed.CASES`` (and each wrapper's extra ones) under ddp, fsdp and fsdp1,
+    as jobs of ONE torchrun launch, started on first use and shared by every file that
+    reads a two-rank run. A failed launch fails every test that reads it, without
+    relaunching."""
+    from .test_distributed import launch_every_wrapper
 
-    launches: dict = {}
+    launch: list = []
 
     def jobs(wrapper: str) -> dict:
-        if wrapper not in launches:
+        if not launch:
             try:
-                launches[wrapper] = launch_wrapper_cases(tmp_path_factory.mktemp(f"two-ranks-{wrapper}"), wrapper)
-            except Exception as e:  # remembered: the next test of this wrapper fails at once, with the same cause
-                launches[wrapper] = e
-        if isinstance(launches[wrapper], Exception):
-            raise launches[wrapper]
-        return launches[wrapper]
+                launch.append(launch_every_wrapper(tmp_path_factory.mktemp("two-ranks")))
+            except Exception as e:  # remembered: the next test fails at once, with the same cause
+                launch.append(e)
+        if isinstance(launch[0], Exception):
+            raise launch[0]
+        return launch[0][wrapper]
 
     return jobs

@@ -95,7 +95,7 @@ def sweep(cwd: Path, cases: dict[str, list[str]], timeout: int = 900) -> dict[st
 
 
 # What every wrapper runs on 2 ranks. Each list is the command line a user would type
-# for that run; all of a wrapper's cases are jobs of one launch (``two_rank_jobs`` in
+# for that run; every wrapper's cases are jobs of one launch (``two_rank_jobs`` in
 # conftest.py), since starting 3 processes costs far more than a 20-step tiny run.
 CASES = {
     **{p: [*COMMON, f"precision={p}"] for p in ("fp32", "bf16", "fp16")},
@@ -154,10 +154,20 @@ for _wrapper in ("ddp", "fsdp", "fsdp1"):
     EXTRA_CASES.setdefault(_wrapper, {})["llama"] = LLAMA_CASE
 
 
-def launch_wrapper_cases(cwd: Path, parallel: str) -> dict[str, Path]:
-    """One launch: every case in CASES and the wrapper's EXTRA_CASES under ``parallel``."""
-    cases = {**CASES, **EXTRA_CASES.get(parallel, {})}
-    return sweep(cwd, {name: [*ov, f"parallel={parallel}"] for name, ov in cases.items()})
+WRAPPERS = ("ddp", "fsdp", "fsdp1")
+
+
+def launch_every_wrapper(cwd: Path) -> dict[str, dict[str, Path]]:
+    """One launch for all three wrappers: every case in CASES and each wrapper's
+    EXTRA_CASES, under that wrapper, as jobs of one multirun (the process group outlives
+    the jobs, so one job's wrapper follows another's in the same ranks). Returns
+    wrapper -> {case: job directory}."""
+    cases = {(w, name): ov for w in WRAPPERS for name, ov in {**CASES, **EXTRA_CASES.get(w, {})}.items()}
+    jobs = sweep(cwd, {f"{w}-{name}": [*ov, f"parallel={w}"] for (w, name), ov in cases.items()})
+    out: dict[str, dict[str, Path]] = {w: {} for w in WRAPPERS}
+    for (w, name), job in zip(cases, jobs.values(), strict=True):
+        out[w][name] = job
+    return out
 
 
 def _matches_one_process(run_dir: Path, reference: list[dict], tol: float) -> tuple[list[dict], list[dict]]:
@@ -280,7 +290,9 @@ def test_multirun_under_torchrun_and_ddp_gradient_bytes(two_rank_jobs):
     reducer, the bf16 one from the comm hook."""
     by_case = two_rank_jobs("ddp")
     jobs = _sweep_jobs(by_case["reduce-fp32"].parents[3])
-    assert jobs == list(by_case.values()) and len(jobs) == len(CASES) + len(EXTRA_CASES["ddp"])
+    # the launch's jobs: the ddp cases first, then fsdp's and fsdp1's
+    assert jobs[:len(by_case)] == list(by_case.values()) and len(by_case) == len(CASES) + len(EXTRA_CASES["ddp"])
+    assert jobs == [job for w in WRAPPERS for job in two_rank_jobs(w).values()]
     summaries = {}
     for case, job in by_case.items():
         for name in ("config.yaml", "metrics.jsonl", "summary.json"):

@@ -2,7 +2,8 @@
 the resolvers, the signal handling and Hydra's error mode come from explicit calls of
 one object per process; a refused run directory gets past Hydra's callback runner to
 the entry point; a rank above 0 waits for rank 0's line through torchrun's store
-instead of sleeping; a stop before training undoes the launch and exits 0."""
+instead of sleeping; a stop before training undoes the launch and exits 0; and the
+process's end (``mptrain/core/process_exit.py``) does what Python's exit would."""
 from __future__ import annotations
 
 import datetime
@@ -235,3 +236,37 @@ def test_a_stop_before_training_undoes_the_launch_and_exits_0(tmp_path):
     said = log.read_text()
     assert "mptrain: stopped by SIGTERM before training started: nothing was written" in said, said[-3000:]
     assert "Traceback" not in said and not (tmp_path / "outputs").exists(), said[-3000:]
+
+
+# A process that leaves through core/process_exit.py with work still pending at exit.
+LEAVE = """
+import atexit, sys, threading, time
+from mptrain.core.process_exit import leave, run_then_leave
+out = sys.argv[1]
+atexit.register(lambda: open(out + "/atexit", "w").write("ran"))
+def late():
+    time.sleep(0.3)
+    open(out + "/thread", "w").write("finished")
+threading.Thread(target=late).start()  # not a daemon: Python's exit waits for it, so must leave()
+sys.stdout.write("no newline, still buffered")
+buffered = open(out + "/closed-by-handler", "w")
+atexit.register(buffered.close)
+buffered.write("written")
+if sys.argv[2] == "raise":
+    run_then_leave(lambda: sys.exit("a message for stderr"))
+leave(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("how, code", [("3", 3), ("0", 0), ("raise", 1)])
+def test_leaving_does_what_pythons_exit_does(tmp_path, how, code):
+    """Threads finish, atexit handlers run (in the order Python runs them), buffered
+    output reaches the pipe, and the code is the one asked for (a non-int as sys.exit
+    takes it: printed, status 1)."""
+    r = subprocess.run([sys.executable, "-c", LEAVE, str(tmp_path), how], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == code, r.stderr
+    assert r.stdout == "no newline, still buffered"
+    assert r.stderr == ("a message for stderr\n" if how == "raise" else ""), r.stderr
+    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "finished"
+    assert (tmp_path / "closed-by-handler").read_text() == "written"

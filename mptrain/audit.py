@@ -33,4 +33,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    exit_process(main())  # not run_then_leave: the run may be a torchrun rank

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from typing import NoReturn, Optional
 
 from mptrain.core.process_exit import leave
 from mptrain.run.launch import launch
 from mptrain.run.startup import Startup
 
 
-def exit_process(code: int) -> None:
-    """End this process with ``code``: the process group destroyed on a torchrun rank
-    that succeeded, then :func:`mptrain.core.process_exit.leave` (Python's exit without
-    the interpreter's teardown, as every mptrain command ends).
+def exit_process(code: int) -> NoReturn:
+    """End this process with ``code`` through :func:`mptrain.core.process_exit.leave`
+    (Python's exit without the interpreter's teardown, as every mptrain command ends).
+    A torchrun rank whose process group is live destroys it first if it succeeded,
+    and leaves without the ``atexit`` handlers.
 
     On a rank of a multi-process torchrun job, the teardown is a hazard as well as slow:
     gloo's worker threads release each finished collective's work object
@@ -37,7 +38,7 @@ def exit_process(code: int) -> None:
     under_torchrun = "MASTER_ADDR" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
     dist = sys.modules.get("torch.distributed") if under_torchrun else None  # no group without it: no import
     if dist is None or not (dist.is_available() and dist.is_initialized()):
-        leave(code)
+        leave(code)  # (does not return)
     try:
         if code == 0:
             # After a failure a peer may still sit in a collective; leaving without

@@ -94,6 +94,8 @@ def sweep(cwd: Path, cases: dict[str, list[str]], timeout: int = 900) -> dict[st
     return dict(zip(cases, jobs, strict=True))
 
 
+WRAPPERS = ("ddp", "fsdp", "fsdp1")  # parallel= values that run on 2 ranks here
+
 # What every wrapper runs on 2 ranks. Each list is the command line a user would type
 # for that run; every wrapper's cases are jobs of one launch (``two_rank_jobs`` in
 # conftest.py), since starting 3 processes costs far more than a 20-step tiny run.
@@ -150,11 +152,8 @@ EXTRA_CASES["ddp"].update({f"opt-{name}": [*COMMON, *OPTIMIZER_CASES[name]] for 
 # (the same command line as its one-process bf16 run)
 LLAMA_CASE = [*TINY, "model=llama-nano", "monitor.every=100", "monitor.fp8_whatif=[]", "precision=bf16",
               "train.max_steps=3", "train.audit=true"]
-for _wrapper in ("ddp", "fsdp", "fsdp1"):
+for _wrapper in WRAPPERS:
     EXTRA_CASES.setdefault(_wrapper, {})["llama"] = LLAMA_CASE
-
-
-WRAPPERS = ("ddp", "fsdp", "fsdp1")
 
 
 def launch_every_wrapper(cwd: Path) -> dict[str, dict[str, Path]]:
@@ -185,7 +184,7 @@ def _matches_one_process(run_dir: Path, reference: list[dict], tol: float) -> tu
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
+@pytest.mark.parametrize("parallel", WRAPPERS)
 def test_two_ranks_match_single_process(two_rank_jobs, reference, parallel, precision):
     run_dir = two_rank_jobs(parallel)[precision]
     rows, ref = _matches_one_process(run_dir, reference[precision], TOL[precision])
@@ -209,7 +208,7 @@ def switches_reference(tmp_path_factory):
     return rows
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
+@pytest.mark.parametrize("parallel", WRAPPERS)
 def test_stability_switches_match_single_process(two_rank_jobs, switches_reference, parallel):
     """QK-layernorm, z-loss and update clipping under each wrapper train as one process
     does (update clipping's per-tensor RMS is over the whole tensor, shards summed), and
@@ -246,7 +245,7 @@ def test_new_optimizers_match_single_process(two_rank_jobs, optimizer_references
     assert s["dtypes"]["optimizer_state"] == expected
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
+@pytest.mark.parametrize("parallel", WRAPPERS)
 def test_gradient_accumulation_across_ranks(two_rank_jobs, reference, parallel):
     """2 ranks x 2 micro-batches of 2 (gradients reduced once, on the last
     micro-batch) = the single-process batch of 8."""
@@ -258,7 +257,7 @@ def test_gradient_accumulation_across_ranks(two_rank_jobs, reference, parallel):
     assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(rows, ref, strict=True)) < TOL["fp32"]
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
+@pytest.mark.parametrize("parallel", WRAPPERS)
 def test_inf_on_one_rank_makes_every_rank_skip(two_rank_jobs, parallel):
     run_dir = two_rank_jobs(parallel)["inf-on-rank1"]
     rows = read_rows(run_dir)
@@ -392,7 +391,7 @@ def test_batch_that_does_not_divide_by_world_size(tmp_path):
     assert "global_batch_size=7 does not divide by the world size 2" in r.stderr
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp1"])
+@pytest.mark.parametrize("parallel", WRAPPERS)
 def test_single_process_with_a_wrapper(tmp_path, parallel):
     """python train.py parallel=X without torchrun: a one-rank group, same code path."""
     s, rows = train(tmp_path / "run", "train.max_steps=3", f"parallel={parallel}")
@@ -408,7 +407,6 @@ PROBE_CASES = {
     "bf16+buffer_bf16": ("bf16", "bf16", "fp32", "bf16"),
     "fp16+reduce_fp16": ("fp16", "fp16", "fp16", "fp32"),
 }
-WRAPPERS = ("ddp", "fsdp", "fsdp1")
 
 
 def _expected_acts(compute: str) -> dict:

@@ -16,10 +16,10 @@ import logging
 import os
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 
-def leave(code: Any = 0, exit_handlers: bool = True) -> None:
+def leave(code: Any = 0, exit_handlers: bool = True) -> NoReturn:
     """End the process as ``sys.exit(code)`` would, without the interpreter's teardown.
     ``code`` as ``sys.exit`` takes it: None is 0, an int is the status, anything else
     is printed to stderr and the status is 1. ``exit_handlers=False`` (a torchrun rank
@@ -31,9 +31,10 @@ def leave(code: Any = 0, exit_handlers: bool = True) -> None:
     elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    for thread in threading.enumerate() if exit_handlers else ():  # what Python waits for before atexit
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    if exit_handlers:  # what Python waits for before atexit
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
     if "wandb" in sys.modules:
         try:
             sys.modules["wandb"].teardown()
@@ -52,7 +53,7 @@ def leave(code: Any = 0, exit_handlers: bool = True) -> None:
     os._exit(code)
 
 
-def run_then_leave(main: Callable[..., Any], *args: Any) -> None:
+def run_then_leave(main: Callable[..., Any], *args: Any) -> NoReturn:
     """``sys.exit(main(*args))`` for a command's ``__main__`` block, leaving through
     :func:`leave`; a ``SystemExit`` raised inside ``main`` gives its code the same
     way. Any other exception propagates: Python prints its traceback and exits 1."""

@@ -455,13 +455,15 @@ def _find_os_error(e: BaseException) -> Optional[OSError]:
     return None
 
 
-def load_full_state(path: Path, log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
+def load_full_state(path: str | Path, log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
     """Model and optimizer state of a checkpoint as flat ``model.*`` / ``optim.*``
     keys, unsharded, in one process and without building the model (for export,
     inspection and tests). The checkpoint is verified first
-    (:func:`mptrain.checkpoint.integrity.verify`)."""
+    (:func:`mptrain.checkpoint.integrity.verify`). ``path`` may be a string, as
+    a user typing it in a Python session gives it."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    path = Path(path)
     verify(path, log)
     for f in [path / "train_state.pt", *sorted(path.glob("rng-rank*.pt"))]:
         # Not needed for the weights, but a checkpoint holding code anywhere is refused whole.
@@ -497,7 +499,7 @@ def _no_dcp_fallback_tracebacks():
         logging.getLogger().removeFilter(f)
 
 
-def load_full_model_state(path: Path, log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
+def load_full_model_state(path: str | Path, log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
     """The full model state dict of a checkpoint (keys as in ``GPT.state_dict()``);
     ``log`` gets the verification's notes."""
     return {k[len("model."):]: v for k, v in load_full_state(path, log).items() if k.startswith("model.")}

@@ -150,11 +150,13 @@ def write_manifest(directory: Path, files: dict[str, dict]) -> dict:
     return {"file": MANIFEST, "crc32": f"{zlib.crc32(data):08x}"}
 
 
-def reseal(path: Path) -> None:
+def reseal(path: str | Path) -> None:
     """Rewrite the manifest of checkpoint ``path`` (and its record in meta.json)
     from the files it holds now: for a deliberate edit of a checkpoint's files.
     Afterwards it passes :func:`verify` whatever those files hold, so a seal says
-    nothing about where the bytes came from (see the note on the checksum)."""
+    nothing about where the bytes came from (see the note on the checksum).
+    ``path`` may be a string, as a user typing it in a Python session gives it."""
+    path = Path(path)
     meta = read_meta(path)
     meta["manifest"] = write_manifest(path, hash_files(path, sorted(file_sizes(path))))
     write_file(path / "meta.json", json.dumps(meta, indent=2).encode())

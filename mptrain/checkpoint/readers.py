@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from mptrain.checkpoint.checkpointer import load_full_model_state
 from mptrain.checkpoint.integrity import CheckpointDamaged, CheckpointError, complete_checkpoints
-from mptrain.checkpoint.resolve import resolve_resume
+from mptrain.checkpoint.resolve import checkpoints_dir_problem, resolve_resume
 from mptrain.config.schema import ModelConfig
 from mptrain.data.tokenizers import needs_remote_code
 from mptrain.model.families import build as build_family
@@ -61,6 +61,9 @@ def find_checkpoint(path: Path, log: Callable[[str], None] = print) -> Path:
     if path.name.endswith(".tmp") and not (path / "meta.json").is_file():
         raise CheckpointError(f"{path} is a checkpoint whose save was interrupted, so it is incomplete; give the "
                               "run directory instead, which uses the newest complete checkpoint.")
+    problem = checkpoints_dir_problem(path)
+    if problem:  # said before "saved none", which a file there would otherwise read as
+        raise CheckpointError(problem)
     if not (path / "meta.json").is_file() and not any(complete_checkpoints(d) for d in (path / "checkpoints", path)):
         if not any((path / name).exists() for name in _RUN_RECORDS):
             raise CheckpointError(

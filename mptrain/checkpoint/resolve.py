@@ -36,9 +36,10 @@ def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = prin
     checkpoint: a damaged one is skipped with one line through ``log`` naming the
     file and the reason. A checkpoint named by its own path is used as it is or
     refused (:class:`CheckpointDamaged`), offering the previous intact one."""
+    label = label or f"resume={resume}"
+    _check_checkpoints_dir(run_dir, label)  # also for none: a new run saves there
     if resume == "none":
         return None
-    label = label or f"resume={resume}"
     if resume == "auto":
         return _newest_intact(_listed(run_dir / "checkpoints", label, log), label, log)
     p = Path(os.path.expanduser(resume))
@@ -47,6 +48,7 @@ def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = prin
     if (p / "meta.json").is_file():
         _verify_named(p, log)
         return p
+    _check_checkpoints_dir(p, label)
     for root in (p / "checkpoints", p):
         found = _listed(root, label, log)
         if found:
@@ -54,6 +56,28 @@ def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = prin
     if p.name.endswith(".tmp"):
         raise CheckpointError(f"{label}: this checkpoint was never completed (its save was interrupted).")
     raise CheckpointError(f"{label}: not a checkpoint (no meta.json) and holds no complete checkpoints/step-N.")
+
+
+def checkpoints_dir_problem(run_dir: Path) -> Optional[str]:
+    """Why ``run_dir/checkpoints`` can neither be read nor saved into, as a
+    sentence naming it and the fix, or None when it is a directory or absent.
+    Without it, a regular file there reads as a run that saved no checkpoint."""
+    d = run_dir / "checkpoints"
+    if d.is_dir() or not os.path.lexists(d):
+        return None
+    if d.is_symlink():
+        what = "a symbolic link to a file" if d.exists() else "a symbolic link that leads nowhere"
+    else:
+        what = "a regular file" if d.is_file() else "a special file"
+    return (f"{d} is not a directory (it is {what}), so no checkpoint can be read from it or saved into it; "
+            f"move it out of the way (mv {d} {d}.moved) and put the run's checkpoints folder back there if "
+            "you have it, or use another run directory.")
+
+
+def _check_checkpoints_dir(run_dir: Path, label: str) -> None:
+    problem = checkpoints_dir_problem(run_dir)
+    if problem:
+        raise CheckpointError(f"{label}: {problem}")
 
 
 def _listed(root: Path, label: str, log) -> list[Path]:

@@ -5,8 +5,8 @@
 Writes ``config.json``, the weights and the tokenizer into ``<out dir>``, so
 that ``AutoModelForCausalLM.from_pretrained(out)`` and
 ``AutoTokenizer.from_pretrained(out)`` load them, with ``mptrain_export.json``
-beside them: the checkpoint exported, its step, the time and the list of
-files the export is made of. mptrain's GPT is GPT-2's
+beside them: the checkpoint exported, its step, the time and the files the
+export is made of, each with its size and CRC-32. mptrain's GPT is GPT-2's
 architecture (pre-norm blocks, learned positions, tanh-GELU MLP, tied head), so
 the export is a renaming plus a transpose: GPT-2 stores its linears as
 ``Conv1D`` with (in, out) weights. A model trained without biases gets zero
@@ -36,7 +36,10 @@ someone else, so that permission is taken from the command line only, never
 from the checkpoint.
 
 Before it finishes, the script loads the export back and checks that its
-logits match mptrain's on random tokens (max abs difference < 1e-4, fp32).
+logits match mptrain's on random tokens (max abs difference < 1e-4, fp32); a
+difference that is not a number fails the check as a large one does. A
+checkpoint whose weights hold NaN or inf (a run that had diverged) is refused
+before anything is written.
 
 It prints its own two lines and nothing else: transformers' progress bars
 (writing the shards, loading the weights back) are off while it works. The
@@ -50,12 +53,22 @@ The output directory: the export never deletes what it did not write. A new
 directory, or an empty one, receives the export; a directory holding other
 files is refused; one holding a previous export (its ``mptrain_export.json``)
 is refused unless ``--overwrite`` is given, and then only the files that
-export listed are replaced (anything else in it stays). The export is built
-and checked in a hidden sibling directory first (``.<out>.export-tmp...``), then
-renamed into place, or, into an existing directory, moved in file by file
-under a marker that says the export is incomplete until the last file is in
-(an interrupted ``--overwrite`` is finished by running it again). So an
+export listed are replaced (anything else in it stays), and only when each is
+still what it wrote: its size and CRC-32 as the marker records them. Anyone
+who can write into the directory can plant a marker, so these are refused in
+one line saying which, and nothing is deleted: a marker naming a path outside
+the directory, one listing a file whose size or checksum differs (edited
+since, or a file of the user's), and one written before markers recorded
+checksums (``mptrain-export-1``), whose files cannot be told from the user's
+(delete that export's files yourself). The export is built and checked in a
+hidden sibling directory first (``.<out>.export-tmp...``), then renamed into
+place, or, into an existing directory, moved in file by file under a marker
+that says the export is incomplete until the last file is in (an
+interrupted ``--overwrite`` is finished by running it again). So an
 interrupted export never leaves a half directory that passes for an export.
+A write the OS refuses (a full disk, a quota, no permission) is one line
+naming it and the fix, and says what was left: nothing, or an incomplete
+overwrite that running it again finishes.
 
 The checkpoint, its weights and its tokenizer are found by the functions
 ``python -m mptrain.sample`` uses (``mptrain/checkpoint/readers.py``). A user error (no
@@ -68,8 +81,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -81,7 +96,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mptrain.checkpoint.integrity import CheckpointError, read_meta  # noqa: E402
+from mptrain.checkpoint.integrity import CheckpointError, file_crc32, hash_files, read_meta  # noqa: E402
 from mptrain.checkpoint.readers import (  # noqa: E402
     build_model,
     checkpoint_tokenizer,
@@ -89,7 +104,7 @@ from mptrain.checkpoint.readers import (  # noqa: E402
     model_weights,
     read_newest,
 )
-from mptrain.core.errors import ConfigError, UserError  # noqa: E402
+from mptrain.core.errors import NO_ROOM_FIXES, ConfigError, UserError  # noqa: E402
 from mptrain.core.files import write_json  # noqa: E402
 from mptrain.data.tokenizers import EOT  # noqa: E402
 from mptrain.model.families import family_spec  # noqa: E402
@@ -99,7 +114,14 @@ from mptrain.sample import OneLineParser, one_line_errors  # noqa: E402
 TOLERANCE = 1e-4
 MARKER = "mptrain_export.json"
 """The file that makes a directory a previous export: what it was made from and of."""
-MARKER_FORMAT = "mptrain-export-1"
+MARKER_FORMAT = "mptrain-export-2"
+"""Its ``files`` map each name to the size and CRC-32 of what the export wrote;
+an interrupted overwrite's marker also lists the ``previous`` export's."""
+UNCHECKED_FORMAT = "mptrain-export-1"
+"""The marker of the versions before checksums: names only, so --overwrite refuses it."""
+# What a full disk is called, per "no room" error (the fix is NO_ROOM_FIXES').
+_NO_ROOM = {errno.ENOSPC: "the disk is full at", errno.EDQUOT: "the disk quota is used up at",
+            errno.EFBIG: "a file is over the file-size limit at"}
 # Moved into an existing directory last (before the marker): until they are in,
 # transformers cannot load the directory, so it never loads a partial export.
 _LOADED_FIRST = ("config.json", "tokenizer_config.json")
@@ -163,6 +185,7 @@ def export(src: Path, out: Path, trust_remote_code: bool = False, overwrite: boo
         return meta, checkpoint_tokenizer(ckpt, meta, trust_remote_code, byte=byte_tokenizer), model_weights(ckpt)
 
     ckpt, (meta, tokenizer, sd) = read_newest(src, read)
+    _check_finite(ckpt, sd)
     m = meta["config"]["model"]
     name = family_spec(model_section(meta)).name
     family = "" if name == "gpt" else f"{name} "  # a GPT's line is as it always was
@@ -214,7 +237,10 @@ def keep_rope_theta(path: Path) -> None:
 
 def write(hf, tokenizer, staging: Path, out: Path) -> None:
     """Save the model and the tokenizer into ``staging`` (the export to be, a new
-    directory); an OS error (no permission, a full disk) is one line naming ``out``."""
+    directory); an OS error (no permission, a full disk) is one line naming ``out``,
+    said once ``staging`` is removed."""
+    from safetensors import SafetensorError
+
     try:
         hf.save_pretrained(staging)
         keep_rope_theta(staging / "config.json")
@@ -228,13 +254,46 @@ def write(hf, tokenizer, staging: Path, out: Path) -> None:
         for root, _, names in os.walk(staging):
             for name in names:
                 os.chmod(os.path.join(root, name), mode)
-    except OSError as e:
-        raise _unwritable(out, e) from None
+    except (OSError, SafetensorError) as e:
+        error = _os_error(e)
+        if error is None:
+            raise  # not the disk's: a fault of the export's own
+        raise _unwritable(out, error, _removed(staging), need=_weights_bytes(hf)) from None
 
 
-def _unwritable(out: Path, e: OSError) -> ExportError:
+def _removed(staging: Path) -> str:
+    """Remove the staging directory of an export that failed; what is left, in words."""
+    shutil.rmtree(staging, ignore_errors=True)
+    return ("nothing was left there (the partial export was removed)" if not staging.exists() else
+            f"remove what is left of it, {staging}")
+
+
+def _os_error(e: BaseException) -> Optional[OSError]:
+    """``e`` as the OS error it is, or None. safetensors writes in Rust and raises
+    its own ``SafetensorError``, the OS error only in its text ("... (os error 28)")."""
+    if isinstance(e, OSError):
+        return e
+    code = re.search(r"\(os error (\d+)\)", str(e))
+    return OSError(int(code[1]), os.strerror(int(code[1]))) if code else None
+
+
+def _weights_bytes(hf) -> int:
+    """The bytes of the model's tensors, each storage once (a tied head is the embedding)."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in hf.state_dict().values()}
+    return sum(seen.values())
+
+
+def _unwritable(out: Path, e: OSError, left: str = "", need: int = 0) -> ExportError:
+    """The one line for an OS error while the export is written: a full disk (or
+    quota, or file-size limit) named as such, anything else as a directory that
+    cannot be written; ``left`` says what the failure left behind."""
+    left = f"; {left}." if left else "."
+    if e.errno in _NO_ROOM:
+        size = f" (the export's weights take {need / 2**20:.1f} MiB)" if need else ""
+        return ExportError(f"{_NO_ROOM[e.errno]} {out} ({e.strerror or e}); {NO_ROOM_FIXES[e.errno]}{size} or "
+                           f"give an output directory on another disk, then run again{left}")
     return ExportError(f"the export could not be written to {out} ({e.strerror or e}); give an output "
-                       "directory you can write to (and whose parent you can write to).")
+                       f"directory you can write to (and whose parent you can write to){left}")
 
 
 def _staging_dir(out: Path) -> Path:
@@ -252,27 +311,93 @@ def _staging_dir(out: Path) -> Path:
 
 
 def previous_export(out: Path) -> Optional[dict]:
-    """The marker of the export ``out`` holds, or None when it holds none: a
-    ``mptrain_export.json`` that is a plain file (not a link), of this format,
-    listing plain file names only (a crafted list cannot reach outside ``out``)."""
+    """The marker of the export ``out`` holds, or None when it holds none.
+
+    A marker decides what --overwrite deletes, and anyone who can write into
+    ``out`` can plant one, so one that no export of this version wrote is an
+    :class:`ExportError` that says why (a link, not JSON, another format, a name
+    leading outside ``out``, files listed without their sizes and checksums),
+    and so is one of the version before checksums, whose files cannot be told
+    from the user's."""
     marker = out / MARKER
-    if marker.is_symlink() or not marker.is_file():
+    if not os.path.lexists(marker):
         return None
-    try:
-        record = json.loads(marker.read_text())
-    except (OSError, ValueError):
+    record, why = None, "it is not a plain file (an export writes one)"
+    if not marker.is_symlink() and marker.is_file():
+        try:
+            record = json.loads(marker.read_text())
+        except (OSError, ValueError) as e:
+            why = f"it cannot be read as JSON ({e})"
+        else:
+            why = _not_a_marker(record, out)
+    if why:
+        raise ExportError(f"the output directory {out} holds {MARKER}, but {why}, so it is no export's marker "
+                          "and nothing there is replaced; remove it if you did not put it there, or give another "
+                          "directory (new or empty).")
+    if record["format"] == UNCHECKED_FORMAT:
+        raise ExportError(f"the output directory {out} holds an export written by an earlier version of mptrain, "
+                          f"whose {MARKER} records no checksums, so its files cannot be told from files of yours "
+                          "that a planted marker could name, and nothing there is replaced; delete the files it "
+                          "lists and the marker yourself, or give another directory (new or empty).")
+    return record
+
+
+def _not_a_marker(record, out: Path) -> Optional[str]:
+    """Why ``record`` (a marker's JSON) was not written by an export, or None
+    when it may have been."""
+    fmt = record.get("format") if isinstance(record, dict) else None
+    files, previous = (record.get("files"), record.get("previous", {})) if fmt else (None, None)
+    if fmt not in (MARKER_FORMAT, UNCHECKED_FORMAT) or not isinstance(files, dict if fmt == MARKER_FORMAT else list):
+        return f"its format ({fmt!r}) is not one an export writes"
+    for name in [*files, *(previous if isinstance(previous, dict) else [])]:
+        if not isinstance(name, str) or name in ("", ".", MARKER):
+            return f"it lists {name!r}, which is no file an export writes"
+        if name == ".." or Path(name).name != name:
+            return (f"it names {name}, a path outside {out} (an export lists only the names of the files it "
+                    "wrote there)")
+    if fmt == UNCHECKED_FORMAT:
         return None
-    if not isinstance(record, dict) or record.get("format") != MARKER_FORMAT:
-        return None
-    files = record.get("files")
-    plain = lambda f: isinstance(f, str) and f not in ("", ".", "..", MARKER) and Path(f).name == f  # noqa: E731
-    return record if isinstance(files, list) and all(plain(f) for f in files) else None
+    lists = previous.values() if isinstance(previous, dict) else [None]
+    entries = [*files.values(), *(e for v in lists for e in (v if isinstance(v, list) else [None]))]
+    if not all(isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("crc32"), str)
+               for e in entries):
+        return "it does not list its files with their sizes and checksums"
+    return None
+
+
+def _contents(record: dict) -> dict[str, list[dict]]:
+    """The contents (size, CRC-32) each file a marker lists may have: what its
+    export wrote, and after an interrupted overwrite also the previous export's."""
+    accepted = {name: [entry] for name, entry in record["files"].items()}
+    for name, entries in record.get("previous", {}).items():
+        accepted.setdefault(name, []).extend(entries)
+    return accepted
+
+
+def _not_written(out: Path, accepted: dict[str, list[dict]]) -> Optional[tuple[str, str]]:
+    """(name, how it differs) of the first listed file in ``out`` whose size and
+    CRC-32 are none the marker records for it (edited since, or a file of the
+    user's that a planted marker names), or None when each is the export's."""
+    for name, entries in sorted(accepted.items()):
+        path = out / name
+        if not os.path.lexists(path):
+            continue  # gone already: nothing to delete
+        if path.is_symlink() or not path.is_file():
+            return name, "it is not a plain file, and an export writes only plain files"
+        size, sizes = path.stat().st_size, sorted({e["size"] for e in entries})
+        if size not in sizes:
+            return name, f"it holds {size} bytes, the export wrote {' or '.join(map(str, sizes))}"
+        crc = file_crc32(path)  # read only when the size matches
+        if not any(e["size"] == size and e["crc32"] == crc for e in entries):
+            return name, f"its CRC-32 is {crc}, the export's was {' or '.join(e['crc32'] for e in entries)}"
+    return None
 
 
 def _check_target(out: Path, overwrite: bool) -> None:
     """Refuse an output directory whose files the export would mix with or
-    replace without being asked: one holding anything but a previous export, or a
-    previous export without ``overwrite``."""
+    replace without being asked: one holding anything but a previous export, a
+    previous export without ``overwrite``, or one whose listed files are not
+    all what it wrote (their sizes and checksums in its marker)."""
     if not out.is_dir():
         if out.exists():
             raise ExportError(f"the output directory {out} is a file; give a directory path (new or empty).")
@@ -289,6 +414,12 @@ def _check_target(out: Path, overwrite: bool) -> None:
                 if record.get("complete") else "an export interrupted while it was written")
         raise ExportError(f"the output directory {out} holds {what}; pass --overwrite to replace it (only its "
                           f"files, listed in {MARKER}), or give another directory.")
+    differs = _not_written(out, _contents(record))
+    if differs:
+        name, how = differs
+        raise ExportError(f"the output directory {out} holds a previous export, but {name} is not the file the "
+                          f"export wrote ({how}): edited since, or a file of yours its {MARKER} names, so nothing "
+                          f"there is replaced; move {out / name} out of the way, or give another directory.")
 
 
 def publish(staging: Path, out: Path, ckpt: Path, meta: dict) -> None:
@@ -296,36 +427,40 @@ def publish(staging: Path, out: Path, ckpt: Path, meta: dict) -> None:
 
     A new ``out`` is the staging directory renamed (one atomic step). An existing
     one (empty, or a previous export being overwritten) keeps its inode, so a
-    shell inside it stays there: first a marker marked incomplete that lists
-    the previous files and the new ones, then the previous export's files are
-    deleted (files and links only, never what it did not list), the new files
-    moved in one by one (config files last), and the final marker last. An
-    interruption anywhere leaves a directory whose marker says incomplete, which
-    --overwrite finishes."""
+    shell inside it stays there: first a marker marked incomplete that records
+    the new files and the previous ones still there, then the previous export's
+    files are deleted (each verified to be what it wrote, never what it did not
+    list), the new files moved in one by one (config files last), and the final
+    marker last. An interruption anywhere leaves a directory whose marker says
+    incomplete and accepts both exports' files, which --overwrite finishes."""
     names = sorted(p.name for p in staging.iterdir())
     record = {"format": MARKER_FORMAT, "checkpoint": str(ckpt.resolve()), "step": meta["step"],
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": names, "complete": True}
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": hash_files(staging, names), "complete": True}
+    left = None  # until the marker says incomplete, out is as it was
     try:
         if not out.exists():
             write_json(staging / MARKER, record)
             os.replace(staging, out)
             return
         _check_target(out, overwrite=True)  # again: the directory may have changed while the export was built
-        old = (previous_export(out) or {}).get("files", [])
+        record_before = previous_export(out)
+        old = _contents(record_before) if record_before else {}
         theirs = [n for n in names if n not in old and os.path.lexists(out / n)]
         if theirs:
             raise ExportError(f"the output directory {out} holds {theirs[0]}, which its previous export did not "
                               "write and this one would replace; move it out of the way, or give another "
                               "directory.")
-        write_json(out / MARKER, {**record, "files": sorted({*old, *names}), "complete": False})
-        for name in old:
-            if (out / name).is_symlink() or (out / name).is_file():
-                (out / name).unlink()  # a link itself, never what it points to
+        present = {n: entries for n, entries in old.items() if os.path.lexists(out / n)}
+        write_json(out / MARKER, {**record, "previous": present, "complete": False})
+        left = (f"the export in {out} is incomplete (its {MARKER} says so); once that is fixed, run the same "
+                "command with --overwrite to finish it")
+        for name in present:
+            (out / name).unlink()  # a plain file that _check_target found to be the export's
         for name in sorted(names, key=lambda n: n in _LOADED_FIRST):
             os.replace(staging / name, out / name)
         write_json(out / MARKER, record)
     except OSError as e:
-        raise _unwritable(out, e) from None
+        raise _unwritable(out, e, left or _removed(staging)) from None
 
 
 def _check_out(ckpt: Path, out: Path) -> None:
@@ -387,10 +522,36 @@ def self_check(out: Path, ours, meta: dict) -> float:
     back = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False).eval()  # our own GPT-2/Llama config
     x = torch.randint(0, vocab, (2, min(32, block)), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        diff = (back(x).logits - ours(x)).abs().max().item()
-    if diff > TOLERANCE:
-        raise SystemExit(f"export_hf: logits differ by {diff:.2e} > {TOLERANCE}: the export is wrong")
+        return check_logits(back(x).logits, ours(x))
+
+
+def check_logits(theirs: torch.Tensor, ours: torch.Tensor) -> float:
+    """The largest difference between the export's logits and mptrain's, when it
+    is within ``TOLERANCE``; otherwise the export is wrong, and the script stops
+    (exit status 1: a fault of the export, not of the user's input). mptrain's
+    own logits not being finite is the checkpoint's fault: one line, exit 2."""
+    if not torch.isfinite(ours).all():
+        raise ExportError("mptrain's own model computes NaN or inf logits from this checkpoint (its activations "
+                          "overflow), so the export cannot be checked; export an earlier checkpoint (give its "
+                          "checkpoints/step-N directory).")
+    diff = (theirs - ours).abs().max().item()
+    # Asked as "known to be within": a NaN compares false with anything, so "diff >
+    # TOLERANCE" would let an export that computes NaN pass.
+    if not diff <= TOLERANCE:
+        raise SystemExit(f"export_hf: the export's logits differ from mptrain's by {diff:.2e} (more than "
+                         f"{TOLERANCE}, or not a number): the export is wrong")
     return diff
+
+
+def _check_finite(ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint whose weights hold NaN or inf (a run that had diverged
+    when it saved): its export computes NaN, and no logits check can pass it."""
+    bad = [name for name, t in weights.items() if not torch.isfinite(t).all()]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise ExportError(f"checkpoint {ckpt} holds NaN or inf weights ({bad[0]}{more}): its run had diverged "
+                          "when it saved it, so its export would compute NaN; export an earlier checkpoint (give "
+                          f"one of {ckpt.parent}/step-N).")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mptrain.checkpoint.checkpointer import load_full_model_state
-from mptrain.checkpoint.integrity import complete_checkpoints, read_meta
+from mptrain.checkpoint.integrity import complete_checkpoints, file_crc32, read_meta
 from mptrain.model.gpt import GPT, GPTShape
 
 from .conftest import ROOT, TINY, train
@@ -157,6 +157,9 @@ def test_export_never_deletes_what_it_did_not_write(byte_run, tmp_path, monkeypa
     assert marker["checkpoint"] == str((byte_run / "checkpoints" / "step-8").resolve()) and marker["step"] == 8
     assert sorted(marker["files"]) == sorted(p.name for p in out.iterdir() if p.name != export_hf.MARKER)
     assert "model.safetensors" in marker["files"] and marker["complete"] is True
+    # each file with what --overwrite checks before it deletes it: its size and CRC-32
+    assert all(entry == {"size": (out / name).stat().st_size, "crc32": file_crc32(out / name)}
+               for name, entry in marker["files"].items())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exports", "mine"]
     assert [p.name for p in out.parent.iterdir()] == ["hf"]  # no staging directory left beside it
 

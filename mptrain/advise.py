@@ -60,7 +60,7 @@ from mptrain.advice.probe import (
 )
 from mptrain.advice.rules import Advice, advise, smallest_option
 from mptrain.config.checks import compose_checked
-from mptrain.core.errors import ConfigError, UserError
+from mptrain.core.errors import ConfigError, DiskError, UserError
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import duration, wants_help
 from mptrain.data.batches import padded_vocab
@@ -231,9 +231,15 @@ def _run_dir(args: Args, agreement: Agreement) -> Path:
     if int(os.environ.get("RANK", "0")) == 0:
         said = _refusal(d, command) if given else ""
         if not said:
-            d.mkdir(parents=True, exist_ok=True)
-            (d / COMMAND_FILE).write_text(json.dumps({"command": command}) + "\n")
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                (d / COMMAND_FILE).write_text(json.dumps({"command": command}) + "\n")
+            except OSError as e:  # (marked for the other ranks: a disk error, not a configuration one)
+                said = (f"disk: {d / COMMAND_FILE} could not be written: {e.strerror}; free disk space, or pick "
+                        "another hydra.run.dir.")
     said = agreement.rank0_value("advise_dir", said)
+    if said.startswith("disk: "):
+        raise DiskError(said.removeprefix("disk: "))
     if said:
         raise ConfigError(said)
     return d

@@ -110,3 +110,11 @@ def test_a_directory_takes_the_command_it_records_and_refuses_a_finished_advise(
         "rerun that command to continue it, or pick another hydra.run.dir.")
     (tmp_path / "advice.json").write_text("{}")
     assert "already holds a finished advise run (advice.json)" in _refusal(tmp_path, same)
+
+
+def test_a_directory_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    # as root chmod does not refuse: a path under a regular file (ENOTDIR) cannot be created
+    (tmp_path / "file").write_text("")
+    assert advise_main([*TINY, "--steps", "10", f"hydra.run.dir={tmp_path / 'file' / 'advise'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mptrain.advise: disk error: ") and "command.json" in err[0], err

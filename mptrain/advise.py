@@ -22,13 +22,16 @@ The answer goes to the console and to ``advice.md``, ``advice.json`` and
 ``--target``: the hardware to advise for (default: this machine: ``cpu``, or
 the GPU it has). ``--confirm K`` then trains the recommendation and the
 baseline (bf16; fp32 on a CPU without native bf16) for K steps each and
-reports the loss gap, speed and bytes per parameter. The rules and their
-thresholds: docs/advise.md.
+reports the loss gap, speed and bytes per parameter. A SIGTERM or Ctrl-C
+stops the whole command: one line says what it stopped, nothing is
+claimed, exit code 0; the same command run again continues in that
+directory. The rules and their thresholds: docs/advise.md.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -44,6 +47,7 @@ from mptrain.advice.probe import (
     MIN_STEPS,
     candidates,
     every_for,
+    finished_summary,
     linear_shapes,
     probe_overrides,
     read_facts,
@@ -56,7 +60,7 @@ from mptrain.advice.probe import (
 )
 from mptrain.advice.rules import Advice, advise, smallest_option
 from mptrain.config.checks import compose_checked
-from mptrain.core.errors import ConfigError, UserError
+from mptrain.core.errors import ConfigError, DiskError, UserError
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import duration, wants_help
 from mptrain.data.batches import padded_vocab
@@ -141,22 +145,101 @@ def _default_target(device: torch.device) -> str:
     return names[key]
 
 
-def _run_dir(overrides: list[str], agreement: Agreement) -> Path:
-    """The advise run's directory, chosen and created by rank 0, the same on every rank."""
-    given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
+COMMAND_FILE = "command.json"
+"""The advise command a run directory belongs to: a rerun of the same command continues there."""
+
+
+class Interrupted(BaseException):
+    """A SIGTERM or SIGINT stopped the advise: raised by :class:`StopOnSignal`
+    outside a training loop, or when a probe or --confirm run's summary says a
+    signal stopped it (``stopped_early``). A BaseException, as KeyboardInterrupt
+    is: no ``except Exception`` on the way may take it for an error and go on."""
+
+    def __init__(self, signal_name: str, detail: str = ""):
+        super().__init__(signal_name)
+        self.signal_name, self.detail = signal_name, detail
+
+
+class StopOnSignal:
+    """SIGTERM and SIGINT raise :class:`Interrupted` while the advise runs.
+
+    Python's own defaults would end the process where it stands (SIGTERM) or
+    with a traceback (SIGINT). While a probe or --confirm run trains, the
+    loop's handler (``run/stop.py``) takes the signals instead: the run
+    finishes its step, saves a checkpoint and records ``stopped_early`` in its
+    summary, and gives this handler back."""
+
+    def __enter__(self) -> "StopOnSignal":
+        self.old = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # ignored on purpose (nohup, a background job): left so
+            try:
+                self.old[sig] = signal.signal(sig, self._raise)
+            except ValueError:  # not the main thread: no handler, Python's defaults stay
+                pass
+        return self
+
+    @staticmethod
+    def _raise(signum, frame) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+
+
+def command_line(args: Args) -> str:
+    """``args`` as one canonical command line, without ``hydra.run.dir``: what a rerun must repeat."""
+    flags = [f"--steps {args.steps}", f"--world {args.world}", f"--confirm {args.confirm}",
+             *([f"--budget-gib {args.budget_gib:g}"] if args.budget_gib is not None else []),
+             *([f"--target {args.target}"] if args.target else [])]
+    return " ".join([*(o for o in args.overrides if not o.startswith("hydra.run.dir=")), *flags])
+
+
+def _refusal(d: Path, command: str) -> str:
+    """Why ``d`` cannot take this advise command; empty when it can: a new
+    directory, or one where the same command was interrupted (no advice.json)."""
+    if (d / "advice.json").exists():
+        return (f"{d} already holds a finished advise run (advice.json); pick another hydra.run.dir, "
+                "or leave it out for a new outputs/<date>/<time>-advise.")
+    try:
+        recorded = json.loads((d / COMMAND_FILE).read_text())["command"]
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = None
+    if recorded is None and (d / "probe").exists():
+        return (f"{d} already holds an advise run that recorded no command (probe/, no {COMMAND_FILE}); pick "
+                "another hydra.run.dir, or leave it out for a new outputs/<date>/<time>-advise.")
+    if recorded is not None and recorded != command:
+        return (f"{d} holds an unfinished advise run of another command (python -m mptrain.advise {recorded}); "
+                "rerun that command to continue it, or pick another hydra.run.dir.")
+    return ""
+
+
+def _run_dir(args: Args, agreement: Agreement) -> Path:
+    """The advise run's directory, chosen and created by rank 0, the same on every
+    rank, with the command it belongs to recorded in it (:data:`COMMAND_FILE`)."""
+    given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("hydra.run.dir=")]
+    command = command_line(args)
     if not given:
         stamp = agreement.stamp()
-        return Path(agreement.new_dir(f"outputs/{stamp:%Y-%m-%d}/{stamp:%H-%M-%S}-advise"))
-    d = Path(given[-1])
+        d = Path(agreement.new_dir(f"outputs/{stamp:%Y-%m-%d}/{stamp:%H-%M-%S}-advise"))
+    else:
+        d = Path(given[-1])
     said = ""
     # rank 0 alone looks: another rank would find the probe/ rank 0 has just begun
     if int(os.environ.get("RANK", "0")) == 0:
-        if (d / "probe").exists() or (d / "advice.json").exists():
-            said = (f"{d} already holds an advise run (probe/ or advice.json); pick another hydra.run.dir, "
-                    "or leave it out for a new outputs/<date>/<time>-advise.")
-        else:
-            d.mkdir(parents=True, exist_ok=True)
+        said = _refusal(d, command) if given else ""
+        if not said:
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                (d / COMMAND_FILE).write_text(json.dumps({"command": command}) + "\n")
+            except OSError as e:  # (marked for the other ranks: a disk error, not a configuration one)
+                said = (f"disk: {d / COMMAND_FILE} could not be written: {e.strerror}; free disk space, or pick "
+                        "another hydra.run.dir.")
     said = agreement.rank0_value("advise_dir", said)
+    if said.startswith("disk: "):
+        raise DiskError(said.removeprefix("disk: "))
     if said:
         raise ConfigError(said)
     return d
@@ -170,6 +253,8 @@ class Advisor:
         self.agreement = agreement  # rank 0's run directory and advice, shared with the other ranks
         self.rank = int(os.environ.get("RANK", "0"))
         self.overrides = list(args.overrides)
+        self.stage = "before the probe started"  # what a signal interrupts, for the line that says so
+        self.run_dir: Optional[Path] = None
         if args.steps < MIN_STEPS:
             raise ConfigError(f"--steps {args.steps} is too few to measure: the monitors need several steps "
                               f"after the first; pass --steps {MIN_STEPS} or more.")
@@ -216,8 +301,27 @@ class Advisor:
         self.say(f"advise: estimated probe time: its matmuls alone ~{duration(per_step * a.steps)} here "
                  "(measured fp32 speed at this model's shape); monitored steps, data and casts come on top")
 
+    def _train(self, cfg, run_dir: Path) -> dict:
+        """Train ``cfg`` in ``run_dir`` (``resume.source=auto``: continuing what a
+        signal stopped there) and return its summary; one an earlier launch of
+        this command finished is read back instead. A run a signal stopped
+        (its summary's ``stopped_early``) ends the advise: :class:`Interrupted`."""
+        k = int(cfg.train.max_steps)
+        summary = finished_summary(run_dir, k)
+        if summary is not None:
+            self.say(f"advise: {run_dir} finished in an earlier launch of this command: read back, not trained again")
+            return summary
+        run(cfg, run_dir=run_dir)
+        if self.rank != 0:
+            wait_for(run_dir / "summary.json", 600)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if summary.get("stopped_early"):
+            raise Interrupted(str(summary["stopped_early"]), f" at step {summary['steps']} of {k}")
+        return summary
+
     def probe(self, run_dir: Path) -> None:
         started = time.monotonic()
+        self.stage = "during the probe"
         probe_dir = run_dir / "probe"
         if self.rank == 0:
             shape = (min(max(micro_batch_of(self.cfg, self.args.world) * self.cfg.model.block_size, 16), 2048),
@@ -225,12 +329,10 @@ class Advisor:
             target = target_for(self.target_name, self.device, shape)
             (run_dir / "target.json").write_text(json.dumps(target_to_json(target)))
         cfg = compose_checked(probe_overrides(self.overrides, self.args.steps, self.device.type))
-        run(cfg, run_dir=probe_dir)
-        if self.rank != 0:
-            wait_for(probe_dir / "summary.json", 600)
+        summary = self._train(cfg, probe_dir)
+        self.stage = "after the probe"
         self.probe_s = time.monotonic() - started
         self.target = target_from_json(json.loads((run_dir / "target.json").read_text()))
-        summary = json.loads((probe_dir / "summary.json").read_text())
         vocab = int(OmegaConf.load(probe_dir / "config.yaml").run_info.vocab_size)
         self.options = state_options(self.candidates, self.args.world, vocab)  # with the tokenizer's real vocab
         self.facts = read_facts(probe_dir, self.cfg, self.args.world, self.options)
@@ -243,19 +345,20 @@ class Advisor:
         # the baseline runs here, whatever the target: bf16 where this machine has it natively
         baseline = "bf16" if verdicts(self.device, check_fp8=False)["bf16"].status == "native" else "fp32"
         advised = {o.split("=", 1)[0] for o in advice.overrides}
+        # (a stop before step K would leave the comparison incomplete: train.stop_after and audit_only are dropped)
         keep = user_part(self.overrides, drop=("precision", "hydra.run.dir", "train.max_steps", "train.eval_every",
-                                               "resume.source", "checkpoint.at_end", *advised))
-        common = [f"train.max_steps={k}", f"train.eval_every={k}", "checkpoint.at_end=false", "resume.source=none"]
+                                               "resume.source", "checkpoint.at_end", "train.stop_after",
+                                               "train.audit_only", *advised))
+        # auto: a rerun of an interrupted advise continues from the checkpoint the signal saved
+        common = [f"train.max_steps={k}", f"train.eval_every={k}", "checkpoint.at_end=false", "resume.source=auto"]
         runs = {"recommended": [*keep, *advice.overrides, *common], "baseline": [*keep, f"precision={baseline}",
                                                                                  *common]}
         got = {}
         for name, ovs in runs.items():
             self.say(f"advise: --confirm: training the {name} configuration for {k} steps: {' '.join(ovs)}")
-            d = run_dir / f"confirm-{name}"
-            run(compose_checked(ovs), run_dir=d)
-            if self.rank != 0:
-                wait_for(d / "summary.json", 600)
-            got[name] = json.loads((d / "summary.json").read_text())
+            self.stage = f"during --confirm's {name} run"
+            got[name] = self._train(compose_checked(ovs), run_dir / f"confirm-{name}")
+        self.stage = "after the --confirm runs"
         r, b = got["recommended"], got["baseline"]
 
         def loss(s):
@@ -276,7 +379,7 @@ class Advisor:
 
     def main(self) -> Advice:
         self.plan()
-        run_dir = _run_dir(self.overrides, self.agreement)
+        run_dir = self.run_dir = _run_dir(self.args, self.agreement)
         self.probe(run_dir)
         advice = advise(self.facts, self.target, self.args.budget_gib)
         # Every rank read the same probe files into the same pure function; the confirm runs
@@ -297,10 +400,28 @@ class Advisor:
             header["confirm"] = self.confirm(run_dir, advice)
             for line in header["confirm"]:
                 self.say(line)
+        self.stage = "while writing the advice"
         if self.rank == 0:
             paths = write(run_dir, advice, self.target, header)
             self.say(f"advise: wrote {', '.join(str(p) for p in paths)}")
         return advice
+
+
+def interrupted_line(e: BaseException, advisor: Optional[Advisor]) -> str:
+    """The one line an advise stopped by a signal ends with: which signal, what it
+    stopped (the run and its step, from the run's own summary), what was not
+    written, and how to continue."""
+    sig, detail = (e.signal_name, e.detail) if isinstance(e, Interrupted) else ("SIGINT", "")
+    where = f"{advisor.stage if advisor else 'before the probe started'}{detail}"
+    d = advisor.run_dir if advisor else None
+    if d is None:
+        return f"mptrain.advise: stopped by {sig} {where}: nothing was written."
+    if (d / "advice.json").exists():  # written last: the advice is complete
+        return f"mptrain.advise: stopped by {sig} after writing the advice to {d}."
+    incomplete = " the comparison is incomplete (no loss gap);" if where.startswith("during --confirm") else ""
+    again = "" if any(o.startswith("hydra.run.dir=") for o in advisor.overrides) else f" with hydra.run.dir={d}"
+    return (f"mptrain.advise: stopped by {sig} {where}:{incomplete} no advice was written to {d}; "
+            f"rerun the same command{again} to continue there.")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -308,12 +429,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     if wants_help(argv):
         print(__doc__.strip())
         return 0
-    with Startup.begin() as startup:  # the launch agreement between torchrun ranks, and the claimed run dirs
+    advisor: Optional[Advisor] = None
+    # the launch agreement between torchrun ranks and the claimed run dirs; a signal: Interrupted
+    with Startup.begin() as startup, StopOnSignal():
         try:
-            Advisor(parse_args(argv), startup.agreement).main()
+            advisor = Advisor(parse_args(argv), startup.agreement)
+            advisor.main()
         except UserError as e:
             startup.agreement.say_once(f"mptrain.advise: {e.one_line()}")
             return 2
+        except (Interrupted, KeyboardInterrupt) as e:  # KeyboardInterrupt: a second Ctrl-C inside a step
+            # exit 0, as train.py's on a signal: the user asked for the stop, and nothing is lost
+            startup.agreement.say_once(interrupted_line(e, advisor))
+            return 0
     return 0
 
 

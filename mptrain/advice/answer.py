@@ -103,9 +103,10 @@ def write(run_dir: Path, advice: Advice, target: Target, header: dict) -> list[P
     """advice.md, advice.json and advice.yaml into ``run_dir``; returns their paths."""
     paths = [run_dir / "advice.md", run_dir / "advice.json", run_dir / "advice.yaml"]
     paths[0].write_text(markdown(advice, target, header))
+    paths[2].write_text(experiment_yaml(advice.overrides, "written by python -m mptrain.advise (advice.md says why)"))
     doc = {**header, "target": {"name": target.name, "device": target.device, "support": target.support,
                                 "matmul_time": target.matmul_time, "source": target.source},
            **advice.to_json(), "override_line": override_line(advice)}
+    # advice.json last: it marks a finished advise (a rerun in the directory is refused, not continued)
     paths[1].write_text(json.dumps(_jsonable(doc), indent=1) + "\n")
-    paths[2].write_text(experiment_yaml(advice.overrides, "written by python -m mptrain.advise (advice.md says why)"))
     return paths

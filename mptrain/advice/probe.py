@@ -98,7 +98,8 @@ def probe_overrides(overrides: list[str], steps: int, device: str) -> list[str]:
             f"train.log_every={every}", "monitor.enabled=true", f"monitor.every={every}", "monitor.stability=true",
             "monitor.fp8_casts=true", "monitor.histogram=true", "monitor.activations=true",
             f"monitor.fp8_whatif=[{','.join(WHATIF_OF[r] for r in FP8_CANDIDATES if r != 'tensorwise')}]",
-            "checkpoint.at_end=false", "checkpoint.every=0", "resume.source=none", "train.sample_tokens=0"]
+            # auto: a rerun of an interrupted advise continues from the checkpoint the signal saved
+            "checkpoint.at_end=false", "checkpoint.every=0", "resume.source=auto", "train.sample_tokens=0"]
 
 
 # ------------------------------------------------------------------ target
@@ -290,6 +291,19 @@ def read_facts(run_dir: Path, cfg, world: int, options: dict[str, tuple[StateOpt
                  g2_over_v=adam,
                  act_max_over_rms=blocks, state_options=options,
                  loss_scale_init_log2=int(round(math.log2(ls.init_scale))), growth_interval=int(ls.growth_interval))
+
+
+def finished_summary(run_dir: Path, max_steps: int) -> Optional[dict]:
+    """The summary of a run in ``run_dir`` that trained all ``max_steps`` steps
+    (an earlier launch of the same advise finished it), else None: none yet, or
+    one that a signal stopped early (its ``stopped_early``)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if "stopped_early" in summary or int(summary.get("steps", 0)) < max_steps:
+        return None
+    return summary
 
 
 def wait_for(path: Path, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:

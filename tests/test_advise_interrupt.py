@@ -1,0 +1,120 @@
+"""A SIGTERM or Ctrl-C stops ``python -m mptrain.advise`` and says so; the same command continues.
+
+One advise command, three launches in one directory:
+
+1. in this process, a real SIGTERM sent to this process once the probe has
+   logged its first step: one line naming the probe and its step, exit 0, no
+   advice written, and not a configuration error;
+2. the same command as a subprocess: it continues the probe from the
+   checkpoint the signal saved, then a real SIGINT (Ctrl-C) once the
+   recommended --confirm run has logged its first step: exit 0, one line
+   saying the comparison is incomplete, no loss gap claimed;
+3. the same command again, in this process: the finished probe is reused,
+   the recommended run continues, and the comparison is reported.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from mptrain.advise import COMMAND_FILE, _refusal, command_line, parse_args
+from mptrain.advise import main as advise_main
+
+from .conftest import ROOT, TINY
+
+CONFIRM = 30  # steps of each --confirm run: room for the signal to land in the recommended one
+
+
+def _first_row(metrics: Path, timeout_s: float = 300) -> None:
+    """Wait until the run has written its first metrics row (the run is training)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics.exists() and metrics.read_text().strip():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{metrics} got no row within {timeout_s:.0f} s")
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_a_signal_stops_advise_with_one_line_and_the_same_command_continues(tmp_path, capfd):
+    run_dir = tmp_path / "advise"
+    args = [*TINY, "--steps", "10", "--confirm", str(CONFIRM), f"hydra.run.dir={run_dir}"]
+
+    # 1. SIGTERM during the probe, in this process (the probe's monitored steps take long enough here)
+    sender = threading.Thread(target=lambda: (_first_row(run_dir / "probe" / "metrics.jsonl"),
+                                              os.kill(os.getpid(), signal.SIGTERM)))
+    sender.start()
+    code = advise_main(args)
+    sender.join()
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code == 0, err
+    probe = _summary(run_dir / "probe")
+    assert probe["stopped_early"] == "SIGTERM" and probe["steps"] < 10
+    line = [ln for ln in err if ln.startswith("mptrain.advise: ")]
+    assert line == [f"mptrain.advise: stopped by SIGTERM during the probe at step {probe['steps']} of 10: no "
+                    f"advice was written to {run_dir}; rerun the same command to continue there."], err
+    assert not (run_dir / "advice.json").exists()
+
+    # 2. the same command, as a user runs it: accepted; Ctrl-C during the recommended confirm run
+    proc = subprocess.Popen([sys.executable, "-m", "mptrain.advise", *args], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        _first_row(run_dir / "confirm-recommended" / "metrics.jsonl")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    probe = _summary(run_dir / "probe")
+    assert probe["steps"] == 10 and "stopped_early" not in probe and "resumed_from" in probe
+    rec = _summary(run_dir / "confirm-recommended")
+    assert rec["stopped_early"] == "SIGINT" and rec["steps"] < CONFIRM
+    assert err.strip().splitlines()[-1] == (
+        f"mptrain.advise: stopped by SIGINT during --confirm's recommended run at step {rec['steps']} of "
+        f"{CONFIRM}: the comparison is incomplete (no loss gap); no advice was written to {run_dir}; rerun the "
+        "same command to continue there."), err[-3000:]
+    assert "loss gap" not in out and "Traceback" not in err and not (run_dir / "advice.json").exists()
+    assert not (run_dir / "confirm-baseline").exists()
+
+    # 3. the same command once more: the probe is read back, not trained again; the comparison is made
+    probe_before = (run_dir / "probe" / "summary.json").read_bytes()
+    assert advise_main(args) == 0
+    assert (run_dir / "probe" / "summary.json").read_bytes() == probe_before
+    rec = _summary(run_dir / "confirm-recommended")
+    assert rec["steps"] == CONFIRM and "stopped_early" not in rec and "resumed_from" in rec
+    doc = json.loads((run_dir / "advice.json").read_text())
+    assert any(ln.startswith("loss gap (recommended - baseline): ") for ln in doc["confirm"]), doc["confirm"]
+
+
+def test_a_directory_takes_the_command_it_records_and_refuses_a_finished_advise(tmp_path):
+    same = command_line(parse_args([*TINY, "--steps", "10", f"hydra.run.dir={tmp_path}"]))
+    other = command_line(parse_args([*TINY, "--steps", "12", f"hydra.run.dir={tmp_path}"]))
+    assert "hydra.run.dir" not in same and same != other
+    assert _refusal(tmp_path, same) == ""  # a new directory
+    (tmp_path / "probe").mkdir()
+    assert "recorded no command" in _refusal(tmp_path, same)  # an advise of a version that did not record it
+    (tmp_path / COMMAND_FILE).write_text(json.dumps({"command": same}))
+    assert _refusal(tmp_path, same) == ""  # interrupted: the same command continues
+    assert _refusal(tmp_path, other) == (
+        f"{tmp_path} holds an unfinished advise run of another command (python -m mptrain.advise {same}); "
+        "rerun that command to continue it, or pick another hydra.run.dir.")
+    (tmp_path / "advice.json").write_text("{}")
+    assert "already holds a finished advise run (advice.json)" in _refusal(tmp_path, same)
+
+
+def test_a_directory_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    # as root chmod does not refuse: a path under a regular file (ENOTDIR) cannot be created
+    (tmp_path / "file").write_text("")
+    assert advise_main([*TINY, "--steps", "10", f"hydra.run.dir={tmp_path / 'file' / 'advise'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mptrain.advise: disk error: ") and "command.json" in err[0], err

@@ -4,8 +4,8 @@ The embedded corpus is the Python standard library's own source code: every
 Python install has it, so ``python train.py`` needs no network and no download.
 
 - ``read_corpus``: the documents of ``data=embedded`` or ``data=text`` (one per
-  file; files that are not UTF-8 text are skipped by content) and a digest of
-  them, which names the caches built from them.
+  file, however large: one file is a corpus; files that are not UTF-8 text are
+  skipped by content) and a digest of them, which names the caches built from them.
 - ``load_hf_dataset``: one split of a ``data=hf`` dataset (a hub name, a local
   dataset directory or data files) through ``datasets``. Dataset loading
   scripts are refused, never run.
@@ -185,8 +185,12 @@ def read_corpus(data_cfg) -> Corpus:
         source = _text_source(r)
     else:
         raise ConfigError(f"data.kind='{data_cfg.kind}' is unknown; use data=embedded, text, hf or tokens.")
-    if len(r.docs) < 2:
-        raise ConfigError(f"the corpus ({source}) has fewer than 2 non-empty documents; add more text.")
+    # One document is enough: validation is the tail of every document (store.py), so a
+    # single file gives its last val_fraction to val. Cutting it into pieces would put an
+    # end-of-text token where the text does not end.
+    if not r.docs:
+        raise ConfigError(f"the corpus ({source}) holds no text, only empty or blank files; "
+                          "point data.paths at files with text in them.")
     return Corpus(r.docs, r.h.hexdigest(), source)
 
 

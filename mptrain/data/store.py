@@ -31,20 +31,23 @@ may be gone.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
 from mptrain.core import files
-from mptrain.core.errors import ConfigError, UserError
+from mptrain.core.errors import NO_ROOM_FIXES, ConfigError, UserError
 from mptrain.data.sources import load_hf_dataset, read_corpus
 from mptrain.data.tokenizers import build_tokenizer, load_hf_tokenizer
 
@@ -75,6 +78,57 @@ class TokenCacheDamaged(UserError):
         self.file, self.why = Path(file), why
         super().__init__(f"{file} is damaged ({why}); "
                          + (fix or f"remove {Path(file).parent} and run again: the cache is built anew."))
+
+
+class CacheError(UserError):
+    """The cache (``$MPTRAIN_CACHE`` or ``data.cache_dir``) would not take what a
+    run builds there (the corpus BPE, the token cache, a ``data=hf`` preparation):
+    read-only, not ours to write, a file in its path, or no room. What was half
+    written is removed (``files.build_dir``), so a later run finds no partial cache."""
+
+    kind = "cache error"
+
+
+_ELSEWHERE = "set MPTRAIN_CACHE to a writable directory (or data.cache_dir=<dir>)"
+_CACHE_PROBLEMS = {
+    errno.EROFS: ("is on a read-only file system", _ELSEWHERE),
+    errno.EACCES: ("is not writable by this user", _ELSEWHERE),
+    errno.EPERM: ("is not writable by this user", _ELSEWHERE),
+    errno.ENOTDIR: ("has a file where its path needs a directory", _ELSEWHERE),
+    **{code: ("has no room left", f"{fix} there, or set MPTRAIN_CACHE to a directory on a disk with room")
+       for code, fix in NO_ROOM_FIXES.items()},
+}
+"""The OS errors a cache write meets that the user fixes, each with what it means and the fix."""
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # the tokenizers library's errors are plain Exceptions
+
+
+@contextlib.contextmanager
+def _cache_writes(cache: Path, what: str, target: Path) -> Iterator[None]:
+    """Build ``what`` at ``target`` in ``cache``; an OS refusal the user can fix
+    becomes one :class:`CacheError` line. An error about a file outside the cache
+    (the Hugging Face cache of ``datasets``, say) is left as it is."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _CACHE_PROBLEMS or (e.filename and not _inside(Path(os.fsdecode(e.filename)), cache)):
+            raise
+        raise _cache_error(cache, what, e.errno, e.strerror, e.filename or target) from None
+    except Exception as e:
+        m = _RUST_OS_ERROR.search(str(e))
+        if type(e) is not Exception or not m or int(m.group(1)) not in _CACHE_PROBLEMS:
+            raise
+        code = int(m.group(1))
+        raise _cache_error(cache, what, code, os.strerror(code), target) from None
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path.absolute().is_relative_to(folder.absolute())
+
+
+def _cache_error(cache: Path, what: str, code: int, reason: str, file) -> CacheError:
+    problem, fix = _CACHE_PROBLEMS[code]
+    return CacheError(f"{what} could not be written: the cache {cache} {problem} ({reason}: {os.fsdecode(file)}); "
+                      f"{fix}, then run again. Nothing half-written was left in the cache.")
 
 
 def fingerprint(path: Path, sampled: bool) -> dict:
@@ -149,7 +203,7 @@ class ShardWriter:
                     self._f.close()
                 self._open()
             take = min(self.cap - self._n, a.size)
-            a[:take].tofile(self._f)
+            self._f.write(memoryview(a[:take]))  # not tofile(): its short-write error has no errno (disk full?)
             self._n += take
             self.shards[-1]["tokens"] += take
             a = a[take:]
@@ -368,7 +422,7 @@ def _split_docs(docs: list[str], val_fraction: float) -> tuple[list[str], list[s
     """The last ``val_fraction`` of every document (cut at a line break) is
     validation text, the rest is training text. Val then has the same mix of
     files as train and exactly the configured share, however unequal the
-    documents' sizes are."""
+    documents' sizes are; a corpus of one document (one file) is split too."""
     train, val = [], []
     for d in docs:
         cut = int(len(d) * (1.0 - val_fraction))
@@ -376,7 +430,21 @@ def _split_docs(docs: list[str], val_fraction: float) -> tuple[list[str], list[s
         cut = nl + 1 if nl > 0 else cut
         train.append(d[:cut])
         val.append(d[cut:])
-    return [t for t in train if t], [v for v in val if v]
+    train, val = [t for t in train if t], [v for v in val if v]
+    if not (train and val):
+        raise ConfigError(f"the corpus is too short to keep data.val_fraction={val_fraction:g} of it for "
+                          f"validation and train on the rest ({sum(map(len, docs))} characters in all); "
+                          "add more text.")
+    return train, val
+
+
+def _save_npy(path: Path, ids: np.ndarray) -> None:
+    """``np.save`` of a 1-D array, through Python's file write: numpy's own
+    (``tofile``) reports a full disk as a short write with no errno, which could
+    not be told from any other failure."""
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(ids))
+        f.write(memoryview(np.ascontiguousarray(ids)))
 
 
 def _encode_stream(tok, docs: list[str]) -> np.ndarray:
@@ -500,9 +568,10 @@ def _open_cache(path: Path, tok, source: str) -> TokenData:
 
 
 def _cached(path: Path, build: Callable[[Path], None], open_: Callable[[Path], TokenData], log,
-            what: str) -> TokenData:
+            what: str, cache: Path) -> TokenData:
     """The cache at ``path``, opened and checked; built first when it is missing,
-    built again (one line saying which file and why) when it is damaged."""
+    built again (one line saying which file and why) when it is damaged. A cache
+    that exists is only read: it serves from a read-only ``cache`` too."""
     if path.exists():
         try:
             return open_(path)
@@ -510,13 +579,15 @@ def _cached(path: Path, build: Callable[[Path], None], open_: Callable[[Path], T
             log(f"token cache {e.file} is damaged ({e.why}); building it again from {what}")
             aside = path.with_name(f"{path.name}.damaged{os.getpid()}")
             try:
-                os.replace(path, aside)  # out of the way in one step: a reader sees the old cache or none
+                with _cache_writes(cache, f"the token cache of {what}", path):
+                    os.replace(path, aside)  # out of the way in one step: a reader sees the old cache or none
             except FileNotFoundError:
                 pass  # another process moved it first
             shutil.rmtree(aside, ignore_errors=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
-        files.build_dir(path, build)
+    with _cache_writes(cache, f"the token cache of {what}", path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            files.build_dir(path, build)
     return open_(path)  # a cache that fails its check right after being built is refused, not rebuilt again
 
 
@@ -543,9 +614,10 @@ def prepare(data_cfg, log=print) -> TokenData:
         key = hashlib.sha256("|".join(str(data_cfg[f]) for f in fields).encode()).hexdigest()[:20]
         source = f"{data_cfg.path}" + (f" ({data_cfg.name})" if data_cfg.name else "")
         return _cached(cache / "hf" / key, lambda d: prepare_hf(data_cfg, d, log),
-                       lambda d: _open_shards(d, source), log, source)
+                       lambda d: _open_shards(d, source), log, source, cache)
     corpus = read_corpus(data_cfg)
-    tok = build_tokenizer(data_cfg, corpus, cache, log)
+    with _cache_writes(cache, f"the {data_cfg.tokenizer} tokenizer", cache / "tokenizers"):
+        tok = build_tokenizer(data_cfg, corpus, cache, log)
     key = hashlib.sha256(f"{CACHE_FORMAT}|{corpus.digest}|{tok.name}|{tok.vocab_size}|{data_cfg.val_fraction}"
                          .encode()).hexdigest()[:20]
     path = cache / "tokens" / key
@@ -557,10 +629,10 @@ def prepare(data_cfg, log=print) -> TokenData:
                 "source": corpus.source, "docs": len(corpus.docs)}
         for split, docs in zip(("train", "val"), _split_docs(corpus.docs, data_cfg.val_fraction), strict=True):
             ids = _encode_stream(tok, docs)
-            np.save(d / f"{split}.npy", ids)
+            _save_npy(d / f"{split}.npy", ids)
             # read back from the file: the fingerprint is of the bytes on disk
             meta[split] = {"file": f"{split}.npy", "tokens": len(ids),
                            **fingerprint(d / f"{split}.npy", sampled=ids.nbytes > FULL_CHECK_BYTES)}
         (d / META).write_text(json.dumps(meta))
 
-    return _cached(path, write, lambda d: _open_cache(d, tok, corpus.source), log, corpus.source)
+    return _cached(path, write, lambda d: _open_cache(d, tok, corpus.source), log, corpus.source, cache)

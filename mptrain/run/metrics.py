@@ -9,7 +9,8 @@ What the sinks write into the run directory is never written through a
 symbolic link planted there (``metrics.jsonl`` refuses one; TensorBoard's
 directory must not be one, and its event file gets a name no one can guess),
 and a write the OS refuses for lack of room (disk full, quota, file-size limit)
-stops the run with one line naming what is kept (``rundir.writing``).
+stops the run with one line naming what is kept (``rundir.writing``); so does
+the run directory removed under the run (``rundir.check_present``, before each row).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Callable, Iterator, Optional
 from mptrain.core import files
 from mptrain.core.errors import UserError
 from mptrain.run.console import Console, RunLog
-from mptrain.run.rundir import RunDirError, link_refused, writing
+from mptrain.run.rundir import RunDirError, check_present, link_refused, writing
 
 
 class JsonlSink:
@@ -222,7 +223,7 @@ class Metrics:
     def __init__(self, run_dir: Optional[Path], log_cfg, total_steps: int, enabled: bool,
                  wandb_config: Optional[dict] = None, run_name: str = "", tags: Optional[list[str]] = None,
                  start_step: int = 0, runlog: Optional[RunLog] = None, plain_every: int = 1):
-        self.enabled = enabled
+        self.enabled, self.run_dir = enabled, run_dir
         self.failed = False  # a sink refused a write (disk full, a link): close() then stays quiet
         self.sinks: list = []
         self.runlog = runlog or RunLog(None, enabled)
@@ -254,6 +255,7 @@ class Metrics:
             return
         metrics = {k: v if isinstance(v, int) else float(v) for k, v in metrics.items()}
         with self._writing():
+            check_present(self.run_dir)  # a row appended to a removed metrics.jsonl would vanish without an error
             for s in self.sinks:
                 s.log(step, metrics, hists)
             if "train/loss" in metrics:

@@ -29,6 +29,13 @@ it, naming it (:func:`link_refused`); a file it replaces whole (``config.yaml``,
 :func:`writing` turns the OS errors of those writes that a user can fix into
 one line: the link, or no room left (disk full, quota, file-size limit: a
 :class:`~mptrain.core.errors.DiskError` naming what is kept).
+
+A run directory removed while the run trains (``rm -rf`` of a live run) stops
+the run with one line (:class:`RunDirGone`), found by the first write that
+fails for it (TensorBoard's) or by :func:`check_present` before each metrics
+row and each checkpoint, whichever comes first: appends to ``metrics.jsonl`` and
+``train.log`` would go on into files no longer in any directory, and a
+checkpoint would make the directory again, holding nothing but itself.
 """
 from __future__ import annotations
 
@@ -59,6 +66,17 @@ class RunDirError(UserError):
     a symbolic link where the run writes one of its records."""
 
     kind = "run directory error"
+
+
+class RunDirGone(RunDirError):
+    """The run directory was removed while the run trained: every record written
+    from then on would go nowhere (appends land in unlinked files) or rebuild a
+    directory that holds nothing but them (a checkpoint's ``mkdir``)."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(f"the run directory {run_dir} was removed while the run was training; nothing more can be "
+                         "saved there, so the run stopped. Start it again (the records and checkpoints that were "
+                         "in that directory went with it).")
 
 
 class Claim:
@@ -105,6 +123,12 @@ class Claim:
             os.close(fd)
             raise
         self._fd = fd
+
+    def removed(self) -> bool:
+        """Whether ``.lock`` is no longer in the directory: the run directory was removed
+        (``rm -rf``) since the lock was taken. The open lock file tells, by its link
+        count, even when a directory of the same name has been made again since."""
+        return self._fd is not None and os.fstat(self._fd).st_nlink == 0
 
     def release(self) -> None:
         if self._fd is not None:
@@ -295,12 +319,30 @@ def link_refused(path: Path) -> RunDirError:
                        "directory, never through a link. Remove the link, or pick another hydra.run.dir.")
 
 
+def removed(run_dir: Path) -> bool:
+    """Whether ``run_dir`` was removed while this process held it (the claim's
+    lock file is gone; without a claim, whether the directory is missing)."""
+    claim = current().claims.get(Path(run_dir).resolve())
+    return claim.removed() if claim is not None else not Path(run_dir).is_dir()
+
+
+def check_present(run_dir: Path) -> None:
+    """Raise :class:`RunDirGone` when ``run_dir`` was removed under the run. Called
+    where a removal would otherwise pass unseen: before each metrics row (appends to
+    an unlinked file succeed) and before each checkpoint (its ``mkdir`` would make the
+    directory again). One ``fstat`` of the lock file on rank 0; nothing elsewhere."""
+    claim = current().claims.get(Path(run_dir).resolve())
+    if claim is not None and claim.removed():
+        raise RunDirGone(run_dir)
+
+
 @contextlib.contextmanager
 def writing(run_dir: Path, what: Optional[Path] = None) -> Iterator[None]:
     """Write records into ``run_dir``, with the OS errors a user can fix raised as
     one-line errors: a symbolic link in place of a record (:func:`link_refused`),
-    no room for it (:class:`DiskError`, naming what is kept). ``what`` is the file
-    to name when the error names none (TensorBoard's writer thread's errors)."""
+    no room for it (:class:`DiskError`, naming what is kept), the directory removed
+    under the run (:class:`RunDirGone`). ``what`` is the file to name when the error
+    names none (TensorBoard's writer thread's errors)."""
     try:
         yield
     except OSError as e:
@@ -308,6 +350,8 @@ def writing(run_dir: Path, what: Optional[Path] = None) -> Iterator[None]:
             raise link_refused(Path(e.filename)) from None
         if e.errno in NO_ROOM_FIXES:
             raise _no_room(e, Path(run_dir), what) from None
+        if e.errno == errno.ENOENT and removed(run_dir):
+            raise RunDirGone(run_dir) from None
         raise
 
 

@@ -38,7 +38,7 @@ from mptrain.run.parts import build_parts
 from mptrain.run.report import LoopStep, Reporter, read_back, start_clock
 from mptrain.run.resume import ResumePlan, finished_summary
 from mptrain.run.resume import plan as resume_plan
-from mptrain.run.rundir import Claim, held
+from mptrain.run.rundir import Claim, check_present, held
 from mptrain.run.step import evaluate, set_lr_at, step_state, train_step
 from mptrain.run.stop import StopSignal
 
@@ -264,6 +264,7 @@ class Trainer:
     def checkpoint(self, done: int) -> None:
         """Save step ``done``; never after a bad step, and not counted as training time."""
         self.parts.before_save(done)  # the non-finite handler looks first: a bad step stops the run here
+        check_present(self.run_dir)  # a save into a removed run directory would make it again, for itself alone
         with self.report.clock.paused():
             self.ckpt.save(done, self.model, self.optimizer, self.states)
         self.last_saved = done

@@ -132,8 +132,9 @@ class Sweep:
         rows = []
         for job in self.jobs:
             shown = [o for o in job.overrides if o.split("=", 1)[0] in varying] or job.overrides
-            said = job.said + ("; its directory was removed (nothing had been trained)" if job.code and
-                               not job.dir.exists() else "")
+            said = job.said
+            if job.code and not job.dir.exists():
+                said += (" Its" if said.endswith(".") else "; its") + " directory was removed (nothing had been trained)"
             rows.append([str(job.num), " ".join(shown), OUTCOMES.get(job.code, f"exit {job.code}"),
                          str(job.code), said])
         return ["job", "overrides", "outcome", "exit code", "what happened"], rows

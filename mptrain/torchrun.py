@@ -37,8 +37,14 @@ And whatever stops the job: a rank that exits 2 (a user error) or 3 (numerics
 stopped the run) has printed its one line, once for all ranks; the launcher
 exits with that code, without torch's agent adding its failure report (an
 error log line and a ``ChildFailedError`` traceback of some 40 lines, exit 1),
-so a scheduler sees what the rank said. Any other failure is reported as
-torch reports it.
+so a scheduler sees what the rank said. A rank that dies of a signal (``kill
+-9``, the kernel's out-of-memory killer, a crash in native code) is reported in
+two lines instead of the surviving ranks' gloo tracebacks and torch's report:
+which rank died of which signal, and the step the run resumes from (its newest
+complete checkpoint) or that none was saved yet; the launcher exits 128 + the
+signal's number, as a shell reports a process killed by it. The survivors exit
+4 without a word (``run/startup.py``'s ``PEER_LOST``). Any other failure is
+reported as torch reports it.
 """
 from __future__ import annotations
 
@@ -46,12 +52,17 @@ import logging
 import os
 import signal
 import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
 
 from torch.distributed.elastic.multiprocessing import api as _elastic
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main as _torch_main
 
+from mptrain.checkpoint.integrity import complete_checkpoints, step_of
 from mptrain.core.process_exit import run_then_leave
+from mptrain.run.startup import PEER_LOST, LauncherReport
 
 REPORTED = (2, 3)
 """Exit codes whose rank said why in one line (``docs/outputs.md``, Exit codes): passed on as they are."""
@@ -66,6 +77,7 @@ class Forwarder:
     def __init__(self):
         self.context = None  # the PContext whose workers are running (None until they are spawned)
         self.forwarded = False
+        self.torch_stops = False  # a signal went to torch's handler: its shutdown is the user's doing
         self._torch_handler = _elastic._terminate_process_handler
         self._torch_start = _elastic.PContext.start
 
@@ -89,6 +101,7 @@ class Forwarder:
     def handle(self, signum: int, frame) -> None:
         """Forward the first stop signal to the workers; anything else raises as torch does."""
         if self.forwarded or self.context is None or signum not in FORWARD:
+            self.torch_stops = True
             self._torch_handler(signum, frame)  # raises SignalException
             return
         self.forwarded = True
@@ -106,27 +119,99 @@ class Forwarder:
                     f"save and exit, starting ones exit at once (a second signal shuts them down)\n".encode())
 
 
-class _ReportedFailure(logging.Filter):
-    """Drops the agent's ``failed (exitcode: N) local_rank: ...`` error line for
-    the exit codes in :data:`REPORTED`: the rank has already said why."""
+class _AgentReport(logging.Filter):
+    """Holds back the lines torch's agent logs when a worker fails (``failed
+    (exitcode: N) local_rank: ...``, ``Sending process N closing signal SIGTERM``)
+    until :func:`main` knows whether it reports the failure itself; released as they
+    were otherwise. Not while a signal stops the job: those lines are the news then."""
+
+    HELD = ("failed (exitcode: ", "Sending process ")
+
+    def __init__(self, forwarder: Forwarder):
+        self.forwarder = forwarder
+        self.held: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args if isinstance(record.args, tuple) else ()
-        return not (str(record.msg).startswith("failed (exitcode: ") and args and args[0] in REPORTED)
+        if self.forwarder.torch_stops or not str(record.msg).startswith(self.HELD):
+            return True
+        self.held.append(record)
+        return False
+
+    def release(self, logger: logging.Logger) -> None:
+        """torch reports the failure: its lines, in their order, before its ChildFailedError."""
+        logger.removeFilter(self)
+        for record in self.held:
+            logger.handle(record)
+
+
+def _secondary(failure: ProcessFailure) -> bool:
+    """A rank that failed because another did: its peer was gone (PEER_LOST), or the
+    agent stopped it with SIGTERM once the first failure was seen."""
+    return failure.exitcode in (PEER_LOST, -signal.SIGTERM)
+
+
+def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """(global rank, failure) of the rank that failed first. torch's own choice, the
+    earliest timestamp, has a resolution of one second and cannot tell a rank that
+    died from one that lost its peer in the same poll; those are passed over."""
+    primary = {r: f for r, f in failures.items() if not _secondary(f)} or failures
+    return min(primary.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
+
+
+def resume_line(run_dir: Optional[Path]) -> str:
+    """Where a rerun continues: the run directory's newest complete checkpoint (the one
+    ``resume=auto`` verifies and loads), or that none was saved."""
+    if run_dir is None:
+        return "no run directory was chosen yet (or it is known to another node's launcher): nothing to resume"
+    done = complete_checkpoints(run_dir / "checkpoints")
+    if not done:
+        return f"no checkpoint was saved yet in {run_dir}: a rerun there starts from step 0"
+    return (f"the run resumes from step {step_of(done[-1])} ({done[-1]}, its newest complete checkpoint): "
+            f"rerun with hydra.run.dir={run_dir} (resume=auto, the default)")
+
+
+def explain(failures: dict[int, ProcessFailure], report: LauncherReport) -> Optional[int]:
+    """Say why the job failed in at most two lines and return the launcher's exit code,
+    or None when torch's own report says it better (a crash's traceback)."""
+    rank, failure = root_cause(failures)
+    code = failure.exitcode
+    if code in REPORTED:  # the rank said why in its one line
+        return code
+    if code < 0 and code != -signal.SIGTERM:
+        name = failure.signal_name()
+        why = " (also what the kernel's out-of-memory killer sends)" if code == -signal.SIGKILL else ""
+        print(f"mptrain.torchrun: rank {rank} (pid {failure.pid}) was killed by {name}{why}; "
+              f"the other ranks were stopped.\nmptrain.torchrun: {resume_line(report.run_dir())}",
+              file=sys.stderr, flush=True)
+        return 128 - code
+    if code == PEER_LOST:  # every rank here lost a peer: the one that died ran on another node
+        ranks = ", ".join(str(r) for r, f in sorted(failures.items()) if f.exitcode == PEER_LOST)
+        print(f"mptrain.torchrun: rank(s) {ranks} stopped: another rank is gone (on another node, whose launcher "
+              f"says why, or the network failed).\nmptrain.torchrun: {resume_line(report.run_dir())}",
+              file=sys.stderr, flush=True)
+        return PEER_LOST
+    return None
 
 
 def main(args=None) -> None:
     """``torch.distributed.run.main`` with the first stop signal forwarded to the
-    workers, and a rank's exit code 2 or 3 passed on as the launcher's."""
-    Forwarder().install()
-    logging.getLogger(_elastic.__name__).addFilter(_ReportedFailure())
-    try:
-        _torch_main(args)
-    except ChildFailedError as e:
-        _, failure = e.get_first_failure()  # the root cause: the other ranks were stopped after it
-        if failure.exitcode in REPORTED:
-            sys.exit(failure.exitcode)
-        raise
+    workers, a rank's exit code 2 or 3 passed on as the launcher's, and a rank
+    killed by a signal said in two lines (exit 128 + the signal's number)."""
+    forwarder = Forwarder()
+    forwarder.install()
+    agent_log = logging.getLogger(_elastic.__name__)
+    held = _AgentReport(forwarder)
+    agent_log.addFilter(held)
+    with tempfile.TemporaryDirectory(prefix="mptrain-torchrun-") as folder:
+        os.environ[LauncherReport.ENV] = folder  # the workers inherit it
+        try:
+            _torch_main(args)
+        except ChildFailedError as e:
+            code = None if forwarder.torch_stops else explain(e.failures, LauncherReport(Path(folder)))
+            if code is None:
+                held.release(agent_log)
+                raise
+            sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -83,12 +83,14 @@ class Claim:
     """This process's hold on one run directory: the lock, and what the directory
     held before this launch (to undo a launch that never started training)."""
 
-    def __init__(self, run_dir: Path, created_parents: Sequence[Path] = ()):
+    def __init__(self, run_dir: Path, created_parents: Sequence[Path] = (), fresh: bool = False):
         self.run_dir = Path(run_dir)
         # The folders this launch created above its run directory (outermost first), removed with it
         # while empty: the launch agreement's list, read at undo time.
         self.created_parents = created_parents
-        self.existed = _has_content(self.run_dir)
+        # fresh: inside a directory this launch created, so nothing in it is older than the launch. A
+        # multirun job's directory already holds Hydra's .hydra/ when the job locks it; undone, it goes.
+        self.existed = not fresh and _has_content(self.run_dir)
         self.snapshot = _snapshot(self.run_dir) if self.existed else {"entries": set(), "files": {}}
         self.started = False  # set once the run writes its own records: from then on, keep everything
         self._fd: Optional[int] = None
@@ -398,7 +400,8 @@ def acquire(run_dir: Path) -> Optional[Claim]:
     startup = current()
     key = Path(run_dir).resolve()
     if key not in startup.claims:
-        claim = Claim(key, startup.agreement.created_parents)
+        made = [Path(d).resolve() for d in startup.agreement.created_dirs]
+        claim = Claim(key, startup.agreement.created_parents, fresh=any(d == key or d in key.parents for d in made))
         claim.acquire()
         startup.claims[key] = claim
     return startup.claims[key]

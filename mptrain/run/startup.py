@@ -42,6 +42,7 @@ from typing import Callable, Optional
 from omegaconf import OmegaConf
 
 from mptrain.config.checks import CONFIG_DIR, check_overrides, expand_shorthands
+from mptrain.core import files
 from mptrain.core.errors import UserError
 from mptrain.distributed.store import TorchrunStore, rank
 
@@ -50,6 +51,44 @@ LAUNCH_ENV = "MPTRAIN_LAUNCH"
 
 REFUSAL_WAIT_S = 30.0
 """How long a rank > 0 waits for rank 0 to print a refused command line's line (see :meth:`Startup.refuse`)."""
+
+PEER_LOST = 4
+"""The exit code of a torchrun rank whose collective failed because another rank's process
+is gone: the rank that died is the one to report (``python -m mptrain.torchrun`` does)."""
+
+
+class LauncherReport:
+    """What the ranks tell ``python -m mptrain.torchrun`` for its report when one of them
+    dies: the folder it names in :data:`ENV` (inherited by its workers) holds the current
+    run directory, written by each node's local rank 0 when a run (or sweep job) starts.
+    The launcher reads it to say where the run resumes. Without the variable (plain
+    torchrun, a single process) nothing is written."""
+
+    ENV = "MPTRAIN_TORCHRUN_DIR"
+    RUN_DIR = "run_dir"
+
+    def __init__(self, folder: Optional[Path]):
+        self.folder = folder
+
+    @classmethod
+    def from_env(cls) -> "LauncherReport":
+        """The launcher's folder, when this process is a worker of ``python -m mptrain.torchrun``."""
+        folder = os.environ.get(cls.ENV)
+        return cls(Path(folder) if folder else None)
+
+    def note_run_dir(self, run_dir: Path) -> None:
+        """Local rank 0: this is the run directory now (every rank agrees on it)."""
+        if self.folder is None or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return
+        with contextlib.suppress(OSError):  # the report loses a line; the run goes on
+            files.write_text(self.folder / self.RUN_DIR, str(Path(run_dir).resolve()))
+
+    def run_dir(self) -> Optional[Path]:
+        """The run directory the ranks last noted, or None (none was chosen yet, or on another node)."""
+        try:
+            return Path((self.folder / self.RUN_DIR).read_text()) if self.folder else None
+        except OSError:
+            return None
 
 
 class Agreement:

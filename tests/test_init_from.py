@@ -77,7 +77,7 @@ def test_llama_preset_takes_the_checkpoints_architecture(ckpts, tmp_path):
     cfg = _config(run_dir)
     assert {k: cfg["model"][k] for k in LLAMA_FIELDS} == LLAMA_FIELDS
     info = cfg["run_info"]["init_from"]
-    assert info["from_checkpoint"] == LLAMA_FIELDS and info["path"] == str(ckpts["llama"])
+    assert info["from_checkpoint"] == {**LLAMA_FIELDS, "qk_norm": False} and info["path"] == str(ckpts["llama"])
     assert info["replaced"] == {"n_head": [4, 6], "n_kv_head": [2, 3], "d_model": [64, 96], "ffn_hidden": [192, 160],
                                 "vocab_size": [None, VOCAB], "rope_theta": [10000.0, 50000.0],
                                 "norm_eps": [1e-5, 1e-6], "tie_embeddings": [False, True]}
@@ -141,7 +141,10 @@ def _refusal(*overrides: str) -> str:
     (["model=llama-nano", "model.block_size=128"], "model.block_size is 128 here but the checkpoint has positions "
                                                    "for 64 tokens"),
     (["model=gpt-nano", "model.bias=false"], "model.bias is false here but the checkpoint's config.json makes it "
-                                             "true"),
+                                             "true (GPT-2 has biases)"),
+    # norms the checkpoint has no weights for (before: a KeyError traceback when the weights were written)
+    (["model=llama-nano", "model.qk_norm=true"], "model.qk_norm is true here but the checkpoint's config.json makes "
+                                                 "it false (LlamaForCausalLM has no QK-norm)"),
 ])
 def test_a_value_the_user_set_that_contradicts_is_refused(ckpts, overrides, says):
     family = "gpt2" if "model=gpt-nano" in overrides else "llama"

@@ -104,7 +104,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], shape: GPTShape) -> dict[str, 
 PathLike = Union[str, Path]
 
 HF_FIELD = {"n_layer": "n_layer", "n_head": "n_head", "d_model": "n_embd", "vocab_size": "vocab_size",
-            "bias": "biases (GPT-2 has them)"}
+            "bias": "GPT-2 has biases", "qk_norm": "GPT-2 has no QK-norm"}
 """Our ``model`` field -> the config.json key that fixes it (a GPT-2 always has biases)."""
 
 
@@ -120,12 +120,12 @@ def read_config(path: PathLike) -> dict:
 
 
 def init_fields(path: PathLike) -> dict:
-    """The architecture the checkpoint's config.json fixes, as ``model`` fields,
-    plus ``max_positions`` (``n_positions``: the longest ``block_size`` it has
+    """The architecture the checkpoint's config.json fixes, as ``model`` fields
+    (biases, no QK-norm: GPT-2's), plus ``max_positions`` (``n_positions``: the longest ``block_size`` it has
     positions for)."""
     f = model_fields(read_config(path))
     return {"n_layer": f["n_layer"], "n_head": f["n_head"], "d_model": f["d_model"], "vocab_size": f["vocab_size"],
-            "bias": True, "max_positions": f["block_size"]}
+            "bias": True, "qk_norm": False, "max_positions": f["block_size"]}
 
 
 def hf_names(n_layer: int) -> dict[str, tuple[str, bool]]:

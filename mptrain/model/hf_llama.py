@@ -173,8 +173,9 @@ def shape_fields(hf: dict) -> dict:
 
 def init_fields(path: PathLike) -> dict:
     """The architecture ``model.init_from``'s (checked) config.json fixes, as
-    ``model`` fields, plus ``max_positions`` (:func:`shape_fields`)."""
-    return shape_fields(read_config(path))
+    ``model`` fields, plus ``max_positions`` (:func:`shape_fields`); no QK-norm,
+    which a LlamaForCausalLM has no weights for."""
+    return {**shape_fields(read_config(path)), "qk_norm": False}
 
 
 def model_fields(hf: dict) -> dict:
@@ -191,6 +192,7 @@ HF_FIELD = {
     "n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
     "d_model": "hidden_size", "ffn_hidden": "intermediate_size", "vocab_size": "vocab_size",
     "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
+    "qk_norm": "LlamaForCausalLM has no QK-norm",
 }
 """Our ``model`` field -> the config.json key that fixes it (:func:`shape_fields`)."""
 

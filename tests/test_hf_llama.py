@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 from mptrain.core.errors import ConfigError
 from mptrain.model.hf_llama import (
     HF_TO_OURS,
-    check_shape,
     expected_hf_names,
     hf_config,
     hf_to_ours_name,
@@ -298,19 +297,6 @@ def test_extra_tensor_is_named(tmp_path, saved):
 def test_rotary_inv_freq_is_skipped(tmp_path, saved):
     write(tmp_path, saved, weights={**saved["weights"], "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
     assert set(read_weights(tmp_path)) == {hf_to_ours_name(n) for n in saved["weights"]}
-
-
-def test_shape_check_names_field_and_fix(saved):
-    hf = saved["config"]
-    run = {k: v for k, v in shape_fields(hf).items() if k != "max_positions"}
-    check_shape({**run, "block_size": 64}, hf, "/ckpt")  # equal: no error
-    msg = one_config_error(check_shape, {**run, "n_kv_head": 4}, hf, "/ckpt", must_name="model.n_kv_head is 4")
-    assert msg == ("model.init_from=/ckpt: model.n_kv_head is 4 here but the checkpoint has num_key_value_heads=2; "
-                   "set model.n_kv_head=2 (or drop the override and take the preset that matches)")
-    one_config_error(check_shape, {**run, "vocab_size": 256}, hf, "/ckpt", must_name="vocab_size=128")
-    msg = one_config_error(check_shape, {**run, "tie_embeddings": True}, hf, "/ckpt", must_name="tie_word_embeddings")
-    assert "set model.tie_embeddings=false" in msg
-    one_config_error(check_shape, {**run, "block_size": 65}, hf, "/ckpt", must_name="max_position_embeddings=64")
 
 
 def test_load_into_names_a_shape_mismatch(tmp_path, saved):

@@ -40,8 +40,9 @@ def checkpoints(tmp_path_factory):
     """Directories transformers' save_pretrained wrote: ``llama`` (a random
     LlamaForCausalLM of llama-nano's shape, every tensor perturbed, the norms'
     gains included, so a swapped or misnamed tensor shows), ``gpt2`` (a GPT-2),
-    ``config_only`` (llama's config.json and no weights) and ``vocab512`` (a
-    Llama whose embedding has 512 rows). Returns (paths, the llama model)."""
+    ``config_only`` (llama's config.json and no weights) and ``vocab256`` (a
+    Llama whose embedding has 256 rows, one short of the byte tokenizer's ids).
+    Returns (paths, the llama model)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("hf")
@@ -55,8 +56,8 @@ def checkpoints(tmp_path_factory):
         root / "gpt2", safe_serialization=True)
     (root / "config_only").mkdir()
     (root / "config_only" / "config.json").write_text((root / "llama" / "config.json").read_text())
-    LlamaForCausalLM(hf_llama_config(vocab=512)).save_pretrained(root / "vocab512", safe_serialization=True)
-    return {name: root / name for name in ("llama", "gpt2", "config_only", "vocab512")}, hf.eval()
+    LlamaForCausalLM(hf_llama_config(vocab=256)).save_pretrained(root / "vocab256", safe_serialization=True)
+    return {name: root / name for name in ("llama", "gpt2", "config_only", "vocab256")}, hf.eval()
 
 
 # ------------------------------------------------------------------- init_from
@@ -113,19 +114,20 @@ REFUSALS = {
     "gpt2": ([], ["config.json has model_type 'gpt2', not 'llama'", "LlamaForCausalLM"]),
     "missing": ([], ["no such directory"]),
     "config_only": ([], ["no model.safetensors", "safe_serialization=True"]),
-    "n_kv_head": (["model.n_kv_head=4"], ["model.n_kv_head is 4 here but the checkpoint has num_key_value_heads=2",
-                                          "set model.n_kv_head=2"]),
-    "vocab512": ([], [f"has 512 embedding rows, but this run has {VOCAB}", "the tokenizer that checkpoint was "
-                      "trained with", "model.vocab_size=512"]),
+    "n_kv_head": (["model.n_kv_head=4"], ["model.n_kv_head is 4 here but the checkpoint's config.json makes it 2 "
+                                          "(num_key_value_heads)", "drop model.n_kv_head", "set model.n_kv_head=2"]),
+    # the checkpoint's vocabulary is taken (tests/test_init_from.py); one the tokenizer's ids overflow is not
+    "vocab256": ([], ["has 256 embedding rows, fewer than the tokenizer's 257 ids", "the tokenizer that checkpoint "
+                      "was trained with"]),
 }
 
 
 # Through ``python train.py`` as a user types it: one refused at start-up (the
-# config check, rules.py), one when the model is built (build.py), the two places
-# a refusal comes from. The others go through the same run() in this process,
+# checkpoint's architecture taken, families.adopt_init_from), one once the data is
+# built (build.py), the two places a refusal comes from. The others go through the same run() in this process,
 # where they raise the same ConfigError at the same places: a launch costs its
 # start-up (~12 s on 2 cores; side by side they take no less).
-CLI = ("n_kv_head", "vocab512")
+CLI = ("n_kv_head", "vocab256")
 
 
 @pytest.mark.parametrize("case", list(REFUSALS))

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from omegaconf import ListConfig, OmegaConf
 
-from mptrain.config.schema import Config, DType, Fp8Config
+from mptrain.config.schema import Config, DType, Fp8Config, ModelConfig
 from mptrain.core.errors import ConfigError
 
 CONFIG_DIR = str(importlib.resources.files("mptrain") / "configs")
@@ -598,6 +598,28 @@ def compose_checked(overrides: list[str], config_dir: Optional[str] = None):
             return compose("config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise composition_error(e) from None
+
+
+def given_model_keys(m: Any) -> set[str]:
+    """The ``model`` keys this run sets itself rather than takes from its preset
+    (``model=<name>``, ``mptrain/configs/model/<name>.yaml``): those the command
+    line names (Hydra's overrides, when Hydra runs this process) and those whose
+    value differs from the preset file's (set by an experiment, or on a command line
+    Hydra did not see: a config composed in-process). A preset not found there
+    (another config folder) counts every key that differs from the schema's default."""
+    from hydra.core.hydra_config import HydraConfig
+
+    given = set()
+    if HydraConfig.initialized():
+        for ov in HydraConfig.get().overrides.task:
+            key = ov.split("=", 1)[0].lstrip("+~")
+            if key.startswith("model."):
+                given.add(key[len("model."):])
+    preset = OmegaConf.structured(ModelConfig)
+    path = os.path.join(CONFIG_DIR, "model", f"{m.name}.yaml")
+    if "/" not in str(m.name) and os.path.isfile(path):
+        preset = OmegaConf.merge(preset, OmegaConf.load(path))
+    return given | {f.name for f in dataclasses.fields(ModelConfig) if m[f.name] != preset[f.name]}
 
 
 def expand_shorthands(overrides: list[str]) -> list[str]:

@@ -249,10 +249,12 @@ class ModelConfig:
     """Share the token embedding with the output head. ``null``: the family's
     own (tied in GPT-2, untied in Llama). The GPT family is always tied."""
     init_from: Optional[str] = guarded(None)
-    """Llama family: a local ``transformers`` LlamaForCausalLM directory
-    (config.json and safetensors weights; pickles are refused) to start from:
-    its weights replace the initial ones, and its shape must equal this
-    config's (one error names the first field that differs)."""
+    """A local ``transformers`` directory to start from (config.json and
+    safetensors weights; pickles are refused): a LlamaForCausalLM for the Llama
+    family, a GPT2LMHeadModel for the GPT family. Its weights replace the initial
+    ones, each checked (names, shapes, finite values), and its config.json's
+    architecture replaces the preset's (the banner says which values); a
+    ``model`` key this run sets itself that the checkpoint contradicts is refused."""
 
 
 # ----------------------------------------------------------------------- precision

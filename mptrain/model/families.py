@@ -4,17 +4,22 @@ each: the trainer, the start-up checks, the memory estimator, the advisor,
 its factory), so they construct the same module the same way and none of them
 branches on the family's name.
 
-Also here, because only the Llama family has them: ``model.init_from``'s
-checks and weights (a Hugging Face ``LlamaForCausalLM`` to start from)."""
+Also here: ``model.init_from`` for both families (a ``transformers``
+``LlamaForCausalLM`` or ``GPT2LMHeadModel`` to start from): its architecture
+taken into the run's model (:func:`adopt_init_from`), its checks and weights."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch.nn as nn
 
+from mptrain.config.schema import ModelConfig
 from mptrain.core.errors import ConfigError
-from mptrain.model import hf_gpt2, hf_llama
+from mptrain.model import hf_gpt2, hf_llama, hf_read
+from mptrain.model.hf_read import same, show
 from mptrain.model.gpt import GPT, GPTShape, LayerNorm
 from mptrain.model.llama import Llama, LlamaShape, RMSNorm, swiglu_hidden
 from mptrain.model.spec import FamilySpec
@@ -59,7 +64,7 @@ def llama_shape(m: Any, vocab: int) -> LlamaShape:
 # ------------------------------------------------------------------ what each family refuses
 
 # The keys only the Llama family reads, with the value that means "not set".
-_LLAMA_ONLY = ("n_kv_head", "ffn_hidden", "ffn_dim_multiplier", "rope_theta", "rope_dtype", "norm_eps", "init_from")
+_LLAMA_ONLY = ("n_kv_head", "ffn_hidden", "ffn_dim_multiplier", "rope_theta", "rope_dtype", "norm_eps")
 
 
 def check_gpt(m: Any) -> None:
@@ -73,6 +78,7 @@ def check_gpt(m: Any) -> None:
         raise ConfigError(f"model.{given[0]} applies to the Llama family; this is a GPT-family model "
                           f"(model.family=gpt), which ignores it: pick a Llama preset (model=llama-nano, ...) "
                           f"or drop model.{given[0]}.")
+    check_init_from(m)
 
 
 def check_llama(m: Any) -> None:
@@ -115,14 +121,21 @@ def llama_hf_state_dict(sd: dict, shape: LlamaShape) -> dict:
     return hf_llama.to_hf_state_dict(sd, tied=shape.tie_embeddings)
 
 
+def llama_init_weights(path: Any, block_size: int) -> dict:
+    """:func:`mptrain.model.hf_llama.read_weights` (rotary positions: no table to cut to ``block_size``)."""
+    return hf_llama.read_weights(path)
+
+
 # ------------------------------------------------------------------ the specs
 
 GPT_SPEC = FamilySpec(name="gpt", model_class=GPT, norm=LayerNorm, shape=gpt_shape, check=check_gpt,
                       banner=no_banner, hf_config=hf_gpt2.hf_config, model_fields=hf_gpt2.model_fields,
-                      hf_state_dict=hf_gpt2.to_hf_state_dict)
+                      hf_state_dict=hf_gpt2.to_hf_state_dict, init_fields=hf_gpt2.init_fields,
+                      hf_field=hf_gpt2.HF_FIELD, init_weights=hf_gpt2.read_weights)
 LLAMA_SPEC = FamilySpec(name="llama", model_class=Llama, norm=RMSNorm, shape=llama_shape, check=check_llama,
                         banner=llama_banner, hf_config=hf_llama.hf_config, model_fields=hf_llama.model_fields,
-                        hf_state_dict=llama_hf_state_dict)
+                        hf_state_dict=llama_hf_state_dict, init_fields=hf_llama.init_fields,
+                        hf_field=hf_llama.HF_FIELD, init_weights=llama_init_weights)
 SPECS = {s.name: s for s in (GPT_SPEC, LLAMA_SPEC)}
 """Every family by its ``model.family`` value."""
 FAMILIES = tuple(SPECS)
@@ -141,40 +154,86 @@ def build(m: Any, vocab: int) -> nn.Module:
     return family_spec(m).build(m, vocab)
 
 
-# ------------------------------------------------------------------ model.init_from (Llama)
+# ------------------------------------------------------------------ model.init_from
+
+_RULE_INPUTS = {"ffn_hidden": ("ffn_multiple_of", "ffn_dim_multiplier")}
+"""A field a config may give through a rule's inputs: setting any of them sets it."""
 
 
-def init_from_fields(m: Any) -> dict:
-    """The ``model`` fields a ``model.init_from`` checkpoint must agree with
-    (``hf_llama.check_shape``'s keys), nulls resolved as the family resolves them."""
-    shape = llama_shape(m, int(m.vocab_size or 0))
-    fields = {"n_layer": shape.n_layer, "n_head": shape.n_head, "n_kv_head": shape.n_kv_head,
-              "d_model": shape.d_model, "ffn_hidden": shape.ffn_hidden, "rope_theta": shape.rope_theta,
-              "norm_eps": shape.norm_eps, "tie_embeddings": shape.tie_embeddings, "block_size": shape.block_size}
-    if m.vocab_size:
-        fields["vocab_size"] = int(m.vocab_size)
-    return fields
+def _resolved(m: Any, key: str) -> Any:
+    """``m``'s value of an architecture field, nulls resolved as its family resolves
+    them (the shape's); None for a vocabulary left to the tokenizer."""
+    return m.vocab_size if key == "vocab_size" else getattr(family_spec(m).shape(m, 0), key)
+
+
+def adopt_init_from(m: Any, given: Collection[str]) -> dict:
+    """Take ``model.init_from``'s architecture from its config.json, as
+    ``from_pretrained`` does: each field the checkpoint fixes (the family's
+    :attr:`FamilySpec.init_fields`) replaces ``m``'s where they differ, in place,
+    unless ``m``'s value is one the run ``given`` itself (a key typed on the command
+    line, not the preset's): that is one :class:`ConfigError` naming both values.
+    A ``block_size`` past the checkpoint's positions is lowered to them the same way.
+    Returns what run_info and the banner record (empty without ``init_from``):
+    the directory, every field it fixes and the ones replaced, [before, after]."""
+    if not m.init_from:
+        return {}
+    spec, path = family_spec(m), m.init_from
+    have = spec.init_fields(path)
+    most = have.pop("max_positions")
+    before = {key: _resolved(m, key) for key in have}  # all first: a null resolves through the others
+    replaced = {}
+    for key, theirs in have.items():
+        ours = before[key]
+        set_by = sorted(set(given) & {key, *_RULE_INPUTS.get(key, ())})
+        if ours is not None and set_by and not same(ours, theirs):
+            raise ConfigError(
+                f"{hf_read.where(path)}: model.{key} is {show(ours)} here but the checkpoint's config.json makes it "
+                f"{show(theirs)} ({spec.hf_field[key]}); drop {', '.join(f'model.{k}' for k in set_by)} from the "
+                f"command line to take the checkpoint's architecture (or set model.{key}={show(theirs)})")
+        if ours is None or not same(ours, theirs):
+            replaced[key] = [ours, theirs]
+        setattr(m, key, theirs)  # every one, the equal too: a null's rule would read the others' new values
+    if m.block_size > most:
+        if "block_size" in given:
+            raise ConfigError(
+                f"{hf_read.where(path)}: model.block_size is {m.block_size} here but the checkpoint has positions "
+                f"for {most} tokens; set model.block_size to at most {most} (or drop it to take {most})")
+        replaced["block_size"] = [int(m.block_size), most]
+        m.block_size = most
+    return {"path": str(path), "from_checkpoint": have, "replaced": replaced}
 
 
 def check_init_from(m: Any) -> None:
     """``model.init_from``'s config.json against the run's model, before any
-    work: a missing directory, a non-Llama config or a shape that differs is
-    one ConfigError naming the field (the weights are read when the model is built)."""
+    work: a missing directory, a config the family cannot compute or a field
+    that differs (a caller that did not :func:`adopt_init_from` first) is one
+    ConfigError naming the field; the weights are read when the model is built."""
     if not m.init_from:
         return
-    hf_llama.check_shape(init_from_fields(m), hf_llama.read_config(m.init_from), m.init_from)
-    hf_llama.safetensors_files(Path(m.init_from), m.init_from)  # weights there (and no pickle only)
+    adopt_init_from(copy.deepcopy(m), given=[f.name for f in dataclasses.fields(ModelConfig)])
+    hf_read.safetensors_files(Path(m.init_from), m.init_from)  # weights there (and no pickle only)
 
 
 def pretrained_weights(m: Any, vocab: int, tokenizer_vocab: int) -> dict:
-    """``model.init_from``'s tensors (our names, CPU), once the run's vocabulary
-    is known: the embedding rows must be the checkpoint's, and the tokenizer's
-    ids must fit in them."""
-    hf = hf_llama.read_config(m.init_from)
-    rows = int(hf["vocab_size"])
+    """``model.init_from``'s tensors (our names, CPU, each checked: names, shapes
+    and finite values), once the run's vocabulary is known: the embedding rows
+    must be the checkpoint's, and the tokenizer's ids must fit in them."""
+    spec = family_spec(m)
+    rows = int(spec.init_fields(m.init_from)["vocab_size"])
     if vocab != rows or tokenizer_vocab > rows:
         raise ConfigError(f"model.init_from={m.init_from} has {rows} embedding rows, but this run has {vocab} "
                           f"(a tokenizer of {tokenizer_vocab} tokens): train with the tokenizer that checkpoint "
                           f"was trained with (data.tokenizer=<its directory or hub name>) and "
                           f"model.vocab_size={rows}.")
-    return hf_llama.read_weights(m.init_from)
+    return spec.init_weights(m.init_from, int(m.block_size))
+
+
+def init_from_banner(adopted: dict) -> str:
+    """The banner's line on ``model.init_from``: the directory, and which of the
+    model's values its config.json replaced (the rest of the architecture agreed)."""
+    if not adopted:
+        return ""
+    changed = ", ".join(f"{k} {show(a) if a is not None else 'unset'} -> {show(b)}"
+                        for k, (a, b) in adopted["replaced"].items())
+    return (f"\n  init_from {adopted['path']}: architecture from its config.json"
+            + (f" (replacing the preset's {changed})" if changed else " (the preset's, unchanged)"))

@@ -3,10 +3,10 @@
 In: ``model.init_from=<dir>`` names a directory that ``transformers`` wrote for
 a ``LlamaForCausalLM`` (``config.json`` and safetensors weights). The loader
 reads the config (:func:`read_config`), refuses what this model cannot
-reproduce (biases, rotary scaling, another activation), checks that the run's
-model fields match the checkpoint (:func:`check_shape`), reads the weights
-under our names (:func:`read_weights`) and copies them into a model that was
-built on ``meta`` and materialized (:func:`load_into`). Out: :func:`hf_config`
+reproduce (biases, rotary scaling, another activation), gives the architecture
+it fixes (:func:`init_fields`, which the run takes: ``families.adopt_init_from``),
+reads the weights under our names, each checked (:func:`read_weights`), and
+copies them into a model that was built on ``meta`` and materialized (:func:`load_into`). Out: :func:`hf_config`
 and :func:`to_hf_state_dict` give the ``config.json`` and the state dict that
 ``LlamaForCausalLM`` loads.
 
@@ -14,8 +14,7 @@ The names map one to one and no tensor is reshaped: our RoPE rotates halves
 (``transformers``' ``rotate_half``), so the q/k projections need none of the
 permutation that converting Meta's interleaved checkpoints does.
 
-Weights are read from safetensors only. ``pytorch_model.bin`` is a pickle, and
-unpickling a downloaded file can run any code in it.
+Weights are read from safetensors only (``hf_read.py``, which both families share).
 
 Two things in ``transformers``' format moved between versions, and both
 spellings are read: the rotary base is ``rope_theta`` (4.x) or
@@ -25,7 +24,6 @@ spellings are read: the rotary base is ``rope_theta`` (4.x) or
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -35,7 +33,8 @@ import torch.nn as nn
 
 from mptrain.core.errors import ConfigError
 from mptrain.model.common import write_whole
-from mptrain.model.llama import LlamaShape
+from mptrain.model.hf_read import check_tensors, read_config_json, read_tensors, show, where
+from mptrain.model.llama import Llama, LlamaShape
 
 PathLike = Union[str, Path]
 
@@ -97,42 +96,12 @@ def expected_hf_names(n_layer: int, tied: bool) -> list[str]:
 
 
 # ----------------------------------------------------------------------- config
-def _where(path: PathLike) -> str:
-    return f"model.init_from={path}"
-
-
 def read_config(path: PathLike) -> dict:
     """``<path>/config.json`` of a ``LlamaForCausalLM`` this model can reproduce,
     as a dict; anything else is one :class:`ConfigError` naming the field."""
-    d = Path(path)
-    if not d.is_dir():
-        raise ConfigError(f"{_where(path)}: no such directory; point model.init_from at a directory "
-                          "that transformers' save_pretrained wrote for a LlamaForCausalLM")
-    f = d / "config.json"
-    if not f.is_file():
-        raise ConfigError(f"{_where(path)}: the directory has no config.json; point model.init_from at a "
-                          "directory that transformers' save_pretrained wrote for a LlamaForCausalLM")
-    try:
-        hf = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{_where(path)}: config.json cannot be read as JSON ({e}); "
-                          "write it again with transformers' save_pretrained") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{_where(path)}: config.json is not a JSON object; "
-                          "write it again with transformers' save_pretrained")
-    _check_is_llama(hf, path)
+    hf = read_config_json(path, "llama", "LlamaForCausalLM")
     _check_supported(hf, path)
     return hf
-
-
-def _check_is_llama(hf: dict, path: PathLike) -> None:
-    fix = "point model.init_from at a LlamaForCausalLM directory"
-    if hf.get("model_type") != "llama":
-        raise ConfigError(f"{_where(path)}: config.json has model_type {hf.get('model_type')!r}, not 'llama'; {fix}")
-    arch = hf.get("architectures")
-    if not isinstance(arch, list) or "LlamaForCausalLM" not in arch:
-        raise ConfigError(f"{_where(path)}: config.json has architectures {arch!r}, without 'LlamaForCausalLM' "
-                          f"(a checkpoint without the language-model head, or another model); {fix}")
 
 
 def _rope_scaling(hf: dict) -> Optional[dict]:
@@ -152,23 +121,23 @@ def _check_supported(hf: dict, path: PathLike) -> None:
     """Refuse the LlamaConfig options our Llama does not have."""
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
-            raise ConfigError(f"{_where(path)}: config.json has {key}={json.dumps(hf[key])}, and mptrain's Llama "
+            raise ConfigError(f"{where(path)}: config.json has {key}={json.dumps(hf[key])}, and mptrain's Llama "
                               "has no biases; load a checkpoint without them")
     scaling = _rope_scaling(hf)
     if scaling:
         (key, value), = scaling.items()
-        raise ConfigError(f"{_where(path)}: config.json has {key}={json.dumps(value)}, and rotary scaling "
+        raise ConfigError(f"{where(path)}: config.json has {key}={json.dumps(value)}, and rotary scaling "
                           "(Llama 3.1's rope_scaling among them) is not supported yet; "
                           "load a checkpoint with plain RoPE (rope_scaling null)")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        raise ConfigError(f"{_where(path)}: config.json has hidden_act {act!r}, and mptrain's Llama uses SwiGLU "
+        raise ConfigError(f"{where(path)}: config.json has hidden_act {act!r}, and mptrain's Llama uses SwiGLU "
                           "(silu); load a checkpoint with hidden_act 'silu'")
     head_dim = hf.get("head_dim")
     if head_dim is not None and "hidden_size" in hf and "num_attention_heads" in hf:
         natural = hf["hidden_size"] // hf["num_attention_heads"]
         if head_dim != natural:
-            raise ConfigError(f"{_where(path)}: config.json has head_dim={head_dim}, not hidden_size // "
+            raise ConfigError(f"{where(path)}: config.json has head_dim={head_dim}, not hidden_size // "
                               f"num_attention_heads = {natural}, and mptrain's Llama derives the head size; "
                               "load a checkpoint whose head_dim is hidden_size / num_attention_heads")
 
@@ -202,6 +171,13 @@ def shape_fields(hf: dict) -> dict:
     }
 
 
+def init_fields(path: PathLike) -> dict:
+    """The architecture ``model.init_from``'s (checked) config.json fixes, as
+    ``model`` fields, plus ``max_positions`` (:func:`shape_fields`); no QK-norm,
+    which a LlamaForCausalLM has no weights for."""
+    return {**shape_fields(read_config(path)), "qk_norm": False}
+
+
 def model_fields(hf: dict) -> dict:
     """The mptrain ``model`` fields of a Llama ``config.json`` (as :func:`hf_config`
     writes it, or ``LlamaConfig.to_dict()`` of either transformers version):
@@ -212,116 +188,45 @@ def model_fields(hf: dict) -> dict:
     return {"family": "llama", **fields, "bias": False, "qk_norm": False}
 
 
-_HF_FIELD = {
+HF_FIELD = {
     "n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
     "d_model": "hidden_size", "ffn_hidden": "intermediate_size", "vocab_size": "vocab_size",
     "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
+    "qk_norm": "LlamaForCausalLM has no QK-norm",
 }
-"""Our ``model`` field -> the config.json key it must equal."""
-
-
-def _show(v: Any) -> str:
-    """A value as a command-line override spells it (``true``, not ``True``)."""
-    return json.dumps(v) if isinstance(v, bool) else str(v)
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
-    return a == b
-
-
-def check_shape(fields_wanted: dict, hf: dict, path: PathLike) -> None:
-    """The run's model fields (``fields_wanted``: any of :func:`shape_fields`'
-    keys but ``max_positions``, and ``block_size``) against the checkpoint's;
-    the first difference, or a ``block_size`` past ``max_position_embeddings``,
-    is one :class:`ConfigError` with the override that fixes it."""
-    unknown = set(fields_wanted) - set(_HF_FIELD) - {"block_size"}
-    if unknown:
-        raise ValueError(f"check_shape: unknown model fields {sorted(unknown)}")  # a caller's bug, not the user's
-    have = shape_fields(hf)
-    for key, hf_key in _HF_FIELD.items():
-        if key in fields_wanted and not _same(fields_wanted[key], have[key]):
-            raise ConfigError(
-                f"{_where(path)}: model.{key} is {_show(fields_wanted[key])} here but the checkpoint has "
-                f"{hf_key}={_show(have[key])}; set model.{key}={_show(have[key])} "
-                "(or drop the override and take the preset that matches)")
-    block = fields_wanted.get("block_size")
-    if block is not None and int(block) > have["max_positions"]:
-        raise ConfigError(
-            f"{_where(path)}: model.block_size is {block} here but the checkpoint has "
-            f"max_position_embeddings={have['max_positions']}; set model.block_size to at most "
-            f"{have['max_positions']} (RoPE past the trained length is not reliable)")
+"""Our ``model`` field -> the config.json key that fixes it (:func:`shape_fields`)."""
 
 
 # ---------------------------------------------------------------------- weights
-def safetensors_files(d: Path, path: PathLike) -> list[Path]:
-    """The safetensors files of checkpoint directory ``d``: ``model.safetensors``
-    or the shards its ``model.safetensors.index.json`` lists (as transformers looks)."""
-    single = d / "model.safetensors"
-    if single.is_file():
-        return [single]
-    index = d / "model.safetensors.index.json"
-    if not index.is_file():
-        pickles = sorted(p.name for p in d.glob("pytorch_model*.bin*"))
-        found = f"only {', '.join(pickles)}, and " if pickles else ""
-        raise ConfigError(
-            f"{_where(path)}: the directory has {found}no model.safetensors or model.safetensors.index.json; "
-            "pytorch_model.bin pickles are refused on purpose (unpickling can run code), so convert it with "
-            "transformers' save_pretrained(dir, safe_serialization=True)")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        shards = sorted(set(weight_map.values()))
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"{_where(path)}: model.safetensors.index.json has no readable weight_map ({e!r}); "
-                          "write the checkpoint again with transformers' save_pretrained") from None
-    files = []
-    for name in shards:
-        f = d / name
-        # A shard named '../x' would read outside the checkpoint: only files in the directory itself.
-        if Path(name).name != name or not f.is_file():
-            raise ConfigError(f"{_where(path)}: model.safetensors.index.json lists the shard {name!r}, which is "
-                              "not a file in the directory; copy the complete checkpoint")
-        files.append(f)
-    return files
+def expected_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor a ``LlamaForCausalLM`` of (checked) config ``hf`` saves, by
+    its name, with the shape the config makes it (from our Llama of that shape,
+    built on ``meta``: no memory)."""
+    f = shape_fields(hf)
+    shape = LlamaShape(vocab_size=f["vocab_size"], n_layer=f["n_layer"], n_head=f["n_head"], d_model=f["d_model"],
+                       block_size=1, n_kv_head=f["n_kv_head"], ffn_hidden=f["ffn_hidden"],
+                       tie_embeddings=f["tie_embeddings"])
+    with torch.device("meta"):
+        model = Llama(shape)
+    return {ours_to_hf_name(n): tuple(p.shape) for n, p in model.named_parameters()}
 
 
 def read_weights(path: PathLike) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under our names (CPU, the file's dtypes): every
-    tensor ``read_config(path)`` implies, none missing and none unknown, else
-    one :class:`ConfigError` naming it. A tied checkpoint gives no
-    ``lm_head.weight`` (it is ``wte.weight``); rotary ``inv_freq`` buffers,
-    which old transformers versions saved, are skipped (RoPE recomputes them)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    tensor ``read_config(path)`` implies, none missing and none unknown, each of
+    the shape the config makes it and finite, else one :class:`ConfigError`
+    naming it (:func:`mptrain.model.hf_read.check_tensors`). A tied checkpoint
+    gives no ``lm_head.weight`` (it is ``wte.weight``); rotary ``inv_freq``
+    buffers, which old transformers versions saved, are skipped (RoPE recomputes them)."""
     hf = read_config(path)
     tied = bool(hf.get("tie_word_embeddings", False))
-    raw: dict[str, torch.Tensor] = {}
-    for f in safetensors_files(Path(path), path):
-        try:
-            raw.update(load_file(f))
-        except (SafetensorError, OSError) as e:
-            raise ConfigError(f"{_where(path)}: {f.name} cannot be read as safetensors ({e}); "
-                              "copy the checkpoint again") from None
-    raw = {k: v for k, v in raw.items() if not k.endswith("rotary_emb.inv_freq")}
+    raw = {k: v for k, v in read_tensors(path).items() if not k.endswith("rotary_emb.inv_freq")}
     if tied:
         raw.pop("lm_head.weight", None)  # tied: transformers points the head at the embedding, whatever is saved
-
-    expected = expected_hf_names(int(hf["num_hidden_layers"]), tied)
-    missing = [n for n in expected if n not in raw]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ConfigError(f"{_where(path)}: the checkpoint has no tensor {missing[0]}{more}, which its config.json "
-                          f"(num_hidden_layers={hf['num_hidden_layers']}, tie_word_embeddings={_show(tied)}) "
-                          "implies; copy the complete checkpoint")
-    extra = sorted(set(raw) - set(expected))
-    if extra:
-        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise ConfigError(f"{_where(path)}: the checkpoint has the tensor {extra[0]}{more}, which mptrain's Llama "
-                          f"of num_hidden_layers={hf['num_hidden_layers']} has no place for; "
-                          "load a plain LlamaForCausalLM checkpoint")
-    return {hf_to_ours_name(n): raw[n] for n in expected}
+    shapes = expected_shapes(hf)
+    check_tensors(raw, shapes, path, f"num_hidden_layers={hf['num_hidden_layers']}, hidden_size="
+                  f"{hf['hidden_size']}, tie_word_embeddings={show(tied)}", "Llama")
+    return {hf_to_ours_name(n): raw[n] for n in shapes}
 
 
 def load_into(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:

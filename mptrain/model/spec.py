@@ -44,6 +44,14 @@ class FamilySpec:
     """A ``config.json`` of that class -> the ``model`` fields it implies (the way back)."""
     hf_state_dict: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]]
     """(our state dict, shape) -> the tensors under ``transformers``' names and layouts."""
+    init_fields: Callable[[Any], dict]
+    """``model.init_from``'s directory -> the ``model`` fields its (checked) config.json
+    fixes, plus ``max_positions``: the longest ``block_size`` it has positions for."""
+    hf_field: dict[str, str]
+    """Each of those fields -> the config.json key it comes from, as refusals name it."""
+    init_weights: Callable[[Any, int], dict[str, torch.Tensor]]
+    """(``model.init_from``'s directory, ``block_size``) -> its tensors under our names
+    (CPU, each checked: names, shapes, finite values)."""
 
     def build(self, m: Any, vocab: int) -> nn.Module:
         """The model ``m`` describes with ``vocab`` embedding rows, on the

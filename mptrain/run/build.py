@@ -63,6 +63,11 @@ def build_data(cfg: DictConfig, ctx: DistContext, say: Callable[[str], None]) ->
     if ctx.local_rank != 0:
         tokens = prepare(cfg.data, log=quiet)
     vocab = cfg.model.vocab_size or padded_vocab(tokens.vocab_size)
+    if vocab < tokens.vocab_size and cfg.model.init_from:  # the rows are the checkpoint's (adopt_init_from)
+        raise ConfigError(
+            f"model.init_from={cfg.model.init_from} has {vocab} embedding rows, fewer than the tokenizer's "
+            f"{tokens.vocab_size} ids: train with the tokenizer that checkpoint was trained with "
+            "(data.tokenizer=<its directory or hub name>).")
     if vocab < tokens.vocab_size:
         raise ConfigError(
             f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mptrain.core import files
 from mptrain.data.store import cache_dir
-from mptrain.model.families import family_spec
+from mptrain.model.families import family_spec, init_from_banner
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.optimizers import stored_as
 from mptrain.run.rundir import writing
@@ -188,7 +188,7 @@ def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run
     lines = [
         f"mptrain | {m.name} ({info['params'] / 1e6:.2f}M params, "
         f"{m.n_layer}x{m.d_model}, {m.n_head} heads, block {m.block_size}, vocab {info['vocab_size']})"
-        + family_spec(m).banner(m),
+        + family_spec(m).banner(m) + init_from_banner(info.get("init_from")),
         f"  device {ctx.device} | world size {ctx.world} | parallel={cfg.parallel.name.value}"
         + (f" ({ctx.backend})" if ctx.backend else ""),
         f"  data {info['corpus']} | tokenizer {tokens.tokenizer.name} | {info['train_tokens']:,} train / "

@@ -27,9 +27,11 @@ import torch.nn as nn
 
 from omegaconf import DictConfig
 
+from mptrain.config.checks import given_model_keys
 from mptrain.core.errors import ConfigError
 from mptrain.data.batches import Prefetcher, ValSet
 from mptrain.distributed.parallel import DistContext, export_submitit_env, setup
+from mptrain.model.families import adopt_init_from
 from mptrain.precision.rules import validate
 from mptrain.run.build import build_data, build_model, build_policy
 from mptrain.checkpoint.checkpointer import Checkpointer, Progress
@@ -53,6 +55,8 @@ def run(cfg: DictConfig, run_dir: Optional[str | Path] = None) -> dict:
     run_dir = Path(run_dir) if run_dir else _hydra_run_dir()
     export_submitit_env()  # a submitit task learns its rank here; only rank 0 locks the directory
     with held(run_dir) as claim:
+        # model.init_from's architecture replaces the preset's (a value the run set itself that differs is refused)
+        adopted = adopt_init_from(cfg.model, given_model_keys(cfg.model))
         validate(cfg)
         ctx = setup(cfg.parallel, cfg.train.device)
         log = RunLog(run_dir / LOG_NAME, enabled=ctx.is_main)  # the console, kept in <run>/train.log
@@ -64,7 +68,7 @@ def run(cfg: DictConfig, run_dir: Optional[str | Path] = None) -> dict:
                     return finished_summary(run_dir)
                 if plan.closing:
                     log.say(plan.closing)
-                return Trainer(cfg, ctx, run_dir, plan, claim, log).train()
+                return Trainer(cfg, ctx, run_dir, plan, claim, log, adopted).train()
         except BaseException as e:
             log.failure(e)
             raise
@@ -86,7 +90,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ build
     def __init__(self, cfg: DictConfig, ctx: DistContext, run_dir: Path, plan: Optional[ResumePlan] = None,
-                 claim: Optional[Claim] = None, log: Optional[RunLog] = None):
+                 claim: Optional[Claim] = None, log: Optional[RunLog] = None, adopted: Optional[dict] = None):
         t_start = start_clock(ctx.device)  # wall time and peak memory count from here
         validate(cfg, ctx.world)
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
@@ -97,6 +101,8 @@ class Trainer:
         self.built = build_model(cfg, ctx, policy, self.data.vocab, self.data.tokens.vocab_size)
         # run_info and the dtype table: what the banner prints and config.yaml records
         self.report = Reporter(cfg, ctx, run_dir, t_start, self.runlog, policy, self.data, self.built)
+        if adopted:  # what model.init_from's config.json fixed (adopt_init_from), for run_info and the banner
+            self.report.record.info["init_from"] = adopted
         self._build_parts(policy)
         self._build_state()
         self._resume()

@@ -7,7 +7,14 @@ planted at step 1 with ``train.on_nonfinite=abort`` (numerics stop the job).
 """
 from __future__ import annotations
 
+import json
+import os
+import signal
+import threading
+import time
 from pathlib import Path
+
+from mptrain.run.launch import launch
 
 from .conftest import TINY, run_cli
 
@@ -49,3 +56,31 @@ def test_a_failing_job_neither_stops_the_sweep_nor_goes_unsaid(tmp_path):
     assert summary and summary[-1].endswith(
         "3 jobs: 1 ok, 1 user error, 1 numerics stop; exit code 2 (the worst outcome)"), summary
     assert str(Path(sweep.relative_to(tmp_path)) / "outcomes.md") in r.stdout
+
+
+def test_a_signal_stops_the_sweep_at_the_job_it_reached(tmp_path, capsys):
+    """Ctrl-C asks the whole command to stop: the job it reaches saves and stops, no later job
+    starts, and the table says so. In this process (a real SIGINT to it), to spare a start-up."""
+    sweep = tmp_path / "sweep"
+    metrics = sweep / "0" / "metrics.jsonl"
+
+    def interrupt_once_training():
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    sender = threading.Thread(target=interrupt_once_training)
+    sender.start()
+    code = launch(["-m", *TINY, "train.max_steps=400", "train.seed=1,2", f"hydra.sweep.dir={sweep}"])
+    sender.join()
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    assert summary["stopped_early"] == "SIGINT" and summary["steps"] < 400, summary
+    assert not (sweep / "1").exists()  # the second job never started
+    rows = _table_rows((sweep / "outcomes.md").read_text())
+    # one job in the table, so no override varies: the table shows them all
+    assert rows[0][1].endswith("train.seed=1") and rows[0][2:4] == ["stopped (SIGINT)", "0"], rows
+    assert rows[0][4] == f"stopped by SIGINT at step {summary['steps']} (checkpoint saved)", rows
+    assert f"the sweep stopped at job 0: SIGINT asked the command to stop; the later jobs did not run" in out, out

@@ -85,6 +85,12 @@ class SweepJob:
     peers, which may still be training that job: there, a failed job ends the launch."""
     code: int = 0
     said: str = ""
+    signal: str = ""
+    """The signal that stopped this job (SIGTERM, SIGINT), which stops the sweep too."""
+
+    @property
+    def outcome(self) -> str:
+        return f"stopped ({self.signal})" if self.signal else OUTCOMES.get(self.code, f"exit {self.code}")
 
 
 class Sweep:
@@ -135,7 +141,7 @@ class Sweep:
             said = job.said
             if job.code and not job.dir.exists():
                 said += (" Its" if said.endswith(".") else "; its") + " directory was removed (nothing had been trained)"
-            rows.append([str(job.num), " ".join(shown), OUTCOMES.get(job.code, f"exit {job.code}"),
+            rows.append([str(job.num), " ".join(shown), job.outcome,
                          str(job.code), said])
         return ["job", "overrides", "outcome", "exit code", "what happened"], rows
 
@@ -150,10 +156,13 @@ class Sweep:
         last, sweep_dir = self.jobs[-1], self.jobs[-1].sweep_dir
         counts: dict[str, int] = {}
         for job in self.jobs:
-            outcome = OUTCOMES.get(job.code, f"exit {job.code}")
-            counts[outcome] = counts.get(outcome, 0) + 1
+            counts[job.outcome] = counts.get(job.outcome, 0) + 1
         lines = ["", *text_table(*self.table())]
-        if last.code and not last.goes_on:
+        if last.signal:
+            lines.append(f"the sweep stopped at job {last.num}: {last.signal} asked the command to stop; the later "
+                         f"jobs did not run (job {last.num} continues with its own command and "
+                         f"hydra.run.dir={last.dir})")
+        elif last.code and not last.goes_on:
             lines.append(f"the sweep stopped at job {last.num}: under torchrun every rank runs the jobs in step, "
                          "so a failed job ends the launch; the later jobs did not run")
         lines.append(f"sweep {sweep_dir}: {len(self.jobs)} jobs: "
@@ -183,32 +192,38 @@ class Task:
         self.startup.hydra_errors.give_back()
         job = Sweep.current()
         LauncherReport.from_env().note_run_dir(Path(HydraConfig.get().runtime.output_dir))
-        code, said = self._run(cfg, in_sweep=job is not None)
+        code, said, signal = self._run(cfg, in_sweep=job is not None)
         if job is not None:
+            job.signal = signal
             self.sweep.ended(job, code, said)
-        if code and not (job is not None and job.goes_on):
+        if (code or signal) and not (job is not None and job.goes_on and not signal):
+            # a signal asked the whole command to stop: the job saved its checkpoint, no later job starts
             raise RunExit(code)
 
-    def _run(self, cfg: DictConfig, in_sweep: bool) -> tuple[int, str]:
-        """Run ``cfg``: the exit code and the line said about it."""
+    def _run(self, cfg: DictConfig, in_sweep: bool) -> tuple[int, str, str]:
+        """Run ``cfg``: the exit code, the line said about it, and the signal that stopped
+        it early ("" when none did; ``train.stop_after`` is a planned stop, not a signal)."""
         try:
             summary = run(cfg)
         except UserError as e:
             # One clear message, no traceback: the problem is the user's to fix, not
             # the code's; its kind (configuration, run directory, checkpoint, save...)
             # says where to look. Under torchrun, once for all the ranks that meet it.
-            return self._say(2, e.one_line())
+            return *self._say(2, e.one_line()), ""
         except NonFiniteError as e:
-            return self._say(3, f"training stopped: {e}")
+            return *self._say(3, f"training stopped: {e}"), ""
         except Exception as e:
             if peer_gone(e):
-                return self._peer_lost(e)
+                return *self._peer_lost(e), ""
             if not in_sweep:
                 raise  # Hydra reports it (a single run, or a submitit job)
             traceback.print_exc()  # a bug: its traceback, and the sweep's other jobs still run
-            return 1, f"{type(e).__name__}: {e}".splitlines()[0]
-        loss = summary.get("final/train_loss") if isinstance(summary, dict) else None
-        return 0, "finished" + (f", train loss {fmt(loss)}" if loss is not None else "")
+            return 1, f"{type(e).__name__}: {e}".splitlines()[0], ""
+        summary = summary if isinstance(summary, dict) else {}
+        loss, stopped = summary.get("final/train_loss"), str(summary.get("stopped_early", ""))
+        if stopped and not stopped.startswith("train.stop_after"):
+            return 0, f"stopped by {stopped} at step {summary.get('steps')} (checkpoint saved)", stopped
+        return 0, "finished" + (f", train loss {fmt(loss)}" if loss is not None else ""), ""
 
     def _say(self, code: int, line: str) -> tuple[int, str]:
         self.startup.agreement.say_once(f"mptrain: {line}")

@@ -18,8 +18,8 @@ will, it is stopped at the next step (the trainer's own stop, as on SIGTERM),
 its tokens/s over the steps it ran is reported with ``capped`` and the steps
 and seconds it was timed on, and that setting is not run again. Such a row is
 what the setting costs, not a benchmark of it: on an Intel Xeon whose oneDNN
-float8 path is a reference loop, ``fp8-scaled_mm`` runs at about 1/100 of
-fp32's speed and would take ten minutes alone.
+float8 path is a reference loop, ``fp8-scaled_mm`` ran at 0.009x fp32's
+tokens/s and took ten minutes alone before the cap.
 
 The figure the float8 emulation is judged by: fp8 at >= 0.3x fp32's tokens/s
 on a CPU whose ``torch._scaled_mm`` is slow. On a CPU without native bf16 the

@@ -109,7 +109,8 @@ backward, one thread), and through the sigmoid form otherwise. Below 1, so that
 only a clear gain changes the kernel: the two give the same function but not the
 same bits, and a choice that flipped between two runs' processes on one machine
 would break bit-for-bit resumption. Measured on an AMD EPYC (avx2, whose tanh
-kernel is slow): 1.5-1.6 idle, 1.14-1.47 at a load average of 14 on 2 cores."""
+kernel is slow): 1.5-1.6 idle, 1.02-1.71 at load averages of 4 to 14 on 2 cores
+(other jobs' memory traffic slows the sigmoid form's ten passes more)."""
 
 
 class GeluChoice(NamedTuple):

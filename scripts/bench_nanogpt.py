@@ -100,6 +100,7 @@ from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
 from mptrain.precision import optimizers  # noqa: E402
 from mptrain.run.nonfinite import NO_GUARD, NonFiniteGuard  # noqa: E402
+from mptrain.model.common import cpu_gelu_kernel  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import setup  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
@@ -407,7 +408,8 @@ def main() -> None:
         print(f"{PROG} {'--profile' if a.profile else '--cpu-time'}: machine {machine()}\n"
               f"  shape {m.n_layer} layers x {m.d_model}, {m.n_head} heads, block {m.block_size}, batch "
               f"{cfg.train.global_batch_size}, fp32 eager | vocab: nanoGPT {tokens.vocab_size}, harness "
-              f"{m.vocab_size or padded_vocab(tokens.vocab_size)}", flush=True)
+              f"{m.vocab_size or padded_vocab(tokens.vocab_size)}\n"
+              f"  harness GELU kernel (fp32, CPU): {cpu_gelu_kernel().kernel} ({cpu_gelu_kernel().why})", flush=True)
         if a.profile:
             profile(root, cfg, tokens, a.steps or 6, a.repeats)
         else:

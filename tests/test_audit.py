@@ -207,11 +207,81 @@ def test_activation_checkpointing_recompute_is_attributed():
 
 def test_fp8_linears_show_their_format():
     # torchao is part of the dev install (as for tests/test_fp8.py): no skip when it is missing
-    audit = _audit(*_nano("fp8"))
+    model, opt, policy, scaler = _nano("fp8")
+    audit = _audit(model, opt, policy, scaler)
     mods = audit.report()["modules"]
     assert audit.flags == []
-    assert {m for m in LINEARS if mods[m]["matmul"] == "e4m3"} == LINEARS - {"lm_head"}
+    # precision.fp8.matmul=auto: torch._scaled_mm where it is fast (an AMD EPYC), the fp32
+    # emulation where it is not (an Intel Xeon); either way the operands are e4m3
+    want = {"scaled_mm": "e4m3", "emulated": "e4m3 (emulated in fp32)"}[policy.lowp.matmul]
+    assert {m for m in LINEARS if mods[m]["matmul"] == want} == LINEARS - {"lm_head"}
     assert mods["lm_head"]["matmul"] == "bf16"  # the tied head is excluded from float8
+
+
+def test_emulated_fp8_matmul_is_reported_as_float8():
+    """precision.fp8.matmul=emulated (what auto picks on an Intel Xeon): torchao widens
+    the e4m3/e5m2 operands to fp32, divides by their scales and multiplies in fp32. The
+    audit follows the widened values to the product, reports it as float8 and flags nothing."""
+    audit = _audit(*_nano("fp8", "precision.fp8.matmul=emulated"))
+    rep = audit.report()
+    assert audit.flags == []
+    assert {m for m in LINEARS if rep["modules"][m]["matmul"] == "e4m3 (emulated in fp32)"} == LINEARS - {"lm_head"}
+    assert rep["modules"]["lm_head"]["matmul"] == "bf16"
+    emulates = {(r["phase"], r["op"], r["emulates"]) for r in rep["ops"] if r["module"] == "blocks.0.mlp.fc"
+                and r["category"] == "matmul" and "emulates" in r}
+    # forward e4m3 x e4m3; backward's two products take the e5m2 output gradient
+    assert emulates == {("forward", "mm", "e4m3"), ("backward", "mm", "e4m3,e5m2")}
+    assert all(r["in"] == ["fp32"] for r in rep["ops"] if "emulates" in r)  # what the kernel saw
+    assert "blocks.0-1.mlp.fc    | e4m3 (emulated in fp32)" in audit.table()
+
+
+class _WidenedMatmul(torch.autograd.Function):
+    """A product of float8-rounded values, like an emulated float8 matmul, in a function
+    autocast cannot see into; ``both`` rounds both operands, otherwise only the input."""
+
+    @staticmethod
+    def forward(ctx, x, w, both):
+        with torch.autocast("cpu", enabled=False):
+            sx = x.abs().amax() / 448
+            a = x.div(sx).to(torch.float8_e4m3fn).float() * sx
+            b = w.div(2.0).to(torch.float8_e4m3fn).float().mul(2.0) if both else w
+            return a @ b.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None, None
+
+
+class _Widened(nn.Module):
+    def __init__(self, both: bool, d: int = 16):
+        super().__init__()
+        self.both = both
+        self.weight = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+
+    def forward(self, x, y):
+        out = _WidenedMatmul.apply(x, self.weight, self.both)
+        return out, F.mse_loss(out, y)
+
+
+@pytest.mark.parametrize("both", [True, False])
+def test_emulation_is_told_from_what_the_product_multiplies(both):
+    """Both operands float8 values widened (and scaled): an emulated float8 product,
+    whatever computed it. One operand plain fp32: the fp32 matmul it is, flagged inside
+    bf16 autocast like any other."""
+    torch.manual_seed(0)
+    model = _Widened(both)
+    policy = PrecisionPolicy(make_cfg("precision=bf16").precision, CPU)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = [(torch.randn(8, 16), torch.randn(8, 16))]
+    with DtypeAudit(model, opt, policy) as audit:
+        with policy.autocast():
+            _, loss = model(*batch[0])
+    mods = audit.report()["modules"]
+    if both:
+        assert mods["(root)"]["matmul"] == "e4m3 (emulated in fp32)" and audit.flags == []
+    else:
+        assert mods["(root)"]["matmul"] == "fp32"
+        assert [(f["op"], f["dtypes"]) for f in audit.flags] == [("mm", ["fp32"])]
 
 
 # ------------------------------------------------------------------ flags
@@ -288,6 +358,7 @@ def test_report_is_json():
     assert json.loads(json.dumps(rep)) == rep
     assert set(rep) >= {"phases", "ops", "modules", "flags", "expected"}
     assert sum(r["count"] for r in rep["ops"]) == rep["n_ops"] > 100
+    # "emulates" joins a row only for an emulated float8 product (none in bf16-pure)
     assert all(set(r) == {"module", "phase", "op", "category", "in", "out", "autocast", "count"} for r in rep["ops"])
     assert rep["flags"] and all(set(f) == {"module", "phase", "op", "dtypes", "problem", "fix"} for f in rep["flags"])
     lines = audit.table().splitlines()

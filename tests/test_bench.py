@@ -2,8 +2,10 @@
 (no timing assertions: speed is a benchmark's job)."""
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -110,3 +112,28 @@ def test_progress_line_on_a_terminal_and_in_a_file(monkeypatch):
     text = b"".join(chunks).decode()
     assert text.startswith("\r\x1b[K[2/2] bare  0/10 steps") and text.count("\n") == 1  # one line, redrawn
     assert "\r\x1b[K[2/2] bare 10/10 steps | done" in text
+
+
+def test_a_slow_row_is_timed_on_its_first_steps_and_capped():
+    """bench_precision's cap: the decision, then a real run stopped by it in this
+    process (a zero budget makes any row over budget once its first step is seen)."""
+    bp = load_script("bench_precision")
+    # used up its budget, or on course to: stop; one step left, or no pace yet and time left: go on
+    assert bp.over_budget(20.0, 3, 50, 20.0)
+    assert bp.over_budget(6.0, 3, 50, 20.0)  # 2 s a step, 50 to go
+    assert not bp.over_budget(6.0, 30, 20, 20.0)  # 0.2 s a step: done in 10 s
+    assert not bp.over_budget(30.0, 3, 1, 20.0)  # nothing left worth stopping for
+    assert not bp.over_budget(5.0, 0, 59, 20.0)  # the first step alone holds start-up work
+    assert bp.over_budget(21.0, 0, 59, 20.0)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        best = bp.fastest_capped(["fp32"], 2, 60, lambda _: ["model=gpt-nano", "train.max_steps=60",
+                                                           "data.max_chars=300000"], budget_s=0.0)
+    r = best["fp32"]
+    assert r.capped.startswith("capped after ") and " of 60 steps" in r.capped and r.tokens_per_s > 0
+    steps = int(r.capped.split()[2])
+    assert 1 <= steps < 60  # stopped by the trainer's own stop, not killed: the summary was written
+    progress = [line for line in out.getvalue().splitlines() if line.startswith("  [")]
+    assert all(line.startswith("  [1/2] fp32") for line in progress), progress  # not run again
+    assert progress[-1].endswith(r.capped)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers put back

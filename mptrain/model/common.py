@@ -5,7 +5,7 @@ attention, its MLP, its embeddings) and takes the rest from here: the
 pre-norm block that strings a norm, an attention and an MLP together, the
 drawing of the initial weights, the fp32 loss, the forward from the embedded
 tokens to the logits, and the attention probe the stability monitor switches
-on. One block class means one thing for the wrappers to find (FSDP units,
+on; and the GPT family's tanh GELU, whose CPU kernel is chosen per CPU kind. One block class means one thing for the wrappers to find (FSDP units,
 activation checkpointing, compiling) whatever the family.
 
 As in the families, no distributed or precision code lives here; the one
@@ -14,15 +14,179 @@ that an initial weight can land in a parameter that is already a shard.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional
+import time
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from mptrain.core.sums import fixed_sum
 from mptrain.model.names import canonical_name
+
+# ------------------------------------------------------------------ the tanh GELU
+# GELU's tanh approximation, 0.5 x (1 + tanh(c (x + 0.044715 x^3))) with c = sqrt(2 / pi),
+# is the same function as x * sigmoid(u) with u = x (B + A x^2), B = 2c, A = 0.044715 B.
+_GELU_B = 2.0 * math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715 * _GELU_B
+# _SigmoidTanhGelu's operands (it runs on the CPU in fp32 only), made once: a tensor made
+# per call costs more than the kernels on a small activation. Never written to.
+_GELU_B_CPU = torch.tensor(_GELU_B, dtype=torch.float32)
+_ONE_CPU = torch.tensor(1.0, dtype=torch.float32)
+# Elements per slice of a larger activation (1 MiB of fp32): each slice's passes run while
+# it is still in the cache, so only the first read and the last write go out to memory.
+_GELU_SLICE = 1 << 18
+
+
+class _SigmoidTanhGelu(torch.autograd.Function):
+    """The tanh-approximated GELU, evaluated as ``y = x * sigmoid(u)``: the same
+    function as ``F.gelu(x, approximate="tanh")``, to fp32 rounding (closer to
+    the exact value where ``1 + tanh`` cancels, for x below about -3), with the
+    same inf/nan values. It exists for speed on CPU, where torch's tanh kernel
+    is slow: inside a training step, forward and backward take about 0.7x the
+    time of ``F.gelu``'s on an AMD EPYC (avx2), but still up to 1.5x that of the
+    exact (erf) GELU's single-pass kernels (``docs/performance.md``, "Against
+    nanoGPT on CPU"); on a CPU where ``F.gelu`` measures faster,
+    :func:`cpu_gelu_kernel` picks that instead. CPU and fp32 only
+    (:func:`gelu_tanh` sends nothing else here).
+
+    Each pass (four forward, six backward) is a torch kernel of its own. On an
+    activation larger than :data:`_GELU_SLICE` elements they run slice by
+    slice, so that a slice's later passes find it in the cache (each pass over
+    a tensor larger than the cache would go out to memory), and the output and
+    the input's gradient are the only tensors of the activation's size made.
+
+    It saves ``x`` and its own output ``y``: no more memory than ``F.gelu``
+    (which saves ``x``), since the MLP's projection keeps ``y`` for its weight
+    gradient anyway. The backward pass reads the sigmoid back as ``y / x``
+    (1/2 at ``x = 0``) instead of evaluating it again, so it runs no
+    transcendental function; that costs one more rounding of the sigmoid, a
+    few fp32 ulps more of the gradient where its ``1 - sigmoid`` cancels (x
+    about 1 to 5). Two limits of that quotient: for a subnormal ``x``
+    (``|x| < 1.2e-38``) ``y`` has lost digits, so the gradient can be off by up
+    to 1/2; at ``x = +inf`` the gradient is inf, where ``F.gelu``'s is nan."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        if x.numel() <= _GELU_SLICE:
+            y = torch.addcmul(_GELU_B_CPU, x, x, value=_GELU_A).mul_(x).sigmoid_().mul_(x)
+        else:
+            y = torch.empty_like(x)
+            for xs, ys in zip(x.view(-1).split(_GELU_SLICE), y.view(-1).split(_GELU_SLICE), strict=True):
+                torch.addcmul(_GELU_B_CPU, xs, xs, value=_GELU_A, out=ys).mul_(xs).sigmoid_().mul_(xs)
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        x, y = ctx.saved_tensors
+        grad = grad.contiguous()
+        # d/dx x sigmoid(u) = s + x u' s (1 - s) = s + w (1 - s), with s = sigmoid(u) = y / x
+        # (0 / 0 at x = 0: sigmoid(0) = 1/2), u' = B + 3 A x^2 and w = x u' s = u' y: lerp(s, 1, w).
+        # Where the sigmoid saturates, 1 - s is exactly 0 and w (1 - s) is 0 for any finite w,
+        # as F.gelu's gradient is.
+        if x.numel() <= _GELU_SLICE:
+            w = torch.addcmul(_GELU_B_CPU, x, x, value=3 * _GELU_A).mul_(y)
+            return torch.div(y, x).nan_to_num_(0.5, math.inf, -math.inf).lerp_(_ONE_CPU, w).mul_(grad)
+        dx = torch.empty_like(x)
+        w = x.new_empty(_GELU_SLICE)
+        for xs, ys, gs, ds in zip(*(t.view(-1).split(_GELU_SLICE) for t in (x, y, grad, dx)), strict=True):
+            ws = w[:xs.numel()]
+            torch.addcmul(_GELU_B_CPU, xs, xs, value=3 * _GELU_A, out=ws).mul_(ys)
+            torch.div(ys, xs, out=ds).nan_to_num_(0.5, math.inf, -math.inf).lerp_(_ONE_CPU, ws).mul_(gs)
+        return dx
+
+
+GELU_TORCH_AT = 0.8
+"""On the CPU, fp32 activations go through ``F.gelu(approximate="tanh")`` where it
+measures at most this fraction of :class:`_SigmoidTanhGelu`'s time (forward and
+backward, one thread), and through the sigmoid form otherwise. Below 1, so that
+only a clear gain changes the kernel: the two give the same function but not the
+same bits, and a choice that flipped between two runs' processes on one machine
+would break bit-for-bit resumption. Measured on an AMD EPYC (avx2, whose tanh
+kernel is slow): 1.5-1.6 idle, 1.02-1.71 at load averages of 4 to 14 on 2 cores
+(other jobs' memory traffic slows the sigmoid form's ten passes more)."""
+
+
+class GeluChoice(NamedTuple):
+    """Which kernel evaluates the tanh GELU on fp32 CPU activations, and why."""
+
+    kernel: str  # "sigmoid" (_SigmoidTanhGelu) or "torch" (F.gelu, approximate="tanh")
+    why: str
+
+
+def _gelu_seconds(reps: int = 5) -> dict[str, float]:
+    """Forward + backward of each kernel on one slice (``_GELU_SLICE`` fp32 elements),
+    in turns, at one thread, fastest of ``reps`` each (a shared host adds time, never
+    removes it).
+    Draws from its own generator, and runs outside any dispatch mode or autocast
+    (a dtype audit or a profiler active at the first call does not see it)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(_GELU_SLICE, generator=gen, device="cpu")
+    g = torch.randn(_GELU_SLICE, generator=gen, device="cpu")
+    kernels = {"sigmoid": _SigmoidTanhGelu.apply, "torch": lambda t: F.gelu(t, approximate="tanh")}
+    best = dict.fromkeys(kernels, math.inf)
+    threads = torch.get_num_threads()
+    # One thread, timed by its own CPU time: what differs between CPU kinds is the work per
+    # element, and other jobs on the host stretch this thread's CPU time far less than the
+    # wall time of several threads that wait for each other between the sigmoid form's kernels.
+    torch.set_num_threads(1)
+    try:
+        with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad(), \
+                torch.autocast("cpu", enabled=False):
+            for r in range(reps + 1):  # round 0 warms up
+                for name, fn in kernels.items():
+                    a = x.detach().requires_grad_()
+                    t = time.thread_time()
+                    fn(a).backward(g)
+                    if r:
+                        best[name] = min(best[name], time.thread_time() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return best
+
+
+def choose_gelu(seconds: dict[str, float]) -> GeluChoice:
+    """The kernel for the measured ``{"sigmoid": s, "torch": s}`` (:data:`GELU_TORCH_AT`)."""
+    ratio = seconds["torch"] / seconds["sigmoid"]
+    return GeluChoice("torch" if ratio <= GELU_TORCH_AT else "sigmoid",
+                      f"F.gelu(approximate='tanh') measured {ratio:.2f}x the sigmoid form's time here")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_gelu_kernel() -> GeluChoice:
+    """The kernel of :func:`gelu_tanh` for fp32 CPU activations, measured once per
+    process (about 30 ms of CPU time): the same function either way, to fp32 rounding."""
+    return choose_gelu(_gelu_seconds())
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (GPT-2's ``gelu_new``). fp32 on CPU in eager mode
+    goes through the kernel :func:`cpu_gelu_kernel` measured faster on this CPU
+    (:class:`_SigmoidTanhGelu` or ``F.gelu``); everything else, compiled graphs
+    included, through ``F.gelu``, whose kernel is fast on GPU and which a compiler
+    fuses."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+            and cpu_gelu_kernel().kernel == "sigmoid"):
+        return _SigmoidTanhGelu.apply(x)
+    return F.gelu(x, approximate="tanh")
+
+
+def gelu_kernel_text(model: nn.Module, device: torch.device) -> Optional[str]:
+    """What a run's banner and run_info say of its GELU, None for a model without the
+    tanh GELU or off the CPU (where it is always ``F.gelu``)."""
+    if device.type != "cpu" or not any(getattr(m, "gelu_tanh", False) for m in model.modules()):
+        return None
+    c = cpu_gelu_kernel()
+    name = {"sigmoid": "x * sigmoid(u)", "torch": "F.gelu(approximate='tanh')"}[c.kernel]
+    return f"gelu (tanh) kernel for fp32 activations: {name} ({c.why}); F.gelu otherwise"
+
+
 
 # ------------------------------------------------------------------ the block
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mptrain.model.common import AttentionProbe, Block, LossFn, blocks_and_head, draw_init
+from mptrain.model.common import AttentionProbe, Block, LossFn, blocks_and_head, draw_init, gelu_tanh
 
 
 @dataclass
@@ -104,89 +104,9 @@ class CausalSelfAttention(AttentionProbe, nn.Module):
         return self.resid_drop(self.proj(y))
 
 
-# GELU's tanh approximation, 0.5 x (1 + tanh(c (x + 0.044715 x^3))) with c = sqrt(2 / pi),
-# is the same function as x * sigmoid(u) with u = x (B + A x^2), B = 2c, A = 0.044715 B.
-_GELU_B = 2.0 * math.sqrt(2.0 / math.pi)
-_GELU_A = 0.044715 * _GELU_B
-# _SigmoidTanhGelu's operands (it runs on the CPU in fp32 only), made once: a tensor made
-# per call costs more than the kernels on a small activation. Never written to.
-_GELU_B_CPU = torch.tensor(_GELU_B, dtype=torch.float32)
-_ONE_CPU = torch.tensor(1.0, dtype=torch.float32)
-# Elements per slice of a larger activation (1 MiB of fp32): each slice's passes run while
-# it is still in the cache, so only the first read and the last write go out to memory.
-_GELU_SLICE = 1 << 18
-
-
-class _SigmoidTanhGelu(torch.autograd.Function):
-    """The tanh-approximated GELU, evaluated as ``y = x * sigmoid(u)``: the same
-    function as ``F.gelu(x, approximate="tanh")``, to fp32 rounding (closer to
-    the exact value where ``1 + tanh`` cancels, for x below about -3), with the
-    same inf/nan values. It exists for speed on CPU, where torch's tanh kernel
-    is slow: inside a training step, forward and backward take about 0.7x the
-    time of ``F.gelu``'s there, but still up to 1.5x that of the exact (erf)
-    GELU's single-pass kernels (``docs/performance.md``, "Against nanoGPT on
-    CPU"). CPU and fp32 only (:func:`gelu_tanh` sends nothing else here).
-
-    Each pass (four forward, six backward) is a torch kernel of its own. On an
-    activation larger than :data:`_GELU_SLICE` elements they run slice by
-    slice, so that a slice's later passes find it in the cache (each pass over
-    a tensor larger than the cache would go out to memory), and the output and
-    the input's gradient are the only tensors of the activation's size made.
-
-    It saves ``x`` and its own output ``y``: no more memory than ``F.gelu``
-    (which saves ``x``), since the MLP's projection keeps ``y`` for its weight
-    gradient anyway. The backward pass reads the sigmoid back as ``y / x``
-    (1/2 at ``x = 0``) instead of evaluating it again, so it runs no
-    transcendental function; that costs one more rounding of the sigmoid, a
-    few fp32 ulps more of the gradient where its ``1 - sigmoid`` cancels (x
-    about 1 to 5). Two limits of that quotient: for a subnormal ``x``
-    (``|x| < 1.2e-38``) ``y`` has lost digits, so the gradient can be off by up
-    to 1/2; at ``x = +inf`` the gradient is inf, where ``F.gelu``'s is nan."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        if x.numel() <= _GELU_SLICE:
-            y = torch.addcmul(_GELU_B_CPU, x, x, value=_GELU_A).mul_(x).sigmoid_().mul_(x)
-        else:
-            y = torch.empty_like(x)
-            for xs, ys in zip(x.view(-1).split(_GELU_SLICE), y.view(-1).split(_GELU_SLICE), strict=True):
-                torch.addcmul(_GELU_B_CPU, xs, xs, value=_GELU_A, out=ys).mul_(xs).sigmoid_().mul_(xs)
-        ctx.save_for_backward(x, y)
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        x, y = ctx.saved_tensors
-        grad = grad.contiguous()
-        # d/dx x sigmoid(u) = s + x u' s (1 - s) = s + w (1 - s), with s = sigmoid(u) = y / x
-        # (0 / 0 at x = 0: sigmoid(0) = 1/2), u' = B + 3 A x^2 and w = x u' s = u' y: lerp(s, 1, w).
-        # Where the sigmoid saturates, 1 - s is exactly 0 and w (1 - s) is 0 for any finite w,
-        # as F.gelu's gradient is.
-        if x.numel() <= _GELU_SLICE:
-            w = torch.addcmul(_GELU_B_CPU, x, x, value=3 * _GELU_A).mul_(y)
-            return torch.div(y, x).nan_to_num_(0.5, math.inf, -math.inf).lerp_(_ONE_CPU, w).mul_(grad)
-        dx = torch.empty_like(x)
-        w = x.new_empty(_GELU_SLICE)
-        for xs, ys, gs, ds in zip(*(t.view(-1).split(_GELU_SLICE) for t in (x, y, grad, dx)), strict=True):
-            ws = w[:xs.numel()]
-            torch.addcmul(_GELU_B_CPU, xs, xs, value=3 * _GELU_A, out=ws).mul_(ys)
-            torch.div(ys, xs, out=ds).nan_to_num_(0.5, math.inf, -math.inf).lerp_(_ONE_CPU, ws).mul_(gs)
-        return dx
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU, tanh approximation (GPT-2's ``gelu_new``). fp32 on CPU in eager mode
-    goes through :class:`_SigmoidTanhGelu` (faster there); everything else, compiled
-    graphs included, through ``F.gelu``, whose kernel is fast on GPU and which a
-    compiler fuses."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling():
-        return _SigmoidTanhGelu.apply(x)
-    return F.gelu(x, approximate="tanh")
-
-
 class MLP(nn.Module):
+    gelu_tanh = True  # the tanh GELU whose CPU kernel the banner names (common.gelu_kernel_text)
+
     def __init__(self, s: GPTShape):
         super().__init__()
         self.fc = nn.Linear(s.d_model, 4 * s.d_model, bias=s.bias)

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mptrain.core.shards import local_shard
 from mptrain.core.text import text_table
@@ -148,6 +149,67 @@ def _is_fp8(dt: torch.dtype) -> bool:
 
 def _first_float(ts: list[torch.Tensor]) -> Optional[torch.dtype]:
     return next((t.dtype for t in ts if t.is_floating_point()), None)
+
+
+# Element formats whose values an emulation widens (e8m0, the MX block scales' format, is a
+# scale, not an operand's element).
+_FP8_ELEMENTS = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                       "float8_e5m2fnuz") if hasattr(torch, n))
+_WIDEN = frozenset({"_to_copy", "to"})
+_SAME_VALUES = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute",
+                          "expand", "contiguous", "clone", "alias", "detach", "squeeze", "unsqueeze", "flatten",
+                          "unflatten", "as_strided"})
+_SCALE = frozenset({"mul", "div"})
+# Where the two matrices of a matmul are among its arguments (the rest: bias, accumulator).
+_SECOND_OPERAND = frozenset({"addmm", "baddbmm", "addbmm", "addmv", "_addmm_activation"})
+
+
+class _Widened:
+    """Which tensors hold float8 values widened to a wider float, and from which
+    format: what an emulated float8 matmul multiplies (torchao's ``emulate``, our
+    ``emulated_scaled_mm``, torchao's EMULATED MX kernel). A tensor is marked when
+    a cast makes it from float8 elements, and the mark follows it through what
+    keeps its values (views, reshapes, copies) and through a multiplication or
+    division by a smaller tensor or a number (its dequantizing scales, per tensor,
+    row or block). A matmul whose two operands are both marked is an emulated
+    float8 product; one with any unmarked operand is the plain product it looks
+    like. Marks are held weakly: they go when their tensor does."""
+
+    def __init__(self) -> None:
+        self.marks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def follow(self, name: str, args, out) -> None:
+        """Mark ``out`` of op ``name`` if it holds widened float8 values."""
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return
+        first = args[0] if args else None
+        if name in _WIDEN and isinstance(first, torch.Tensor) and first.dtype in _FP8_ELEMENTS:
+            if out.dtype not in _FP8_ELEMENTS and out.numel() == first.numel():
+                self.marks[out] = dtype_name(first.dtype)
+            return
+        if not self.marks:
+            return
+        if name in _SAME_VALUES and isinstance(first, torch.Tensor) and first in self.marks:
+            self.marks[out] = self.marks[first]
+        elif name in _SCALE and len(args) >= 2:
+            marked, other = (args[0], args[1]) if self._marked(args[0]) else (args[1], args[0])
+            if (name == "mul" or marked is args[0]) and self._marked(marked) and marked.numel() == out.numel() \
+                    and not self._marked(other) and (not isinstance(other, torch.Tensor) or other.numel() < out.numel()):
+                self.marks[out] = self.marks[marked]
+
+    def _marked(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t in self.marks
+
+    def product(self, name: str, args) -> Optional[str]:
+        """The float8 formats of a matmul's operands (``e4m3``, ``e4m3,e5m2``) when
+        both are widened float8 values, else None."""
+        if not self.marks:
+            return None
+        i = 1 if name in _SECOND_OPERAND else 0
+        pair = args[i:i + 2]
+        if len(pair) < 2 or not all(self._marked(t) for t in pair):
+            return None
+        return ",".join(sorted({self.marks[t] for t in pair}))
 
 
 class _Spans:
@@ -279,6 +341,7 @@ class DtypeAudit:
         self._seen: dict[str, dict[str, set]] = defaultdict(lambda: defaultdict(set))
         self._flag_hits: dict[tuple, dict[str, None]] = {}
         self._n_ops = 0
+        self._widened = _Widened()
 
     # ---------------------------------------------------------------- hooks
     def __enter__(self) -> "DtypeAudit":
@@ -399,6 +462,8 @@ class DtypeAudit:
             outs = _tensors(args[0])
         phase, module, autocast = self._phase_and_module()
         category = categorize(op)
+        emulated = self._widened.product(op, args) if category == "matmul" else None
+        self._widened.follow(op, args, out)
         params = self._params_written(args) if phase == "optimizer" and inplace else []
         if params:
             category = "update"
@@ -416,11 +481,13 @@ class DtypeAudit:
         in_names, out_names = _names(t.dtype for t in ins), _names(t.dtype for t in outs)
         self._n_ops += 1
         self._phases.add(phase)
-        self._rows[(module, phase, op, category, in_names, out_names, autocast)] += 1
+        self._rows[(module, phase, op, category, in_names, out_names, autocast, emulated)] += 1
         if phase == "forward" and category in ("matmul", "attention"):
             fp8 = {dtype_name(t.dtype) for t in ins if _is_fp8(t.dtype)}
             if category == "matmul" and module in self._fp4:
                 self._seen[module][category].add(self._fp4[module])
+            elif emulated and outs:  # float8 values multiplied in a wider format: the format is what they are
+                self._seen[module][category].add(f"{emulated} (emulated in {dtype_name(outs[0].dtype)})")
             elif fp8:  # a float8 matmul: its operands' format says more than its bf16 output
                 self._seen[module][category].update(fp8)
             elif outs:
@@ -429,7 +496,8 @@ class DtypeAudit:
             computed = _first_float(ins)  # these compute in their input's dtype
             if computed is not None:
                 self._seen[module][category].add(dtype_name(computed))
-        self._check(module, phase, op, category, ins, outs, autocast)
+        if not emulated:  # an emulated float8 product is widened on purpose: nothing autocast missed
+            self._check(module, phase, op, category, ins, outs, autocast)
 
     # ---------------------------------------------------------------- flags
     def _check(self, module, phase, op, category, ins, outs, autocast) -> None:
@@ -520,8 +588,8 @@ class DtypeAudit:
 
     def report(self) -> dict:
         rows = [{"module": m, "phase": ph, "op": op, "category": cat, "in": list(i), "out": list(o),
-                 "autocast": ac, "count": n}
-                for (m, ph, op, cat, i, o, ac), n in self._rows.items()]
+                 "autocast": ac, "count": n, **({"emulates": em} if em else {})}
+                for (m, ph, op, cat, i, o, ac, em), n in self._rows.items()]
         want = dtype_name(self.policy.param_dtype)
         return {
             "phases": [p for p in PHASES if p in self._phases],

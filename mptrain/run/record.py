@@ -201,6 +201,8 @@ def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run
         f"  precision={cfg.precision.name}:",
     ]
     lines += [f"    {k:<16} {v}" for k, v in dtypes.items()]
+    if "gelu" in info:
+        lines.append(f"  {info['gelu']}")
     if "fp4" in info:
         r = info["fp4"]
         lines.append(f"  fp4: {len(r['converted'])} linears converted ({r['forward']}; {r['backward']})")

@@ -35,6 +35,7 @@ from mptrain.core.shards import local_shard
 from mptrain.core.text import fmt
 from mptrain.data.batches import ValSet
 from mptrain.distributed.parallel import DistContext, wrapper_dtypes
+from mptrain.model.common import gelu_kernel_text
 from mptrain.model.generate import generate
 from mptrain.observe.memory import Estimate, summary_figures
 from mptrain.observe.memory import estimate as memory_estimate
@@ -142,6 +143,9 @@ def describe(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, data: R
         # Weights FSDP2 will all-gather in float8 carry torchao's float8-cast tensor subclass.
         lowp["float8_all_gather_weights"] = sum("Float8" in type(local_shard(p)).__name__ for p in model.parameters())
         info[lowp_key] = lowp
+    gelu = gelu_kernel_text(model, ctx.device)  # chosen per CPU kind: two kinds' runs told apart
+    if gelu:
+        info["gelu"] = gelu
     m = cfg.model
     flops_tok = flops_per_token(built.n_params, m.n_layer, m.d_model, m.block_size)
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"

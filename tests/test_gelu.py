@@ -1,7 +1,9 @@
 """The GPT family's tanh GELU on the CPU: two kernels for one function (the sigmoid
-form and torch's tanh kernel), chosen per CPU kind by a one-off measurement and
+form and torch's tanh kernel), chosen per CPU kind by a measurement kept per machine and
 named in the run's banner and run_info; never the exact (erf) GELU."""
 from __future__ import annotations
+
+import json
 
 import torch
 import torch.nn.functional as F
@@ -77,3 +79,26 @@ def test_the_banner_names_the_kernel():
     assert text.startswith(f"gelu (tanh) kernel for fp32 activations: {name} (") and cpu_gelu_kernel().why in text
     assert common.gelu_kernel_text(model, torch.device("meta")) is None  # off the CPU: always F.gelu
     assert common.gelu_kernel_text(torch.nn.Linear(2, 2), torch.device("cpu")) is None  # no tanh GELU
+
+
+def test_the_choice_is_kept_for_every_later_process_on_this_machine(tmp_path, monkeypatch):
+    """A second process reads the kept choice instead of timing again: a busy host's timing
+    must not switch a resumed run to the other kernel's bits. The kept file wins even
+    where it names the kernel a new timing would not pick."""
+    monkeypatch.setenv("MPTRAIN_CACHE", str(tmp_path))
+    path = common.gelu_choice_file()
+    assert path.parent == tmp_path / "kernels" and path.name.startswith("gelu-")
+    cpu_gelu_kernel.cache_clear()
+    try:
+        first = cpu_gelu_kernel()
+        kept = json.loads(path.read_text())
+        assert kept["kernel"] == first.kernel and f"kept in {path}" in first.why
+        other = {"sigmoid": "torch", "torch": "sigmoid"}[first.kernel]
+        path.write_text(json.dumps({**kept, "kernel": other}))  # as if another process had measured other
+        cpu_gelu_kernel.cache_clear()
+        assert cpu_gelu_kernel().kernel == other
+        path.write_text("{not json")  # a damaged file is measured again, not trusted
+        cpu_gelu_kernel.cache_clear()
+        assert cpu_gelu_kernel().kernel in ("sigmoid", "torch") and json.loads(path.read_text())["kernel"]
+    finally:
+        cpu_gelu_kernel.cache_clear()  # the rest of the session measures in its own cache again

@@ -15,8 +15,13 @@ that an initial weight can land in a parameter that is already a shard.
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
+import platform
+import re
 import time
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
@@ -24,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
+from mptrain.core.files import write_json
 from mptrain.core.sums import fixed_sum
 from mptrain.model.names import canonical_name
 
@@ -108,7 +114,8 @@ measures at most this fraction of :class:`_SigmoidTanhGelu`'s time (forward and
 backward, one thread), and through the sigmoid form otherwise. Below 1, so that
 only a clear gain changes the kernel: the two give the same function but not the
 same bits, and a choice that flipped between two runs' processes on one machine
-would break bit-for-bit resumption. Measured on an AMD EPYC (avx2, whose tanh
+would break bit-for-bit resumption (the choice is also kept per machine:
+:func:`cpu_gelu_kernel`). Measured on an AMD EPYC (avx2, whose tanh
 kernel is slow): 1.5-1.6 idle, 1.02-1.71 at load averages of 4 to 14 on 2 cores
 (other jobs' memory traffic slows the sigmoid form's ten passes more)."""
 
@@ -158,11 +165,47 @@ def choose_gelu(seconds: dict[str, float]) -> GeluChoice:
                       f"F.gelu(approximate='tanh') measured {ratio:.2f}x the sigmoid form's time here")
 
 
+def _machine_key() -> str:
+    """This CPU and torch, as a file name: what the GELU timing depends on."""
+    model = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    key = f"{model} {os.cpu_count()} torch {torch.__version__}"
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", key)[:120]
+
+
+def gelu_choice_file() -> Path:
+    """Where this machine's GELU choice is kept: ``$MPTRAIN_CACHE/kernels`` (the
+    default cache, ``~/.cache/mptrain``, when unset), one file per CPU model and torch."""
+    root = Path(os.path.expanduser(os.environ.get("MPTRAIN_CACHE") or "~/.cache/mptrain"))
+    return root / "kernels" / f"gelu-{_machine_key()}.json"
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_gelu_kernel() -> GeluChoice:
     """The kernel of :func:`gelu_tanh` for fp32 CPU activations, measured once per
-    process (about 30 ms of CPU time): the same function either way, to fp32 rounding."""
-    return choose_gelu(_gelu_seconds())
+    machine (about 30 ms of CPU time) and kept in :func:`gelu_choice_file`: the two
+    give the same function to fp32 rounding but not the same bits, so every later
+    process on this machine (a resumed run, a test's second launch) takes the kept
+    choice instead of a new timing that a busy host could tip the other way.
+    Deleting the file measures again."""
+    path = gelu_choice_file()
+    try:
+        kept = json.loads(path.read_text())
+        if kept.get("kernel") in ("sigmoid", "torch"):
+            return GeluChoice(kept["kernel"], f"{kept['why']}; kept in {path}")
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass  # not measured yet on this machine (or unreadable): measure
+    choice = choose_gelu(_gelu_seconds())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"kernel": choice.kernel, "why": choice.why, "measured": time.strftime("%Y-%m-%d %H:%M")})
+    except OSError:
+        return choice  # a cache it cannot write costs a timing per process, never the run
+    return GeluChoice(choice.kernel, f"{choice.why}; kept in {path}")
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

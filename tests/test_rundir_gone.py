@@ -50,7 +50,7 @@ def test_a_run_directory_removed_between_checkpoints_stops_the_run_in_one_line(t
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert (proc.returncode, err.splitlines()) == (2, [f"mptrain: run directory error: {_gone_line(run)}"]), out
+    assert (proc.returncode, err.splitlines()) == (2, [f"mptrain: run directory removed: {_gone_line(run)}"]), out
     assert not run.exists()
 
 

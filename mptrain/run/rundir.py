@@ -73,6 +73,8 @@ class RunDirGone(RunDirError):
     from then on would go nowhere (appends land in unlinked files) or rebuild a
     directory that holds nothing but them (a checkpoint's ``mkdir``)."""
 
+    kind = "run directory removed"
+
     def __init__(self, run_dir: Path):
         super().__init__(f"the run directory {run_dir} was removed while the run was training; nothing more can be "
                          "saved there, so the run stopped. Start it again (the records and checkpoints that were "

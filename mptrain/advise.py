@@ -59,7 +59,7 @@ from mptrain.advice.probe import (
     wait_for,
 )
 from mptrain.advice.rules import Advice, advise, smallest_option
-from mptrain.config.checks import compose_checked, given_model_keys
+from mptrain.config.checks import compose_checked
 from mptrain.core.errors import ConfigError, DiskError, UserError
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import duration, wants_help
@@ -260,7 +260,7 @@ class Advisor:
             raise ConfigError(f"--steps {args.steps} is too few to measure: the monitors need several steps "
                               f"after the first; pass --steps {MIN_STEPS} or more.")
         self.cfg = compose_checked(self.overrides)
-        adopt_init_from(self.cfg.model, given_model_keys(self.cfg.model))  # as the probe's run will
+        adopt_init_from(self.cfg.model)  # as the probe's run will
         validate(self.cfg, args.world)  # what train.py would refuse, refused here before any work
         self.device = _device(self.cfg)
         self.target_name = args.target or _default_target(self.device)

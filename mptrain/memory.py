@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from mptrain.config.checks import compose_checked, given_model_keys
+from mptrain.config.checks import compose_checked
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import wants_help
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
     try:
         world, vocab, rest = _parse_args(argv)
         cfg = compose_checked(rest)
-        adopt_init_from(cfg.model, given_model_keys(cfg.model))  # the model a run from model.init_from would build
+        adopt_init_from(cfg.model)  # the model a run from model.init_from would build
         vocab = vocab or cfg.model.vocab_size or 4096
         e = estimate(cfg, vocab, world)
     except UserError as err:

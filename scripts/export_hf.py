@@ -84,7 +84,6 @@ import contextlib
 import errno
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -104,7 +103,7 @@ from mptrain.checkpoint.readers import (  # noqa: E402
     model_weights,
     read_newest,
 )
-from mptrain.core.errors import NO_ROOM_FIXES, ConfigError, UserError  # noqa: E402
+from mptrain.core.errors import NO_ROOM_FIXES, ConfigError, UserError, os_error_of  # noqa: E402
 from mptrain.core.files import write_json  # noqa: E402
 from mptrain.data.tokenizers import EOT  # noqa: E402
 from mptrain.model.families import family_spec  # noqa: E402
@@ -255,7 +254,7 @@ def write(hf, tokenizer, staging: Path, out: Path) -> None:
             for name in names:
                 os.chmod(os.path.join(root, name), mode)
     except (OSError, SafetensorError) as e:
-        error = _os_error(e)
+        error = os_error_of(e)  # safetensors' SafetensorError carries it in its text
         if error is None:
             raise  # not the disk's: a fault of the export's own
         raise _unwritable(out, error, _removed(staging), need=_weights_bytes(hf)) from None
@@ -266,15 +265,6 @@ def _removed(staging: Path) -> str:
     shutil.rmtree(staging, ignore_errors=True)
     return ("nothing was left there (the partial export was removed)" if not staging.exists() else
             f"remove what is left of it, {staging}")
-
-
-def _os_error(e: BaseException) -> Optional[OSError]:
-    """``e`` as the OS error it is, or None. safetensors writes in Rust and raises
-    its own ``SafetensorError``, the OS error only in its text ("... (os error 28)")."""
-    if isinstance(e, OSError):
-        return e
-    code = re.search(r"\(os error (\d+)\)", str(e))
-    return OSError(int(code[1]), os.strerror(int(code[1]))) if code else None
 
 
 def _weights_bytes(hf) -> int:

@@ -15,6 +15,9 @@ at the bottom, so that every layer can raise and catch it.
 from __future__ import annotations
 
 import errno
+import os
+import re
+from typing import Optional
 
 
 class UserError(Exception):
@@ -59,3 +62,17 @@ NO_ROOM_FIXES = {
     errno.EFBIG: "raise the file-size limit (ulimit -f) or write the run to a filesystem that takes larger files",
 }
 """The OS errors that mean "no room for this write", each with the fix to name."""
+
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error_of(e: BaseException) -> Optional[OSError]:
+    """``e`` as the OS error it is, or None. The libraries written in Rust
+    (safetensors, tokenizers) raise their own exception types, or a plain
+    ``Exception``, with the OS error only in the text ("... (os error 28)"): that
+    one is rebuilt as the ``OSError`` it stands for (no file name: the caller knows
+    what it was writing)."""
+    if isinstance(e, OSError):
+        return e
+    code = _RUST_OS_ERROR.search(str(e))
+    return OSError(int(code[1]), os.strerror(int(code[1]))) if code else None

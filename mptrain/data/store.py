@@ -36,7 +36,6 @@ import errno
 import hashlib
 import json
 import os
-import re
 import shutil
 import time
 import zlib
@@ -47,7 +46,8 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from mptrain.core import files
-from mptrain.core.errors import NO_ROOM_FIXES, ConfigError, UserError
+from mptrain.core.errors import NO_ROOM_FIXES, ConfigError, UserError, os_error_of
+from mptrain.core.machine import cache_root
 from mptrain.data.sources import load_hf_dataset, read_corpus
 from mptrain.data.tokenizers import build_tokenizer, load_hf_tokenizer
 
@@ -99,7 +99,6 @@ _CACHE_PROBLEMS = {
        for code, fix in NO_ROOM_FIXES.items()},
 }
 """The OS errors a cache write meets that the user fixes, each with what it means and the fix."""
-_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # the tokenizers library's errors are plain Exceptions
 
 
 @contextlib.contextmanager
@@ -113,12 +112,11 @@ def _cache_writes(cache: Path, what: str, target: Path) -> Iterator[None]:
         if e.errno not in _CACHE_PROBLEMS or (e.filename and not _inside(Path(os.fsdecode(e.filename)), cache)):
             raise
         raise _cache_error(cache, what, e.errno, e.strerror, e.filename or target) from None
-    except Exception as e:
-        m = _RUST_OS_ERROR.search(str(e))
-        if type(e) is not Exception or not m or int(m.group(1)) not in _CACHE_PROBLEMS:
+    except Exception as e:  # the tokenizers library's OS errors are plain Exceptions
+        error = os_error_of(e) if type(e) is Exception else None
+        if error is None or error.errno not in _CACHE_PROBLEMS:
             raise
-        code = int(m.group(1))
-        raise _cache_error(cache, what, code, os.strerror(code), target) from None
+        raise _cache_error(cache, what, error.errno, error.strerror, target) from None
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -494,7 +492,7 @@ def unigram_cross_entropy(train, val, vocab: int, limit: int = 20_000_000) -> fl
 
 
 def cache_dir(data_cfg) -> Path:
-    return Path(os.path.expanduser(os.environ.get("MPTRAIN_CACHE") or data_cfg.cache_dir))
+    return cache_root(data_cfg.cache_dir)
 
 
 class _TokenizerInfo:

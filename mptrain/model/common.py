@@ -18,7 +18,6 @@ import functools
 import json
 import math
 import os
-import platform
 import re
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
 from mptrain.core.files import write_json
+from mptrain.core.machine import cache_root, cpu_name
 from mptrain.core.sums import fixed_sum
 from mptrain.model.names import canonical_name
 
@@ -165,23 +165,12 @@ def choose_gelu(seconds: dict[str, float]) -> GeluChoice:
                       f"F.gelu(approximate='tanh') measured {ratio:.2f}x the sigmoid form's time here")
 
 
-def _machine_key() -> str:
-    """This CPU and torch, as a file name: what the GELU timing depends on."""
-    model = platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    key = f"{model} {os.cpu_count()} torch {torch.__version__}"
-    return re.sub(r"[^A-Za-z0-9.+-]+", "_", key)[:120]
-
-
 def gelu_choice_file() -> Path:
     """Where this machine's GELU choice is kept: ``$MPTRAIN_CACHE/kernels`` (the
-    default cache, ``~/.cache/mptrain``, when unset), one file per CPU model and torch."""
-    root = Path(os.path.expanduser(os.environ.get("MPTRAIN_CACHE") or "~/.cache/mptrain"))
-    return root / "kernels" / f"gelu-{_machine_key()}.json"
+    default cache, ``~/.cache/mptrain``, when unset), one file per CPU model, core
+    count and torch version: what the timing depends on."""
+    key = re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{cpu_name()} {os.cpu_count()} torch {torch.__version__}")[:120]
+    return cache_root() / "kernels" / f"gelu-{key}.json"
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Optional
 
 import torch.nn as nn
 
+from mptrain.config.checks import given_model_keys
 from mptrain.config.schema import ModelConfig
 from mptrain.core.errors import ConfigError
 from mptrain.model import hf_gpt2, hf_llama, hf_read
@@ -166,17 +167,19 @@ def _resolved(m: Any, key: str) -> Any:
     return m.vocab_size if key == "vocab_size" else getattr(family_spec(m).shape(m, 0), key)
 
 
-def adopt_init_from(m: Any, given: Collection[str]) -> dict:
+def adopt_init_from(m: Any, given: Optional[Collection[str]] = None) -> dict:
     """Take ``model.init_from``'s architecture from its config.json, as
     ``from_pretrained`` does: each field the checkpoint fixes (the family's
     :attr:`FamilySpec.init_fields`) replaces ``m``'s where they differ, in place,
     unless ``m``'s value is one the run ``given`` itself (a key typed on the command
-    line, not the preset's): that is one :class:`ConfigError` naming both values.
+    line, not the preset's; by default :func:`given_model_keys`): that is one
+    :class:`ConfigError` naming both values.
     A ``block_size`` past the checkpoint's positions is lowered to them the same way.
     Returns what run_info and the banner record (empty without ``init_from``):
     the directory, every field it fixes and the ones replaced, [before, after]."""
     if not m.init_from:
         return {}
+    given = given_model_keys(m) if given is None else given
     spec, path = family_spec(m), m.init_from
     have = spec.init_fields(path)
     most = have.pop("max_positions")

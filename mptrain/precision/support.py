@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import platform
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -23,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from mptrain.core.errors import ConfigError
+from mptrain.core.machine import cpu_name  # noqa: F401 (the doctor and the advisor take it from here)
 
 MIN_TORCHAO = (0, 10)
 
@@ -49,17 +49,6 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def torchao_version() -> str | None:

@@ -27,7 +27,6 @@ import torch.nn as nn
 
 from omegaconf import DictConfig
 
-from mptrain.config.checks import given_model_keys
 from mptrain.core.errors import ConfigError
 from mptrain.data.batches import Prefetcher, ValSet
 from mptrain.distributed.parallel import DistContext, export_submitit_env, setup
@@ -56,7 +55,7 @@ def run(cfg: DictConfig, run_dir: Optional[str | Path] = None) -> dict:
     export_submitit_env()  # a submitit task learns its rank here; only rank 0 locks the directory
     with held(run_dir) as claim:
         # model.init_from's architecture replaces the preset's (a value the run set itself that differs is refused)
-        adopted = adopt_init_from(cfg.model, given_model_keys(cfg.model))
+        adopted = adopt_init_from(cfg.model)
         validate(cfg)
         ctx = setup(cfg.parallel, cfg.train.device)
         log = RunLog(run_dir / LOG_NAME, enabled=ctx.is_main)  # the console, kept in <run>/train.log

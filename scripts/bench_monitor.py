@@ -21,10 +21,12 @@ hidden, its warnings passed on once.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py's progress line and quiet runs
@@ -51,35 +53,98 @@ def compose_cfg(overrides: list[str]):
     return compose_checked([*DEFAULTS, *overrides], CONFIGS)
 
 
-def tokens_per_s(overrides: list[str], progress: Progress) -> tuple[float, list[str]]:
-    """One harness run, quiet, its steps reported to ``progress``: (tokens/s, its warning lines)."""
-    cfg = compose_cfg(overrides)
-    with tempfile.TemporaryDirectory() as d, following(Path(d) / "metrics.jsonl", progress), \
-            quiet_harness(False) as warnings:
-        tps = run(cfg, run_dir=d)["perf/tokens_per_s"]
-    return tps, warnings
+def over_budget(since_first_s: float, since_first_steps: int, steps_left: int, budget_s: float) -> bool:
+    """Whether a run, ``since_first_s`` seconds and ``since_first_steps`` steps past its
+    first step with ``steps_left`` to go, is to be stopped: it has used ``budget_s``
+    already, or its pace says it will. One left step is not worth stopping for (the
+    stop lands after a step, and the run would be over by then)."""
+    if steps_left < 2:
+        return False
+    if since_first_s >= budget_s:
+        return True
+    if since_first_steps < 1:
+        return False  # no pace yet: the first step's time holds start-up work
+    pace = since_first_s / since_first_steps
+    return since_first_s + pace * steps_left > budget_s
 
 
-def fastest(names: list[str], repeats: int, steps: int, width: int,
-            overrides: Callable[[str], list[str]]) -> dict[str, float]:
+class Capper:
+    """Stands in for a run's progress line (the harness's logged steps arrive in
+    :meth:`update` from ``bench.following``'s polling thread): passes them on, and,
+    given a budget, stops the run when :func:`over_budget` says so, through the
+    trainer's own stop (SIGTERM: it finishes the step, writes its summary and
+    returns). Steps are seen as they are logged, every ``train.log_every`` steps."""
+
+    def __init__(self, progress: Progress, total: int, budget_s: Optional[float]):
+        self.progress, self.total, self.budget_s = progress, total, budget_s
+        self.first: Optional[float] = None  # when the first step was seen: the trainer's handler is in place
+        self.stopped = False
+
+    def update(self, done: int) -> None:
+        self.progress.update(done)
+        if self.budget_s is None or done < 1 or self.stopped:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        if over_budget(now - self.first, done - 1, self.total - done, self.budget_s):
+            self.stopped = True
+            signal.raise_signal(signal.SIGTERM)
+
+
+class Timed(NamedTuple):
+    """A run's tokens/s; for a capped run, the steps and seconds it ran."""
+    tokens_per_s: float
+    capped: str = ""
+
+
+def tokens_per_s(overrides: list[str], steps: int, head: str, budget_s: Optional[float] = None
+                 ) -> tuple[Timed, list[str]]:
+    """One quiet harness run with its progress line: (its timing, its warning lines);
+    capped once it runs ``budget_s`` past its first step (or its pace says it will)."""
+    progress = Progress(sys.stdout, head, steps)
+    capper = Capper(progress, steps, budget_s)
+    t = time.monotonic()
+    # The trainer's handler is in place from its first step to its end; outside it (the
+    # stop raised as the run ends) SIGTERM finds this no-op, not the default that ends the process.
+    outer = signal.signal(signal.SIGTERM, lambda *_: None) if budget_s is not None else None
+    try:
+        with tempfile.TemporaryDirectory() as d, following(Path(d) / "metrics.jsonl", capper), \
+                quiet_harness(False) as warnings:
+            summary = run(compose_cfg(overrides), run_dir=d)
+    except BaseException:
+        progress.abandon()
+        raise
+    finally:
+        if outer is not None:
+            signal.signal(signal.SIGTERM, outer)
+    tps = summary["perf/tokens_per_s"]
+    if not capper.stopped:
+        progress.finish(f"{tps:,.0f} tokens/s")
+        return Timed(tps), warnings
+    note = f"capped after {summary['steps']} of {steps} steps, {time.monotonic() - t:.0f} s"
+    progress.finish(f"{tps:,.0f} tokens/s, {note}")
+    return Timed(tps, note), warnings
+
+
+def fastest(names: list[str], repeats: int, steps: int, width: int, overrides: Callable[[str], list[str]],
+            budget_s: Optional[float] = None) -> dict[str, Timed]:
     """Each setting of ``names`` run ``repeats`` times, interleaved, with its
-    ``overrides(name)``: one progress line per run, each new harness warning
-    shown once, and the fastest tokens/s of each setting returned."""
-    best = dict.fromkeys(names, 0.0)
+    ``overrides(name)``: one progress line per run, each new harness warning shown
+    once, and the fastest run of each setting returned. With ``budget_s``, a run
+    is capped past it (:class:`Capper`) and its setting not run again."""
+    best: dict[str, Timed] = {}
     order = [name for _ in range(repeats) for name in names]
     seen: set[str] = set()
     for k, name in enumerate(order, 1):
-        progress = Progress(sys.stdout, f"  [{k}/{len(order)}] {name:<{width}}", steps)
-        try:
-            tps, warnings = tokens_per_s(overrides(name), progress)
-        except BaseException:
-            progress.abandon()
-            raise
-        progress.finish(f"{tps:,.0f} tokens/s")
+        if best.get(name) and best[name].capped:
+            continue
+        r, warnings = tokens_per_s(overrides(name), steps, f"  [{k}/{len(order)}] {name:<{width}}", budget_s)
         for w in [w for w in warnings if w not in seen]:
             seen.add(w)
             print(f"    harness {w}")
-        best[name] = max(best[name], tps)
+        if name not in best or r.tokens_per_s > best[name].tokens_per_s:
+            best[name] = r
     return best
 
 
@@ -98,7 +163,8 @@ def main() -> None:
     settings = FP8_SETTINGS if fp8 else SETTINGS
     print(f"bench_monitor: {' '.join(DEFAULTS + user)} | {len(settings)} settings x 2, interleaved\n"
           f"  machine  {machine(device)} | torch {torch.__version__}", flush=True)
-    best = fastest(list(settings), 2, cfg.train.max_steps, 28, lambda name: [*settings[name], *user])
+    best = {name: t.tokens_per_s for name, t in
+            fastest(list(settings), 2, cfg.train.max_steps, 28, lambda name: [*settings[name], *user]).items()}
     base = best["monitor off"]
     print(f"\nbench_monitor: {' '.join(DEFAULTS + user)}")
     for name, tps in best.items():

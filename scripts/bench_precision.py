@@ -38,23 +38,17 @@ import argparse
 import datetime
 import os
 import platform
-import signal
 import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py's progress line and quiet runs
 
 import torch  # noqa: E402
-from bench import Progress, configured, following, machine, quiet_harness  # noqa: E402
-from bench_monitor import compose_cfg  # noqa: E402
+from bench import configured, machine  # noqa: E402
+from bench_monitor import fastest, over_budget  # noqa: E402,F401 (over_budget: the cap's rule, tested here)
 
 from mptrain.config.checks import compose_checked  # noqa: E402
 from mptrain.precision.support import _cpu_flags, choose_fp8_matmul, torchao_version  # noqa: E402
-from mptrain.run.trainer import run  # noqa: E402
 
 from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/configs/, shipped in the package)
 DEFAULTS = ["model=gpt-nano", "train.max_steps=60", "monitor.enabled=false"]
@@ -87,95 +81,6 @@ def header(device: str, overrides: list[str], repeats: int, names: list[str]) ->
             f"torchao {torchao_version() or 'not installed'} | {datetime.date.today().isoformat()}")
 
 
-def over_budget(since_first_s: float, since_first_steps: int, steps_left: int, budget_s: float) -> bool:
-    """Whether a run, ``since_first_s`` seconds and ``since_first_steps`` steps past its
-    first step with ``steps_left`` to go, is to be stopped: it has used ``budget_s``
-    already, or its pace says it will. One left step is not worth stopping for (the
-    stop lands after a step, and the run would be over by then)."""
-    if steps_left < 2:
-        return False
-    if since_first_s >= budget_s:
-        return True
-    if since_first_steps < 1:
-        return False  # no pace yet: the first step's time holds start-up work
-    pace = since_first_s / since_first_steps
-    return since_first_s + pace * steps_left > budget_s
-
-
-class Capper:
-    """Stands in for a run's progress line (the harness's logged steps arrive in
-    :meth:`update` from ``bench.following``'s polling thread): passes them on, and
-    stops the run when :func:`over_budget` says so, through the trainer's own stop
-    (SIGTERM: it finishes the step, writes its summary and returns). Steps are seen
-    as they are logged, every ``train.log_every`` steps and after the first."""
-
-    def __init__(self, progress: Progress, total: int, budget_s: float):
-        self.progress, self.total, self.budget_s = progress, total, budget_s
-        self.first: float | None = None  # when the first step was seen: the trainer's handler is in place
-        self.stopped = False
-
-    def update(self, done: int) -> None:
-        self.progress.update(done)
-        if done < 1 or self.stopped:
-            return
-        now = time.monotonic()
-        if self.first is None:
-            self.first = now
-        if over_budget(now - self.first, done - 1, self.total - done, self.budget_s):
-            self.stopped = True
-            signal.raise_signal(signal.SIGTERM)
-
-
-class Timed(NamedTuple):
-    """A run's tokens/s; for a capped run, the steps and seconds it ran."""
-    tokens_per_s: float
-    capped: str = ""
-
-
-def timed_run(overrides: list[str], steps: int, head: str, budget_s: float) -> tuple[Timed, list[str]]:
-    """One quiet harness run with its progress line, capped past ``budget_s``: (its timing, its warnings)."""
-    progress = Progress(sys.stdout, head, steps)
-    capper = Capper(progress, steps, budget_s)
-    t = time.monotonic()
-    # The trainer's handler is in place from its first step to its end; outside it (the
-    # stop raised as the run ends) SIGTERM finds this no-op, not the default that ends the process.
-    outer = signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        with tempfile.TemporaryDirectory() as d, following(Path(d) / "metrics.jsonl", capper), \
-                quiet_harness(False) as warnings:
-            summary = run(compose_cfg(overrides), run_dir=d)
-    except BaseException:
-        progress.abandon()
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, outer)
-    tps = summary["perf/tokens_per_s"]
-    if not capper.stopped:
-        progress.finish(f"{tps:,.0f} tokens/s")
-        return Timed(tps), warnings
-    note = f"capped after {summary['steps']} of {steps} steps, {time.monotonic() - t:.0f} s"
-    progress.finish(f"{tps:,.0f} tokens/s, {note}")
-    return Timed(tps, note), warnings
-
-
-def fastest_capped(names: list[str], repeats: int, steps: int, overrides, budget_s: float) -> dict[str, Timed]:
-    """Each setting run ``repeats`` times, interleaved, the fastest kept; a capped
-    setting is not run again. Each new harness warning is shown once."""
-    best: dict[str, Timed] = {}
-    order = [name for _ in range(repeats) for name in names]
-    seen: set[str] = set()
-    for k, name in enumerate(order, 1):
-        if best.get(name) and best[name].capped:
-            continue
-        r, warnings = timed_run(overrides(name), steps, f"  [{k}/{len(order)}] {name:<15}", budget_s)
-        for w in [w for w in warnings if w not in seen]:
-            seen.add(w)
-            print(f"    harness {w}")
-        if name not in best or r.tokens_per_s > best[name].tokens_per_s:
-            best[name] = r
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=2, help="runs of each setting, interleaved; the fastest counts")
@@ -192,7 +97,7 @@ def main() -> None:
     cfg, device = configured(lambda o: compose_checked(o, CONFIGS), overrides, "bench_precision")
     print(header(device, overrides, a.repeats, names), flush=True)
     # the setting last: a user's precision=... would otherwise replace it
-    timed = fastest_capped(names, a.repeats, cfg.train.max_steps, lambda name: [*overrides, *SETTINGS[name]],
+    timed = fastest(names, a.repeats, cfg.train.max_steps, 15, lambda name: [*overrides, *SETTINGS[name]],
                            a.row_budget)
     best = {name: t.tokens_per_s for name, t in timed.items()}
     print(f"\n{'setting':<15} {'tokens/s':>10} {'x fp32':>8}")

@@ -127,7 +127,7 @@ def test_a_slow_row_is_timed_on_its_first_steps_and_capped():
     assert bp.over_budget(21.0, 0, 59, 20.0)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        best = bp.fastest_capped(["fp32"], 2, 60, lambda _: ["model=gpt-nano", "train.max_steps=60",
+        best = bp.fastest(["fp32"], 2, 60, 15, lambda _: ["model=gpt-nano", "train.max_steps=60",
                                                            "data.max_chars=300000"], budget_s=0.0)
     r = best["fp32"]
     assert r.capped.startswith("capped after ") and " of 60 steps" in r.capped and r.tokens_per_s > 0

@@ -38,6 +38,15 @@ def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
     return out
 
 
+def _wait_for_lock(lock: Path, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+    """Until ``proc`` holds ``lock``: the lock file names its pid once the lock is taken."""
+    deadline = time.monotonic() + timeout
+    while f"process {proc.pid} " not in (lock.read_text() if lock.exists() else ""):
+        assert proc.poll() is None, f"the first launch ended ({proc.returncode}) before it held {lock}"
+        assert time.monotonic() < deadline, f"{lock} never named process {proc.pid}"
+        time.sleep(0.05)
+
+
 def _steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in read_rows(run_dir)]
 
@@ -57,25 +66,32 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 def test_concurrent_launches_never_share_a_directory(tmp_path):
     """Observations 1 and 2: two launches in one second without hydra.run.dir got one
-    directory; two with the same hydra.run.dir mixed their metrics. Four at once here."""
+    directory; two with the same hydra.run.dir mixed their metrics. Four launches:
+    two with default directories at the same moment, and a second launch into a
+    directory whose run is live (held still by SIGSTOP once its lock names it, so
+    that "live" does not depend on how fast this machine trains 4 steps)."""
     shared = tmp_path / "shared"
     steps = ["train.max_steps=4"]
     procs = [_launch(tmp_path, *steps, "train.seed=1", f"hydra.run.dir={shared}"),
-             _launch(tmp_path, *steps, "train.seed=2", f"hydra.run.dir={shared}"),
              _launch(tmp_path, *steps, "train.seed=3"),
              _launch(tmp_path, *steps, "train.seed=4")]
-    pids = [p.pid for p in procs]
+    holder = procs[0]
+    try:
+        _wait_for_lock(shared / ".lock", holder)
+        holder.send_signal(signal.SIGSTOP)
+        second = _launch(tmp_path, *steps, "train.seed=2", f"hydra.run.dir={shared}")
+        refused = _finish([second])[0]
+    finally:
+        holder.send_signal(signal.SIGCONT)
     results = _finish(procs)
-    for rc, out, err in results[2:]:
-        assert rc == 0, err[-3000:]
-    # The same explicit directory: one trains, the other is refused naming the holder.
-    codes = sorted(r[0] for r in results[:2])
-    assert codes == [0, 2], [r[2][-2000:] for r in results[:2]]
-    winner = 0 if results[0][0] == 0 else 1
-    err = results[1 - winner][2]
-    assert f"in use by process {pids[winner]}" in err and "Traceback" not in err, err[-2000:]
+    for rc, out, err in results:
+        assert rc == 0, (out[-2000:], err[-3000:])
+    # The same explicit directory: the live run trains, the second is refused naming it.
+    rc, out, err = refused
+    assert rc == 2, (out[-2000:], err[-2000:])
+    assert f"in use by process {holder.pid}" in err and "Traceback" not in err, err[-2000:]
     assert _steps(shared) == [1, 2, 3, 4]
-    assert _seed_records(shared) == (winner + 1, [f"train.seed={winner + 1}"])
+    assert _seed_records(shared) == (1, ["train.seed=1"])
     # Default directories: one each, every record from one run.
     dirs = sorted(p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir())
     assert len(dirs) == 2, dirs

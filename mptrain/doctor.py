@@ -117,12 +117,8 @@ def report(device: torch.device | None = None) -> str:
             n = measure_fp8_matmul(str(device)).n
             why += f", at {n}x{n}"
         lines.append(f"fp8 matmul   {path} ({why})")
-    load = meter.read()
-    lines.append(f"load         {load.line()}")
-    warning = load.warning(f"each matmul took {reps} timed calls, the fastest kept; run the doctor again "
-                           "when the machine is idle")
-    if warning:
-        lines.append(warning)
+    lines.append(meter.read().report(f"each matmul took {reps} timed calls, the fastest kept; run the doctor "
+                                     "again when the machine is idle", head="load         "))
     lines.append(f"recommended  precision={recommend(device, v)}")
     return "\n".join(lines)
 

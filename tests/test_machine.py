@@ -27,6 +27,9 @@ def test_busy_is_decided_from_load_steal_and_cores():
     assert load.warning("took 10 repeats").startswith("warning: these figures are unreliable: the load average 9.00")
     assert load.warning("took 10 repeats").endswith("(took 10 repeats)")
     assert Load(1.0, 4, None).warning("x") is None
+    assert load.report("r", head="  ").splitlines() == [
+        "  load average 9.00 on 4 usable cores, CPU steal 12.0% over the measurement", load.warning("r")]
+    assert Load(1.0, 4, 0.0).report("r") == "load average 1.00 on 4 usable cores, CPU steal 0.0% over the measurement"
     assert Load(1.0, 4, None).line() == "load average 1.00 on 4 usable cores, CPU steal unknown here over the measurement"
 
 

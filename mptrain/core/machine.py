@@ -112,6 +112,11 @@ class Load:
         why = self.busy
         return f"warning: these figures are unreliable: {why} ({remedy})" if why else None
 
+    def report(self, remedy: str, head: str = "") -> str:
+        """The reading on one line after ``head``, and below it the warning when the machine was busy."""
+        warning = self.warning(remedy)
+        return f"{head}{self.line()}" + (f"\n{warning}" if warning else "")
+
 
 class LoadMeter:
     """Reads the load average and the steal counters when made and again at
@@ -128,8 +133,11 @@ class LoadMeter:
         """Why the machine is already busy before the measurement (the load alone: steal needs an interval)."""
         return busy_reason(self._load, None, self.cores)
 
-    def repeats(self, usual: int) -> int:
-        """``usual`` repeats, :data:`BUSY_REPEATS` times as many when the machine is busy at the start."""
+    def repeats(self, usual: int, given: Optional[int] = None) -> int:
+        """``given`` (a user's explicit ``--repeats``) when there is one, else ``usual``
+        repeats, :data:`BUSY_REPEATS` times as many when the machine is busy at the start."""
+        if given is not None:
+            return given
         return usual * BUSY_REPEATS if self.busy_at_start else usual
 
     def read(self) -> Load:

@@ -14,8 +14,10 @@ Runs, for the given config (default: model=gpt-mini precision=fp32):
 
 The first ``--warmup`` steps (10) of every run are left out of its timing:
 the first step compiles (on CUDA by default), picks kernels and grows the
-allocator, which says nothing about the loop. Each setting runs ``--repeats`` times, interleaved, and the fastest run counts
-(a shared machine adds noise, never speed). Prints one banner first (machine,
+allocator, which says nothing about the loop. Each setting runs ``--repeats`` times (default 2; 4 when
+the machine is busy at the start), interleaved, and the fastest run counts (a shared machine adds
+noise, never speed); the load average and CPU steal over the runs are printed under the table, with
+a warning when other processes competed. Prints one banner first (machine,
 torch, model, dtypes), then each run's progress (which run of how many, steps
 done of the total with an ETA: a line redrawn in place on a terminal, a plain
 line every 30 s otherwise), then tokens/s, step time, MFU (where the device's
@@ -49,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
 from mptrain.config.checks import compose_checked, micro_steps  # noqa: E402
+from mptrain.core.machine import LoadMeter  # noqa: E402
 from mptrain.core.text import duration  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import setup, wrap  # noqa: E402
@@ -421,7 +424,8 @@ def main() -> None:
     """Banner, the runs with their progress, then the table (rank 0 prints; every rank trains)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs of each setting, interleaved; the fastest counts (default 2, 4 on a busy machine)")
     ap.add_argument("--warmup", type=int, default=10,
                     help="steps left out of every timing: the harness's logged laps up to this step, the bare "
                          "loop's first steps (compilation, allocator); 0 times every step")
@@ -430,6 +434,9 @@ def main() -> None:
     cfg, device = configured(compose_cfg, overrides, "bench")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    meter = LoadMeter()
+    # more runs on a busy machine; one decision for all ranks, which must run the same number
+    a.repeats = meter.repeats(2, a.repeats) if world == 1 else (a.repeats or 2)
     tokens = None
     if rank0:
         # The corpus, loaded once for the banner and the bare loop; a first use builds
@@ -439,6 +446,7 @@ def main() -> None:
     best = measure(overrides, a, sys.stdout if rank0 else None, tokens)
     if rank0:
         print(results(best, cfg, device, world, a.repeats))
+        print(meter.read().report(f"the fastest of {a.repeats} runs of each setting counts", head="  "))
 
 
 if __name__ == "__main__":

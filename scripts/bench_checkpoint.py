@@ -18,9 +18,11 @@ vocabulary, ``parallel=none``) it prints:
   the resume verifies once, before it);
 - the checkpoint's bytes.
 
-Each figure is the best and the median of ``--repeats`` runs (the saves
-interleaved with and without manifest): on a shared machine the disk's
-timings vary from run to run far more than the manifest costs.
+Each figure is the best and the median of ``--repeats`` runs (default 3;
+6 when the machine is busy at the start; the saves interleaved with and
+without manifest): on a shared machine the disk's timings vary from run to
+run far more than the manifest costs. The load average and CPU steal over
+the runs come last, with a warning when other processes competed.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ import mptrain.config.schema  # noqa: E402,F401  registers the schema
 from mptrain.checkpoint.checkpointer import Checkpointer, Progress  # noqa: E402
 from mptrain.checkpoint.integrity import hash_files, file_sizes, verify  # noqa: E402
 from mptrain.config.schema import ParallelMode  # noqa: E402
+from mptrain.core.machine import LoadMeter  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import DistContext  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
@@ -179,17 +182,20 @@ def main() -> None:
     """Print the machine, then measure each model, then one line per model."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["gpt-mini", "gpt-small"])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=None, help="runs of each figure (default 3, 6 on a busy machine)")
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: DCP's plan
     say(f"machine: {machine()}")
+    meter = LoadMeter()
+    args.repeats = meter.repeats(3, args.repeats)
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         say(f"checkpoints written under {d}")
         results = {name: bench(name, Path(d), args.repeats) for name in args.models}
     say(f"\nbench_checkpoint (fp32, AdamW, vocab {VOCAB:,}, parallel=none, {args.repeats} runs each):")
     for name, r in results.items():
         say("  " + report(name, r))
+    say(meter.read().report(f"best and median of {args.repeats} runs each", head="  "))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ instead measures the float8 cast statistics (``fp8stats.CastWatch``) with
 every step monitored, where their cost shows: monitor off, then monitored
 with the statistics off, with the run's own casts only, and with the what-if
 recipes too (the default).
-Each setting runs twice, interleaved, and the faster run counts, to damp
-noise from a shared machine. One banner comes first and one progress line per
+Each setting runs twice (four times when the machine is busy at the start),
+interleaved, and the fastest run counts, to damp noise from a shared machine;
+the load average and CPU steal over the runs come last, with a warning when
+other processes competed. One banner comes first and one progress line per
 run (as in ``scripts/bench.py``); the harness's own banner and messages are
 hidden, its warnings passed on once.
 """
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py's pro
 import torch  # noqa: E402
 from bench import Progress, configured, following, machine, quiet_harness  # noqa: E402
 from mptrain.config.checks import compose_checked  # noqa: E402
+from mptrain.core.machine import LoadMeter  # noqa: E402
 from mptrain.run.trainer import run  # noqa: E402
 
 from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/configs/, shipped in the package)
@@ -161,14 +164,17 @@ def main() -> None:
         sys.exit("bench_monitor: --fp8-casts measures the float8 cast statistics; add precision=fp8 "
                  "(or another float8 preset).")
     settings = FP8_SETTINGS if fp8 else SETTINGS
-    print(f"bench_monitor: {' '.join(DEFAULTS + user)} | {len(settings)} settings x 2, interleaved\n"
+    meter = LoadMeter()
+    repeats = meter.repeats(2)
+    print(f"bench_monitor: {' '.join(DEFAULTS + user)} | {len(settings)} settings x {repeats}, interleaved\n"
           f"  machine  {machine(device)} | torch {torch.__version__}", flush=True)
     best = {name: t.tokens_per_s for name, t in
-            fastest(list(settings), 2, cfg.train.max_steps, 28, lambda name: [*settings[name], *user]).items()}
+            fastest(list(settings), repeats, cfg.train.max_steps, 28, lambda name: [*settings[name], *user]).items()}
     base = best["monitor off"]
     print(f"\nbench_monitor: {' '.join(DEFAULTS + user)}")
     for name, tps in best.items():
         print(f"  {name:<28} {tps:10,.0f} tokens/s   overhead {100 * (base / tps - 1):+5.1f}%")
+    print(meter.read().report(f"the fastest of {repeats} runs of each setting counts", head="  "))
 
 
 if __name__ == "__main__":

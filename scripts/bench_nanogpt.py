@@ -8,8 +8,10 @@
 ``--nanogpt`` is a checkout of https://github.com/karpathy/nanoGPT (its
 ``train.py``, ``model.py`` and ``configurator.py`` are used as they are, run
 from that directory; nothing of it is copied). Three settings run ``--repeats``
-times each, interleaved, and the fastest run of each counts (a shared machine
-adds noise, never speed):
+times each (default 3; 6 when the machine is busy at the start), interleaved,
+and the fastest run of each counts (a shared machine adds noise, never speed);
+the load average and CPU steal over the runs come last, with a warning when
+other processes competed:
 
 - **nanoGPT**: its real ``train.py`` in a subprocess, with command-line
   overrides for the harness's dimensions (default: ``model=gpt-mini``, 4
@@ -98,6 +100,7 @@ import bench  # scripts/bench.py: the harness's config, the bare loop, the quiet
 
 from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
+from mptrain.core.machine import LoadMeter  # noqa: E402
 from mptrain.precision import optimizers  # noqa: E402
 from mptrain.run.nonfinite import NO_GUARD, NonFiniteGuard  # noqa: E402
 from mptrain.model.common import cpu_gelu_kernel  # noqa: E402
@@ -380,7 +383,8 @@ def main() -> None:
                     help="steps per run, warm-up included (default 100); with --profile, steps per round "
                          "(default 6); with --cpu-time, steps of each side (default 60)")
     ap.add_argument("--warmup", type=int, default=10, help="first steps left out of the timing (default 10)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each setting, interleaved (default 3)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs of each setting, interleaved (default 3, 6 on a busy machine)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads for every setting (default: torch's; --cpu-time: 1, the only one it takes)")
     ap.add_argument("--verbose", action="store_true", help="show nanoGPT's and the harness's own output")
@@ -390,6 +394,8 @@ def main() -> None:
                     help="time both models' steps in this process by CPU time, in turns (--steps of each)")
     a, overrides = ap.parse_known_args()
     root = check_checkout(a.nanogpt)
+    meter = LoadMeter()
+    a.repeats = meter.repeats(3, a.repeats)
     if a.cpu_time:
         if a.threads > 1:
             fail(f"--cpu-time times one torch thread; at --threads={a.threads} OpenMP's workers spin between "
@@ -414,6 +420,8 @@ def main() -> None:
             profile(root, cfg, tokens, a.steps or 6, a.repeats)
         else:
             cpu_time(root, cfg, tokens, a.steps or 60)
+        print(meter.read().report("measured as thread CPU time, which waiting for a core does not add to" if a.cpu_time
+                                  else f"the fastest of {a.repeats} rounds counts", head="  "))
         return
     a.steps = a.steps or 100
     if a.warmup < 1 or a.warmup % log_every or a.steps <= a.warmup:
@@ -455,6 +463,7 @@ def main() -> None:
         r = best[s]
         print(f"  {s:<17} {r['tokens_per_s']:>9,.0f} tokens/s {1e3 * r['seconds'] / r['steps']:7.1f} ms/step")
     print(f"  harness / nanoGPT   {h / ng:.3f}\n  bare    / nanoGPT   {b / ng:.3f}\n  harness / bare      {h / b:.3f}")
+    print(meter.read().report(f"the fastest of {a.repeats} runs of each setting counts", head="  "))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ mxfp4. Each runs ``--repeats`` times,
 interleaved, and the fastest run counts (a shared machine adds time, never
 speed). Prints one banner (CPU model and the instruction-set flags that decide
 half-precision speed, Python, torch, torchao, date), a progress line per run,
-then tokens/s per setting and its ratio to fp32's, and what
-``precision.fp8.matmul=auto`` would pick here.
+then tokens/s per setting and its ratio to fp32's, what
+``precision.fp8.matmul=auto`` would pick here, and the load average and CPU
+steal over the runs, with a warning when other processes competed (without
+``--repeats``, a machine busy at the start gets twice the runs).
 
 A row that would take too long is capped: once a run has been going for
 ``--row-budget`` seconds past its first step (default 20), or its pace says it
@@ -48,6 +50,7 @@ from bench import configured, machine  # noqa: E402
 from bench_monitor import fastest, over_budget  # noqa: E402,F401 (over_budget: the cap's rule, tested here)
 
 from mptrain.config.checks import compose_checked  # noqa: E402
+from mptrain.core.machine import LoadMeter  # noqa: E402
 from mptrain.precision.support import _cpu_flags, choose_fp8_matmul, torchao_version  # noqa: E402
 
 from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/configs/, shipped in the package)
@@ -83,7 +86,8 @@ def header(device: str, overrides: list[str], repeats: int, names: list[str]) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each setting, interleaved; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs of each setting, interleaved; the fastest counts (default 2, 4 on a busy machine)")
     ap.add_argument("--only", default=",".join(SETTINGS), help=f"comma-separated settings ({', '.join(SETTINGS)})")
     ap.add_argument("--row-budget", type=float, default=ROW_BUDGET_S,
                     help=f"seconds a run may take past its first step before its row is capped (default {ROW_BUDGET_S:g})")
@@ -95,6 +99,8 @@ def main() -> None:
                  f"choose from {', '.join(SETTINGS)}, fp32 included (the ratios are to it).")
     overrides = [*DEFAULTS, *user]
     cfg, device = configured(lambda o: compose_checked(o, CONFIGS), overrides, "bench_precision")
+    meter = LoadMeter()
+    a.repeats = meter.repeats(2, a.repeats)
     print(header(device, overrides, a.repeats, names), flush=True)
     # the setting last: a user's precision=... would otherwise replace it
     timed = fastest(names, a.repeats, cfg.train.max_steps, 15, lambda name: [*overrides, *SETTINGS[name]],
@@ -112,6 +118,7 @@ def main() -> None:
     if device == "cpu":
         path, why = choose_fp8_matmul("auto", torch.device("cpu"))
         print(f"precision.fp8.matmul=auto here: {path} ({why})")
+    print(meter.read().report(f"the fastest of {a.repeats} runs of each setting counts"))
 
 
 if __name__ == "__main__":

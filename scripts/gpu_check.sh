@@ -11,6 +11,18 @@
 # on PYTHONPATH, only when hydra-core, omegaconf or torchao is missing. Without
 # CUDA and without --cpu-smoke it measures nothing and exits 0.
 set -euo pipefail
+usage() {  # the comment block above, without its '#'
+  awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
+}
+# --help is answered before anything runs: no check, no install (it once ran the whole check)
+for arg in "$@"; do
+  if [[ $arg == --help || $arg == -h ]]; then
+    echo "usage: bash scripts/gpu_check.sh [--out DIR] [--cpu-smoke] [scripts/gpu_check.py's options]"
+    usage
+    echo "scripts/gpu_check.py's options: python scripts/gpu_check.py --help"
+    exit 0
+  fi
+done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 smoke=0

@@ -17,6 +17,17 @@
 # data=hf), torch-optimi (only for precision=bf16-pure-kahan), submitit.
 # Versions: those installed here when a package is installed, else the pins below.
 set -euo pipefail
+usage() {  # the comment block above, without its '#'
+  awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
+}
+# --help reads only this file: it must never download or write (it once filled .whl/)
+for arg in "$@"; do
+  if [[ $arg == --help || $arg == -h ]]; then echo "usage: bash scripts/gpu_wheels.sh"; usage; exit 0; fi
+done
+if (($#)); then
+  echo "gpu_wheels: takes no arguments (got $*); run bash scripts/gpu_wheels.sh, or --help for what it does." >&2
+  exit 2
+fi
 cd "$(dirname "$0")/.."
 DEST=.whl
 LIMIT_MIB=64

@@ -64,6 +64,10 @@ def test_bench_prints_the_table(monkeypatch, capsys):
         assert mine[0] == f"[{k}/3] {name} 0/3 steps", mine
         assert mine[-1].startswith(f"[{k}/3] {name} 3/3 steps | ") and "tokens/s" in mine[-1], mine
     assert len(progress) == 6  # a start and an end line each: the runs are shorter than PLAIN_EVERY_S
+    # The load beside the figures (an explicit --repeats is kept, busy or not), and the warning
+    # exactly when the reading says other processes competed.
+    assert any(line.startswith("  load average ") for line in out.splitlines()), out
+    assert ("warning: these figures are unreliable: " in out) == ("is above the" in out or "(steal)" in out)
 
 
 def test_steady_laps_leave_out_the_warmup():

@@ -1,9 +1,13 @@
 """``--help`` works everywhere: every command a user types prints its usage and
 exits 0, without doing its work (the doctor used to run its probe; the memory
-estimator handed ``--help`` to Hydra's override parser and printed a lexer error)."""
+estimator handed ``--help`` to Hydra's override parser and printed a lexer error;
+``gpu_wheels.sh --help`` downloaded wheels into .whl/, ``gpu_check.sh --help`` ran the check)."""
 from __future__ import annotations
 
+import os
 import runpy
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -20,8 +24,13 @@ COMMANDS = {  # name -> main(argv), returning an exit code or raising SystemExit
     "mptrain.sample": lambda argv: sample.main(argv),
     "mptrain.advise": advise.main,
 }
-SCRIPTS = ["export_hf.py", "compare.py", "bench.py", "prepare_data.py", "bench_monitor.py", "bench_checkpoint.py",
-           "bench_nanogpt.py", "gpu_check.py", "bench_precision.py", "fp4_grad_noise.py", "rope_error.py"]
+# every script, found rather than listed, so that a new one is covered the day it is added
+SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
+SHELL_SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.sh"))
+
+
+def _files_under(root) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
 
 
 def _exit_code(call) -> int:
@@ -44,14 +53,38 @@ def test_every_command_prints_its_usage_and_exits_0(name, flag, capsys):
     assert "measured 512x512" not in out and "memory per rank: model=" not in out  # the usage, not the work
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_every_script_prints_its_usage_and_exits_0(script, capsys, monkeypatch):
+def test_every_script_prints_its_usage_and_exits_0(script, flag, capsys, monkeypatch, tmp_path):
     path = ROOT / "scripts" / script
-    monkeypatch.setattr(sys, "argv", [str(path), "--help"])
+    monkeypatch.setattr(sys, "argv", [str(path), flag])
+    monkeypatch.chdir(tmp_path)  # anything written to a relative path would land here
     assert _exit_code(lambda: runpy.run_path(str(path), run_name="__main__")) == 0
     out, err = capsys.readouterr()
     assert script in out or "usage" in out.lower(), out
     assert "Traceback" not in out + err and "Exception" not in out + err, err
+    assert _files_under(tmp_path) == set()
+
+
+def test_every_shell_script_prints_its_usage_and_does_nothing_else(tmp_path):
+    """``bash scripts/X.sh --help`` / ``-h`` in a real bash, each script copied to a
+    folder of its own (they cd to the folder above scripts/, where gpu_wheels.sh
+    writes .whl/): the usage on stdout, exit 0, no file written, nothing run.
+    PIP_NO_INDEX keeps a script that ignored --help from reaching the network."""
+    assert SHELL_SCRIPTS == ["gpu_check.sh", "gpu_wheels.sh"], SHELL_SCRIPTS  # a new one: add what it must not do
+    env = {**os.environ, "PIP_NO_INDEX": "1"}
+    for script in SHELL_SCRIPTS:
+        for flag in ("--help", "-h"):
+            root = tmp_path / f"{script}{flag}"
+            (root / "scripts").mkdir(parents=True)
+            shutil.copy(ROOT / "scripts" / script, root / "scripts" / script)
+            before = _files_under(root)
+            p = subprocess.run(["bash", str(root / "scripts" / script), flag], capture_output=True, text=True,
+                               env=env, timeout=60)
+            assert (p.returncode, p.stderr) == (0, ""), (script, flag, p.stdout, p.stderr)
+            assert p.stdout.startswith(f"usage: bash scripts/{script}"), (script, flag, p.stdout)
+            assert "gpu_check: no CUDA" not in p.stdout and "driver:" not in p.stdout, p.stdout  # the check ran
+            assert _files_under(root) == before, (script, flag)  # no .whl/ or anything else
 
 
 def test_a_command_that_takes_no_arguments_refuses_one_in_one_line(capsys):

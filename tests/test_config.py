@@ -143,18 +143,18 @@ def test_the_value_precheck_accepts_what_hydra_accepts():
     good = ["train.compile=null", "train.tf32=yes", "train.max_steps='3'", "optim.lr=1", "model.vocab_size=null",
             "data.paths=[a,'b c']", "debug.nan_at_steps=[1,'2']", "precision.param_dtype=bf16",
             "train.on_nonfinite=skip", "train.sample_prompt=3", "optim.warmup_steps=${train.max_steps}",
-            "experiment=precision_study", "+extra=1", "hydra.job.chdir=false"]
+            "experiment=precision_study", "++train.seed=3", "hydra.job.chdir=false"]
     check_overrides(["-m", "optim.lr=1e-3,2e-3", "train.seed=range(1,4)", "model=glob(*)"], str(CONFIGS))
     check_overrides(good, str(CONFIGS))
     cfg = make_cfg(*good)
-    assert cfg.train.compile is None and cfg.train.tf32 is True and cfg.train.max_steps == 3
+    assert cfg.train.compile is None and cfg.train.tf32 is True and cfg.train.max_steps == 3 and cfg.train.seed == 3
     for override in ("train.tf32=maybe", "precision.param_dtype=fp64", "data.paths=notes.txt"):
         with pytest.raises(Exception):
             make_cfg(override)
 
 
 def test_valid_keys_and_hydra_keys_pass_precheck():
-    check_override_keys(["precision=bf16", "train.max_steps=3", "+foo=1", "hydra.run.dir=x",
+    check_override_keys(["precision=bf16", "train.max_steps=3", "+hydra.job.env_set.X=1", "hydra.run.dir=x",
                          "hydra/launcher=basic", "-m", "precision.loss_scale.init_scale=8"], str(CONFIGS))
 
 
@@ -361,3 +361,27 @@ def test_a_replaced_key_names_its_successor_on_the_command_line_and_in_a_config_
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith(f"mptrain: configuration error: {e.value} It is set in a config file: "
                                "In 'experiment/old'"), r.stderr
+
+
+# --- '+key': a key added that no code reads ------------------------------------------
+def test_an_added_key_no_code_reads_is_refused_by_name(capsys):
+    """``+train.max_step=50`` (a '+' before a misspelt key, as the old typo message
+    offered) was composed in and silently ignored. The command line's check refuses it
+    in one line naming the key and the real one, before anything runs (exit code 2)."""
+    from mptrain.run.startup import Startup
+
+    assert Startup().check_command_line(["+train.max_step=50"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mptrain: configuration error: ")
+    assert "'+train.max_step'" in lines[0] and "Did you mean 'train.max_steps=50'?" in lines[0]
+    for added, real in [("++train.max_step=50", "train.max_steps=50"), ("+extra=1", "train"),
+                        ("+optim.lr.x=1", None), ("+precison=bf16", "precision=bf16")]:
+        with pytest.raises(ConfigError) as e:
+            check_overrides([added], str(CONFIGS))
+        assert f"'{added.split('=')[0]}'" in str(e.value) and "\n" not in str(e.value)
+        assert real is None or f"Did you mean '{real}'?" in str(e.value)
+    # Hydra's own keys and groups are Hydra's to add, and the typo message offers no '+' any more
+    check_overrides(["+hydra.job.env_set.X=1", "++train.max_steps=3", "~experiment"], str(CONFIGS))
+    with pytest.raises(ConfigError) as e:
+        check_overrides(["train.max_step=50"], str(CONFIGS))
+    assert "'+" not in str(e.value)

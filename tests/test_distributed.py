@@ -618,6 +618,22 @@ def test_mptrain_torchrun_exits_with_the_ranks_code_and_line(tmp_path, code, ove
         assert noise not in r.stderr, r.stderr[-4000:]
 
 
+def test_the_headline_launcher_answers_a_bad_override_with_its_one_line_alone(tmp_path):
+    """The multi-process command the README leads with, ``python -m mptrain.torchrun``, on a
+    misspelt key: exit code 2 and rank 0's line, nothing else on either stream (torch's
+    OMP_NUM_THREADS banner is silenced the way a user silences it, by setting the
+    variable), nothing written. Plain ``torchrun`` cannot be made this quiet from inside
+    the ranks: its agent reports every non-zero exit with a ChildFailedError and exits 1
+    (docs/distributed.md says why the README leads with this launcher instead)."""
+    r = subprocess.run(mptrain_torchrun("parallel=ddp", "train.max_stpes=3"), cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env={**LAUNCH_ENV, "OMP_NUM_THREADS": "1"})
+    assert (r.returncode, r.stdout) == (2, ""), (r.returncode, r.stdout, r.stderr[-4000:])
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("mptrain: configuration error: Unknown config key 'train.max_stpes'. Did you mean "
+                           "'train.max_steps'?"), r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sigterm_while_the_ranks_start_leaves_no_trace(tmp_path):
     """SIGTERM to the launcher while the ranks are starting: rank 0 has locked the
     run directory, Hydra has written its files there, and it is training a BPE

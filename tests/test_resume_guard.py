@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import sys
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
@@ -16,7 +20,7 @@ from mptrain.config.schema import GUARDED, HARMLESS, RECORDED, Config, on_resume
 from mptrain.checkpoint.checkpointer import flatten
 from mptrain.run.resume import ResumeRefused
 
-from .conftest import train
+from .conftest import TINY, train
 from .test_rundir import _tree
 
 
@@ -79,3 +83,46 @@ def test_resume_reads_the_markers_and_reruns_say_why_nothing_trains(tmp_path, ca
     assert ("step-3 is at step 3 and train.max_steps=3 (lowered from 5; steps already trained are not undone): "
             "nothing to train") in said, said
     assert _tree(run) == records
+
+
+def test_resume_latest_picks_the_newest_run_and_a_finished_one_leaves_no_directory(tmp_path, monkeypatch, capsys):
+    """``resume=latest``: the newest run under ``outputs/`` of the launch's folder with a
+    complete checkpoint, named in one line; none there is one line naming where it looked.
+    A launch that resumes a finished run trains nothing and leaves no new run directory,
+    lock or date folder behind (it used to leave an empty run directory). In-process
+    launches, as ``python train.py`` runs them; one tiny run trains, a copy of it is the older run."""
+    from mptrain.run.launch import launch
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # launch() puts the overrides there for Hydra
+    outputs, base = tmp_path / "outputs", [*TINY, "train.max_steps=2", "checkpoint.at_end=true"]
+
+    def runs() -> list[Path]:
+        return sorted(p.parent for p in outputs.rglob("checkpoints"))
+
+    assert launch([*base, "resume=latest"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"mptrain: checkpoint error: resume=latest: no run under {outputs} holds a complete checkpoint "
+        "(runs started from this folder with the default hydra.run.dir go there); train one first, or name a "
+        "run directory or checkpoint with resume=<path>."]
+    assert not outputs.exists()  # nor its date folder
+    assert launch(base) == 0
+    (first,) = runs()
+    shutil.copytree(first, outputs / "older")  # another run, its checkpoint saved long ago
+    os.utime(outputs / "older" / "checkpoints" / "step-2" / "meta.json", (0, 0))
+    capsys.readouterr()
+    # The finished run, by latest and by its path, into a new dated directory: nothing trains, nothing stays.
+    fresh = tmp_path / "fresh"
+    for source in ("latest", str(first)):
+        assert launch([*base, f"resume={source}", "hydra.run.dir=${mptrain_new_dir:fresh/day/run}"]) == 0
+        out = capsys.readouterr().out
+        assert "nothing to train" in out, out
+        assert not fresh.exists()
+    assert launch([*base, "resume=latest"]) == 0
+    out = capsys.readouterr().out
+    picked = [line for line in out.splitlines() if line.startswith("resume=latest:")]
+    assert len(picked) == 1 and picked[0].startswith(f"resume=latest: {first} (checkpoint step-2, saved ") and \
+        picked[0].endswith(f"), the newest complete checkpoint under {outputs}"), out
+    assert runs() == [first, outputs / "older"]  # the finished run's resume left no directory of its own
+    assert [p for p in outputs.rglob("*") if p.is_dir() and not any(p.iterdir())] == []

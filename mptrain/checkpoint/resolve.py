@@ -1,7 +1,7 @@
 """Which checkpoint a run resumes from, verified before anything reads it.
 
-:func:`resolve_resume` turns ``resume.source`` (``auto``, ``none``, a run
-directory or a checkpoint directory) into one checkpoint directory: the newest
+:func:`resolve_resume` turns ``resume.source`` (``auto``, ``none``, ``latest``, a
+run directory or a checkpoint directory) into one checkpoint directory: the newest
 intact one, each damaged one passed over with one line that names the file and
 the reason. Whether this launch may continue it (the config compared, the
 history) is the run layer's decision (``mptrain/run/resume.py``); the tools
@@ -11,6 +11,7 @@ pick theirs through the same function (``readers.py``).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from pathlib import Path
 from typing import Callable, Optional
@@ -25,6 +26,10 @@ from mptrain.checkpoint.integrity import (
 )
 from mptrain.core.text import quiet
 
+LATEST_ROOT = "outputs"
+"""Where ``resume=latest`` looks, in the folder the command runs in: the tree the
+default ``hydra.run.dir`` (``outputs/<date>/<time>``) puts each launch's run in."""
+
 
 def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = print,
                    label: Optional[str] = None) -> Optional[Path]:
@@ -35,14 +40,15 @@ def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = prin
     ``auto`` (and a run directory given as a path) takes the newest intact
     checkpoint: a damaged one is skipped with one line through ``log`` naming the
     file and the reason. A checkpoint named by its own path is used as it is or
-    refused (:class:`CheckpointDamaged`), offering the previous intact one."""
+    refused (:class:`CheckpointDamaged`), offering the previous intact one.
+    ``latest`` is the run directory :func:`latest_run` names, taken as a path."""
     label = label or f"resume={resume}"
     _check_checkpoints_dir(run_dir, label)  # also for none: a new run saves there
     if resume == "none":
         return None
     if resume == "auto":
         return _newest_intact(_listed(run_dir / "checkpoints", label, log), label, log)
-    p = Path(os.path.expanduser(resume))
+    p = latest_run(run_dir, label, log) if resume == "latest" else Path(os.path.expanduser(resume))
     if not p.exists():
         raise CheckpointError(f"{label}: no such file or directory.")
     if (p / "meta.json").is_file():
@@ -56,6 +62,31 @@ def resolve_resume(resume: str, run_dir: Path, log: Callable[[str], None] = prin
     if p.name.endswith(".tmp"):
         raise CheckpointError(f"{label}: this checkpoint was never completed (its save was interrupted).")
     raise CheckpointError(f"{label}: not a checkpoint (no meta.json) and holds no complete checkpoints/step-N.")
+
+
+def latest_run(run_dir: Path, label: str, log) -> Path:
+    """The run under :data:`LATEST_ROOT` whose newest complete checkpoint was saved
+    last (by its meta.json's time: the run a user stopped or finished most recently),
+    named in one line through ``log``; this launch's own ``run_dir`` left out. A
+    launch resumes from it into its own new run directory, as from any run directory
+    named by its path. None there is a :class:`CheckpointError` naming the folder."""
+    root = Path.cwd() / LATEST_ROOT
+    found = []
+    for folder, subdirs, _ in os.walk(root):
+        if "checkpoints" in subdirs and Path(folder).resolve() != Path(run_dir).resolve():
+            ckpts = complete_checkpoints(Path(folder) / "checkpoints")
+            if ckpts:
+                found.append(((ckpts[-1] / "meta.json").stat().st_mtime, folder, ckpts[-1]))
+        # a run's own folders hold no other run: not walked (its checkpoints' shards, .hydra/)
+        subdirs[:] = [d for d in subdirs if d != "checkpoints" and not d.startswith(".")]
+    if not found:
+        raise CheckpointError(f"{label}: no run under {root} holds a complete checkpoint (runs started from this "
+                              "folder with the default hydra.run.dir go there); train one first, or name a run "
+                              "directory or checkpoint with resume=<path>.")
+    saved, run, ckpt = max(found)  # (time, then path: the same answer for two saves in one clock tick)
+    log(f"{label}: {run} (checkpoint {ckpt.name}, saved {datetime.datetime.fromtimestamp(saved):%Y-%m-%d %H:%M:%S})"
+        f", the newest complete checkpoint under {root}")
+    return Path(run)
 
 
 def checkpoints_dir_problem(run_dir: Path) -> Optional[str]:

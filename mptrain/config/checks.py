@@ -79,13 +79,13 @@ def _groups(dirs: Optional[list[str]]) -> Optional[set[str]]:
 
 
 def _user_key(ov: str) -> Optional[str]:
-    """The key of a plain ``key=value`` override, or None for what is Hydra's
-    business: flags, explicit additions/deletions (``+``, ``~``), packages
-    (``@``), Hydra's own keys and nested groups (``hydra/launcher=...``)."""
+    """The key of a ``key=value`` override in mptrain's own config, ``+`` or ``++``
+    (add) stripped, or None for what is Hydra's business: flags, deletions (``~``),
+    packages (``@``), Hydra's own keys and nested groups (``hydra/launcher=...``)."""
     if ov.startswith("-") or "=" not in ov:
         return None
-    key = ov.split("=", 1)[0]
-    if key.startswith(("+", "~", "hydra.", "hydra/")) or key == "hydra" or "@" in key:
+    key = ov.split("=", 1)[0].lstrip("+")
+    if key.startswith(("~", "hydra.", "hydra/")) or key == "hydra" or "@" in key:
         return None
     return None if "/" in key else key
 
@@ -109,8 +109,10 @@ def check_override_keys(overrides: list[str], config_dir: str) -> None:
 
     Hydra's own message for ``precison=bf16`` ("Key 'precison' is not in
     struct") names neither the group nor what would have been valid. This
-    runs before Hydra and says both. Values are checked by
-    :func:`check_override_values`.
+    runs before Hydra and says both. A key added with ``+`` (or ``++``) is held
+    to the same schema: Hydra would add ``+train.max_step=50`` to the config,
+    where no code reads it, and the run would go on without it. Values are
+    checked by :func:`check_override_values`.
     """
     groups = _groups(_config_dirs(overrides, config_dir))
     valid_top = [f.name for f in dataclasses.fields(Config)]
@@ -120,23 +122,24 @@ def check_override_keys(overrides: list[str], config_dir: str) -> None:
             continue
         if key in RENAMED:
             raise ConfigError(RENAMED[key])
+        typed = ov.split("=", 1)[0]  # with its '+', as the user typed it
         parts = key.split(".")
         if len(parts) == 1 and (groups is None or parts[0] in groups):
             continue  # a group choice (experiment=..., model=...): its option is a value
         if parts[0] not in valid_top:
             shown = (set(valid_top) | (groups or set())) - INTERNAL_GROUPS
-            raise ConfigError(_unknown(key, parts[0], sorted(shown), "top-level keys and groups"))
+            raise ConfigError(_unknown(ov, parts[0], sorted(shown), "top-level keys and groups", groups or set()))
         node: Any = Config
         for i, p in enumerate(parts):
             if node is None:
                 value = ".".join(parts[:i])
-                raise ConfigError(f"'{value}' is a value, not a section, so '{key}' cannot be set; "
+                raise ConfigError(f"'{value}' is a value, not a section, so '{typed}' cannot be set; "
                                   f"set {value}=... itself.")
             try:
                 node = _schema_child(node, p)
             except KeyError:
                 choices = [f.name for f in dataclasses.fields(node)]
-                raise ConfigError(_unknown(key, p, choices, f"keys of '{'.'.join(parts[:i])}'")) from None
+                raise ConfigError(_unknown(ov, p, choices, f"keys of '{'.'.join(parts[:i])}'", set())) from None
 
 
 def _did_you_mean(bad: str, choices: list[str], fix) -> str:
@@ -145,10 +148,23 @@ def _did_you_mean(bad: str, choices: list[str], fix) -> str:
     return f" Did you mean '{fix(close[0])}'?" if close else ""
 
 
-def _unknown(full: str, bad: str, choices: list[str], what: str) -> str:
-    hint = _did_you_mean(bad, choices, lambda c: full.replace(bad, c, 1))
-    return (f"Unknown config key '{full}'.{hint} Valid {what}: {', '.join(choices)} "
-            f"(use '+{full}=...' only if you really mean to add a new key).")
+def _unknown(ov: str, bad: str, choices: list[str], what: str, groups: set[str]) -> str:
+    """The line for override ``ov`` whose part ``bad`` is no key (the valid ones: ``choices``).
+    No '+' is ever offered: every key the run reads is in the schema, so a key added with
+    '+' is read by no code (Hydra's own ``hydra.*`` keys never come here)."""
+    typed, value = ov.split("=", 1)
+    full = typed.lstrip("+")
+    if typed == full:
+        hint = _did_you_mean(bad, choices, lambda c: full.replace(bad, c, 1))
+        return f"Unknown config key '{full}'.{hint} Valid {what}: {', '.join(choices)}."
+
+    def override(c: str) -> str:  # the override to type instead; a section takes no value
+        fixed = full.replace(bad, c, 1)
+        return f"{fixed}={value}" if fixed in groups or _leaf_type(fixed) is not None else fixed
+
+    hint = _did_you_mean(bad, choices, override)
+    return (f"'{typed}' adds a key that no part of mptrain reads (it is not in the schema), so the run would "
+            f"ignore it.{hint} Valid {what}: {', '.join(choices)}.")
 
 
 # ------------------------------------------------------------ CLI value pre-check

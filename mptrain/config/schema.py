@@ -808,8 +808,13 @@ class ResumeConfig:
     """``auto``: continue from the newest intact checkpoint in this run directory,
     if there is one (a fresh run directory starts from scratch). ``none``: start
     from scratch (refused in a directory that holds checkpoints, which a new run
-    would mix with). Anything else: a checkpoint directory
-    (``.../checkpoints/step-N``) or a run directory whose newest checkpoint is used."""
+    would mix with). ``latest``: the run under ``outputs/`` of the folder the
+    command runs in (where the default ``hydra.run.dir`` puts runs) whose newest
+    complete checkpoint was saved last, named in one line; none there is an error
+    naming the folder. Anything else: a checkpoint directory
+    (``.../checkpoints/step-N``) or a run directory whose newest checkpoint is used.
+    ``latest`` and a path continue into this launch's own run directory; one that
+    finds the run finished trains nothing and leaves no directory behind."""
     allow_changes: list[str] = harmless(why="what this launch accepts, not what it trains", factory=list)
     """Config keys or sections (``precision``, ``optim.lr``, ``train.seed``) whose
     value may differ from the checkpoint's. A resume that changes the training

@@ -17,7 +17,8 @@ whole life:
   without Hydra, and for each job of a multirun.
 
 A launch refused before training starts (a bad config, a refused resume, a
-busy directory) undoes what it wrote: a directory this launch created is
+busy directory), or one with nothing to train (a finished run resumed), undoes
+what it wrote: a directory this launch created is
 removed, and in a directory that already held a run, Hydra's ``.hydra/`` files
 are restored and its log cut back to its old length.
 
@@ -412,11 +413,15 @@ def acquire(run_dir: Path) -> Optional[Claim]:
 @contextlib.contextmanager
 def held(run_dir: Path) -> Iterator[Optional[Claim]]:
     """The run's hold on its directory, for the length of ``run()``: a user error
-    before training started undoes this launch's writes; the lock is released at
+    before training started undoes this launch's writes, and so does a launch that
+    ends without having started (a finished run resumed: nothing to train), so that
+    it leaves no empty run directory, lock or date folder; the lock is released at
     the end (a multirun runs its jobs one after another in one process)."""
     claim = acquire(run_dir)
     try:
         yield claim
+        if claim is not None:
+            claim.undo()  # a no-op once the run started writing its records
     except UserError:
         if claim is not None:
             claim.undo()

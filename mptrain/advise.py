@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from mptrain.advice.answer import console_lines, override_line, write
+from mptrain.advice.answer import confirm_verdict, console_lines, override_line, write
 from mptrain.advice.probe import (
     GPU_TARGETS,
     MIN_STEPS,
@@ -58,7 +58,7 @@ from mptrain.advice.probe import (
     user_part,
     wait_for,
 )
-from mptrain.advice.rules import Advice, advise, smallest_option
+from mptrain.advice.rules import Advice, Thresholds, advise, smallest_option
 from mptrain.config.checks import compose_checked
 from mptrain.core.errors import ConfigError, DiskError, UserError
 from mptrain.core.process_exit import run_then_leave
@@ -373,10 +373,9 @@ class Advisor:
                          f"{loss(s):.4f} | {s['perf/tokens_per_s']:.0f} | {s['mem/bytes_per_param']:.1f} |")
         gap = loss(r) - loss(b)
         lines.append("")
-        lines.append(f"loss gap (recommended - baseline): {gap:+.4f} nats/token after {k} steps; speed "
-                     f"{r['perf/tokens_per_s'] / b['perf/tokens_per_s']:.2f}x the baseline's; "
-                     f"{r['mem/bytes_per_param']:.1f} against {b['mem/bytes_per_param']:.1f} bytes/param"
-                     + (" (the recommendation is the baseline's configuration)" if same else ""))
+        lines.append(confirm_verdict(gap, r["perf/tokens_per_s"] / b["perf/tokens_per_s"], k,
+                                     (r["mem/bytes_per_param"], b["mem/bytes_per_param"]), same,
+                                     Thresholds().speed_noise))
         return lines
 
     def main(self) -> Advice:

@@ -10,10 +10,11 @@ those overrides name (``--steps``, default 30; the monitors on every few
 steps; float8 linears so that every float8 recipe's casts can be measured),
 then answers, each decision with its evidence and the threshold it used:
 the precision, whether fp16 is safe and its initial loss scale, which linears
-float8 can take (and the speed-up it promises on the target), the weights and
-optimizer state that fit ``--budget-gib`` per rank on ``--world`` ranks, and
-the risks the monitors saw (logit growth, Adam's second moment, massive
-activations), each with the switch that addresses it.
+float8 can take (and the speed it promises on the target: a speed-up or a
+slowdown), the weights and optimizer state that fit ``--budget-gib`` per
+rank on ``--world`` ranks, and the risks the monitors saw (logit growth,
+Adam's second moment, massive activations), each with the switch that
+addresses it.
 
 The answer goes to the console and to ``advice.md``, ``advice.json`` and
 ``advice.yaml`` (an experiment config) in the advise run directory
@@ -22,8 +23,10 @@ The answer goes to the console and to ``advice.md``, ``advice.json`` and
 ``--target``: the hardware to advise for (default: this machine: ``cpu``, or
 the GPU it has). ``--confirm K`` then trains the recommendation and the
 baseline (bf16; fp32 on a CPU without native bf16) for K steps each and
-reports the loss gap, speed and bytes per parameter. A SIGTERM or Ctrl-C
-stops the whole command: one line says what it stopped, nothing is
+reports the loss gap, speed (faster, slower or within noise; when the
+recommendation is the baseline's configuration, the comparison measures
+only run-to-run noise, and it says so) and bytes per parameter. A SIGTERM
+or Ctrl-C stops the whole command: one line says what it stopped, nothing is
 claimed, exit code 0; the same command run again continues in that
 directory. The rules and their thresholds: docs/advise.md.
 """
@@ -41,7 +44,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from mptrain.advice.answer import console_lines, override_line, write
+from mptrain.advice.answer import confirm_verdict, console_lines, override_line, write
 from mptrain.advice.probe import (
     GPU_TARGETS,
     MIN_STEPS,
@@ -58,7 +61,7 @@ from mptrain.advice.probe import (
     user_part,
     wait_for,
 )
-from mptrain.advice.rules import Advice, advise, smallest_option
+from mptrain.advice.rules import Advice, Thresholds, advise, smallest_option
 from mptrain.config.checks import compose_checked
 from mptrain.core.errors import ConfigError, DiskError, UserError
 from mptrain.core.process_exit import run_then_leave
@@ -373,10 +376,9 @@ class Advisor:
                          f"{loss(s):.4f} | {s['perf/tokens_per_s']:.0f} | {s['mem/bytes_per_param']:.1f} |")
         gap = loss(r) - loss(b)
         lines.append("")
-        lines.append(f"loss gap (recommended - baseline): {gap:+.4f} nats/token after {k} steps; speed "
-                     f"{r['perf/tokens_per_s'] / b['perf/tokens_per_s']:.2f}x the baseline's; "
-                     f"{r['mem/bytes_per_param']:.1f} against {b['mem/bytes_per_param']:.1f} bytes/param"
-                     + (" (the recommendation is the baseline's configuration)" if same else ""))
+        lines.append(confirm_verdict(gap, r["perf/tokens_per_s"] / b["perf/tokens_per_s"], k,
+                                     (r["mem/bytes_per_param"], b["mem/bytes_per_param"]), same,
+                                     Thresholds().speed_noise))
         return lines
 
     def main(self) -> Advice:

@@ -10,7 +10,14 @@ steps``); the legend sits under it, above the panels. Each run is labelled by
 the config values that differ between the runs, leaving out a key where the
 run has it at its default (``train.audit=False``), and drawn with its own
 colour, line style and hollow marker, so a curve drawn over an identical one
-leaves it visible. A series with fewer than SPARSE_POINTS points, or
+leaves it visible. A panel is drawn only for a metric with a curve (two or
+more points in some run); the metrics every run logged at one step at most
+(a short run's monitor samples, a validation loss taken once) are a table
+under the panels and in comparison.md instead. Every y axis names its unit,
+shares are drawn in percent (as the tables give them), a "what-if: " title
+marks what a cast would do (the monitor's counterfactuals on the run's own
+tensors) apart from what the run did, and the throughput panel (tokens/s)
+starts at zero. A series with fewer than SPARSE_POINTS points, or
 SPARSE_RATIO times fewer than the run's train loss (monitor samples, the
 validation loss), is drawn as points, not joined by a line, and its panel says
 how often it was sampled. Gradient underflow is counted on the gradients as
@@ -18,8 +25,8 @@ held: a loss-scaled (fp16) run's panel says they were measured after loss
 scaling. Runs whose curves coincide on a panel (equal within COINCIDE_RTOL at
 every common step) are named in that panel's title and in a note after the
 table. Tick labels are plain numbers (no offset or shared multiplier), and a y
-axis spans at least MIN_REL_SPAN of its values (SINGLE_POINT_REL_SPAN where
-every run has one point), so rounding-level differences never fill a panel.
+axis spans at least MIN_REL_SPAN of its values, so rounding-level differences
+never fill a panel.
 Panels whose metric no run logged are left out (the figure says which).
 A metric ending in ``/block*`` is per block: its panel draws, at each step, the
 largest value over the run's blocks (``stability/massive_ratio/block*``).
@@ -57,35 +64,54 @@ from mptrain.checkpoint.checkpointer import flatten  # noqa: E402
 from mptrain.config.checks import CONFIG_DIR  # noqa: E402
 from mptrain.config.schema import Config  # noqa: E402
 
-# (panel title, metric, x axis, y scale)
+# (panel title, metric, x axis, y scale, y axis label with its unit). A "what-if: " title is a
+# counterfactual the monitor computes on the run's own tensors (what a cast to that format
+# would do), not something that happened in the run. A label starting with "%" is a share
+# drawn in percent (the value times 100), as the table shows its shares.
 PANELS = [
-    ("train loss", "train/loss", "step", "linear"),
-    ("train loss vs tokens", "train/loss", "train/tokens", "linear"),
-    ("validation loss", "val/loss", "step", "linear"),
-    ("loss scale", "amp/loss_scale", "step", "log2"),
-    ("cumulative skip rate", "amp/skip_rate", "step", "linear"),
-    ("gradient norm (unscaled, before clipping)", "train/grad_norm", "step", "log"),
-    ("grad underflow in fp16", "numerics/grad_underflow/fp16", "step", "linear"),
-    ("grad underflow in bf16", "numerics/grad_underflow/bf16", "step", "linear"),
-    ("grad underflow in e4m3", "numerics/grad_underflow/e4m3", "step", "linear"),
-    ("grad underflow in e5m2", "numerics/grad_underflow/e5m2", "step", "linear"),
-    ("update underflow if stored in bf16", "numerics/update_underflow/bf16", "step", "linear"),
-    ("updates the stored weights did not take", "numerics/update_lost", "step", "linear"),
-    ("stochastic rounding: updates lost in expectation", "numerics/update_lost_expected", "step", "linear"),
-    ("Kahan buffer: pending update / this step's", "numerics/kahan_held_over_update", "step", "linear"),
-    ("largest attention logit (all layers)", "stability/attn_logit_max", "step", "log"),
-    ("output logits: mean log Z", "stability/output_log_z", "step", "linear"),
-    ("down-projection input max/RMS (largest over blocks)", "stability/down_in_max_over_rms/block*", "step", "log"),
+    ("train loss", "train/loss", "step", "linear", "loss (nats/token)"),
+    ("train loss vs tokens", "train/loss", "train/tokens", "linear", "loss (nats/token)"),
+    ("validation loss", "val/loss", "step", "linear", "loss (nats/token)"),
+    ("throughput (all ranks)", "perf/tokens_per_s", "step", "linear", "tokens/s"),
+    ("loss scale", "amp/loss_scale", "step", "log2", "loss scale (multiplier)"),
+    ("cumulative skip rate", "amp/skip_rate", "step", "linear", "% of steps skipped"),
+    ("gradient norm (unscaled, before clipping)", "train/grad_norm", "step", "log",
+     "L2 norm (nats/token per unit weight)"),
+    ("what-if: gradients that would underflow in fp16", "numerics/grad_underflow/fp16", "step", "linear",
+     "% of non-zero gradients"),
+    ("what-if: gradients that would underflow in bf16", "numerics/grad_underflow/bf16", "step", "linear",
+     "% of non-zero gradients"),
+    ("what-if: gradients that would underflow in e4m3", "numerics/grad_underflow/e4m3", "step", "linear",
+     "% of non-zero gradients"),
+    ("what-if: gradients that would underflow in e5m2", "numerics/grad_underflow/e5m2", "step", "linear",
+     "% of non-zero gradients"),
+    ("what-if: updates lost if the weights were stored in bf16", "numerics/update_underflow/bf16", "step",
+     "linear", "% of parameters"),
+    ("updates the stored weights did not take", "numerics/update_lost", "step", "linear",
+     "% of elements the update meant to move"),
+    ("stochastic rounding: updates lost in expectation", "numerics/update_lost_expected", "step", "linear",
+     "% of elements the update meant to move"),
+    ("Kahan buffer: pending update / this step's", "numerics/kahan_held_over_update", "step", "linear",
+     "ratio (x)"),
+    ("largest attention logit (all layers)", "stability/attn_logit_max", "step", "log", "logit (nats)"),
+    ("output logits: mean log Z", "stability/output_log_z", "step", "linear", "log Z (nats)"),
+    ("down-projection input max/RMS (largest over blocks)", "stability/down_in_max_over_rms/block*", "step", "log",
+     "ratio (x)"),
     ("massive activation ratio, max/median |x| (largest over blocks)", "stability/massive_ratio/block*", "step",
-     "log"),
-    ("fp8 casts: largest share of non-zeros flushed to 0 (any layer)", "fp8/worst/flush", "step", "linear"),
-    ("fp8 casts: largest share of non-zeros saturated (any layer)", "fp8/worst/saturate", "step", "linear"),
-    ("fp8 casts: lowest SQNR of any layer (dB)", "fp8/worst/sqnr_db", "step", "linear"),
+     "log", "ratio (x)"),
+    ("fp8 casts: largest share of non-zeros flushed to 0 (any layer)", "fp8/worst/flush", "step", "linear",
+     "% of non-zero elements"),
+    ("fp8 casts: largest share of non-zeros saturated (any layer)", "fp8/worst/saturate", "step", "linear",
+     "% of non-zero elements"),
+    ("fp8 casts: lowest SQNR of any layer", "fp8/worst/sqnr_db", "step", "linear", "SQNR (dB)"),
 ]
 # Metrics only some configurations have (stochastic rounding, Kahan summation, float8
 # linears): a sweep without those is not missing them, so their absence is not reported.
 ONLY_WHERE_THEY_APPLY = {"numerics/update_lost_expected", "numerics/kahan_held_over_update",
                          "fp8/worst/flush", "fp8/worst/saturate", "fp8/worst/sqnr_db"}
+# Metrics read as ratios between runs (fp8 at 0.4x fp32's tokens/s): their y axis starts at
+# zero, so a run twice as fast sits twice as high instead of at the other edge of a zoomed axis.
+FROM_ZERO = {"perf/tokens_per_s"}
 IGNORED_KEYS = ("run_info", "log.", "debug.", "hydra")
 # A PANELS metric ending in this is per block (``<name>/block0``, ``<name>/block1``, ...):
 # the panel shows the largest over the blocks, the layer where an outlier is worst.
@@ -97,10 +123,9 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
 # reruns and runs a setting does not affect are equal to the last bit; real
 # precision effects on a loss are 1e-5 relative and more.
 COINCIDE_RTOL, COINCIDE_ATOL = 1e-6, 1e-12
-# A linear y axis spans at least this fraction of its largest |value|; where every run
-# has a single point (nothing shows how much the metric moves), at least the larger one,
-# so that two losses 4e-5 apart sit on each other instead of at the panel's edges.
-MIN_REL_SPAN, SINGLE_POINT_REL_SPAN = 1e-3, 1e-2
+# A linear y axis spans at least this fraction of its largest |value|, so that two
+# losses 4e-5 apart sit on each other instead of at the panel's edges.
+MIN_REL_SPAN = 1e-3
 # A run's series is drawn as points only (no connecting line, which would suggest a
 # measured trend between samples) when it has fewer than SPARSE_POINTS points, or
 # SPARSE_RATIO times fewer than the run's train loss (the monitor's every 50 steps
@@ -375,9 +400,47 @@ def table(runs: list[Run]) -> str:
 
 
 def panels_with_data(runs: list[Run]) -> tuple[list[tuple], list[str]]:
-    """The panels some run has data for, and the metrics no run logged."""
-    panels = [p for p in PANELS if any(r.series(p[1], p[2])[0] for r in runs)]
-    return panels, sorted({p[1] for p in PANELS} - {p[1] for p in panels} - ONLY_WHERE_THEY_APPLY)
+    """The panels with a curve (two or more points in some run), and the metrics no run logged.
+    A metric every run logged at one step at most is not drawn: :func:`single_points`."""
+    panels = [p for p in PANELS if any(len(r.series(p[1], p[2])[0]) >= 2 for r in runs)]
+    logged = {p[1] for p in PANELS if any(r.series(p[1], p[2])[0] for r in runs)}
+    return panels, sorted({p[1] for p in PANELS} - logged - ONLY_WHERE_THEY_APPLY)
+
+
+def percent(unit: str) -> bool:
+    """Whether a panel's values are shares shown in percent (its unit starts with "%")."""
+    return unit.startswith("%")
+
+
+def single_points(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
+    """The metrics some run logged but none at two steps or more (a short run's monitor
+    samples, a validation loss taken once), as a table instead of panels of lone
+    points: the head (metric, unit, step, one column per run) and a row per metric,
+    shares in percent as the panels and the table of final figures show them."""
+    head = ["metric", "unit", "step", *(r.label for r in runs)]
+    rows = []
+    for title, metric, x, _, unit in PANELS:
+        if x != "step":  # the loss over tokens is the loss over steps again
+            continue
+        series = [r.series(metric, x) for r in runs]
+        if not any(xs for xs, _ in series) or any(len(xs) >= 2 for xs, _ in series):
+            continue
+        steps = sorted({xs[0] for xs, _ in series if xs})
+        scale = 100.0 if percent(unit) else 1.0
+        rows.append([title, unit, "/".join(map(str, steps)),
+                     *(plain_number(ys[0] * scale) if ys else "n/a" for _, ys in series)])
+    return head, rows
+
+
+def single_points_md(runs: list[Run]) -> str:
+    """:func:`single_points` as markdown for comparison.md ("" when every metric has a curve)."""
+    head, rows = single_points(runs)
+    if not rows:
+        return ""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+             *("| " + " | ".join(row) + " |" for row in rows)]
+    return ("Logged at one step only (no curve to draw; in the figure as a table, not as panels):\n\n"
+            + "\n".join(lines))
 
 
 def _equal(a: float, b: float) -> bool:
@@ -409,7 +472,7 @@ def coinciding(runs: list[Run], metric: str, x: str) -> list[list[Run]]:
 def coincidences(runs: list[Run], panels: list[tuple]) -> dict[str, list[list[str]]]:
     """Panel title -> the labels of each group of coinciding curves on it (panels without any left out)."""
     out = {}
-    for title, metric, x, _ in panels:
+    for title, metric, x, *_ in panels:
         groups = coinciding(runs, metric, x)
         if len(runs) > 2 and len(groups) == 1 and len(groups[0]) == len(runs):
             out[title] = [[f"all {len(runs)} runs"]]  # naming each of a whole sweep says less
@@ -519,63 +582,84 @@ def min_span(ax, values: list[float], rel: float = MIN_REL_SPAN) -> None:
 
 def _panel(ax, runs: list[Run], spec: tuple, same: list[list[str]]) -> None:
     """One panel: every run with data in its own style (sparse samples as points), the
-    axes plain, the title saying how the figures were taken (after loss scaling,
-    sampled every N steps) and naming the coinciding runs."""
-    title, metric, x, scale = spec
+    axes plain and labelled with their units (shares in percent), the title saying how
+    the figures were taken (after loss scaling, sampled every N steps) and naming the
+    coinciding runs."""
+    title, metric, x, scale, unit = spec
+    scale_by = 100.0 if percent(unit) else 1.0
     values: list[float] = []
-    counts, gaps = [], []
+    gaps = []
     for i, r in enumerate(runs):
         xs, ys = r.series(metric, x)
+        ys = [y * scale_by for y in ys]
         if xs:  # a run keeps its look in every panel, also where others are missing
             sparse = is_sparse(r, xs, x)
             ax.plot(xs, ys, label=r.label, zorder=2 + i, **style(i, len(xs), len(runs), sparse))
             values += ys
-            counts.append(len(xs))
             if sparse and x == "step" and _interval(xs):
                 gaps.append(_interval(xs))
     notes = [scaled_note(runs)] if metric.startswith(AS_HELD) else []
     if gaps:
-        notes.append(f"points: sampled every {'/'.join(map(str, sorted(set(gaps))))} steps")
+        every = sorted(set(gaps))
+        notes.append("points: sampled every step" if every == [1] else
+                     f"points: sampled every {'/'.join(map(str, every))} steps")
     notes = [n for n in notes if n] + [f"same curve: {' = '.join(g)}" for g in same]
     ax.set_title("\n".join([title, *(textwrap.fill(n, 70) for n in notes)]), fontsize=10 if notes else None)
     ax.set_xlabel("tokens" if x == "train/tokens" else "step")
+    ax.set_ylabel(unit)
     if scale == "log2":
         ax.set_yscale("log", base=2)
     elif scale == "log":
         ax.set_yscale("log")
-    # One point per run shows no scale of its own: a wider floor. (The loss scale's
-    # powers of 2 keep matplotlib's own, wider, axis.)
-    if scale != "log2":
-        min_span(ax, values, SINGLE_POINT_REL_SPAN if max(counts, default=0) == 1 else MIN_REL_SPAN)
+    if metric in FROM_ZERO:
+        ax.set_ylim(0, max(values, default=1.0) * 1.05)
+    elif scale != "log2":  # (the loss scale's powers of 2 keep matplotlib's own, wider, axis)
+        min_span(ax, values)
     plain_axes(ax, x, scale)
     ax.grid(alpha=0.3)
 
 
+def _single_points_table(ax, runs: list[Run]) -> None:
+    """The metrics logged at one step only (:func:`single_points`) as a table in the figure."""
+    head, rows = single_points(runs)
+    ax.axis("off")
+    ax.set_title("logged at one step only (no curve to draw): the value at that step")
+    t = ax.table(cellText=rows, colLabels=head, loc="upper center", cellLoc="left")
+    t.auto_set_font_size(False)
+    t.set_fontsize(8)
+    t.auto_set_column_width(list(range(len(head))))
+
+
 def build_figure(runs: list[Run]):
     """The comparison figure (a ``matplotlib.figure.Figure``, not yet saved): one
-    panel per metric some run logged, one line (or set of points) per run; the
-    title says what was compared, the legend sits under it, above the panels."""
+    panel per metric with a curve (two or more points in some run), one line (or set
+    of points) per run, and under the panels a table of the metrics logged at one
+    step only; the title says what was compared, the legend sits under it, above
+    the panels."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
     panels, missing = panels_with_data(runs)
+    n_single = len(single_points(runs)[1])
     same = coincidences(runs, panels)
     cols = 3
-    rows = max(1, math.ceil(len(panels) / cols))
+    rows = max(0 if n_single else 1, math.ceil(len(panels) / cols))
     labels = [r.label for r in runs]
     ncol = min(4, len(labels))
     title = textwrap.fill(compared(runs), 150)
     if missing:
         title += "\n" + textwrap.fill(f"not logged by any run: {', '.join(missing)}", 170)
-    # Inches above the panels: the title's lines, then the legend's rows.
+    # Inches above the panels: the title's lines, then the legend's rows; under them, the table's rows.
     title_h, legend_h = 0.22 * (title.count("\n") + 1) + 0.15, 0.24 * math.ceil(len(labels) / ncol) + 0.1
-    height = 3.8 * rows + title_h + legend_h
+    table_h = 0.25 * (n_single + 1) + 0.6 if n_single else 0.0
+    height = 3.8 * rows + table_h + title_h + legend_h
     fig = Figure(figsize=(6 * cols, height))
-    axes = fig.subplots(rows, cols, squeeze=False)
-    for ax, spec in zip(axes.flat, panels, strict=False):  # the grid's spare cells are hidden below
-        _panel(ax, runs, spec, same.get(spec[0], []))
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
+    grid = fig.add_gridspec(rows + (1 if n_single else 0), cols,
+                            height_ratios=[3.8] * rows + ([table_h] if n_single else []))
+    for i, spec in enumerate(panels):
+        _panel(fig.add_subplot(grid[i // cols, i % cols]), runs, spec, same.get(spec[0], []))
+    if n_single:
+        _single_points_table(fig.add_subplot(grid[rows, :]), runs)
     handles = [Line2D([], [], **{k: v for k, v in style(i, 2, len(runs)).items() if k != "markevery"})
                for i in range(len(runs))]
     fig.suptitle(title, fontsize=11, y=1 - 0.08 / height, va="top")
@@ -1015,6 +1099,8 @@ def main(argv: list[str]) -> int:
     missing, same = figure(runs, out / "comparison.png")
     note = "".join(f"\n\n{line}" for line in references(runs)[2])
     note += f"\n\nNot logged by any run (panels left out): {', '.join(missing)}." if missing else ""
+    single = single_points_md(runs)
+    note += f"\n\n{single}" if single else ""
     note += f"\n\n{same}" if same else ""
     groups = lr_settings(runs)
     if groups:  # a learning-rate sweep: its own figure and table

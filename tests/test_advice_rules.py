@@ -248,8 +248,9 @@ def test_float8_speedup_is_against_what_the_linears_would_run_in_otherwise():
     float8's 4x-fp32 matmul is a slow-down there, not a gain over emulated bf16."""
     emulated = Target("cpu", "cpu", {"bf16": "emulated", "fp16": "emulated", "fp8": "emulated"},
                       {"bf16": 84.0, "fp16": 81.0, "fp8": 4.0}, "test")
-    _, _, _, share, gain = float8_plan(facts(), emulated, TH)
+    d, _, _, share, gain = float8_plan(facts(), emulated, TH)
     assert gain == pytest.approx(speedup(share, 4.0)) and gain < 1
+    assert f"expected speed on cpu: slowdown to {gain:.2f}x" in d.evidence and "speed-up" not in d.evidence
     native = dataclasses.replace(emulated, support={"bf16": "native", "fp16": "native", "fp8": "emulated"},
                                  matmul_time={"bf16": 0.5, "fp8": 0.25})
     assert float8_plan(facts(), native, TH)[4] == pytest.approx(speedup(share, 0.5))

@@ -25,7 +25,9 @@ import pytest
 import torch
 import yaml
 
+from mptrain.advice.answer import confirm_verdict
 from mptrain.advice.probe import GPU_TARGETS, MIN_STEPS
+from mptrain.advice.rules import Thresholds, speed_words
 from mptrain.advise import main as advise_main
 from mptrain.model.families import build as build_family
 from mptrain.observe.memory import estimate
@@ -200,6 +202,45 @@ def test_confirm_reports_both_runs_and_rank_0_alone_writes(untouched):
         s = json.loads((run_dir / f"confirm-{name}" / "summary.json").read_text())
         assert s["steps"] == 3 and s["world_size"] == 2 and s["final/val_loss"] is not None
         assert f"{s['final/val_loss']:.4f}" in rows[name]
-    assert any(line.startswith("loss gap (recommended - baseline): ") for line in lines)
+    (verdict,) = [line for line in lines if line.startswith("loss gap (recommended - baseline): ")]
+    # the speed in words from the measured ratio; the baseline trained against itself is noise
+    r, b = (json.loads((run_dir / f"confirm-{n}" / "summary.json").read_text()) for n in ("recommended", "baseline"))
+    ratio = r["perf/tokens_per_s"] / b["perf/tokens_per_s"]
+    precisions = {yaml.safe_load((run_dir / f"confirm-{n}" / "config.yaml").read_text())["precision"]["name"]
+                  for n in ("recommended", "baseline")}
+    if len(precisions) == 1 and doc["override_line"] == f"precision={precisions.pop()}":
+        assert "measures only run-to-run noise" in verdict and f"{abs(ratio - 1):.0%} in tokens/s" in verdict
+    elif abs(ratio - 1) > Thresholds().speed_noise:
+        assert ("speed-up" if ratio > 1 else "slowdown") in verdict, verdict
+    if ratio < 1:
+        assert "speed-up" not in verdict, verdict
+    if 0 < doc["expected"]["fp8_speedup"] < 0.99:  # float8 on this CPU: its expected slowdown is called one
+        f8 = _decision(doc, "float8")["evidence"]
+        assert "slowdown to" in f8 and "speed-up" not in f8, f8
     assert "## Checked on this model (--confirm)" in (run_dir / "advice.md").read_text()
     assert stdout.count("advise: wrote ") == 1  # rank 0 speaks and writes; rank 1 agreed silently
+
+
+# ------------------------------------------------------------ the speed in words
+
+
+def test_a_speed_ratio_is_worded_from_the_ratio_itself():
+    """Faster, slower or within noise, read off the measured ratio: a slowdown is never a speed-up."""
+    assert speed_words(1.6) == "speed-up 1.60x"
+    slow = speed_words(0.13)
+    assert slow == "slowdown to 0.13x (7.7x slower)"
+    assert speed_words(1.0) == speed_words(0.999) == "no change (1.00x)"
+    assert speed_words(1.06, 0.10) == "1.06x, within noise (+-10%)" and "within noise" in speed_words(0.93, 0.10)
+    assert speed_words(1.12, 0.10) == "speed-up 1.12x" and speed_words(0.85, 0.10).startswith("slowdown to 0.85x")
+
+
+def test_confirm_says_what_its_comparison_measures():
+    """The baseline trained against itself: the line says it measures run-to-run noise and how much;
+    a real comparison words its speed from the ratio (a 0.13x slowdown, not a speed-up)."""
+    same = confirm_verdict(0.0, 1.06, 3, (16.0, 16.0), same=True, noise=0.10)
+    assert "this comparison measures only run-to-run noise: 6% in tokens/s and 0.0000 nats/token" in same
+    assert "speed-up" not in same and "16.0 bytes/param each" in same
+    slow = confirm_verdict(0.0123, 0.13, 200, (16.0, 12.0), same=False, noise=0.10)
+    assert slow == ("loss gap (recommended - baseline): +0.0123 nats/token after 200 steps; speed against the "
+                    "baseline: slowdown to 0.13x (7.7x slower); 16.0 against 12.0 bytes/param")
+    assert "within noise" in confirm_verdict(0.0, 1.04, 3, (16.0, 12.0), same=False, noise=0.10)

@@ -111,10 +111,15 @@ def test_figure_of_one_point_runs_and_identical_curves(short_runs, tmp_path, cap
     runs = compare.find_runs([short_runs])
     a, b, c = compare.label_runs(runs)
     assert a.endswith("(a)") and b.endswith("(b)") and c.endswith("(run)")  # same config: named by directory
-    panels = _plain_labels(compare.build_figure(runs[:2]))  # only single points: matplotlib's offset case
+    alone = compare.build_figure(runs[:2])  # one point each: no curve, so a table and no panel
+    assert [ax.get_title() for ax in alone.axes] == [SINGLE_TITLE]
+    cells = _table_rows(alone)
+    assert cells["train loss"][1] == "1" and cells["train loss"][2] == cells["train loss"][3]
+    # (the throughput is timed: two runs of one configuration differ there)
+    panels = _plain_labels(compare.build_figure(runs), only=lambda t: t != SINGLE_TITLE and "throughput" not in t)
     assert {"train loss", "gradient norm (unscaled, before clipping)"} <= set(panels)
     for title, ax in panels.items():
-        la, lb = ax.get_lines()
+        la, lb, _ = ax.get_lines()  # beside the third run's curve
         for line in (la, lb):  # a lone point is a marker one can see, not a pixel
             assert len(line.get_xdata()) == 1, title
             assert line.get_marker() not in ("", "None", None, ",", ".") and line.get_markersize() >= 6, title
@@ -231,7 +236,7 @@ def test_sparse_samples_are_points_not_lines(tmp_path):
     panels = _axes(compare.build_figure(runs))
     for line in panels["train loss"].get_lines():
         assert line.get_linestyle() not in ("None", "", " ", "none")
-    for title in ("output logits: mean log Z", "grad underflow in fp16"):
+    for title in ("output logits: mean log Z", "what-if: gradients that would underflow in fp16"):
         ax = panels[title]
         for line in ax.get_lines():
             assert line.get_linestyle() == "None" and line.get_marker() not in ("", "None", None)
@@ -247,22 +252,100 @@ def test_underflow_panels_say_they_are_after_loss_scaling(tmp_path):
     compare = load_script("compare")
     runs = compare.find_runs([_three_precisions(tmp_path / "with")])
     compare.label_runs(runs)
-    title = _axes(compare.build_figure(runs))["grad underflow in fp16"].get_title()
+    title = _axes(compare.build_figure(runs))["what-if: gradients that would underflow in fp16"].get_title()
     assert "fp16 runs: measured after loss scaling" in title.replace("\n", " ")
     assert "loss scaling" not in _axes(compare.build_figure(runs))["output logits: mean log Z"].get_title()
     unscaled = [r for r in runs if r.config["precision"]["name"] != "fp16"]
-    assert "loss scaling" not in _axes(compare.build_figure(unscaled))["grad underflow in fp16"].get_title()
+    assert "loss scaling" not in _axes(compare.build_figure(unscaled))[
+        "what-if: gradients that would underflow in fp16"].get_title()
 
 
-def test_one_point_panel_is_not_stretched(tmp_path):
-    """Validation losses of one point per run, 0.0003 apart at 7.29: the axis spans at least
-    1% of the value (0.07), so the gap is a fraction of a marker, not half the panel."""
+def test_one_point_metric_is_a_table_row_not_a_panel(tmp_path):
+    """Validation losses of one point per run, 0.0003 apart at 7.29: no panel of lone points on
+    an axis zoomed to their gap, but a row of the table under the panels, each run's value."""
     compare = load_script("compare")
     runs = compare.find_runs([_three_precisions(tmp_path)])
     compare.label_runs(runs)
-    lo, hi = _axes(compare.build_figure(runs))["validation loss"].get_ylim()
-    assert hi - lo >= 0.99 * 0.01 * 7.2911 and lo < 7.2908 and hi > 7.2911
-    assert (7.2911 - 7.2908) / (hi - lo) < 0.005
+    fig = compare.build_figure(runs)
+    assert "validation loss" not in _axes(fig)
+    assert _table_rows(fig)["validation loss"] == ["loss (nats/token)", "40", "7.2911", "7.2911", "7.2908"]
+
+
+SINGLE_TITLE = "logged at one step only (no curve to draw): the value at that step"
+
+
+def _table_rows(fig) -> dict:
+    """The figure's table of metrics logged at one step only: metric -> its other cells."""
+    (ax,) = [ax for ax in fig.axes if ax.get_title() == SINGLE_TITLE]
+    (t,) = ax.tables
+    cells = t.get_celld()
+    n_rows, n_cols = max(r for r, _ in cells) + 1, max(c for _, c in cells) + 1
+    text = [[cells[r, c].get_text().get_text() for c in range(n_cols)] for r in range(n_rows)]
+    assert text[0][:3] == ["metric", "unit", "step"]
+    return {row[0]: row[1:] for row in text[1:]}
+
+
+def _short_sweep(root: Path) -> Path:
+    """fp32, bf16 and fp8 for 6 steps as a short sweep logs them: the loss, tokens and
+    tokens/s every step (fp8 at 1/2.4 of fp32's), the monitor's figures at step 1 only (e4m3
+    would flush 84% of the unscaled gradients; fp8's own casts flushed 0.0547%), the
+    validation loss once, at the end."""
+    for i, (name, tps) in enumerate((("fp32", 24000.0), ("bf16", 20000.0), ("fp8", 10000.0))):
+        path = root / str(i)
+        path.mkdir(parents=True)
+        rows = [{"step": s, "train/loss": 5.0 - s / 20 - i / 100, "train/tokens": 512 * s,
+                 "perf/tokens_per_s": tps + s} for s in range(1, 7)]
+        rows[0].update({"numerics/grad_underflow/e4m3": 0.84, "stability/output_log_z": 5.8})
+        if name == "fp8":
+            rows[0].update({"fp8/worst/flush": 0.000547, "fp8/worst/saturate": 0.0, "fp8/worst/sqnr_db": 29.5})
+        rows[-1]["val/loss"] = 4.7 + i / 100
+        path.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        path.joinpath("summary.json").write_text(json.dumps({"final/val_loss": 4.7 + i / 100}))
+        path.joinpath("config.yaml").write_text(yaml.safe_dump({"model": NANO, "precision": {"name": name}}))
+    return root
+
+
+def test_a_short_sweeps_figure_tells_the_truth_at_a_glance(tmp_path, capsys):
+    """Panels only where a curve is (the single-point metrics in a table, in the figure and in
+    comparison.md), what-ifs titled as such and shares in percent as the table has them, a unit
+    on every axis, and a tokens/s panel."""
+    compare = load_script("compare")
+    runs = compare.find_runs([_short_sweep(tmp_path / "sweep")])
+    compare.label_runs(runs)
+    fig = compare.build_figure(runs)
+    panels = _axes(fig)
+    assert set(panels) == {"train loss", "train loss vs tokens", "throughput (all ranks)", SINGLE_TITLE}
+    for title, ax in panels.items():
+        if title != SINGLE_TITLE:
+            assert ax.get_xlabel() in ("step", "tokens") and ax.get_ylabel(), title
+            assert max(len(line.get_xdata()) for line in ax.get_lines()) >= 2, title  # a curve, not a lone point
+    assert panels["train loss"].get_ylabel() == "loss (nats/token)"
+    tps = panels["throughput (all ranks)"]
+    assert tps.get_ylabel() == "tokens/s"
+    assert [line.get_ydata()[0] for line in tps.get_lines()] == [24001.0, 20001.0, 10001.0]
+    assert tps.get_ylim()[0] == 0  # from zero: fp8's 0.4x of fp32's speed looks it
+    rows = _table_rows(fig)
+    e4m3 = rows["what-if: gradients that would underflow in e4m3"]
+    flush = rows["fp8 casts: largest share of non-zeros flushed to 0 (any layer)"]
+    assert e4m3 == ["% of non-zero gradients", "1", "84", "84", "84"]
+    assert flush == ["% of non-zero elements", "1", "n/a", "n/a", "0.0547"]  # 0.0547%, not 84%
+    assert rows["validation loss"][:2] == ["loss (nats/token)", "6"]
+    assert all(not t.startswith("grad underflow") for t in rows)  # every what-if says it is one
+    code, _, err = _compare_here(capsys, tmp_path / "sweep")
+    assert code == 0, err
+    md = (tmp_path / "sweep" / "comparison.md").read_text()
+    assert "Logged at one step only" in md and "| what-if: gradients that would underflow in e4m3 | % of " in md
+    assert "| 84 | 84 | 84 |" in md and "| n/a | n/a | 0.0547 |" in md
+
+
+def test_shares_are_drawn_in_percent(tmp_path):
+    """A share on a panel is in percent, as in the tables: 0.04 of the gradients is drawn at 4 (%)."""
+    compare = load_script("compare")
+    runs = compare.find_runs([_three_precisions(tmp_path)])
+    compare.label_runs(runs)
+    ax = _axes(compare.build_figure(runs))["what-if: gradients that would underflow in fp16"]
+    assert ax.get_ylabel() == "% of non-zero gradients"
+    assert max(max(line.get_ydata()) for line in ax.get_lines()) == 0.001 * 40 * 100
 
 
 def test_loss_gap_only_between_runs_of_the_same_config(tmp_path, capsys):

@@ -9,7 +9,7 @@ from typing import Optional
 
 import yaml
 
-from mptrain.advice.rules import FP8_CANDIDATES, Advice, Target
+from mptrain.advice.rules import FP8_CANDIDATES, Advice, Target, speed_words
 from mptrain.core.text import text_table
 
 
@@ -44,6 +44,25 @@ def console_lines(advice: Advice) -> list[str]:
     out.append("")
     out.extend(float8_table(advice))
     return out
+
+
+def confirm_verdict(gap: float, ratio: float, steps: int, bytes_per_param: tuple[float, float], same: bool,
+                    noise: float) -> str:
+    """``--confirm``'s closing line from its measured figures: the loss gap
+    (recommended - baseline), the tokens/s ratio (recommended over baseline) and
+    each run's bytes per parameter. The speed is worded from the ratio itself
+    (:func:`speed_words`: faster, slower or within ``noise``); when the
+    recommendation is the baseline's configuration (``same``) both runs trained
+    the same thing, so the line says the gap and the ratio are run-to-run noise
+    and how large that noise was."""
+    head = f"loss gap (recommended - baseline): {gap:+.4f} nats/token after {steps} steps; "
+    if same:
+        return head + (f"speed {ratio:.2f}x the baseline's; {bytes_per_param[0]:.1f} bytes/param each. The "
+                       "recommendation is the baseline's configuration, so this comparison measures only "
+                       f"run-to-run noise: {abs(ratio - 1):.0%} in tokens/s and {abs(gap):.4f} nats/token in "
+                       "loss between two runs of one configuration")
+    return head + (f"speed against the baseline: {speed_words(ratio, noise)}; {bytes_per_param[0]:.1f} against "
+                   f"{bytes_per_param[1]:.1f} bytes/param")
 
 
 def override_line(advice: Advice) -> str:

@@ -50,6 +50,10 @@ class Thresholds:
     (torchao's float8 training README; the doctor's own rule)."""
     fp8_min_speedup: float = 1.1
     """... and only when the matmul time it saves promises at least this speed-up."""
+    speed_noise: float = 0.10
+    """A ``--confirm`` speed ratio within this of 1 is called within noise, not
+    a speed-up or slowdown: two short runs of one configuration on a busy
+    2-core CPU measured 1.06x each other's tokens/s."""
     fp16_underflow: float = 1e-3
     """fp16 is safe at a loss scale when at most this share of the non-zero
     gradients would flush below 2^-24 (ours; the numerics monitor's own count)."""
@@ -242,6 +246,20 @@ def speedup(share: float, relative_time: float) -> float:
     return 1.0 / ((1.0 - share) + share * relative_time)
 
 
+def speed_words(ratio: float, noise: float = 0.0) -> str:
+    """A speed ratio (new tokens/s over old; above 1 is faster) in words read off
+    the ratio itself, so a slowdown is never called a speed-up: ``speed-up
+    1.60x``, ``slowdown to 0.13x (7.7x slower)``, or, within ``noise`` of 1,
+    ``1.06x, within noise (+-10%)``."""
+    if not (ratio > 0 and math.isfinite(ratio)):
+        return f"no speed figure ({ratio})"
+    if noise > 0 and abs(ratio - 1.0) <= noise:
+        return f"{ratio:.2f}x, within noise (+-{noise:.0%})"
+    if f"{ratio:.2f}" == "1.00":
+        return "no change (1.00x)"
+    return f"speed-up {ratio:.2f}x" if ratio > 1 else f"slowdown to {ratio:.2f}x ({1 / ratio:.1f}x slower)"
+
+
 def float8_plan(facts: Facts, target: Target, th: Thresholds) -> tuple[Decision, dict[str, dict], str, float, float]:
     """(the decision, per-linear table, the recipe, float8 FLOPs share, expected speed-up)."""
     layers: dict[str, dict] = {}
@@ -268,8 +286,8 @@ def float8_plan(facts: Facts, target: Target, th: Thresholds) -> tuple[Decision,
         evidence += f"; kept in bf16 for their casts: {why}"
     if kept:
         evidence += f"; kept out by the configuration's rules: {', '.join(kept)}"
-    gain_text = f"{gain:.2f}x" if gain else "none (no float8 matmul on the target)"
-    evidence += f"; expected speed-up on {target.name}: {gain_text} (matmul time only, {target.source})"
+    gain_text = speed_words(gain) if gain else "none (no float8 matmul on the target)"
+    evidence += f"; expected speed on {target.name}: {gain_text} (matmul time only, {target.source})"
     choice = recipe + (f", excluding {', '.join(lin.name for lin in failing)}" if failing else "")
     decision = Decision("float8", choice, evidence,
                         f"flush <= {th.fp8_flush:.2%}, saturate <= {th.fp8_saturate:.3%}, "
@@ -376,7 +394,8 @@ def precision_choice(facts: Facts, target: Target, th: Thresholds, fp16_safe: bo
         if facts.params < th.fp8_min_params:
             short.append(f"{facts.params / 1e6:.1f}M parameters (< {th.fp8_min_params:.0e})")
         if fp8_gain < th.fp8_min_speedup:
-            short.append(f"expected speed-up {fp8_gain:.2f}x (< {th.fp8_min_speedup:g}x)")
+            short.append(f"expected {speed_words(fp8_gain) if fp8_gain else 'no speed-up'} "
+                         f"(< {th.fp8_min_speedup:g}x)")
         fp8_note = f"; float8 not yet: {' and '.join(short)}"
     if s.get("bf16") == "native":
         return Decision("precision", "bf16", f"{target.name} has bf16 tensor cores{fp8_note}",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
 import os
 import sys
 import time
@@ -166,3 +167,26 @@ def test_an_extra_that_is_not_installed_is_named_before_anything_is_built(
     assert lines == [f"mptrain: missing package: {override} needs the '{module}' package, which is not installed "
                      f"here; install it with pip install 'mptrain[{extra}]' (from a clone: pip install -e '.[{extra}]')."]
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_the_hubs_messages_print_once_under_hydras_console(capfd):
+    """The issue saw each of the hub's retry messages twice, once behind [HYDRA]: the hub
+    and datasets print through a handler of their own and also passed every record on
+    to the root logger, where Hydra's console handler sits. They print once now."""
+    import datasets  # noqa: F401  each installs its own handler at import
+    import huggingface_hub  # noqa: F401
+
+    import mptrain  # noqa: F401  (core/noise.py, at the package's import)
+
+    hydra_console = logging.StreamHandler(sys.stderr)
+    hydra_console.setFormatter(logging.Formatter("[HYDRA] %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(hydra_console)
+    try:
+        for name in ("huggingface_hub.utils._http", "datasets.load"):
+            logging.getLogger(name).warning("Retrying in 8s [Retry 5/5].")
+    finally:
+        root.removeHandler(hydra_console)
+    out = capfd.readouterr()
+    assert (out.out + out.err).count("Retrying in 8s") == 2, out  # one per library
+    assert "[HYDRA]" not in out.out + out.err

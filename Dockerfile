@@ -8,7 +8,7 @@ WORKDIR /opt/mptrain
 # Dependencies first, so code edits do not reinstall them.
 COPY pyproject.toml README.md ./
 COPY mptrain/__init__.py mptrain/__init__.py
-RUN pip install --no-cache-dir -e ".[slurm]"
+RUN pip install --no-cache-dir -e ".[slurm,wandb,hf]"
 COPY mptrain mptrain
 COPY train.py ./
 

@@ -1,13 +1,16 @@
 """The data pipeline against its environment: a cache it cannot write (read-only,
 a file in its path, no room) is one line naming the cache and the fix, with nothing
-half-written left there; a corpus of one text file is a corpus."""
+half-written left there; a corpus of one text file is a corpus; a data file that is
+not there, or a package that is not installed, is named at once."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import errno
+import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +21,7 @@ from mptrain.data.store import CacheError, prepare
 from mptrain.data.tokenizers import ByteTokenizer
 from mptrain.run.launch import launch
 
-from .conftest import TINY, make_cfg
+from .conftest import TINY, make_cfg, run_cli
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _MS_RDONLY = 1
@@ -120,3 +123,70 @@ def test_one_text_file_is_a_corpus(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"the corpus is too short to keep data.val_fraction=0.05 of it for validation and train on the rest "
                                          r"\(1 characters in all\); add more text"):
         prepare(make_cfg("data=text", f"data.paths=[{tmp_path / 'one.txt'}]").data, log=lambda *a: None)
+
+
+def test_a_data_file_that_is_not_there_is_named_at_once_without_the_hub(tmp_path):
+    """The issue's case: data=hf with a local file that does not exist spent 51 s in the
+    hub's retries (each printed twice, once behind [HYDRA]), then failed on the tokenizer
+    without naming the file. Local paths are checked first: one line naming the file,
+    exit code 2. HF_HUB_OFFLINE=0 lets the hub be tried, and this machine has no route
+    to it, so a single lookup (of the file as a dataset, or of the default gpt2
+    tokenizer) would retry for about a minute: the bound, far above a launch's time on
+    a busy machine, shows that none was made."""
+    offline_off = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
+    t0 = time.monotonic()
+    r = run_cli("data=hf", "data.path=nope.jsonl", "train.max_steps=1", cwd=tmp_path, env=offline_off)
+    took = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("mptrain: configuration error: data.path: 'nope.jsonl' matches no file or directory")
+    assert f"taken from the directory you launched in, {tmp_path})" in lines[0] and ".." not in lines[0]
+    assert "[HYDRA]" not in r.stdout + r.stderr and "Traceback" not in r.stdout + r.stderr
+    assert took < 30, f"{took:.0f} s: the hub was tried"
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("module,extra,override", [("wandb", "wandb", "log.wandb.enabled=true"),
+                                                   ("datasets", "hf", "data=hf")])
+def test_an_extra_that_is_not_installed_is_named_before_anything_is_built(
+        tmp_path, monkeypatch, capsys, module, extra, override):
+    """W&B and Hugging Face datasets are extras (pip install 'mptrain[wandb]', 'mptrain[hf]'):
+    asked for without the package, the launch stops with one line naming the extra, exit
+    code 2, before any data is prepared. None in sys.modules makes ``import <module>``
+    fail in the real import machinery, as it does where the package is not installed."""
+    (tmp_path / "d.jsonl").write_text('{"text": "a document"}\n')
+    monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.setenv("MPTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # launch() puts the overrides there for Hydra
+    code = launch([*TINY, override, f"data.path={tmp_path / 'd.jsonl'}", "train.max_steps=1",
+                   f"hydra.run.dir={tmp_path / 'run'}"])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2
+    assert lines == [f"mptrain: missing package: {override} needs the '{module}' package, which is not installed "
+                     f"here; install it with pip install 'mptrain[{extra}]' (from a clone: pip install -e '.[{extra}]')."]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_the_hubs_messages_print_once_under_hydras_console(capfd):
+    """The issue saw each of the hub's retry messages twice, once behind [HYDRA]: the hub
+    and datasets print through a handler of their own and also passed every record on
+    to the root logger, where Hydra's console handler sits. They print once now."""
+    import datasets  # noqa: F401  each installs its own handler at import
+    import huggingface_hub  # noqa: F401
+
+    import mptrain  # noqa: F401  (core/noise.py, at the package's import)
+
+    hydra_console = logging.StreamHandler(sys.stderr)
+    hydra_console.setFormatter(logging.Formatter("[HYDRA] %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(hydra_console)
+    try:
+        for name in ("huggingface_hub.utils._http", "datasets.load"):
+            logging.getLogger(name).warning("Retrying in 8s [Retry 5/5].")
+    finally:
+        root.removeHandler(hydra_console)
+    out = capfd.readouterr()
+    assert (out.out + out.err).count("Retrying in 8s") == 2, out  # one per library
+    assert "[HYDRA]" not in out.out + out.err

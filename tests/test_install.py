@@ -1,6 +1,8 @@
 """mptrain installs the ordinary way: the wheel built from this checkout holds every
 config, and installed from it (not editable) its commands run from any directory,
-on the installed copy's code and configs."""
+on the installed copy's code and configs. What a run imports at start-up leaves
+out the extras (wandb, datasets with pyarrow and pandas) that only W&B and
+``data=hf`` need."""
 from __future__ import annotations
 
 import os
@@ -34,6 +36,14 @@ def test_the_wheel_installs_and_its_commands_run_outside_the_checkout(tmp_path):
     wheel = _build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as z:
         held = set(z.namelist())
+        (meta,) = [n for n in held if n.endswith(".dist-info/METADATA")]
+        requires = [line.split(":", 1)[1].strip() for line in z.read(meta).decode().splitlines()
+                    if line.startswith("Requires-Dist:")]
+    # The embedded default needs neither W&B nor datasets: each is an extra, and dev (the
+    # README's install for the test suite) brings both.
+    for package, extra in (("wandb", "wandb"), ("datasets", "hf")):
+        markers = {r.partition(";")[2].replace(" ", "") for r in requires if r.startswith(package)}
+        assert markers == {f'extra=="{extra}"', 'extra=="dev"'}, (package, requires)
     configs = {p.relative_to(ROOT).as_posix() for p in (ROOT / "mptrain" / "configs").rglob("*.yaml")}
     assert len(configs) > 50 and "mptrain/configs/config.yaml" in configs
     assert configs <= held, sorted(configs - held)
@@ -51,7 +61,10 @@ def test_the_wheel_installs_and_its_commands_run_outside_the_checkout(tmp_path):
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site)}
     commands = {
-        "where": ["-c", "import mptrain; print(mptrain.__file__)"],
+        # what a run imports: its extras (pyproject.toml) must not be among them
+        "where": ["-c", "import sys, mptrain, mptrain.train, mptrain.run.trainer; print(mptrain.__file__); "
+                        "print(sorted({m.split('.')[0] for m in sys.modules} & {'wandb', 'datasets', 'pyarrow', "
+                        "'pandas'}))"],
         "memory": ["-m", "mptrain.memory", "model=gpt-installed"],
         "train": ["-m", "mptrain.train", "model=gpt-installed", "--cfg", "job"],
         "advise": ["-m", "mptrain.advise", "--help"],
@@ -65,7 +78,9 @@ def test_the_wheel_installs_and_its_commands_run_outside_the_checkout(tmp_path):
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, (name, stderr[-3000:])
         out[name] = stdout
-    assert Path(out["where"].strip()) == site / "mptrain" / "__init__.py"
+    where, extras_loaded = out["where"].strip().splitlines()
+    assert Path(where) == site / "mptrain" / "__init__.py"
+    assert extras_loaded == "[]"
     assert "memory per rank: model=gpt-nano" in out["memory"] and "GiB" in out["memory"]
     assert "name: gpt-nano" in out["train"] and "precision:" in out["train"]
     assert "python -m mptrain.advise" in out["advise"] and "python -m mptrain.audit" in out["audit"]

@@ -18,7 +18,7 @@ from mptrain.core.errors import ConfigError
 from mptrain.data.sources import load_hf_dataset
 from mptrain.data.store import (SAMPLE_BLOCK_BYTES, ShardedTokens, ShardWriter, TokenCacheDamaged, TokenData,
                                 check_fingerprint, fingerprint, open_token_dir, prepare, token_dtype)
-from mptrain.data.tokenizers import EOT, load_hf_tokenizer
+from mptrain.data.tokenizers import BUILT_IN, EOT, load_hf_tokenizer
 
 from .conftest import ROOT, TINY, make_cfg, train
 
@@ -120,9 +120,12 @@ def test_resuming_the_stream_at_step_k(tmp_path):
 
 
 def test_hf_data_errors(tmp_path, saved_tokenizer):
-    with pytest.raises(ConfigError, match="could not be loaded"):
-        prepare(make_cfg("data=hf", f"data.path={tmp_path}/missing.jsonl", f"data.tokenizer={saved_tokenizer}").data)
     src = _write(tmp_path / "d.jsonl", "jsonl")
+    # a local path that matches nothing is named, alone or beside one that exists (which used to train alone)
+    missing = rf"^data.path: '{re.escape(str(tmp_path))}/(missing\.jsonl|\*\.parquet)' matches no file or directory"
+    for path in (f"{tmp_path}/missing.jsonl", f"'{src},{tmp_path}/missing.jsonl'", f"{tmp_path}/*.parquet"):
+        with pytest.raises(ConfigError, match=missing):
+            prepare(make_cfg("data=hf", f"data.path={path}", f"data.tokenizer={saved_tokenizer}").data)
     with pytest.raises(ConfigError, match="Offline, a hub tokenizer must already be in the Hugging Face cache"):
         prepare(make_cfg("data=hf", f"data.path={src}", "data.tokenizer=nobody/no-such-tokenizer").data)
     with pytest.raises(ConfigError, match="data.text_field='body' is not a column"):
@@ -281,8 +284,33 @@ def test_a_tokenizer_with_custom_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
+def test_the_byte_tokenizer_serves_data_hf_and_no_built_in_name_reaches_the_hub(tmp_path, monkeypatch):
+    """The issue's case: data.tokenizer=byte with data=hf looked up a hub repository called
+    "byte". A built-in name is never handed to transformers: byte tokenizes a dataset
+    itself (and is recorded so that a checkpoint's reader rebuilds it), and every
+    built-in name is refused by the hub loader before it looks anything up."""
+    import transformers
+
+    looked_up = []
+
+    def hub(name, **kw):
+        looked_up.append(name)
+        raise OSError("no network")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", hub)
+    src = _write(tmp_path / "d.jsonl", "jsonl")
+    td = prepare(make_cfg("data=hf", f"data.path={src}", "data.tokenizer=byte", "data.num_proc=1").data)
+    assert (td.vocab_size, td.tokenizer.name, td.tokenizer.path) == (257, "byte", None)
+    head = TEXTS[0].encode()
+    assert np.asarray(td.train[:len(head) + 1]).tolist() == [*head, 256]  # the first document, then end-of-text
+    for name in BUILT_IN:
+        with pytest.raises(ConfigError, match=f"data.tokenizer='{name}' is one of mptrain's own tokenizers"):
+            load_hf_tokenizer(name, trust_remote_code=False)
+    assert looked_up == []
+
+
 @pytest.mark.parametrize("setting", [False, True])
-def test_trust_remote_code_reaches_transformers_explicitly(monkeypatch, setting):
+def test_trust_remote_code_reaches_transformers_explicitly(tmp_path, monkeypatch, setting):
     """transformers gets the config's value every time, never its own default
     (None: which prompts on a terminal)."""
     import transformers
@@ -295,8 +323,8 @@ def test_trust_remote_code_reaches_transformers_explicitly(monkeypatch, setting)
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake)
     with pytest.raises(ConfigError, match="could not be loaded"):
-        prepare(make_cfg("data=hf", "data.path=unused.jsonl", "data.tokenizer=nobody/no-such-tokenizer",
-                           f"data.trust_remote_code={setting}").data)
+        prepare(make_cfg("data=hf", f"data.path={_write(tmp_path / 'd.jsonl', 'jsonl')}",
+                         "data.tokenizer=nobody/no-such-tokenizer", f"data.trust_remote_code={setting}").data)
     assert seen and seen[0]["trust_remote_code"] is setting
 
 

@@ -15,6 +15,8 @@ at the bottom, so that every layer can raise and catch it.
 from __future__ import annotations
 
 import errno
+import importlib
+import importlib.util
 import os
 import re
 from typing import Optional
@@ -54,6 +56,36 @@ class DiskError(UserError):
     disk was not."""
 
     kind = "disk error"
+
+
+class MissingPackage(UserError):
+    """An optional part asked for (W&B, ``data=hf``) whose package is an extra of
+    the install (``pyproject.toml``) and is not installed. The message names the
+    extra to install; nothing was started."""
+
+    kind = "missing package"
+
+
+def _missing(module: str, extra: str, what: str) -> MissingPackage:
+    return MissingPackage(f"{what} needs the '{module}' package, which is not installed here; install it with "
+                          f"pip install 'mptrain[{extra}]' (from a clone: pip install -e '.[{extra}]').")
+
+
+def require_extra(module: str, extra: str, what: str) -> None:
+    """Refuse ``what`` when ``module`` cannot be found, naming the extra that
+    installs it. Looks without importing: a start-up check must not pay for
+    importing wandb or datasets."""
+    if importlib.util.find_spec(module) is None:
+        raise _missing(module, extra, what)
+
+
+def import_extra(module: str, extra: str, what: str):
+    """``module``, imported where it is used (an extra: a run without ``what``
+    never loads it), or :class:`MissingPackage` naming the extra."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise _missing(module, extra, what) from None
 
 
 NO_ROOM_FIXES = {

@@ -28,6 +28,13 @@ SILENCED: tuple[tuple[str, str], ...] = (
 )
 
 
+# Libraries that print their log records through a stream handler of their own (as transformers
+# and torch do) yet also pass them on to the root logger, where Hydra's console handler sits: each
+# of their messages (the hub's "Retrying in 8s" among them) was printed twice, once behind [HYDRA].
+# They print through their own handler only; RunLog (run/console.py) copies them into train.log.
+OWN_HANDLER: tuple[str, ...] = ("huggingface_hub", "datasets")
+
+
 class _Drop(logging.Filter):
     def __init__(self, pattern: str):
         super().__init__()
@@ -38,7 +45,10 @@ class _Drop(logging.Filter):
 
 
 def silence_import_noise() -> None:
-    """Attach the filters (once; before the libraries are imported, since they log at import)."""
+    """Attach the filters (once; before the libraries are imported, since they log at import),
+    and keep the ``OWN_HANDLER`` libraries' records from a second print through the root logger."""
+    for name in OWN_HANDLER:
+        logging.getLogger(name).propagate = False
     for name, pattern in SILENCED:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) and f.pattern.pattern == pattern for f in logger.filters):

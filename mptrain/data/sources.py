@@ -8,7 +8,8 @@ Python install has it, so ``python train.py`` needs no network and no download.
   skipped by content) and a digest of them, which names the caches built from them.
 - ``load_hf_dataset``: one split of a ``data=hf`` dataset (a hub name, a local
   dataset directory or data files) through ``datasets``. Dataset loading
-  scripts are refused, never run.
+  scripts are refused, never run; ``check_hf_source`` refuses them, a missing
+  local file and a missing ``datasets`` package before anything slow.
 
 Nothing here tokenizes; :mod:`mptrain.data.tokenizers` does.
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from mptrain.core.errors import ConfigError
+from mptrain.core.errors import ConfigError, require_extra
 
 
 # ------------------------------------------------------------------------- corpus
@@ -218,7 +219,7 @@ def _loading_script(spec: str, files: list[str]):
 
 
 def _script_refusal(spec: str, script: str, trust_remote_code: bool) -> str:
-    import datasets
+    import datasets  # an extra (mptrain[hf]); present: check_hf_source required it
 
     head = (f"data.path={spec} is a dataset loading script ({script}), and loading scripts run arbitrary "
             "Python code with your permissions.")
@@ -232,17 +233,53 @@ def _script_refusal(spec: str, script: str, trust_remote_code: bool) -> str:
     return f"{head} data.trust_remote_code=true would allow that, but {cannot}, so it was not run. {convert}"
 
 
-def load_hf_dataset(data_cfg, split: str):
-    """``datasets.load_dataset`` for a hub name, a local dataset directory or local files."""
-    import datasets
+def _looks_local(entry: str) -> bool:
+    """Whether a ``data.path`` entry names local files rather than a hub dataset:
+    a file suffix, a glob, or a path from the root, the home folder or the
+    current one. A hub name (``name``, ``owner/name``) has none of these."""
+    return (Path(entry).suffix in {*_BUILDERS, ".py"} or any(c in entry for c in "*?[")
+            or entry.startswith(("/", "~", "./", "../")) or entry in (".", ".."))
 
+
+def _local_files(spec: str) -> list[str]:
+    """The local files and directories ``data.path`` names, every comma-separated
+    entry expanded. An entry meant as a local path that matches nothing is
+    refused here, by name: handed to ``datasets`` it would be looked up as a hub
+    dataset, which offline retries for about a minute before failing."""
+    found: list[str] = []
+    for entry in (e.strip() for e in spec.split(",")):
+        matches = sorted(glob.glob(os.path.expanduser(entry)))
+        if not matches and _looks_local(entry):
+            raise ConfigError(
+                f"data.path: '{entry}' matches no file or directory; check the path (relative paths and globs "
+                f"are taken from the directory you launched in, {os.getcwd()}). A hub dataset is named "
+                "owner/name, without a file suffix.")
+        found += matches
+    return found
+
+
+def check_hf_source(data_cfg) -> list[str]:
+    """What ``data=hf`` needs before any slow step (the tokenizer, the hub): the
+    datasets package, a ``data.path``, its local files present, and no loading
+    script among them. Returns the local files it names."""
+    require_extra("datasets", "hf", "data=hf")
     spec = data_cfg.path
     if not spec:
         raise ConfigError("data=hf needs data.path: a hub dataset name, a local dataset directory or data files.")
-    files = [f for part in spec.split(",") for f in sorted(glob.glob(os.path.expanduser(part.strip())))]
+    files = _local_files(spec)
     script = _loading_script(spec, files)
     if script is not None:
         raise ConfigError(_script_refusal(spec, script, data_cfg.trust_remote_code))
+    return files
+
+
+def load_hf_dataset(data_cfg, split: str):
+    """``datasets.load_dataset`` for a hub name, a local dataset directory or local files."""
+    files = check_hf_source(data_cfg)
+    # datasets (with pyarrow and pandas) is an extra, mptrain[hf]: imported here, so only data=hf loads it.
+    import datasets
+
+    spec = data_cfg.path
     try:
         if files and all(Path(f).is_file() for f in files):
             exts = {Path(f).suffix for f in files}
@@ -263,8 +300,10 @@ def load_hf_dataset(data_cfg, split: str):
         # datasets itself (5.x refuses it without running it): say why, as above.
         if isinstance(e, RuntimeError) and "scripts are no longer supported" in str(e):
             raise ConfigError(_script_refusal(spec, str(e).rsplit(" ", 1)[-1], data_cfg.trust_remote_code)) from e
+        first = (str(e).splitlines() or [""])[0][:300].rstrip(". ")  # the sentence below adds its own period
         raise ConfigError(
             f"data.path={spec} (name={data_cfg.name}, split={split}) could not be loaded: "
-            f"{type(e).__name__}: {str(e).splitlines()[0][:300]}. Check the name/split, or, offline, pass local "
-            "files (*.jsonl, *.parquet, *.txt) or a dataset saved with save_to_disk."
+            f"{type(e).__name__}: {first}. Check the name/split, or, offline, pass local "
+            "files (*.jsonl, *.parquet, *.txt) or a dataset saved with save_to_disk, and set HF_HUB_OFFLINE=1, "
+            "which skips the hub's retries."
         ) from e

@@ -48,8 +48,8 @@ import numpy as np
 from mptrain.core import files
 from mptrain.core.errors import NO_ROOM_FIXES, ConfigError, UserError, os_error_of
 from mptrain.core.machine import cache_root
-from mptrain.data.sources import load_hf_dataset, read_corpus
-from mptrain.data.tokenizers import build_tokenizer, load_hf_tokenizer
+from mptrain.data.sources import check_hf_source, load_hf_dataset, read_corpus
+from mptrain.data.tokenizers import ByteTokenizer, build_tokenizer, load_hf_tokenizer
 
 META = "meta.json"
 FORMAT = "mptrain-tokens-1"
@@ -340,7 +340,11 @@ def prepare_hf(data_cfg, out_dir: Path, log=print, progress: bool = True) -> dic
     not finish are no use, and ``scripts/prepare_data.py`` would refuse the
     directory they were left in."""
     t0 = time.perf_counter()
-    tok = load_hf_tokenizer(data_cfg.tokenizer, trust_remote_code=data_cfg.trust_remote_code)
+    check_hf_source(data_cfg)  # a missing file or package is named before the tokenizer is looked for
+    if data_cfg.tokenizer == "byte":
+        tok = ByteTokenizer()
+    else:
+        tok = load_hf_tokenizer(data_cfg.tokenizer, trust_remote_code=data_cfg.trust_remote_code)
     if tok.eos_token_id is None:
         raise ConfigError(f"data.tokenizer='{data_cfg.tokenizer}' has no end-of-text token to separate documents.")
     out_dir.mkdir(parents=True)  # not exist_ok: what is removed on failure is ours alone
@@ -605,8 +609,8 @@ def prepare(data_cfg, log=print) -> TokenData:
             raise TokenCacheDamaged(e.file, e.why, fix) from None
     if data_cfg.kind == "hf":
         if data_cfg.tokenizer in ("bpe",):
-            raise ConfigError("data=hf needs a transformers tokenizer (data.tokenizer=gpt2 or a saved directory); "
-                              "the corpus BPE is trained only for data=embedded/text.")
+            raise ConfigError("data=hf needs a transformers tokenizer (data.tokenizer=gpt2 or a saved directory) "
+                              "or data.tokenizer=byte; the corpus BPE is trained only for data=embedded/text.")
 
         fields = ("path", "name", "split", "val_split", "text_field", "tokenizer", "max_documents", "val_fraction")
         key = hashlib.sha256("|".join(str(data_cfg[f]) for f in fields).encode()).hexdigest()[:20]

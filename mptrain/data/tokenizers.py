@@ -2,7 +2,8 @@
 
 ``data.tokenizer`` picks one (:func:`build_tokenizer`):
 
-- ``byte``: UTF-8 bytes as tokens (:class:`ByteTokenizer`); needs nothing.
+- ``byte``: UTF-8 bytes as tokens (:class:`ByteTokenizer`); needs nothing, and
+  serves ``data=hf`` too.
 - ``bpe``: a byte-level BPE trained here on the corpus with ``tokenizers``,
   saved as a ``transformers`` fast tokenizer and cached by corpus digest.
 - anything else: a saved ``transformers`` tokenizer directory or a hub name
@@ -25,6 +26,9 @@ from mptrain.data.sources import Corpus
 
 EOT = "<|endoftext|>"
 
+BUILT_IN = ("byte", "bpe")
+"""``data.tokenizer`` names mptrain makes itself: never looked up as a directory or on the hub."""
+
 
 # ---------------------------------------------------------------------- tokenizers
 class ByteTokenizer:
@@ -40,6 +44,16 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    # What data=hf's preparation (data/store.py) calls on a transformers tokenizer.
+    eos_token_id = eos_id
+    name_or_path = None  # nothing on disk: a checkpoint's reader rebuilds it by its name
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict:
+        return {"input_ids": self.encode_batch(texts)}
 
 
 class HFTokenizer:
@@ -108,6 +122,9 @@ def load_hf_tokenizer(spec: str, *, trust_remote_code: bool):
 
     if not isinstance(trust_remote_code, bool):
         raise TypeError(f"trust_remote_code must be a bool, not {trust_remote_code!r}")
+    if spec in BUILT_IN:  # never a hub repository of that name: offline, looking one up retries for a minute
+        raise ConfigError(f"data.tokenizer='{spec}' is one of mptrain's own tokenizers ({', '.join(BUILT_IN)}), "
+                          "not a transformers tokenizer to load; give a saved tokenizer directory or a hub name.")
     p = Path(os.path.expanduser(spec))
     try:
         tok = AutoTokenizer.from_pretrained(str(p) if p.is_dir() else spec, trust_remote_code=trust_remote_code)

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from mptrain.core import files
 from mptrain.core.errors import ConfigError, UserError
+from mptrain.core.noise import OWN_HANDLER
 from mptrain.core.text import duration, fmt
 from mptrain.run.rundir import link_refused, writing
 
@@ -124,8 +125,9 @@ class RunLog:
         console = logging.StreamHandler(sys.stderr) if not root.handlers else None
         if console is not None:
             console.setLevel(logging.WARNING)
-        torch_log = logging.getLogger("torch")  # torch's own handler, not propagated to the root
-        loggers = [root] + ([torch_log] if not torch_log.propagate else [])
+        # libraries that print through their own handler and do not propagate to the root (core/noise.py)
+        loggers = [root] + [lg for lg in map(logging.getLogger, ("torch", *OWN_HANDLER))
+                            if not lg.propagate]
         warnings.showwarning = show
         for lg in loggers:
             lg.addHandler(handler)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from mptrain.core import files
-from mptrain.core.errors import UserError
+from mptrain.core.errors import UserError, import_extra
 from mptrain.run.console import Console, RunLog
 from mptrain.run.rundir import RunDirError, check_present, link_refused, writing
 
@@ -182,9 +182,9 @@ class WandbSink:
     """A W&B run in ``<run>/wandb``. Offline unless the config says online."""
 
     def __init__(self, run_dir: Path, wcfg, config: dict, name: str, tags: list[str]):
-        import wandb
-
-        self.wandb = wandb
+        # wandb is an extra (mptrain[wandb]), imported here so that a run without W&B never loads it;
+        # a missing one is one line naming the extra (precision/rules.py refuses it earlier, at start-up).
+        self.wandb = wandb = import_extra("wandb", "wandb", "log.wandb.enabled=true")
         self.run = wandb.init(
             dir=str(run_dir),
             mode=wcfg.mode.value,

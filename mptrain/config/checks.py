@@ -24,7 +24,7 @@ from typing import Any, Optional
 from omegaconf import ListConfig, OmegaConf
 
 from mptrain.config.schema import Config, DType, Fp8Config, ModelConfig
-from mptrain.core.errors import ConfigError
+from mptrain.core.errors import ConfigError, require_extra
 
 CONFIG_DIR = str(importlib.resources.files("mptrain") / "configs")
 """Where the YAML configs are: ``mptrain/configs/``, package data that ships with
@@ -518,7 +518,8 @@ def check_ranges(cfg: Any) -> None:
 # ---------------------------------------------------------------- cross-field rules
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Every value in its range (:func:`check_ranges`), then the rules that span
-    fields. Raises :class:`ConfigError` naming the key and the fix. The rules
+    fields, then the packages of the optional parts asked for (:func:`_extras`).
+    Raises :class:`ConfigError` (or ``MissingPackage``) naming the key and the fix. The rules
     that need what the layers above know (what each model family can take,
     which optimizer can run, which float8 recipes the cast statistics know) are
     added on top by :func:`mptrain.precision.rules.validate`, which is what a run calls."""
@@ -543,6 +544,17 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             "precision.master_weights=false is supported for bf16 compute without loss scaling, fp8 or fp4 "
             "(precision=bf16-pure): fp16 parameters cannot be unscaled by a GradScaler."
         )
+    _extras(cfg)
+
+
+def _extras(cfg: Any) -> None:
+    """W&B and Hugging Face datasets are extras of the install (``pyproject.toml``):
+    a run that asks for one without its package stops here, naming the extra,
+    rather than after its data is prepared and its model built."""
+    if cfg.log.wandb.enabled and cfg.log.wandb.mode.value != "disabled":
+        require_extra("wandb", "wandb", "log.wandb.enabled=true")
+    if cfg.data.kind == "hf":
+        require_extra("datasets", "hf", "data=hf")
 
 
 def _fp4_rules(p: Any, tokens: int) -> None:

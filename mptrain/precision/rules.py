@@ -1,15 +1,14 @@
 """The config rules that need the model and precision layers' knowledge, on top
 of the schema's own (:func:`mptrain.config.checks.validate`): what the model
 family can take (its spec's ``check``), which optimizer a combination of keys
-can run, and which float8 recipes the cast statistics know; and the optional
-parts whose package is an extra of the install (W&B, ``data=hf``).
+can run, and which float8 recipes the cast statistics know.
 A run checks them all at start-up, before anything is built."""
 from __future__ import annotations
 
 from typing import Any
 
 from mptrain.config import checks
-from mptrain.core.errors import ConfigError, require_extra
+from mptrain.core.errors import ConfigError
 from mptrain.model.families import family_of, family_spec, ffn_hidden
 from mptrain.precision.fp8casts import RECIPES
 from mptrain.precision.optimizers import choose
@@ -27,17 +26,6 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                           f"choose from {', '.join(RECIPES)}, or [] for none.")
     _lowp_hidden(cfg)
     choose(cfg)  # optimizer combinations that cannot run
-    _extras(cfg)
-
-
-def _extras(cfg: Any) -> None:
-    """W&B and Hugging Face datasets are extras of the install (``pyproject.toml``):
-    a run that asks for one without its package stops here, naming the extra,
-    rather than after its data is prepared and its model built."""
-    if cfg.log.wandb.enabled and cfg.log.wandb.mode.value != "disabled":
-        require_extra("wandb", "wandb", "log.wandb.enabled=true")
-    if cfg.data.kind == "hf":
-        require_extra("datasets", "hf", "data=hf")
 
 
 def _lowp_hidden(cfg: Any) -> None:

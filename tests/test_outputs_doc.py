@@ -108,7 +108,7 @@ def test_the_measured_peak_stands_beside_the_estimate(runs, root):
     assert 0 < s["mem/start_rss_gib"] <= s["mem/peak_rss_gib"]
     assert s["mem/peak_rss_gib"] >= s["mem/state_gib"]  # at least the weights, gradients and moments it held
     log = (root / "fp16" / "train.log").read_text()
-    line = next(ln for ln in log.splitlines() if ln.startswith("memory: "))
+    line = next(ln for ln in log.splitlines() if " memory: peak" in ln)  # train.log: each line after its time
     assert f"peak resident {s['mem/peak_rss_gib']:.3f} GiB ({s['mem/start_rss_gib']:.3f} GiB of it before" in line
     assert f"estimate {s['mem/estimate_gib']:.3f} GiB" in line
 

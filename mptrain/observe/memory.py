@@ -9,7 +9,9 @@ against a real step). An estimate for activations (:func:`activation_bytes`:
 what autograd keeps for the backward pass of mptrain's GPT, counted tensor by
 tensor on real steps) and for FSDP's gathered copies. ``summary.json`` puts
 the estimate beside the measured peak; :func:`summary_figures` gives its
-bytes per parameter.
+bytes per parameter. What it leaves out (the framework's own memory, measured
+in the process; allocator slack; transient buffers; the data) is
+:func:`left_out`, and the run's closing line beside its peak :func:`measured_line`.
 
 The same figure guards a run before it allocates anything
 (:func:`fit_check`, ``train.memory_check``): a configuration whose estimate

@@ -336,10 +336,10 @@ class Reporter:
         self.record.write_json("summary.json", summary)
         self.metrics.summary(summary)
         self.metrics.close()
+        self._say_memory(summary)
         self.runlog.say(f"done in {summary['wall_time_s']:.1f}s | train loss {fmt(summary['final/train_loss'])} | "
                  f"val loss {fmt(self.latest.val)} | unigram baseline {self.tokens.unigram_nats:.4f} nats/token"
                  + self._skip_text(summary))
-        self._say_memory(summary)
         self.runlog.say(f"run directory: {self.run_dir}")
         return summary
 

@@ -8,7 +8,8 @@ gradients, Adam moments, Kahan buffers, gathered copies and activations of a
 training step under that config: the same estimate the trainer checks before
 it allocates (``train.memory_check``). Under the table: what the estimate
 leaves out (the framework's own memory, measured in this process; allocator
-slack; transient buffers; the data), and where a run reports its measured peak. ``--world``: the number of ranks
+slack; transient buffers; the data), and where a run reports its measured
+peak. ``--world``: the number of ranks
 (default 1); ``--vocab``: the embedding rows when ``model.vocab_size`` is
 unset (default 4096). Nothing is built or allocated.
 """

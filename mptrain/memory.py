@@ -6,7 +6,10 @@
 Prints, per rank, the bytes (GiB and bytes per parameter) of the weights,
 gradients, Adam moments, Kahan buffers, gathered copies and activations of a
 training step under that config: the same estimate the trainer checks before
-it allocates (``train.memory_check``). ``--world``: the number of ranks
+it allocates (``train.memory_check``). Under the table: what the estimate
+leaves out (the framework's own memory, measured in this process; allocator
+slack; transient buffers; the data), and where a run reports its measured
+peak. ``--world``: the number of ranks
 (default 1); ``--vocab``: the embedding rows when ``model.vocab_size`` is
 unset (default 4096). Nothing is built or allocated.
 """
@@ -19,7 +22,7 @@ from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import wants_help
 from mptrain.model.families import adopt_init_from
-from mptrain.observe.memory import estimate, format_table, micro_batch_of
+from mptrain.observe.memory import estimate, format_table, left_out, micro_batch_of
 
 
 def _parse_args(argv: list[str]) -> tuple[int, int | None, list[str]]:
@@ -56,11 +59,12 @@ def main(argv: list[str]) -> None:
         print(f"mptrain: {err.one_line()}", file=sys.stderr)
         sys.exit(2)
     state = cfg.optim.state_dtype
+    micro = micro_batch_of(cfg, world)
     print(f"memory per rank: model={cfg.model.name} precision={cfg.precision.name} "
           f"optim.state_dtype={getattr(state, 'value', state) or 'null'} "
           f"parallel={cfg.parallel.name.value} world={world} vocab={vocab} "
-          f"micro_batch={micro_batch_of(cfg, world)}x{cfg.model.block_size} tokens")
-    print("\n".join(format_table(e)))
+          f"micro_batch={micro}x{cfg.model.block_size} tokens")
+    print("\n".join(format_table(e) + left_out(e, micro, cfg.model.block_size, vocab)))
 
 
 if __name__ == "__main__":

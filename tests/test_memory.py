@@ -22,6 +22,8 @@ from mptrain.observe.memory import (
     STATE_ROWS,
     estimate,
     local_numels,
+    measured_line,
+    micro_batch_of,
     shapes,
     summary_figures,
 )
@@ -295,6 +297,33 @@ def test_cli_prints_bytes_per_param(capsys):
         main(["model=gpt-nano", "precision=bf16-pure-kahan", "optim.state_dtype=8bit"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "optim.state_dtype=8bit" in err, err
+
+
+def test_cli_says_what_the_estimate_leaves_out(capsys):
+    """Under the table: the framework's memory, measured in this very process
+    (which has imported torch: far above zero), and the other parts a run's peak
+    holds beyond the estimate, with where the run reports that peak."""
+    main(["model=gpt-nano", "--vocab", "322"])
+    lines = capsys.readouterr().out.splitlines()
+    total = next(line for line in lines if line.strip().startswith("total"))
+    start = lines.index(f"not counted in the total ({float(total.split()[-1]):.3f} GiB):")
+    below = "\n".join(lines[start:])
+    framework = next(line for line in lines[start:] if "the framework:" in line)
+    assert float(framework.split(" GiB resident")[0].split()[-1]) > 0.05, framework  # torch alone is more
+    micro = micro_batch_of(make_cfg("model=gpt-nano", tiny=False), 1)
+    assert f"{micro} x 64 x 322 x 4 bytes" in below  # the logits' gradient, for this config
+    for part in ("allocator slack", "the data:", "mem/peak_rss_gib", "mem/peak_reserved_gib"):
+        assert part in below, part
+
+
+def test_measured_line_puts_the_peak_beside_the_estimate():
+    est = 3 * 2**29  # 1.5 GiB
+    cpu = measured_line(est, {"mem/peak_rss_gib": 2.25, "mem/start_rss_gib": 0.5})
+    assert cpu.startswith("memory: peak resident 2.250 GiB (0.500 GiB of it before the run built anything")
+    assert "estimate 1.500 GiB" in cpu and "python -m mptrain.memory" in cpu
+    gpu = measured_line(est, {"mem/peak_gib": 1.25, "mem/peak_reserved_gib": 1.75})
+    assert gpu.startswith("memory: peak 1.250 GiB allocated, 1.750 GiB reserved") and "estimate 1.500 GiB" in gpu
+    assert measured_line(est, {}) == ""  # nothing measured: no line
 
 
 # ------------------------------------------------------------------ 2 ranks, FSDP2

@@ -12,6 +12,7 @@ here, so a new metric cannot go undocumented.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -62,9 +63,14 @@ def undocumented(keys, names: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def root(tmp_path_factory) -> Path:
+    """The folder of the two runs (``fp16``, ``fp8``)."""
+    return tmp_path_factory.mktemp("outputs-doc")
+
+
+@pytest.fixture(scope="module")
+def runs(root):
     """(metrics.jsonl keys, summary.json keys) over the two runs."""
-    root = tmp_path_factory.mktemp("outputs-doc")
     half = train(root / "fp16", "precision=fp16", "train.max_steps=3", "monitor.every=2", "train.eval_every=3",
                  "train.eval_tokens=512", "train.z_loss=1e-4", "optim.update_clip=1.0")
     fp8 = train(root / "fp8", "precision=fp8", "parallel=ddp", "train.max_steps=2", "train.stop_after=1",
@@ -93,6 +99,26 @@ def test_every_metrics_jsonl_key_is_in_the_doc(runs):
 def test_every_summary_key_is_in_the_doc(runs):
     missing = undocumented(runs[1], documented("summary"))
     assert not missing, f"summary.json keys missing from docs/outputs.md's summary.json table: {missing}"
+
+
+def test_the_measured_peak_stands_beside_the_estimate(runs, root):
+    """summary.json and the closing console line of a CPU run: its peak resident
+    memory, what the process held before building anything, and the estimate."""
+    s = json.loads((root / "fp16" / "summary.json").read_text())
+    assert 0 < s["mem/start_rss_gib"] <= s["mem/peak_rss_gib"]
+    assert s["mem/peak_rss_gib"] >= s["mem/state_gib"]  # at least the weights, gradients and moments it held
+    log = (root / "fp16" / "train.log").read_text()
+    line = next(ln for ln in log.splitlines() if " memory: peak" in ln)  # train.log: each line after its time
+    assert f"peak resident {s['mem/peak_rss_gib']:.3f} GiB ({s['mem/start_rss_gib']:.3f} GiB of it before" in line
+    assert f"estimate {s['mem/estimate_gib']:.3f} GiB" in line
+
+
+def test_the_closing_outlier_table_says_its_step(runs, root):
+    """3 steps, monitor.every=2: the table is from step 2, and a line says so;
+    a run that ended on its last monitored step gets no such line."""
+    log = (root / "fp16" / "train.log").read_text()
+    assert "outliers at step 2 " in log and "the outlier table is from step 2 of 3" in log, log
+    assert "the outlier table is from" not in (root / "fp8" / "train.log").read_text()
 
 
 def test_patterns_match_whole_keys_only():

@@ -24,6 +24,7 @@ from mptrain.observe.stability import (
     massive_stats,
     norm_modules,
     outlier_table,
+    outlier_table_when,
 )
 
 from .conftest import load_script, train
@@ -342,3 +343,13 @@ def test_outlier_table_of_a_row():
     assert cells[2] == ["block0", "0.5", "6", "4", "7", "15", "0", "0.9..1.1"]
     assert cells[3] == ["head", "", "", "", "", "", "", "1..1"]
     assert outlier_table({"stability/act_rms/block0": 1.0}, 1) == ""
+
+
+def test_the_outlier_table_says_when_it_is_from_an_early_step():
+    """A 30-step run at the default cadence scans step 1 only: the closing line
+    says so, and names the setting that scans the last step; silent when the
+    table is from the last step."""
+    line = outlier_table_when(1, 30, 50)
+    assert "from step 1 of 30" in line and "monitor.every=50" in line and "monitor.every=30" in line, line
+    assert "step 1 only, monitor.every=0" in outlier_table_when(1, 5, 0)
+    assert outlier_table_when(30, 30, 10) == ""

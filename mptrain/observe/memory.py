@@ -9,7 +9,9 @@ against a real step). An estimate for activations (:func:`activation_bytes`:
 what autograd keeps for the backward pass of mptrain's GPT, counted tensor by
 tensor on real steps) and for FSDP's gathered copies. ``summary.json`` puts
 the estimate beside the measured peak; :func:`summary_figures` gives its
-bytes per parameter.
+bytes per parameter. What it leaves out (the framework's own memory, measured
+in the process; allocator slack; transient buffers; the data) is
+:func:`left_out`, and the run's closing line beside its peak :func:`measured_line`.
 
 The same figure guards a run before it allocates anything
 (:func:`fit_check`, ``train.memory_check``): a configuration whose estimate
@@ -444,6 +446,61 @@ def fit_check(cfg, vocab: int, world: int, local_world: int, micro_batch: int, d
     largest = 4 * max((math.prod(s) for s in shapes(cfg, vocab)[0]), default=0)
     return fit_problem(largest, share, f"initialising model={cfg.model.name} (its largest weight, whole, in fp32 "
                        "on the CPU)", "this host has", ["fewer ranks per node", "a host with more memory"], among)
+
+
+# ------------------------------------------------- what the estimate leaves out
+def process_kib(field: str) -> Optional[int]:
+    """A figure of this process from ``/proc/self/status`` in KiB (``VmRSS``:
+    resident now, ``VmHWM``: its peak since the last reset); None where it
+    cannot be read (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])  # the file says kB and means KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def left_out(e: Estimate, micro_batch: int, block_size: int, vocab: int) -> list[str]:
+    """What the estimate does not count, as the lines ``python -m mptrain.memory``
+    prints under its table. The framework's own share is this process's resident
+    memory now: a process that has imported torch and mptrain and built nothing
+    but a meta-device model, about what a run holds before its first tensor."""
+    rss = process_kib("VmRSS")
+    here = (f"{rss / 2**20:.2f} GiB resident in this process (no model built)"
+            if rss is not None else "not measurable here (no /proc/self/status)")
+    logits_grad = micro_batch * block_size * vocab * 4
+    return [
+        f"not counted in the total ({e.total / 2**30:.3f} GiB):",
+        f"  - the framework: the Python interpreter, torch's libraries and mptrain, {here}",
+        "    (a CPU run's peak includes it; a GPU run adds its CUDA context)",
+        "  - allocator slack: memory freed but kept for reuse (glibc's malloc on a CPU; on a GPU,",
+        "    CUDA's caching allocator: a run's mem/peak_reserved_gib over its mem/peak_gib)",
+        f"  - the backward pass's transient buffers: the logits' gradient alone is "
+        f"{micro_batch} x {block_size} x {vocab} x 4 bytes = {logits_grad / 2**30:.3f} GiB",
+        "  - the data: the token store, the batches in flight, the validation windows",
+        "a run prints its measured peak beside this estimate when it ends (summary.json: mem/peak_rss_gib",
+        "on a CPU, mem/peak_gib and mem/peak_reserved_gib on a GPU)",
+    ]
+
+
+def measured_line(estimate_bytes: int, figures: dict) -> str:
+    """The end-of-run line that puts a run's measured peak (``figures``, the
+    summary's ``mem/*`` keys) beside the estimate; empty when nothing was measured."""
+    est = (f"estimate {estimate_bytes / 2**30:.3f} GiB: weights, gradients, optimizer state, activations "
+           "(python -m mptrain.memory says what it leaves out)")
+    if "mem/peak_gib" in figures:  # CUDA: what tensors held, and what the caching allocator held for them
+        reserved = figures.get("mem/peak_reserved_gib")
+        held = f", {reserved:.3f} GiB reserved by CUDA's caching allocator" if reserved is not None else ""
+        return f"memory: peak {figures['mem/peak_gib']:.3f} GiB allocated{held} | {est}"
+    if "mem/peak_rss_gib" not in figures:
+        return ""
+    start = figures.get("mem/start_rss_gib")
+    before = (f" ({start:.3f} GiB of it before the run built anything: Python, torch, mptrain)"
+              if start is not None else "")
+    return f"memory: peak resident {figures['mem/peak_rss_gib']:.3f} GiB{before} | {est}"
 
 
 def format_table(e: Estimate) -> list[str]:

@@ -545,6 +545,18 @@ def outlier_table(row: dict, step: int) -> str:
                       *text_table(head, rows)])
 
 
+def outlier_table_when(step: int, last: int, every: int) -> str:
+    """The line under the outlier table when it is not from the run's last step
+    ``last``: which step it is from, why (``monitor.every``: the first step, then
+    every ``every``-th), and the setting that scans later; empty when it is from ``last``."""
+    if step >= last:
+        return ""
+    cadence = (f"step 1, then every monitor.every={every} steps" if every > 0
+               else "step 1 only, monitor.every=0")
+    return (f"the outlier table is from step {step} of {last}, the last step the monitor scanned ({cadence}); "
+            f"monitor.every={last} or a divisor of it scans step {last} too")
+
+
 # ----------------------------------------------------------------- warnings
 _ATTN_FIX = "model.qk_norm=true or a lower optim.lr keeps attention logits bounded"
 _UPDATE_FIX = "optim.update_clip=1.0 or a lower optim.beta2 keeps the update near 1"

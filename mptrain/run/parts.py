@@ -35,7 +35,7 @@ from mptrain.observe import fp8watch
 from mptrain.observe.alerts import SkipRateWarning, SpikeDetector
 from mptrain.observe.audit import DtypeAudit
 from mptrain.observe.numerics import NumericsMonitor
-from mptrain.observe.stability import StabilityWarnings, outlier_table
+from mptrain.observe.stability import StabilityWarnings, outlier_table, outlier_table_when
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.policy import PrecisionPolicy
 from mptrain.run.build import RunModel
@@ -58,6 +58,7 @@ class NumericsPart(Component):
         self.started = False
         self.fp8_casts: Optional[dict] = None  # the last monitored step's float8 cast figures (fp8watch.report)
         self.outliers: Optional[tuple[int, dict]] = None  # (step, the last monitored step's figures)
+        self.last = 0  # the last step this launch ran, which the closing table is measured against
 
     def begin_step(self, step: int) -> None:
         self.monitor.start_step(step)
@@ -83,6 +84,9 @@ class NumericsPart(Component):
     def after_optimizer(self, model: nn.Module, skipped: torch.Tensor) -> None:
         self.monitor.after_optimizer(model, skipped)
 
+    def after_step(self, step: int, result) -> None:
+        self.last = step + 1
+
     def observe(self, done: int, row: dict, write: Write) -> dict:
         if not self.monitor.active(done - 1):
             return {}
@@ -100,6 +104,9 @@ class NumericsPart(Component):
         outliers = outlier_table(self.outliers[1], self.outliers[0]) if self.outliers is not None else ""
         if outliers:
             write(outliers)
+            when = outlier_table_when(self.outliers[0], self.last, self.monitor.every)
+            if when:
+                write(when)
         return {"fp8_casts": self.fp8_casts} if self.fp8_casts else {}
 
 

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from mptrain.core import files
 from mptrain.data.store import cache_dir
 from mptrain.model.families import family_spec, init_from_banner
+from mptrain.observe.memory import process_kib
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.optimizers import stored_as
 from mptrain.run.rundir import writing
@@ -72,18 +73,24 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def peak_memory(device: torch.device) -> dict:
-    """``mem/peak_gib`` (CUDA allocator) or ``mem/peak_rss_gib`` (CPU process)."""
+    """``mem/peak_gib`` and ``mem/peak_reserved_gib`` (CUDA: what tensors held,
+    and what the caching allocator held for them) or ``mem/peak_rss_gib`` (CPU process)."""
     if device.type == "cuda":
-        return {"mem/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+        return {"mem/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "mem/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
     # On CPU there is no allocator counter; the process's peak RSS is the honest figure.
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return {"mem/peak_rss_gib": int(line.split()[1]) / 2**20}  # kB
-    except OSError:
-        pass
-    return {"mem/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    peak = process_kib("VmHWM")
+    if peak is None:  # not Linux: the lifetime peak, which no reset reaches
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"mem/peak_rss_gib": peak / 2**20}
+
+
+def start_memory(device: torch.device) -> dict:
+    """``mem/start_rss_gib``: a CPU run's resident memory before it builds
+    anything (the interpreter, torch, mptrain, Hydra: what the estimate leaves
+    out); empty on a GPU, whose estimate counts device memory, or where unreadable."""
+    rss = process_kib("VmRSS") if device.type != "cuda" else None
+    return {"mem/start_rss_gib": rss / 2**20} if rss is not None else {}
 
 
 class ComputeDtypeProbe:

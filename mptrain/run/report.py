@@ -37,7 +37,7 @@ from mptrain.data.batches import ValSet
 from mptrain.distributed.parallel import DistContext, wrapper_dtypes
 from mptrain.model.common import gelu_kernel_text
 from mptrain.model.generate import generate
-from mptrain.observe.memory import Estimate, summary_figures
+from mptrain.observe.memory import Estimate, measured_line, summary_figures
 from mptrain.observe.memory import estimate as memory_estimate
 from mptrain.observe.perf import SLOW_AT, Pace, Throughput, flops_per_token, matmul_kind, mfu, peak_flops, predict_pace
 from mptrain.precision.formats import dtype_name
@@ -45,14 +45,16 @@ from mptrain.precision.policy import LossScaler, PrecisionPolicy
 from mptrain.run.build import RunData, RunModel
 from mptrain.run.console import RunLog, plain_cadence
 from mptrain.run.metrics import Metrics
-from mptrain.run.record import ComputeDtypeProbe, RunRecord, banner, observed_dtypes, peak_memory, reset_peak_memory
+from mptrain.run.record import (ComputeDtypeProbe, RunRecord, banner, observed_dtypes, peak_memory, reset_peak_memory,
+                               start_memory)
 from mptrain.run.step import StepResult
 
 
-def start_clock(device: torch.device) -> float:
-    """The run's origin: the peak memory counts from here; returns the wall clock's start."""
+def start_clock(device: torch.device) -> tuple[float, dict]:
+    """The run's origin: the peak memory counts from here; returns the wall
+    clock's start and what the process held then (``record.start_memory``)."""
     reset_peak_memory(device)
-    return time.perf_counter()
+    return time.perf_counter(), start_memory(device)
 
 
 @dataclass
@@ -187,8 +189,9 @@ class Reporter:
     model, its optimizer and loss scaler exist; every attribute is set here."""
 
     def __init__(self, cfg: DictConfig, ctx: DistContext, run_dir: Path, t_start: float, runlog: RunLog,
-                 policy: PrecisionPolicy, data: RunData, built: RunModel):
+                 policy: PrecisionPolicy, data: RunData, built: RunModel, mem_start: Optional[dict] = None):
         self.cfg, self.ctx, self.run_dir, self.t_start = cfg, ctx, run_dir, t_start
+        self.mem_start = mem_start or {}  # what the process held before the run built anything
         self.runlog = runlog
         self.scaler, self.tokens, self.tokens_per_step = built.scaler, data.tokens, data.tokens_per_step
         self.record = RunRecord(cfg, run_dir, ctx.is_main)
@@ -333,6 +336,7 @@ class Reporter:
         self.record.write_json("summary.json", summary)
         self.metrics.summary(summary)
         self.metrics.close()
+        self._say_memory(summary)
         self.runlog.say(f"done in {summary['wall_time_s']:.1f}s | train loss {fmt(summary['final/train_loss'])} | "
                  f"val loss {fmt(self.latest.val)} | unigram baseline {self.tokens.unigram_nats:.4f} nats/token"
                  + self._skip_text(summary))
@@ -352,7 +356,7 @@ class Reporter:
             "flops_per_token": f.flops_tok, "mem/estimate_gib": f.mem_est.total / 2**30,
             **summary_figures(f.mem_est),  # bytes per parameter of weights, gradients, moments
             "precision": cfg.precision.name, "parallel": cfg.parallel.name.value, "model": cfg.model.name,
-            "world_size": ctx.world, "dtypes": f.dtypes, **peak_memory(ctx.device),
+            "world_size": ctx.world, "dtypes": f.dtypes, **self._measured_memory(),
             **self._dist_summary(model),
             **({f.lowp_key: f.lowp} if f.lowp else {}),
             **({"resumed_from": str(self.resumed_from)} if self.resumed_from is not None else {}),
@@ -373,6 +377,16 @@ class Reporter:
             summary.update({"amp/skipped_steps": skipped, "amp/skip_rate": skipped / max(p.step, 1),
                             "amp/final_loss_scale": self.scaler.get_scale()})
         return summary
+
+    def _measured_memory(self) -> dict:
+        """The summary's measured memory: this launch's peak, and a CPU run's resident memory at its start."""
+        return {**peak_memory(self.ctx.device), **self.mem_start}
+
+    def _say_memory(self, summary: dict) -> None:
+        """The closing line that puts the measured peak beside the estimate (``observe.memory.measured_line``)."""
+        line = measured_line(self.facts.mem_est.total, summary)
+        if line:
+            self.runlog.say(line)
 
     def _skip_text(self, summary: dict) -> str:
         """The final line's skip counts, each with its cause; empty when nothing can be skipped."""

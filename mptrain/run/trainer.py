@@ -90,7 +90,7 @@ class Trainer:
     # ------------------------------------------------------------------ build
     def __init__(self, cfg: DictConfig, ctx: DistContext, run_dir: Path, plan: Optional[ResumePlan] = None,
                  claim: Optional[Claim] = None, log: Optional[RunLog] = None, adopted: Optional[dict] = None):
-        t_start = start_clock(ctx.device)  # wall time and peak memory count from here
+        t_start, mem_start = start_clock(ctx.device)  # wall time and peak memory count from here
         validate(cfg, ctx.world)
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.plan, self.claim = plan or ResumePlan(), claim
@@ -99,7 +99,7 @@ class Trainer:
         self.data = build_data(cfg, ctx, self.runlog.say)  # tokens, windows, this rank's batches
         self.built = build_model(cfg, ctx, policy, self.data.vocab, self.data.tokens.vocab_size)
         # run_info and the dtype table: what the banner prints and config.yaml records
-        self.report = Reporter(cfg, ctx, run_dir, t_start, self.runlog, policy, self.data, self.built)
+        self.report = Reporter(cfg, ctx, run_dir, t_start, self.runlog, policy, self.data, self.built, mem_start)
         if adopted:  # what model.init_from's config.json fixed (adopt_init_from), for run_info and the banner
             self.report.record.info["init_from"] = adopted
         self._build_parts(policy)

@@ -88,6 +88,9 @@ def test_evaluate_measures_the_whole_split_as_the_trainer_does(run, tmp_path, ca
 
 def test_evaluate_bad_input_is_one_line(run, tmp_path, capsys):
     run_dir, _, _ = run
+    with pytest.raises(SystemExit) as exit_:
+        evaluate_cmd.main(["--help"])
+    assert exit_.value.code == 0 and "python -m mptrain.evaluate" in capsys.readouterr().out  # the usage, no work
     (tmp_path / "empty").mkdir()
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "checkpoints").write_text("not a directory")

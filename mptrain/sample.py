@@ -31,7 +31,10 @@ Finding the checkpoint, its weights and its tokenizer is the checkpoint
 layer's (``mptrain/checkpoint/readers.py``), shared with ``scripts/export_hf.py``;
 the decoding is ``mptrain/model/generate.py``'s, which the trainer's own samples
 use too. This module holds the command line, and the one-line errors and argument
-parser that ``scripts/export_hf.py`` uses too.
+parser that ``scripts/export_hf.py`` uses too; ``python -m mptrain.evaluate``
+shares the checkpoint's reading (:func:`read_checkpoint`), the options of how
+its model runs (:func:`add_model_args`, :func:`pick_device`,
+:func:`forward_autocast`) and the one-line errors.
 """
 from __future__ import annotations
 
@@ -92,11 +95,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     ap.add_argument("--top-k", type=int, default=50, help="sample among the K likeliest tokens; 0 = all (default 50)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
-    ap.add_argument("--precision", choices=("run", "fp32"), default="run",
-                    help="run: the run's compute dtype under autocast (default); fp32: everything fp32")
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if present")
-    ap.add_argument("--trust-remote-code", action="store_true",
-                    help="allow a tokenizer that ships its own Python code to run it (never taken from the checkpoint)")
+    add_model_args(ap)
     a = ap.parse_args(argv)
     if a.tokens < 1:
         raise SampleError(f"--tokens {a.tokens} writes nothing; give a number of tokens of at least 1.")
@@ -105,12 +104,36 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                           "number such as 0.8.")
     if a.top_k < 0:
         raise SampleError(f"--top-k {a.top_k} is negative; give 0 (all tokens) or a positive count such as 50.")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SampleError("--device cuda: this machine has no CUDA device; use --device cpu (or auto).")
     return a
 
 
-def _autocast(meta: dict, precision: str, device: torch.device) -> Callable:
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The options of how the checkpoint's model runs, shared with ``python -m mptrain.evaluate``."""
+    ap.add_argument("--precision", choices=("run", "fp32"), default="run",
+                    help="run: the run's compute dtype under autocast (default); fp32: everything fp32")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if present")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="allow a tokenizer that ships its own Python code to run it (never taken from the checkpoint)")
+
+
+def pick_device(name: str) -> torch.device:
+    """``--device``: ``auto`` is CUDA where there is one; ``cuda`` without one is refused."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SampleError("--device cuda: this machine has no CUDA device; use --device cpu (or auto).")
+    return torch.device(name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def read_checkpoint(ckpt: Path, trust_remote_code: bool, log: Callable[[str], None]) -> tuple[dict, object, dict]:
+    """What a tool reads of checkpoint ``ckpt``: its meta.json, the tokenizer it names
+    (:class:`ByteTokenizer` or :class:`HFTokenizer`) and its weights in fp32."""
+    meta = read_meta(ckpt)
+    tok = checkpoint_tokenizer(ckpt, meta, trust_remote_code, byte=ByteTokenizer)
+    if not isinstance(tok, ByteTokenizer):
+        tok = HFTokenizer(tok, meta["tokenizer"].get("name", ""), meta["tokenizer"]["path"])
+    return meta, tok, model_weights(ckpt, log)
+
+
+def forward_autocast(meta: dict, precision: str, device: torch.device) -> Callable:
     """The forward context: autocast to the run's compute dtype, or nothing (fp32)."""
     dtype = DType[meta["config"]["precision"]["compute_dtype"]].torch
     if precision == "fp32" or dtype == torch.float32:
@@ -122,21 +145,14 @@ def sample_text(a: argparse.Namespace, log: Callable[[str], None],
                 picked: Callable[[Path], None] = lambda ckpt: None) -> str:
     """The prompt followed by the model's continuation, for parsed arguments ``a``
     (``picked``: :func:`read_newest`'s seam)."""
-
-    def read(ckpt: Path):
-        meta = read_meta(ckpt)
-        tok = checkpoint_tokenizer(ckpt, meta, a.trust_remote_code, byte=ByteTokenizer)
-        return meta, tok, model_weights(ckpt, log)
-
-    ckpt, (meta, tok, weights) = read_newest(a.src, read, log, picked)
-    if not isinstance(tok, ByteTokenizer):
-        tok = HFTokenizer(tok, meta["tokenizer"].get("name", ""), meta["tokenizer"]["path"])
-    device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(a.device)
+    ckpt, (meta, tok, weights) = read_newest(a.src, lambda c: read_checkpoint(c, a.trust_remote_code, log), log,
+                                             picked)
     model = build_model(meta, weights).to(device)
     # An empty prompt starts a new document: training put end-of-text before every one.
     prompt_ids = tok.encode_batch([a.prompt])[0] if a.prompt else [tok.eos_id]
     new = sample_ids(model, prompt_ids, a.tokens, temperature=a.temperature, top_k=a.top_k,
-                     generator=torch.Generator().manual_seed(a.seed), autocast=_autocast(meta, a.precision, device),
+                     generator=torch.Generator().manual_seed(a.seed), autocast=forward_autocast(meta, a.precision, device),
                      device=device, stop_id=tok.eos_id)
     if new and new[-1] == tok.eos_id:
         new = new[:-1]

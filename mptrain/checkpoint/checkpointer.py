@@ -51,6 +51,7 @@ import errno
 import io
 import json
 import logging
+import math
 import os
 import shutil
 import warnings
@@ -74,6 +75,7 @@ from mptrain.checkpoint.integrity import (
     hash_files,
     rank_share,
     read_meta,
+    step_of,
     verify,
     write_file,
     write_manifest,
@@ -138,6 +140,30 @@ class Progress:
         self.step, self.tokens = int(sd["step"]), int(sd["tokens"])
 
 
+@dataclass
+class Best:
+    """The checkpoint with the lowest validation loss so far (``checkpoint.keep_best``):
+    its step and that loss; step None before any. Resumable: the trainer saves it in
+    train_state.pt, so a resumed run goes on comparing with the best before it."""
+
+    step: Optional[int] = None
+    val_loss: float = math.inf
+
+    def improves(self, val_loss: Optional[float]) -> bool:
+        """Whether ``val_loss`` beats the best so far; a non-finite loss never does."""
+        return val_loss is not None and math.isfinite(val_loss) and val_loss < self.val_loss
+
+    def summary(self) -> dict:
+        """``best/step`` and ``best/val_loss`` for summary.json; empty before any best."""
+        return {} if self.step is None else {"best/step": self.step, "best/val_loss": self.val_loss}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "val_loss": self.val_loss}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.val_loss = sd["step"], float(sd["val_loss"])
+
+
 class Checkpointer:
     """Saves and loads the whole training state of one run."""
 
@@ -149,6 +175,16 @@ class Checkpointer:
         self.run_cfg = cfg
         self.meta_extra = meta_extra or {}
         self.hooks = tuple(hooks)
+        self.best = Best()  # only with checkpoint.keep_best: what prune() never deletes
+
+    def new_best(self, step: int, val_loss: Optional[float]) -> bool:
+        """With ``checkpoint.keep_best``: whether step ``step``'s validation loss is
+        the lowest so far, which makes it the best (the caller then saves that step).
+        Every rank gets the same answer: the loss was all-reduced."""
+        if not self.cfg.keep_best or not self.best.improves(val_loss):
+            return False
+        self.best.step, self.best.val_loss = step, float(val_loss)
+        return True
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model, optimizer, states: dict[str, Stateful]) -> Path:
@@ -266,13 +302,14 @@ class Checkpointer:
 
     def prune(self) -> None:
         """Delete all but the ``checkpoint.keep_last`` newest complete checkpoints
-        (rank 0; after every save, and when a launch closes a run whose last save
-        was not followed by its pruning)."""
+        and, with ``checkpoint.keep_best``, the best one (rank 0; after every save,
+        and when a launch closes a run whose last save was not followed by its pruning)."""
         if self.cfg.keep_last <= 0 or not self.ctx.is_main:
             return
         with contextlib.suppress(OSError):  # the new checkpoint is in place: a failed clean-up must not undo it
             for old in complete_checkpoints(self.root)[: -self.cfg.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                if step_of(old) != self.best.step:
+                    shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
     def load(self, path: Path, model, optimizer, states: dict[str, Stateful], policy) -> None:

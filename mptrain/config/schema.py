@@ -733,6 +733,13 @@ class CheckpointConfig:
     small sizes; turn it off for throwaway runs of large models."""
     keep_last: int = harmless(2, why="how many checkpoints are kept on disk")
     """Keep this many most recent complete checkpoints; older ones are deleted. 0 keeps all."""
+    keep_best: bool = harmless(False, why="which checkpoints are kept on disk; a save changes nothing")
+    """Also keep the checkpoint with the lowest validation loss (``val/loss``)
+    beside the ``keep_last`` newest, never pruned. An evaluation
+    (``train.eval_every``) that beats every earlier one saves its step at
+    once, whatever ``every`` says, so the best is the best evaluated, not
+    the best of the periodic saves; summary.json names it (``best/step``,
+    ``best/val_loss``). ``resume=auto`` still continues from the newest."""
     on_signal: bool = harmless(True, why="whether a signal saves before the process exits")
     """On SIGTERM/SIGINT (a preempted job, Ctrl-C), finish the current step,
     save a checkpoint and exit with code 0. A second SIGINT stops at once.

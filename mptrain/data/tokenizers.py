@@ -10,15 +10,18 @@
   (:func:`load_hf_tokenizer`; a tokenizer's own Python code runs only with
   ``data.trust_remote_code=true``).
 
-Each has ``name``, ``path``, ``vocab_size``, ``eos_id``, ``encode_batch`` and
-``decode``. Documents are joined with the end-of-text token (``EOT`` in the
-corpus BPE) when they are stored, by :mod:`mptrain.data.store`.
+Each has ``name``, ``path``, ``vocab_size``, ``eos_id``, ``encode_batch``,
+``decode`` and ``text_bytes`` (what bits per byte divides by). Documents are
+joined with the end-of-text token (``EOT`` in the corpus BPE) when they are
+stored, by :mod:`mptrain.data.store`.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Optional
+
+import numpy as np
 
 from mptrain.core import files
 from mptrain.core.errors import ConfigError
@@ -55,6 +58,10 @@ class ByteTokenizer:
     def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict:
         return {"input_ids": self.encode_batch(texts)}
 
+    def text_bytes(self, rows: np.ndarray) -> int:
+        """UTF-8 bytes the token rows stand for: one per token, end-of-text none."""
+        return int((rows < 256).sum())
+
 
 class HFTokenizer:
     """A ``transformers`` fast tokenizer; encoding goes through its Rust backend in parallel."""
@@ -72,6 +79,14 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids))
+
+    def text_bytes(self, rows: np.ndarray) -> int:
+        """UTF-8 bytes of the text the token rows decode to, each row on its own;
+        special tokens (end-of-text) count none. A character a row's edge cuts
+        counts as the tokenizer decodes its piece (U+FFFD, 3 bytes, for a broken
+        UTF-8 sequence), so the count may be off by a few bytes per row."""
+        texts = self.tok.batch_decode(rows.tolist(), skip_special_tokens=True)
+        return sum(len(t.encode("utf-8")) for t in texts)
 
 
 def build_tokenizer(data_cfg, corpus: Corpus, cache: Path, log=print):

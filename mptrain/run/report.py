@@ -25,7 +25,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -33,7 +33,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from mptrain.core.shards import local_shard
 from mptrain.core.text import fmt
-from mptrain.data.batches import ValSet
 from mptrain.distributed.parallel import DistContext, wrapper_dtypes
 from mptrain.model.common import gelu_kernel_text
 from mptrain.model.generate import generate
@@ -48,6 +47,7 @@ from mptrain.run.metrics import Metrics
 from mptrain.run.record import (ComputeDtypeProbe, RunRecord, banner, observed_dtypes, peak_memory, reset_peak_memory,
                                start_memory)
 from mptrain.run.step import StepResult
+from mptrain.run.validation import ValFigures
 
 
 def start_clock(device: torch.device) -> tuple[float, dict]:
@@ -117,8 +117,7 @@ class Latest:
     the set it was measured on, the data wait summed over the logged laps."""
 
     train: dict = field(default_factory=dict)
-    val: Optional[float] = None
-    eval_set: dict = field(default_factory=dict)
+    val: Optional[ValFigures] = None
     wait_s: float = 0.0
     copy_s: float = 0.0
 
@@ -291,13 +290,22 @@ class Reporter:
             row["perf/data_copy_s"] = copy / steps
         return row
 
-    def evaluated(self, done: int, val_loss: float, val_set: ValSet) -> dict:
-        """The validation loss of step ``done`` on ``val_set``: its console line and its row."""
-        self.latest.val = val_loss
-        self.latest.eval_set = {"eval/tokens": val_set.tokens, "eval/windows": val_set.windows}
+    def evaluated(self, done: int, val: ValFigures) -> dict:
+        """The validation figures of step ``done``: its console line and its row."""
+        self.latest.val = val
         self.metrics.write(f"step {done:>6} | train loss {fmt(self.latest.train.get('train/loss'))} | "
-                           f"val loss {fmt(val_loss)} | unigram baseline {self.tokens.unigram_nats:.4f}")
-        return {"val/loss": val_loss}
+                           f"{val.text()} | unigram baseline {self.tokens.unigram_nats:.4f}")
+        return val.row()
+
+    def _val_text(self) -> str:
+        """The closing line's validation figures (``val loss n/a`` when the run never evaluated)."""
+        return self.latest.val.text() if self.latest.val is not None else "val loss n/a"
+
+    def _val_summary(self) -> dict:
+        """summary.json's validation keys: ``final/val_loss`` (null when the run never
+        evaluated), and with a loss its perplexity, bits per byte and set."""
+        val = self.latest.val
+        return {"final/val_loss": None} if val is None else val.final()
 
     def sample(self, done: int, model: nn.Module, policy: PrecisionPolicy) -> None:
         """Continue the fixed prompt (greedy, in the run's precision) so the model's
@@ -313,18 +321,17 @@ class Reporter:
         self.metrics.text("samples/text", text, done)
 
     # --------------------------------------------------------------- summary
-    def logged_up_to(self, step: int, val_set: Optional[ValSet] = None) -> None:
+    def logged_up_to(self, step: int, val_of: Callable[[float], ValFigures]) -> None:
         """Take the last training and validation figures from metrics.jsonl (rows up
         to ``step``): for a launch that trains nothing but writes the summary of a
-        run whose final launch was lost before writing it. ``val_set``: the set
-        the run's validation loss was measured on (the same at every launch)."""
+        run whose final launch was lost before writing it. ``val_of(loss)``: the
+        figures of a validation loss on the run's set (the same at every launch)."""
         path = self.run_dir / "metrics.jsonl"
         rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
         rows = [r for r in rows if r["step"] <= step]
         self.latest.train = next((r for r in reversed(rows) if "train/loss" in r), {})
-        self.latest.val = next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), None)
-        if self.latest.val is not None and val_set is not None:
-            self.latest.eval_set = {"eval/tokens": val_set.tokens, "eval/windows": val_set.windows}
+        loss = next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), None)
+        self.latest.val = val_of(loss) if loss is not None else None
 
     def finish(self, model: nn.Module, optimizer: torch.optim.Optimizer, progress, stopped_by: Optional[str],
                figures: dict) -> dict:
@@ -338,7 +345,7 @@ class Reporter:
         self.metrics.close()
         self._say_memory(summary)
         self.runlog.say(f"done in {summary['wall_time_s']:.1f}s | train loss {fmt(summary['final/train_loss'])} | "
-                 f"val loss {fmt(self.latest.val)} | unigram baseline {self.tokens.unigram_nats:.4f} nats/token"
+                 f"{self._val_text()} | unigram baseline {self.tokens.unigram_nats:.4f} nats/token"
                  + self._skip_text(summary))
         self.runlog.say(f"run directory: {self.run_dir}")
         return summary
@@ -348,7 +355,7 @@ class Reporter:
         tps = self.clock.tokens_per_s()
         summary = {
             "steps": p.step, "tokens": p.tokens,
-            "final/train_loss": last.train.get("train/loss"), "final/val_loss": last.val,
+            "final/train_loss": last.train.get("train/loss"), **self._val_summary(),
             "baseline/unigram_val_loss": self.tokens.unigram_nats,
             "perf/tokens_per_s": tps,
             "wall_time_s": time.perf_counter() - self.t_start,
@@ -363,7 +370,6 @@ class Reporter:
             **({"config_history": self.history} if self.history else {}),
             **({"stopped_early": stopped_by} if stopped_by else {}),
             **figures,
-            **last.eval_set,
         }
         if f.peak and tps:
             summary["perf/mfu"] = mfu(tps, f.flops_tok, f.peak, ctx.world)

@@ -41,6 +41,7 @@ from mptrain.run.resume import ResumePlan, finished_summary
 from mptrain.run.resume import plan as resume_plan
 from mptrain.run.rundir import Claim, check_present, held
 from mptrain.run.step import evaluate, set_lr_at, step_state, train_step
+from mptrain.run.validation import ValFigures, text_bytes
 from mptrain.run.stop import StopSignal
 
 __all__ = ["run", "Trainer"]
@@ -145,7 +146,9 @@ class Trainer:
                                  meta_extra={"tokenizer": {"name": tok.name, "path": tok.path},
                                              "history": self.plan.history},
                                  hooks=(self.parts,))  # during and after each save (debug.* kills)
+        self.states["best"] = self.ckpt.best  # checkpoint.keep_best's best so far, resumed with the rest
         self.last_saved: Optional[int] = None
+        self._val_bytes: Optional[list] = None  # [the validation set's text bytes], counted at the first evaluation
         self.stopped_by: Optional[str] = None
 
     def _resume(self) -> None:
@@ -204,8 +207,9 @@ class Trainer:
             return True
         self.stopped_by = self.stop_reason(done, log_now, stop)
         every = self.cfg.checkpoint.every
-        if self.stopped_by or (every and (done % every == 0 or done == self.tc.max_steps)):
-            self.checkpoint(done)
+        best = self.ckpt.new_best(done, row.get("val/loss"))  # checkpoint.keep_best: saved at once
+        if self.stopped_by or best or (every and (done % every == 0 or done == self.tc.max_steps)):
+            self.checkpoint(done, best)
         if self.stopped_by:
             self.metrics.write(f"step {done:>6} | stopping ({self.stopped_by}); resume with resume=auto "
                                f"hydra.run.dir={self.run_dir}")
@@ -246,9 +250,17 @@ class Trainer:
             val = ValSet(self.data.val_windows, tc.eval_tokens)
             mbs, ctx = self.data.micro_batch, self.ctx
             loss = evaluate(self.model, self.state.policy, ctx, val.batches(mbs, ctx.rank, ctx.world))
-            row = self.report.evaluated(done, loss, val)
+            row = self.report.evaluated(done, self.val_figures(loss))
             self.report.sample(done, self.model, self.state.policy)
         return row
+
+    def val_figures(self, loss: float) -> ValFigures:
+        """A validation loss with its perplexity and bits per byte on the run's set;
+        the set's bytes are counted (decoded) once per launch."""
+        val = ValSet(self.data.val_windows, self.tc.eval_tokens)
+        if self._val_bytes is None:
+            self._val_bytes = [text_bytes(val, self.data.tokens.tokenizer)]
+        return ValFigures.of(loss, val, self._val_bytes[0])
 
     def observe(self, done: int, row: dict) -> dict:
         """What the parts measured on step ``done`` (numerics monitor, collective
@@ -266,14 +278,16 @@ class Trainer:
             return f"train.stop_after={stop_after}"
         return None
 
-    def checkpoint(self, done: int) -> None:
-        """Save step ``done``; never after a bad step, and not counted as training time."""
+    def checkpoint(self, done: int, best: bool = False) -> None:
+        """Save step ``done`` (``best``: its validation loss is the lowest so far); never
+        after a bad step, and not counted as training time."""
         self.parts.before_save(done)  # the non-finite handler looks first: a bad step stops the run here
         check_present(self.run_dir)  # a save into a removed run directory would make it again, for itself alone
         with self.report.clock.paused():
             self.ckpt.save(done, self.model, self.optimizer, self.states)
         self.last_saved = done
-        self.metrics.write(f"step {done:>6} | checkpoint saved: {self.ckpt.root / f'step-{done}'}")
+        self.metrics.write(f"step {done:>6} | checkpoint saved: {self.ckpt.root / f'step-{done}'}"
+                           + (" (the best validation loss so far, kept: checkpoint.keep_best)" if best else ""))
 
     # -------------------------------------------------------------- summarize
     def summarize(self) -> dict:
@@ -287,8 +301,20 @@ class Trainer:
             self.checkpoint(step)
         if self.plan.closing:  # the lost launch's unfinished business: its pruning, its final figures
             self.ckpt.prune()
-            self.report.logged_up_to(step, ValSet(self.data.val_windows, self.tc.eval_tokens))
+            self.report.logged_up_to(step, self.val_figures)
         figures = self.parts.summarize(self.metrics.write)  # the parts' closing tables and figures
+        figures.update(self._best_summary())
         summary = self.report.finish(self.model, self.optimizer, self.progress, self.stopped_by, figures)
         self.ctx.barrier()  # leave together: the next multirun job starts on every rank at once
         return summary
+
+    def _best_summary(self) -> dict:
+        """With ``checkpoint.keep_best``: which step is the best checkpoint, said in a
+        line and as summary.json's ``best/step``, ``best/val_loss``, ``best/checkpoint``."""
+        best = self.ckpt.best.summary()
+        if not best:
+            return {}
+        path = self.ckpt.root / f"step-{best['best/step']}"
+        self.metrics.write(f"best checkpoint: step {best['best/step']} (val loss {best['best/val_loss']:.4f}): "
+                           f"{path}")
+        return {**best, "best/checkpoint": str(path)}

@@ -146,7 +146,8 @@ class Trainer:
                                  meta_extra={"tokenizer": {"name": tok.name, "path": tok.path},
                                              "history": self.plan.history},
                                  hooks=(self.parts,))  # during and after each save (debug.* kills)
-        self.states["best"] = self.ckpt.best  # checkpoint.keep_best's best so far, resumed with the rest
+        if cfg.checkpoint.keep_best:  # its best so far, resumed with the rest; train_state.pt's keys stay
+            self.states["best"] = self.ckpt.best  # those of older checkpoints when it is off
         self.last_saved: Optional[int] = None
         self._val_bytes: Optional[list] = None  # [the validation set's text bytes], counted at the first evaluation
         self.stopped_by: Optional[str] = None

@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
 from mptrain.config.checks import compose_checked, micro_steps  # noqa: E402
-from mptrain.core.machine import LoadMeter  # noqa: E402
+from mptrain.core.machine import LoadMeter, cpu_name  # noqa: E402
 from mptrain.core.text import duration  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import setup, wrap  # noqa: E402
@@ -314,13 +314,7 @@ def machine(device: str) -> str:
     """The device in words: the GPU's name, or the CPU's model, cores and torch threads."""
     if device == "cuda":
         return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
-    model = platform.processor() or "unknown model"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.partition(":")[2].strip()
-                break
-    return f"cpu: {model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return f"cpu: {cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
 
 
 def banner(cfg, overrides: list[str], a, device: str, world: int, tokens) -> str:

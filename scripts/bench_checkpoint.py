@@ -50,7 +50,7 @@ import mptrain.config.schema  # noqa: E402,F401  registers the schema
 from mptrain.checkpoint.checkpointer import Checkpointer, Progress  # noqa: E402
 from mptrain.checkpoint.integrity import hash_files, file_sizes, verify  # noqa: E402
 from mptrain.config.schema import ParallelMode  # noqa: E402
-from mptrain.core.machine import LoadMeter  # noqa: E402
+from mptrain.core.machine import LoadMeter, cpu_flags, cpu_name  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import DistContext  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
@@ -69,16 +69,7 @@ def say(text: str) -> None:
 def machine() -> str:
     """CPU model and the flags that matter here, cores and load (a busy machine
     slows every figure), Python, torch, zlib, date."""
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
+    model, flags = cpu_name(), cpu_flags()
     have = ", ".join(f if f in flags else f"no {f}" for f in FLAGS)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"{model} ({have}); {os.cpu_count()} cores, load average {load}; Python {platform.python_version()}, "

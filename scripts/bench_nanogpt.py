@@ -100,7 +100,7 @@ import bench  # scripts/bench.py: the harness's config, the bare loop, the quiet
 
 from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
-from mptrain.core.machine import LoadMeter  # noqa: E402
+from mptrain.core.machine import LoadMeter, cpu_flags, cpu_name  # noqa: E402
 from mptrain.precision import optimizers  # noqa: E402
 from mptrain.run.nonfinite import NO_GUARD, NonFiniteGuard  # noqa: E402
 from mptrain.model.common import cpu_gelu_kernel  # noqa: E402
@@ -155,14 +155,7 @@ def check_checkout(path: str | None) -> Path:
 
 def machine() -> str:
     """CPU model, the vector flags that decide matmul speed, torch, Python, threads."""
-    model, flags = platform.processor() or "unknown CPU", set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == (platform.processor() or "unknown CPU"):
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
+    model, flags = cpu_name(), cpu_flags()
     have = [f for f in FLAGS if f in flags]
     lacks = [f for f in FLAGS if f not in flags]
     return (f"{model}, {os.cpu_count()} cores, flags {' '.join(have) or '-'}"

@@ -50,8 +50,8 @@ from bench import configured, machine  # noqa: E402
 from bench_monitor import fastest, over_budget  # noqa: E402,F401 (over_budget: the cap's rule, tested here)
 
 from mptrain.config.checks import compose_checked  # noqa: E402
-from mptrain.core.machine import LoadMeter  # noqa: E402
-from mptrain.precision.support import _cpu_flags, choose_fp8_matmul, torchao_version  # noqa: E402
+from mptrain.core.machine import LoadMeter, cpu_flags  # noqa: E402
+from mptrain.precision.support import choose_fp8_matmul, torchao_version  # noqa: E402
 
 from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/configs/, shipped in the package)
 DEFAULTS = ["model=gpt-nano", "train.max_steps=60", "monitor.enabled=false"]
@@ -76,7 +76,7 @@ SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx
 
 def header(device: str, overrides: list[str], repeats: int, names: list[str]) -> str:
     """The command, the machine (with the flags that decide bf16/fp16 speed) and the software."""
-    flags = sorted(_cpu_flags() & set(SPEED_FLAGS)) if device == "cpu" else []
+    flags = sorted(cpu_flags() & set(SPEED_FLAGS)) if device == "cpu" else []
     return (f"bench_precision: {' '.join(overrides)} | {len(names)} settings x {repeats}, interleaved\n"
             f"  machine  {machine(device)}" + (f" | flags {', '.join(flags) or 'none of ' + ', '.join(SPEED_FLAGS)}"
                                                if device == "cpu" else "") + "\n"

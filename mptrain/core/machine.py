@@ -15,16 +15,27 @@ DEFAULT_CACHE = "~/.cache/mptrain"
 """The cache when neither ``MPTRAIN_CACHE`` nor ``data.cache_dir`` names another."""
 
 
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or what the platform says elsewhere."""
+def _cpuinfo(key: str) -> Optional[str]:
+    """The value of the first ``key`` line of ``/proc/cpuinfo``; None where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                name, _, value = line.partition(":")
+                if name.strip() == key:
+                    return value.strip()
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what the platform says elsewhere."""
+    return _cpuinfo("model name") or platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``: avx2, avx512_bf16, amx_bf16, ...); empty elsewhere."""
+    return set((_cpuinfo("flags") or "").split())
 
 
 def cache_root(configured: str = DEFAULT_CACHE) -> Path:

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from mptrain.core.errors import ConfigError
-from mptrain.core.machine import cpu_name  # noqa: F401 (the doctor and the advisor take it from here)
+from mptrain.core.machine import cpu_flags, cpu_name  # noqa: F401 (the doctor and the advisor take cpu_name from here)
 
 MIN_TORCHAO = (0, 10)
 
@@ -38,17 +38,6 @@ cannot flip the choice."""
 class Verdict:
     status: str  # native | emulated | unavailable
     why: str
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def torchao_version() -> str | None:
@@ -124,7 +113,7 @@ def verdicts(device: torch.device, check_fp8: bool = True) -> dict[str, Verdict]
                                  "use precision=bf16, an Ada/Hopper/Blackwell GPU for fp8, or "
                                  "precision.fp8.matmul=emulated to study the casts at fp32 matmul speed")
         return out
-    flags = _cpu_flags()
+    flags = cpu_flags()
     bf = sorted(flags & {"avx512_bf16", "amx_bf16"})
     fp = sorted(flags & {"avx512_fp16", "amx_fp16"})
     out["bf16"] = (Verdict("native", f"CPU has {', '.join(bf)}") if bf

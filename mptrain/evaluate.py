@@ -160,8 +160,8 @@ def report(out: dict, block: int) -> str:
     ])
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
-    """``python -m mptrain.evaluate``: print the figures (and write them with ``--json``); returns them."""
+def run(argv: Optional[list[str]] = None) -> dict:
+    """Evaluate as the command line ``argv`` asks: print the figures (and write them with ``--json``); returns them."""
     with one_line_errors("evaluate"):
         a = parse_args(argv)
         out = evaluate_checkpoint(a, log=lambda line: print(line, file=sys.stderr))
@@ -173,6 +173,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 raise EvaluateError(f"--json {a.json} was not written ({e.strerror or e}); give a path you can "
                                     "write to (the figures are printed above).") from None
     return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m mptrain.evaluate``: :func:`run`, then exit status 0 (its figures are the
+    output; returned from here, Python would print them as the exit message and exit 1)."""
+    run(argv)
+    return 0
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def test_perplexity_and_bits_per_byte_beside_the_loss(run):
 def test_evaluate_measures_the_whole_split_as_the_trainer_does(run, tmp_path, capsys, monkeypatch):
     run_dir, summary, val = run
     monkeypatch.setattr(evaluate_cmd, "PROGRESS_EVERY_S", 0.0)  # a line per batch: the progress is seen
-    out = evaluate_cmd.main([str(run_dir), "--json", str(tmp_path / "eval.json"), "--batch-size", "64"])
+    out = evaluate_cmd.run([str(run_dir), "--json", str(tmp_path / "eval.json"), "--batch-size", "64"])
     printed = capsys.readouterr()
     assert json.loads((tmp_path / "eval.json").read_text()) == out
     assert out["step"] == STEPS and out["checkpoint"] == str(run_dir / "checkpoints" / f"step-{STEPS}")
@@ -77,13 +77,15 @@ def test_evaluate_measures_the_whole_split_as_the_trainer_does(run, tmp_path, ca
     assert f"{out['eval/windows']:,} windows of 64 tokens" in printed.out
     assert "evaluate: " in printed.err and " tokens (" in printed.err
     # the trainer's own set (train.eval_tokens=4096, TINY's): its figures, from the same code
-    same = evaluate_cmd.main([str(run_dir), "--eval-tokens", "4096"])
+    same = evaluate_cmd.run([str(run_dir), "--eval-tokens", "4096"])
     assert (same["eval/tokens"], same["eval/windows"], same["eval/bytes"]) == (
         summary["eval/tokens"], summary["eval/windows"], summary["eval/bytes"])
     for key in ("val/loss", "val/ppl", "val/bpb"):
         assert same[key] == pytest.approx(val[STEPS][key], rel=1e-5), key  # other micro-batches: last bits only
-    best = evaluate_cmd.main([str(run_dir / "checkpoints" / f"step-{summary['best/step']}"), "--eval-tokens", "4096"])
+    best = evaluate_cmd.run([str(run_dir / "checkpoints" / f"step-{summary['best/step']}"), "--eval-tokens", "4096"])
     assert best["val/loss"] == pytest.approx(summary["best/val_loss"], rel=1e-5)
+    # the command itself ends with status 0 (its figures are output, not an exit message)
+    assert evaluate_cmd.main([str(run_dir), "--eval-tokens", "1024"]) == 0
 
 
 def test_evaluate_bad_input_is_one_line(run, tmp_path, capsys):

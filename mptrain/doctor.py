@@ -109,7 +109,7 @@ def report(device: torch.device | None = None) -> str:
         lines.append(f"  {fmt:<5} {v[fmt].status:<12} {v[fmt].why}")
     # precision=nvfp4 / mxfp4 never need float4 hardware: their matmuls are fp32's (docs/fp4.md)
     lines.append(f"  {'fp4':<5} {'emulated':<12} nvfp4 and mxfp4 quantize exactly and multiply in fp32 on every "
-                 "device (precision/fp4train.py)")
+                 "device (precision/labtrain.py)")
     lines += measured_lines(device, t, reps)
     if "fp8_emulated" in t and (v["fp8"].status != "unavailable" or device.type == "cuda"):
         path, why = choose_fp8_matmul("auto", device)

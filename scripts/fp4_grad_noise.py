@@ -37,7 +37,7 @@ from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.precision import optimizers  # noqa: E402
-from mptrain.precision.fp4train import Fp4Linear  # noqa: E402
+from mptrain.precision.labtrain import LabLinear  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names, lr_at  # noqa: E402
 
@@ -76,7 +76,7 @@ def main() -> None:
     # 4-bit presets), so that the difference is the 4-bit casts' alone.
     exact = copy.deepcopy(model)
     model = policy.convert_model(model)
-    names = [f"{n}.weight" for n, mod in model.named_modules() if isinstance(mod, Fp4Linear)]
+    names = [f"{n}.weight" for n, mod in model.named_modules() if isinstance(mod, LabLinear)]
     opt = build_optimizer(model, decay_names(model), cfg.optim, torch.device("cpu"), optimizers.choose(cfg))
     print(f"fp4_grad_noise: {' '.join([*DEFAULTS, *user])} | {len(names)} 4-bit linears, {a.draws} draws each "
           f"measurement\n  Python {platform.python_version()}, torch {torch.__version__}, "

@@ -1,4 +1,4 @@
-"""4-bit training linears (mptrain/precision/fp4train.py): each matmul is its
+"""4-bit training linears (mptrain/precision/labtrain.py, the lab's recipes nvfp4 and mxfp4): each matmul is its
 definition on fake-quantized operands, stochastic rounding keeps the
 gradients unbiased, and through the trainer nvfp4 and mxfp4 learn, report
 what they converted, audit as E2M1 and resume bit for bit (the stochastic
@@ -15,7 +15,10 @@ import torch.nn as nn
 
 from mptrain.core.errors import ConfigError
 from mptrain.precision import fp4
-from mptrain.precision.fp4train import Fp4Linear, Fp4Recipe
+from types import SimpleNamespace
+
+from mptrain.config.schema import Fp4Format
+from mptrain.precision.labtrain import LabLinear, LabRecipe, fp4_recipe
 
 from .aids import without_wall_clock
 from .conftest import make_cfg, read_rows, train
@@ -25,9 +28,15 @@ from .conftest import make_cfg, read_rows, train
 FP32_REST = ["precision.compute_dtype=fp32", "precision.param_dtype=fp32"]
 
 
-def _layer(recipe: Fp4Recipe, n_in: int = 64, n_out: int = 32) -> Fp4Linear:
+def Fp4Recipe(fmt: str, hadamard: bool, stochastic: bool, two_d: bool) -> LabRecipe:
+    """The lab recipe ``precision.fp4`` makes with these switches (as a run builds it)."""
+    return fp4_recipe(SimpleNamespace(format=Fp4Format(fmt), hadamard=hadamard,
+                                      stochastic_rounding=stochastic, weight_2d=two_d))
+
+
+def _layer(recipe: LabRecipe, n_in: int = 64, n_out: int = 32) -> LabLinear:
     torch.manual_seed(0)
-    return Fp4Linear.from_linear(nn.Linear(n_in, n_out), recipe)
+    return LabLinear.from_linear(nn.Linear(n_in, n_out), recipe)
 
 
 @pytest.mark.parametrize("fmt,two_d,hadamard", [("nvfp4", True, True), ("nvfp4", False, False),
@@ -175,7 +184,7 @@ def test_resume_is_exact_with_stochastic_rounding(tmp_path, monkeypatch):
 @pytest.mark.parametrize("overrides,match", [
     (["precision=nvfp4", "train.global_batch_size=1", "model.block_size=24"], "divisible by 16"),
     (["precision=mxfp4", "precision.fp4.weight_2d=true"], "weight_2d=true applies to nvfp4"),
-    (["precision=nvfp4", "precision.fp8.enabled=true"], "float8 or 4-bit, not both"),
+    (["precision=nvfp4", "precision.fp8.enabled=true"], "one low-precision recipe"),
     (["precision=nvfp4", "precision.fp4.bf16_last_blocks=2"], "keep all 2 blocks out of 4-bit"),
 ])
 def test_bad_settings_are_one_line_errors(tmp_path, overrides, match):
@@ -214,7 +223,7 @@ def test_the_config_says_what_each_preset_is(preset, two_d, stochastic):
     torch.manual_seed(0)
     model = policy.convert_model(build(cfg.model, 320))
     layer = model.blocks[0].mlp.fc
-    assert isinstance(layer, Fp4Linear)
+    assert isinstance(layer, LabLinear)
     x = torch.randn(32, layer.in_features)
     w = layer.weight.detach()
     expected = fp4.fake_quantize(x, preset) @ fp4.fake_quantize(w, preset, two_d=two_d).t() + layer.bias.detach()

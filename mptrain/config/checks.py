@@ -399,6 +399,10 @@ def _fp4(cfg) -> bool:
     return cfg.precision.fp4.enabled
 
 
+def _lab(cfg) -> bool:
+    return cfg.precision.lab.enabled
+
+
 def _outlier(cfg) -> bool:
     return cfg.debug.outlier_module is not None
 
@@ -439,6 +443,8 @@ _RANGES: tuple = (
     ("precision.fp8.margin", _non_negative, "an integer >= 0 (powers of two of headroom)", _fp8),
     ("precision.fp4.bf16_last_blocks", _optional(_non_negative),
      "an integer >= 0 (0: none), or null for the recipe's 15% of the blocks", _fp4),
+    ("precision.lab.bf16_last_blocks", _optional(_non_negative),
+     "an integer >= 0 (0: none), or null for 15% of the blocks", _lab),
     ("data.num_proc", _non_negative, "an integer >= 0 (0: one process per CPU core)", None),
     ("data.max_documents", _non_negative, "an integer >= 0 (0: all documents)", None),
     ("data.shard_tokens", _positive, "a positive integer", None),
@@ -538,8 +544,11 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             f"precision.fp8.recipe=mxfp8 needs tokens per micro-batch (train.micro_batch_size x "
             f"model.block_size = {mbs} x {m.block_size}) divisible by 32; change either.")
     _fp4_rules(p, mbs * m.block_size)
-    if not p.master_weights and (p.compute_dtype != DType.bf16 or p.loss_scale.enabled or p.fp8.enabled
-                               or p.fp4.enabled):
+    lowp = [k for k in ("fp8", "fp4", "lab") if p[k].enabled]
+    if len(lowp) > 1:
+        raise ConfigError(f"precision.{lowp[0]}.enabled and precision.{lowp[1]}.enabled are both on; a linear has "
+                          f"one low-precision recipe: use one preset (precision=fp8, nvfp4, mxfp4 or lab).")
+    if not p.master_weights and (p.compute_dtype != DType.bf16 or p.loss_scale.enabled or lowp):
         raise ConfigError(
             "precision.master_weights=false is supported for bf16 compute without loss scaling, fp8 or fp4 "
             "(precision=bf16-pure): fp16 parameters cannot be unscaled by a GradScaler."
@@ -563,9 +572,6 @@ def _fp4_rules(p: Any, tokens: int) -> None:
     if not f.enabled:
         return
     fmt = f.format.value
-    if p.fp8.enabled:
-        raise ConfigError("precision.fp8.enabled and precision.fp4.enabled are both on; a linear is float8 or "
-                          f"4-bit, not both: use precision={fmt} (4-bit) or precision=fp8.")
     if f.weight_2d and fmt != "nvfp4":
         raise ConfigError(f"precision.fp4.weight_2d=true applies to nvfp4 (16x16 tiles); {fmt} has 1x32 blocks "
                           "only: set precision.fp4.weight_2d=false.")

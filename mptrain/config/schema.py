@@ -61,7 +61,7 @@ class Fp8Matmul(Enum):
 
 
 class Fp4Format(Enum):
-    """The 4-bit format of ``precision.fp4`` (``mptrain/precision/fp4train.py``)."""
+    """The 4-bit format of ``precision.fp4`` (``mptrain/precision/labtrain.py``)."""
 
     nvfp4 = "nvfp4"
     mxfp4 = "mxfp4"
@@ -365,7 +365,7 @@ class Fp8Config:
 @dataclass
 class Fp4Config:
     """4-bit linears (``precision=nvfp4`` and ``precision=mxfp4``;
-    ``mptrain/precision/fp4train.py``, ``docs/fp4.md``).
+    ``mptrain/precision/labtrain.py``, ``docs/fp4.md``).
 
     Each converted linear quantizes the operands of its three matmuls to E2M1
     values in scaled blocks along the matmul's contraction dimension, then
@@ -409,6 +409,50 @@ class Fp4Config:
 
 
 @dataclass
+class LabConfig:
+    """The format lab (``precision=lab``; ``mptrain/precision/lab.py``,
+    ``mptrain/precision/labtrain.py``, ``docs/formats.md``): every converted
+    linear casts each operand of its three matmuls as an operand spec says,
+    ``<element>/<block>/<scale>/<rounding>[/<transform>]`` (e.g.
+    ``e2m1/1x16/e4m3/nearest``), and multiplies the dequantized values in fp32:
+    any format, emulated on any machine. Each spec is checked at start-up."""
+
+    enabled: bool = guarded(False)
+    """Convert linears to the lab's recipe. On for ``precision=lab``."""
+    recipe: str = guarded("nvfp4")
+    """A named recipe (``python -m mptrain.formats --recipes`` lists them: fp8_tensorwise,
+    fp8_rowwise, fp8_rowwise_with_gw_hp, mxfp8, nvfp4, mxfp4, hybrid_mxfp8_nvfp4,
+    nvfp4_ue5m3, nvfp4_4over6, mxfp6_e2m3, mxfp6_e3m2), whose operands the six keys
+    below override one by one; or ``custom``, where all six must be given."""
+    fwd_input: Optional[str] = guarded(None)
+    """The forward matmul's activation operand, blocked along the input features.
+    ``null``: the named recipe's; ``none``: not quantized."""
+    fwd_weight: Optional[str] = guarded(None)
+    """The forward matmul's weight operand, blocked along the input features."""
+    dgrad_grad_output: Optional[str] = guarded(None)
+    """The input-gradient matmul's output-gradient operand, blocked along the output features."""
+    dgrad_weight: Optional[str] = guarded(None)
+    """The input-gradient matmul's weight operand, blocked along the output features."""
+    wgrad_grad_output: Optional[str] = guarded(None)
+    """The weight-gradient matmul's output-gradient operand, blocked along the tokens."""
+    wgrad_input: Optional[str] = guarded(None)
+    """The weight-gradient matmul's activation operand, blocked along the tokens."""
+    fourover6_error: str = guarded("mse")
+    """How a ``-4over6`` scale compares a block's two candidate casts: ``mse``
+    (summed squared error), ``l1`` (summed absolute error) or ``max`` (largest
+    absolute error)."""
+    allow_forward_stochastic: bool = guarded(False)
+    """Let a forward operand round stochastically (a random forward pass and loss;
+    refused unless set)."""
+    bf16_last_blocks: Optional[int] = guarded(None)
+    """The last this many transformer blocks keep their linears out of the lab's
+    formats. ``null``: 15% of the blocks rounded up (the NVFP4 recipe's rule); 0: none."""
+    exclude: list[str] = guarded(factory=lambda: ["lm_head"])
+    """Module names (fnmatch patterns on the model's own names) kept out of the
+    lab's formats. The output head by default."""
+
+
+@dataclass
 class PrecisionConfig:
     """What each format is used for; docs/precision.md explains each choice."""
 
@@ -445,6 +489,8 @@ class PrecisionConfig:
     """Float8 linears; see :class:`Fp8Config`."""
     fp4: Fp4Config = field(default_factory=lambda: Fp4Config())
     """4-bit linears; see :class:`Fp4Config`."""
+    lab: LabConfig = field(default_factory=lambda: LabConfig())
+    """The format lab's linears; see :class:`LabConfig`."""
 
 
 # ------------------------------------------------------------------------ parallel

@@ -320,14 +320,16 @@ class DtypeAudit:
         # Parameter storage -> owning modules (several when weights are tied).
         self._owners: dict[int, list[str]] = defaultdict(list)
         self._order: dict[str, int] = {}  # module -> position in named_modules (table order)
-        # 4-bit linears (precision/fp4train.py) multiply dequantized E2M1 values in fp32
-        # on purpose: their matmuls are reported in their format, and not flagged.
+        # The lab's linears (precision/labtrain.py: nvfp4, mxfp4, precision=lab) multiply
+        # dequantized values in fp32 on purpose: their matmuls are reported in their formats,
+        # and not flagged.
         self._fp4: dict[str, str] = {}
         for name, mod in self.model.named_modules():
             cname = canonical_name(name) or ROOT
             self._order.setdefault(cname, len(self._order))
-            if getattr(mod, "fp4_format", None):
-                self._fp4[cname] = f"e2m1 ({mod.fp4_format}, fp32 products)"
+            if getattr(mod, "lab_recipe", None):
+                fmts = sorted({o.element.name for o in mod.recipe.ops if o is not None})
+                self._fp4[cname] = f"{'/'.join(fmts)} ({mod.lab_recipe}, fp32 products)"
             for p in mod.parameters(recurse=False):
                 ptr = _storage_ptr(p)
                 if ptr is not None and cname not in self._owners[ptr]:

@@ -42,11 +42,12 @@ same way along the contraction dimension is unchanged.
 """
 from __future__ import annotations
 
-import functools
-import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
+
+from mptrain.precision import lab
+from mptrain.precision.elements import element
 
 FP4_FORMATS = ("nvfp4", "mxfp4")
 BLOCK = {"nvfp4": 16, "mxfp4": 32}
@@ -62,24 +63,17 @@ value this large was changed by the clamp, not merely rounded to 6."""
 
 E4M3_MAX = 448.0
 E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)  # 2**-6: torchao never uses a subnormal block scale
-F32_TINY = float(torch.finfo(torch.float32).tiny)  # 2**-126: torchao's floor of an MX divisor
 PER_TENSOR_FLOOR = 2.0 ** -120  # see the module docstring: keeps (1 / scale) / 2**-6 finite
 
-
-# ------------------------------------------------------------------ elements
-def _spacing(a: torch.Tensor) -> torch.Tensor:
-    """The distance between neighbouring E2M1 values around magnitude ``a``
-    (fp32, non-negative): 0.5 below 2 (the subnormal 0.5 and the binade [1, 2)),
-    1 in [2, 4), 2 from 4. Each range's ends are grid values, so rounding within
-    it never skips one. It is the power of two of ``a / 2`` clamped to [0.5, 2],
-    read off the exponent bits: three cheap ops, where nested ``torch.where``s
-    with scalars cost several times more on CPU (measured, torch 2.13)."""
-    return (torch.clamp(a.detach() * 0.5, 0.5, 2.0).view(torch.int32) & 0x7F800000).view(torch.float32)
+_E2M1 = element("e2m1")
+SPECS = {"nvfp4": "e2m1/1x16/e4m3/nearest", "mxfp4": "e2m1/1x32/ue8m0/nearest"}
+"""Each format as the format lab writes it (:mod:`mptrain.precision.lab`): the one
+implementation of these casts; ``two_d`` makes the block square (16x16, 32x32)."""
 
 
 def round_e2m1(x: torch.Tensor, stochastic: bool = False) -> torch.Tensor:
     """fp32 ``x`` (already divided by its scale) rounded to E2M1 values,
-    returned as fp32, saturating at +-6.
+    returned as fp32, saturating at +-6 (``elements.element("e2m1").round``).
 
     Nearest: ties go to the even code, exactly as torchao's conversion
     (``f32_to_f4_unpacked``) breaks them: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
@@ -90,24 +84,11 @@ def round_e2m1(x: torch.Tensor, stochastic: bool = False) -> torch.Tensor:
     the uniforms come from ``torch.rand_like``, i.e. the default generator of
     ``x``'s device, so that a resumed run that restores the RNG state repeats
     the draws. NaN stays NaN."""
-    x = x.float()
-    a = x.abs().clamp(max=E2M1_MAX)
-    s = _spacing(a)
-    # a / s is exact (s is a power of two), and within one range the grid is the
-    # multiples of s, whose parity is the code's parity: torch.round's ties-to-even
-    # on a / s is the format's ties-to-even.
-    if stochastic:
-        lo = torch.floor(a / s) * s
-        up = torch.rand_like(a) < (a - lo) / s  # a - lo is exact: both lie in one binade or lo is 0
-        q = lo + s * up
-    else:
-        q = torch.round(a / s) * s
-    return torch.copysign(q, x)
+    return _E2M1.round(x, stochastic)
 
 
-# ------------------------------------------------------------------ scales
-def _rows(x: torch.Tensor, fmt: str, two_d: bool) -> torch.Tensor:
-    """``x`` as fp32 ``(rows, last dim)``, checked against ``fmt``'s block."""
+def _operand(x: torch.Tensor, fmt: str, two_d: bool, stochastic: bool) -> lab.Operand:
+    """``fmt``'s lab operand, after checking ``x`` against its block."""
     if fmt not in BLOCK:
         raise ValueError(f"unknown 4-bit format {fmt!r}; one of {', '.join(FP4_FORMATS)}")
     b = BLOCK[fmt]
@@ -119,93 +100,29 @@ def _rows(x: torch.Tensor, fmt: str, two_d: bool) -> torch.Tensor:
         size = x.shape[-2] if x.dim() >= 2 else "none (a 1-d tensor)"
         raise ValueError(f"{fmt} with two_d needs a second-to-last dimension that is a multiple of {b}, "
                          f"got {size} (shape {tuple(x.shape)}).")
-    return x.float().reshape(-1, x.shape[-1])
-
-
-def _blocks(x2: torch.Tensor, b: int, two_d: bool) -> torch.Tensor:
-    """``(rows, cols)`` as ``(row groups, 1 or b rows, col blocks, b)``: the
-    elements of one scale block share indices 0 and 2. A view, no copy."""
-    r, c = x2.shape
-    return x2.reshape(r // b, b, c // b, b) if two_d else x2.reshape(r, 1, c // b, b)
-
-
-def _per_tensor(amax: torch.Tensor) -> torch.Tensor:
-    """The per-tensor scale from the tensor's amax, torchao's formula, floored."""
-    return (amax.to(torch.float32) / (E4M3_MAX * E2M1_MAX)).clamp(min=PER_TENSOR_FLOOR)
+    spec = SPECS[fmt].replace("1x", f"{b}x") if two_d else SPECS[fmt]
+    return lab.parse(spec.replace("nearest", "stochastic") if stochastic else spec)
 
 
 def per_tensor_scale_of(x: torch.Tensor) -> torch.Tensor:
     """nvfp4's per-tensor scale of ``x`` as torchao computes it
     (``per_tensor_amax_to_scale(torch.max(torch.abs(x)))``: amax / (448 * 6),
     fp32), floored at ``2**-120`` (see the module docstring)."""
-    return _per_tensor(torch.max(torch.abs(x.detach())))
+    return (torch.max(torch.abs(x.detach())).float() / (E4M3_MAX * E2M1_MAX)).clamp(min=PER_TENSOR_FLOOR)
 
 
-def _scales(amax: torch.Tensor, fmt: str,
-            per_tensor_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(multiplier, decode, divisor)`` per block from each block's ``amax``
-    (fp32, ``(groups, 1, blocks, 1)``), shaped likewise (see :class:`Fp4Cast`;
-    ``divisor`` is what :func:`block_scales` reports). nvfp4 without a given
-    per-tensor scale takes it from the largest amax (the tensor's, exactly)."""
-    if fmt == "nvfp4":
-        if per_tensor_scale is None:
-            pts = _per_tensor(amax.max())
-        else:
-            pts = torch.as_tensor(per_tensor_scale, dtype=torch.float32, device=amax.device).clamp(min=PER_TENSOR_FLOOR)
-        # torchao's order of operations, each an fp32 rounding: amax / 6, then / pts,
-        # clamped to E4M3's normal range and cast (round to nearest even); the
-        # elements are multiplied by (1 / pts) / s8 (the reciprocal form of its CUDA
-        # kernel), the rounded elements by pts * s8.
-        s8 = torch.clamp(amax / E2M1_MAX / pts, min=E4M3_TINY, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
-        decode = pts * s8
-        return (1.0 / pts) / s8, decode, decode
-    # mxfp4: the exponent field of amax (the bits, as torchao reads them: a subnormal amax
-    # reads -127) minus 2, clamped to E8M0's range. torchao divides by that power of two
-    # floored at 2**-126 but multiplies back by the unfloored one (2**-127 at the bottom):
-    # kept, so that a block of amax below 2**-124 round-trips as torchao's does.
-    e = ((amax.detach().view(torch.int32) >> 23) & 0xFF) - 127 - 2
-    biased = (e.clamp(min=-127, max=128) + 127).to(torch.int32)
-    pow2 = torch.where(biased == 0, 0x00400000, biased << 23).view(torch.float32)  # 2**-127 is subnormal
-    # NaN in the block: E8M0's NaN (255), as torchao marks it; the products are then NaN.
-    pow2 = torch.where(torch.isnan(amax), math.nan, pow2)
-    divisor = pow2.clamp(min=F32_TINY)
-    return 1.0 / divisor, pow2, divisor
-
-
-class Fp4Cast(NamedTuple):
-    """The pieces of one 4-bit cast, in blocks: ``(groups, 1 or b rows, blocks, b)``
-    for the elements, ``(groups, 1, blocks, 1)`` for the per-block numbers."""
-
-    blocks: torch.Tensor
-    """The input as fp32, viewed in blocks (rows flattened as :func:`fake_quantize` says)."""
-    amax: torch.Tensor
-    """Each block's largest magnitude."""
-    scaled: torch.Tensor
-    """The elements scaled for the cast, before the clamp to +-6: where saturation shows."""
-    q: torch.Tensor
-    """Their E2M1 values (fp32)."""
-    multiplier: torch.Tensor
-    """What each block's elements were multiplied by before rounding (nvfp4:
-    ``(1 / per-tensor) / block``; mxfp4: the reciprocal of the power of two
-    they are divided by, the same number exactly)."""
-    decode: torch.Tensor
-    """What the E2M1 values are multiplied by to come back (nvfp4: per-tensor x block)."""
+Fp4Cast = lab.LabCast
+"""The pieces of one 4-bit cast (:class:`mptrain.precision.lab.LabCast`)."""
 
 
 def quantize_blocks(x: torch.Tensor, fmt: str, *, two_d: bool = False, stochastic: bool = False,
                     per_tensor_scale: Optional[torch.Tensor] = None) -> Fp4Cast:
     """The cast of :func:`fake_quantize` (same arguments, same checks), in
-    pieces (:class:`Fp4Cast`), for statistics that need more than the result:
-    ``(q * decode)`` is the round trip, ``scaled`` what the clamp acted on."""
+    pieces, for statistics that need more than the result: ``(q * decode)`` is
+    the round trip, ``scaled`` what the clamp acted on."""
     if fmt == "mxfp4" and per_tensor_scale is not None:
         raise ValueError("mxfp4 has no per-tensor scale; per_tensor_scale is for nvfp4 only.")
-    blocks = _blocks(_rows(x, fmt, two_d), BLOCK[fmt], two_d)
-    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
-    multiplier, decode, divisor = _scales(amax, fmt, per_tensor_scale)
-    # torchao multiplies by the nvfp4 reciprocal but divides by the MX power of two (the
-    # same value either way for a power of two, but kept as it is written).
-    scaled = blocks * multiplier if fmt == "nvfp4" else blocks / divisor
-    return Fp4Cast(blocks, amax, scaled, round_e2m1(scaled, stochastic), multiplier, decode)
+    return lab.cast(x, _operand(x, fmt, two_d, stochastic), per_tensor=per_tensor_scale)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, *, two_d: bool = False, stochastic: bool = False,
@@ -239,67 +156,19 @@ def block_scales(x: torch.Tensor, fmt: str, *, two_d: bool = False,
     scale (what the rounded elements are multiplied back by); mxfp4: the power
     of two (floored at ``2**-126``, as torchao divides). For scale-range
     statistics."""
-    if fmt == "mxfp4" and per_tensor_scale is not None:
-        raise ValueError("mxfp4 has no per-tensor scale; per_tensor_scale is for nvfp4 only.")
-    blocks = _blocks(_rows(x, fmt, two_d), BLOCK[fmt], two_d)
-    _, _, divisor = _scales(blocks.abs().amax(dim=(1, 3), keepdim=True), fmt, per_tensor_scale)
-    return divisor.reshape(divisor.shape[0], divisor.shape[2])
+    c = quantize_blocks(x, fmt, two_d=two_d, per_tensor_scale=per_tensor_scale)
+    d = c.decode if fmt == "nvfp4" else 1.0 / c.multiplier
+    return d.reshape(d.shape[0], d.shape[2])
 
 
-# ------------------------------------------------------------------ Hadamard
-def hadamard_matrix(n: int = 16) -> torch.Tensor:
-    """The ``n x n`` Hadamard matrix of Sylvester's construction (``n`` a power
-    of two; entry ``(i, j)`` is ``(-1)**popcount(i & j)``, the order torchao's
-    table uses), divided by ``sqrt(n)``: orthonormal and symmetric, fp32."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"a Sylvester Hadamard matrix needs a power of two; got n={n}.")
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
+# The Hadamard transform lives with the lab's casts; these names stay for their callers.
+hadamard_matrix = lab.hadamard_matrix
+fixed_signs = lab.fixed_signs
 
 
 def random_signs(n: int, generator: torch.Generator) -> torch.Tensor:
     """``n`` independent fair +-1 signs (fp32) drawn from ``generator``, on its device."""
-    return torch.randint(0, 2, (n,), generator=generator, device=generator.device).float() * 2 - 1
-
-
-@functools.lru_cache(maxsize=None)
-def fixed_signs(device: torch.device, n: int = 16) -> torch.Tensor:
-    """The one Hadamard sign vector mptrain uses everywhere (the 4-bit layers'
-    weight-gradient transform and the ``nvfp4_rht`` cast statistics): drawn
-    from a private generator seeded 0, so it is the same for every layer, rank
-    and run and draws nothing from the run's generators; made once per device,
-    never written to."""
-    return random_signs(n, torch.Generator().manual_seed(0)).to(device)
-
-
-def _rht_matrix(signs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``diag(signs) @ H`` in fp32 on ``x``'s device, after checking that ``x``'s
-    last dimension splits into blocks of ``len(signs)``."""
-    n = signs.numel()
-    if x.dim() == 0 or x.shape[-1] % n:
-        raise ValueError(f"a random Hadamard transform in blocks of {n} needs a last dimension that is a "
-                         f"multiple of {n}; got shape {tuple(x.shape)}.")
-    return signs.to(device=x.device, dtype=torch.float32).reshape(-1, 1) * _hadamard_on(n, x.device)
-
-
-@functools.lru_cache(maxsize=None)
-def _hadamard_on(n: int, device: torch.device) -> torch.Tensor:
-    """:func:`hadamard_matrix` on ``device``, built and copied there once (never
-    written to: every caller multiplies it into a new tensor)."""
-    return hadamard_matrix(n).to(device)
-
-
-def _blockwise(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Each block of ``len(m)`` of ``x``'s last dimension times ``m``, in fp32
-    whatever autocast says: called inside a bf16 autocast region (a layer's
-    forward, or the cast statistics in a forward hook), the matmul would
-    otherwise run in bf16 and round the transform. A small matmul, 4x faster
-    here than the fast Walsh-Hadamard transform's stages in eager ops."""
-    n = m.shape[0]
-    with torch.autocast(x.device.type, enabled=False):
-        return (x.float().reshape(*x.shape[:-1], -1, n) @ m).reshape(x.shape)
+    return lab.random_signs(n, generator)
 
 
 def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
@@ -309,10 +178,10 @@ def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     Orthogonal: ``rht_inverse(rht(x)) == x`` to fp32 rounding, and for two
     matrices whose contraction dimension is the last one,
     ``rht(a) @ rht(b).T == a @ b.T`` to rounding."""
-    return _blockwise(x, _rht_matrix(signs, x))
+    return lab.blockwise(x, lab.transform_matrix(signs, x))
 
 
 def rht_inverse(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`rht`: each block multiplied by the transpose,
     ``H.T @ diag(signs)``, as fp32 of ``y``'s shape."""
-    return _blockwise(y, _rht_matrix(signs, y).T)
+    return lab.blockwise(y, lab.transform_matrix(signs, y).T)

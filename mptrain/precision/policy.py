@@ -45,9 +45,9 @@ import torch.nn as nn
 from mptrain.config.schema import DType, ScaleMode
 from mptrain.core.errors import ConfigError
 from mptrain.model.families import NORMS
-from mptrain.precision import fp4, fp8mx
+from mptrain.precision import fp8mx
 from mptrain.precision.formats import dtype_name
-from mptrain.precision.fp4train import Fp4Linears
+from mptrain.precision.labtrain import LabLinears, fp4_recipe, lab_recipe
 from mptrain.precision.fp8delayed import DelayedFloat8Linear, update_histories
 from mptrain.precision.selection import LinearRules, check_blocks_left, excluded_because
 from mptrain.precision.support import (
@@ -353,8 +353,14 @@ class PrecisionPolicy:
         # Float8 linears, or nothing: the model is converted and stepped through
         # the same two calls either way.
         self.fp8 = Fp8Linears(pcfg.fp8, fsdp2, device) if self.fp8_enabled else None
-        self.fp4 = Fp4Linears(pcfg.fp4) if pcfg.fp4.enabled else None
-        # The run's low-precision linears, float8 or 4-bit (never both: config checks),
+        # The lab's linears: precision=nvfp4 and mxfp4 (named lab recipes, precision.fp4's
+        # switches applied) or precision=lab (any recipe). One implementation of the emulation.
+        self.fp4: Optional[LabLinears] = None
+        if pcfg.fp4.enabled:
+            self.fp4 = LabLinears(pcfg.fp4, fp4_recipe(pcfg.fp4), "precision.fp4")
+        elif pcfg.lab.enabled:
+            self.fp4 = LabLinears(pcfg.lab, lab_recipe(pcfg.lab), "precision.lab")
+        # The run's low-precision linears, float8 or the lab's (never both: config checks),
         # for what treats them alike: conversion, the banner's report, the cast statistics.
         self.lowp = self.fp8 or self.fp4
         self.device = device
@@ -478,6 +484,7 @@ class PrecisionPolicy:
             "loss_scaling": self.loss_scaling_text(),
             **({"fp8_linears": f"{self.fp8.recipe}: forward {self._fp8_formats()}; matmul {self.fp8.matmul}"}
                if self.fp8 else {}),
-            **({"fp4_linears": f"{self.fp4.recipe}: forward E2M1, backward E2M1 (blocks of "
-                               f"{fp4.BLOCK[self.fp4.recipe]}); matmul {self.fp4.matmul}"} if self.fp4 else {}),
+            **({"fp4_linears": f"{self.fp4.recipe}: forward {k.elements(True)}, backward {k.elements(False)} "
+                               f"({'; '.join(f'{r} {s}' for r, s in k.specs.items())}); matmul {self.fp4.matmul}"
+                for k in [self.fp4.kind]} if self.fp4 else {}),
         }

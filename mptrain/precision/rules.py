@@ -11,6 +11,7 @@ from mptrain.config import checks
 from mptrain.core.errors import ConfigError
 from mptrain.model.families import family_of, family_spec, ffn_hidden
 from mptrain.precision.fp8casts import RECIPES
+from mptrain.precision.labtrain import lab_recipe, shape_problem
 from mptrain.precision.optimizers import choose
 
 
@@ -25,6 +26,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         raise ConfigError(f"monitor.fp8_whatif has unknown recipe(s) {', '.join(map(str, unknown))}; "
                           f"choose from {', '.join(RECIPES)}, or [] for none.")
     _lowp_hidden(cfg)
+    _lab_shapes(cfg, world_size)
     choose(cfg)  # optimizer combinations that cannot run
 
 
@@ -48,3 +50,26 @@ def _lowp_hidden(cfg: Any) -> None:
                           f"model.ffn_multiple_of={m.ffn_multiple_of}) is not a multiple of {multiple} "
                           f"({what}): its gate, up and down projections could not run in low precision; set "
                           f"model.ffn_hidden to a multiple of {multiple} or model.ffn_multiple_of={multiple}.")
+
+
+def _lab_shapes(cfg: Any, world_size: int) -> None:
+    """``precision=lab``: every operand spec parsed and the recipe's own rules
+    (``labtrain.build_recipe``), then its blocks against the matmuls the model
+    makes: the width (attention and MLP inputs), the MLP's hidden width and the
+    tokens of a micro-batch (the weight gradient's contraction dimension). A
+    block that does not divide one is refused here, in one line, before any work."""
+    p, m = cfg.precision, cfg.model
+    if not p.lab.enabled:
+        return
+    recipe = lab_recipe(p.lab)
+    mbs, _ = checks.micro_steps(cfg, world_size)
+    tokens = mbs * int(m.block_size)
+    d = int(m.d_model)
+    hidden = ffn_hidden(m) if family_of(m) == "llama" else 4 * d
+    for what, n_in, n_out in (("the attention projections (model.d_model)", d, d),
+                              ("the MLP's first matmul (model.d_model -> hidden)", d, hidden),
+                              ("the MLP's last matmul (hidden -> model.d_model)", hidden, d)):
+        problem = shape_problem(recipe, what, n_in, n_out, tokens)
+        if problem:
+            raise ConfigError(f"precision.lab: {problem} (tokens per micro-batch: train.micro_batch_size x "
+                              f"model.block_size = {tokens}); choose a block that divides it, or change the shape.")

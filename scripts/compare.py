@@ -702,9 +702,10 @@ def fp8_casts(run: Run) -> Optional[dict]:
     "whatif": {recipe: {stat: v}}}}}}``): from summary.json when it has them, else
     from the last metrics row that does; None for a run without them."""
     prec = run.config.get("precision") or {}
-    fp4 = prec.get("fp4") or {}
-    # a 4-bit run's casts are measured by the same statistics, under its format's name
-    recipe = fp4.get("format") if fp4.get("enabled") else (prec.get("fp8") or {}).get("recipe")
+    fp4, lab = prec.get("fp4") or {}, prec.get("lab") or {}
+    # a 4-bit or lab run's casts are measured by the same statistics, under its format's or recipe's name
+    recipe = (fp4.get("format") if fp4.get("enabled") else lab.get("recipe") if lab.get("enabled")
+              else (prec.get("fp8") or {}).get("recipe"))
     got = run.summary.get("fp8_casts")
     if isinstance(got, dict) and got.get("layers"):
         return {**got, "recipe": got.get("recipe") or recipe, "source": "summary.json"}

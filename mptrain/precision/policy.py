@@ -484,7 +484,7 @@ class PrecisionPolicy:
             "loss_scaling": self.loss_scaling_text(),
             **({"fp8_linears": f"{self.fp8.recipe}: forward {self._fp8_formats()}; matmul {self.fp8.matmul}"}
                if self.fp8 else {}),
-            **({"fp4_linears": f"{self.fp4.recipe}: forward {k.elements(True)}, backward {k.elements(False)} "
+            **({f"{self.fp4.key.rpartition('.')[2]}_linears": f"{self.fp4.recipe}: forward {k.elements(True)}, backward {k.elements(False)} "
                                f"({'; '.join(f'{r} {s}' for r, s in k.specs.items())}); matmul {self.fp4.matmul}"
                 for k in [self.fp4.kind]} if self.fp4 else {}),
         }

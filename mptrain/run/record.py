@@ -210,9 +210,11 @@ def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run
     lines += [f"    {k:<16} {v}" for k, v in dtypes.items()]
     if "gelu" in info:
         lines.append(f"  {info['gelu']}")
-    if "fp4" in info:
-        r = info["fp4"]
-        lines.append(f"  fp4: {len(r['converted'])} linears converted ({r['forward']}; {r['backward']})")
+    for key in ("fp4", "lab"):
+        if key not in info:
+            continue
+        r = info[key]
+        lines.append(f"  {key}: {len(r['converted'])} linears converted ({r['recipe']}: {r['forward']}; {r['backward']})")
         lines.append(f"    matmul {r['matmul']} ({r['matmul_why']})")
         lines += [f"    kept high precision: {n} ({why})" for n, why in r["excluded"].items()]
     if "fp8" in info:

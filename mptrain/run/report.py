@@ -102,7 +102,7 @@ class RunFacts:
     lowp: Optional[dict]
     """The float8 (or 4-bit) linears' report, None without them."""
     lowp_key: str
-    """run_info's and summary.json's key for :attr:`lowp`: ``fp8`` or ``fp4``."""
+    """run_info's and summary.json's key for :attr:`lowp`: ``fp8``, ``fp4`` or ``lab``."""
     flops_tok: float
     peak: Optional[float]
     """The device's peak FLOP/s for MFU, None where unknown."""
@@ -138,7 +138,8 @@ def describe(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, data: R
         "compile": built.compile_blocks, "activation_checkpointing": tc.activation_checkpointing.value,
         "fused_adamw": any(g.get("fused") for g in built.optimizer.param_groups),
         "optimizer": choice.describe()})
-    lowp_key = "fp4" if policy.fp4 else "fp8"
+    # fp4 for precision=nvfp4/mxfp4 (the key runs have always had), lab for precision=lab
+    lowp_key = policy.fp4.key.rpartition(".")[2] if policy.fp4 else "fp8"
     lowp = policy.lowp.report if policy.lowp else None
     if lowp is not None:
         # Weights FSDP2 will all-gather in float8 carry torchao's float8-cast tensor subclass.

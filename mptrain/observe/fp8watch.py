@@ -274,6 +274,16 @@ def kind_of(recipe: str) -> str:
     return "float8" if recipe in RECIPES or recipe in FLOAT8_RUNS else "lab"
 
 
+def _own_cells(f: dict) -> list[str]:
+    """flush, saturate, SQNR, amax and scale of the run's own cast; dashes for an
+    operand its recipe leaves unquantized (a lab recipe's ``none``: what-ifs only)."""
+    if "flush" not in f:
+        return ["unquantized", "-", "-", "-", "-"]
+    scale = (f"{f['scale_min']:.4g}" if f["scale_min"] == f["scale_max"]
+             else f"{f['scale_min']:.3g}..{f['scale_max']:.3g}")
+    return [_pct(f["flush"]), _pct(f["saturate"]), f"{f['sqnr_db']:.1f}", f"{f['amax']:.4g}", scale]
+
+
 def table(rep: dict) -> str:
     """The console table of :func:`report`: one row per layer and operand, the
     run's casts and the what-if recipe of the run's width (float8, 4-bit, or a
@@ -284,15 +294,12 @@ def table(rep: dict) -> str:
     width = _bits(recipe)
     for layer, ops in rep["layers"].items():
         for op, f in ops.items():
-            scale = (f"{f['scale_min']:.4g}" if f["scale_min"] == f["scale_max"]
-                     else f"{f['scale_min']:.3g}..{f['scale_max']:.3g}")
             # the best what-if of the run's own width: in a 4-bit run any float8 recipe wins by
             # its 4 more bits, which says nothing about the choice of 4-bit scales
             same = {k: v for k, v in (f.get("whatif") or {}).items() if width is None or _bits(k) == width}
             alt = max(same.items(), key=lambda kv: kv[1]["sqnr_db"], default=None)
             best = f"{alt[0]} ({alt[1]['sqnr_db']:.1f}, {_pct(alt[1]['flush'])})" if alt else ""
-            rows.append([layer, op, _pct(f["flush"]), _pct(f["saturate"]), f"{f['sqnr_db']:.1f}",
-                         f"{f['amax']:.4g}", scale, best])
+            rows.append([layer, op, *_own_cells(f), best])
     w = rep["worst"]
     return "\n".join([f"{kind_of(recipe)} casts at step {rep['step']} (recipe {recipe}):", *text_table(head, rows),
                       f"worst: flush {_pct(w.get('flush', 0))}, saturate {_pct(w.get('saturate', 0))}, "

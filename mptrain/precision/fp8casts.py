@@ -30,7 +30,21 @@ random numbers):
 - ``mxfp4``: blocks of 32 with power-of-two (E8M0) scales, the OCP rule.
 
 A last dimension that is not a multiple of the block is padded with zeros,
-as the float8 blocks are.
+as the float8 blocks are. The 4-bit recipes are the format lab's casts
+(:data:`FP4_SPECS`, through :func:`lab_counts`).
+
+Any named recipe of the format lab (:data:`LAB_RECIPES`, the names
+``precision.lab.recipe`` takes besides ``nvfp4`` and ``mxfp4``, which keep
+the meaning above) and a lab run's own recipe are measured through
+:func:`lab_counts`, the lab's own :func:`~mptrain.precision.lab.cast`: each
+operand with the spec of the matmul it enters first, laid out with its
+contraction dimension last as it arrives (:data:`STAT_ROLES`: the input with
+``fwd_input``'s spec, the weight with ``fwd_weight``'s, the output gradient
+with ``dgrad_grad_output``'s). Not modelled: the input gradient's transposed
+weight (``dgrad_weight``) and the weight gradient's operands (``wgrad_*``),
+blocked along the tokens. Rounding is to nearest, a Hadamard transform uses
+the fixed sign vector, and rows or columns a block does not divide are
+padded with zeros.
 
 :func:`cast_counts` returns, for one tensor and one recipe, the sums a
 statistic needs, so that shards can be added up (and amaxes maxed) before
@@ -40,7 +54,8 @@ anything is read back. :func:`summarize` turns them into figures:
 - ``saturate``: the share that the clamp to the format's largest value
   changed (beyond rounding to it: the numerics monitor's overflow threshold;
   for E2M1, a scaled magnitude of 7 or more, ``fp4.E2M1_FIRST_OVERFLOW``: up
-  to 7 a value would round to 6 without the clamp);
+  to 7 a value would round to 6 without the clamp; any lab element's is
+  :func:`first_overflow`);
 - ``sqnr_db``: the signal-to-quantization-noise ratio of the round trip
   (x cast, then divided by its scale), in dB;
 - ``scale_min`` / ``scale_max``: the smallest and largest scale used: the

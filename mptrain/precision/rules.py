@@ -10,7 +10,7 @@ from typing import Any
 from mptrain.config import checks
 from mptrain.core.errors import ConfigError
 from mptrain.model.families import family_of, family_spec, ffn_hidden
-from mptrain.precision.fp8casts import LAB_RECIPES, RECIPES, WHATIFS
+from mptrain.precision.fp8casts import LAB_RECIPES, RECIPES, STAT_ROLES, WHATIFS, lab_operand
 from mptrain.precision.labtrain import lab_recipe, shape_problem
 from mptrain.precision.optimizers import choose
 
@@ -26,6 +26,12 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         raise ConfigError(f"monitor.fp8_whatif has unknown recipe(s) {', '.join(map(str, unknown))}; choose "
                           f"from the statistics' {', '.join(RECIPES)} or the lab's named recipes "
                           f"{', '.join(LAB_RECIPES)}, or [] for none.")
+    for r in cfg.monitor.fp8_whatif:
+        try:
+            if r in LAB_RECIPES:
+                [lab_operand(r, op) for op in STAT_ROLES]
+        except ValueError as e:  # a named recipe whose spec the lab cannot cast: refused here, not mid-run
+            raise ConfigError(f"monitor.fp8_whatif: the lab recipe {r} cannot be measured ({e}); leave it out.") from None
     _lowp_hidden(cfg)
     _lab_shapes(cfg, world_size)
     choose(cfg)  # optimizer combinations that cannot run

@@ -2,7 +2,9 @@
 
     python -m mptrain.advise [train.py's overrides...] [--steps N] [--budget-gib G] [--world W]
                              [--target cpu|v100|a100|a10g|l4|l40s|h100|h100-pcie|h200|b200] [--confirm K]
+                             [--lab RECIPE,RECIPE,...]
     python -m mptrain.advise model=gpt-mini --target h100 --budget-gib 40
+    python -m mptrain.advise model=gpt-mini --lab nvfp4,nvfp4_4over6,mxfp6_e2m3,mxfp6_e3m2
     torchrun --standalone --nproc_per_node=2 -m mptrain.advise parallel=fsdp --world 2
 
 Prints its plan and a time estimate, runs a short probe of the model and data
@@ -28,7 +30,13 @@ recommendation is the baseline's configuration, the comparison measures
 only run-to-run noise, and it says so) and bytes per parameter. A SIGTERM
 or Ctrl-C stops the whole command: one line says what it stopped, nothing is
 claimed, exit code 0; the same command run again continues in that
-directory. The rules and their thresholds: docs/advise.md.
+directory. ``--lab``: named recipes of the format lab (docs/formats.md:
+mxfp8, nvfp4, nvfp4_4over6, mxfp6_e2m3, ...) the probe measures as what-ifs
+beside the float8 candidates; the answer ranks them by the noise their casts
+add to each linear and prints the best as a command line
+(``precision=lab precision.lab.recipe=...``). Lab recipes are emulated: the
+ranking is about numerics, not speed, and ``--confirm`` does not train them.
+The rules and their thresholds: docs/advise.md.
 """
 from __future__ import annotations
 
@@ -44,7 +52,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from mptrain.advice.answer import confirm_verdict, console_lines, override_line, write
+from mptrain.advice.answer import confirm_verdict, console_lines, lab_line, override_line, write
 from mptrain.advice.probe import (
     GPU_TARGETS,
     MIN_STEPS,
@@ -71,6 +79,7 @@ from mptrain.data.tokenizers import ByteTokenizer
 from mptrain.model.families import adopt_init_from
 from mptrain.observe.memory import micro_batch_of
 from mptrain.observe.perf import device_key, flops_per_token, predict_pace
+from mptrain.precision import labtrain
 from mptrain.precision.rules import validate
 from mptrain.precision.support import verdicts
 from mptrain.run.startup import Agreement, Startup
@@ -87,9 +96,21 @@ class Args:
     target: Optional[str] = None
     confirm: int = 0
     overrides: tuple[str, ...] = ()
+    lab: tuple[str, ...] = ()
 
 
-_FLAGS = {"--steps": int, "--budget-gib": float, "--world": int, "--target": str, "--confirm": int}
+_FLAGS = {"--steps": int, "--budget-gib": float, "--world": int, "--target": str, "--confirm": int,
+          "--lab": str}
+
+
+def lab_names(value: str) -> tuple[str, ...]:
+    """``--lab``'s comma-separated named lab recipes, or ConfigError naming the unknown ones."""
+    names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+    unknown = [n for n in names if n not in labtrain.NAMED]
+    if unknown or not names:
+        raise ConfigError(f"--lab {value!r}: {', '.join(unknown) or 'no name'} is not a named lab recipe; give "
+                          f"one or more of {', '.join(labtrain.NAMED)}, separated by commas.")
+    return names
 
 
 def parse_args(argv: list[str]) -> Args:
@@ -114,7 +135,7 @@ def parse_args(argv: list[str]) -> Args:
             raise ConfigError(f"{name} needs a positive {'number' if _FLAGS[name] is float else 'whole number'} "
                               f"(got {value!r}); e.g. python -m mptrain.advise model=gpt-mini {name} "
                               f"{'cpu' if name == '--target' else 8}.") from None
-        got[name[2:].replace("-", "_")] = v
+        got[name[2:].replace("-", "_")] = lab_names(v) if name == "--lab" else v
     world = got.pop("world", int(os.environ.get("WORLD_SIZE", "1")))
     return Args(world=world, overrides=tuple(rest), **got)
 
@@ -301,8 +322,8 @@ class Advisor:
         per_step = pace.fp32_seconds_per_token * cfg.train.global_batch_size * cfg.model.block_size / a.world
         self.say(f"advise: model={cfg.model.name} on {a.world} rank(s), target {self.target_name}; "
                  f"probe {a.steps} steps (monitored every {every_for(a.steps)}), float8 tensorwise linears with "
-                 f"the rowwise and MX block casts as what-ifs" + (f"; then --confirm: 2 runs of {a.confirm} steps"
-                                                                 if a.confirm else ""))
+                 f"the rowwise and MX block casts" + (f" and the lab's {', '.join(a.lab)}" if a.lab else "")
+                 + " as what-ifs" + (f"; then --confirm: 2 runs of {a.confirm} steps" if a.confirm else ""))
         self.say(f"advise: estimated probe time: its matmuls alone ~{duration(per_step * a.steps)} here "
                  "(measured fp32 speed at this model's shape); monitored steps, data and casts come on top")
 
@@ -333,14 +354,14 @@ class Advisor:
                      self.cfg.model.d_model, 4 * self.cfg.model.d_model)
             target = target_for(self.target_name, self.device, shape)
             (run_dir / "target.json").write_text(json.dumps(target_to_json(target)))
-        cfg = compose_checked(probe_overrides(self.overrides, self.args.steps, self.device.type))
+        cfg = compose_checked(probe_overrides(self.overrides, self.args.steps, self.device.type, self.args.lab))
         summary = self._train(cfg, probe_dir)
         self.stage = "after the probe"
         self.probe_s = time.monotonic() - started
         self.target = target_from_json(json.loads((run_dir / "target.json").read_text()))
         vocab = int(OmegaConf.load(probe_dir / "config.yaml").run_info.vocab_size)
         self.options = state_options(self.candidates, self.args.world, vocab)  # with the tokenizer's real vocab
-        self.facts = read_facts(probe_dir, self.cfg, self.args.world, self.options)
+        self.facts = read_facts(probe_dir, self.cfg, self.args.world, self.options, self.args.lab)
         self.say(f"advise: probe done in {duration(self.probe_s)} ({summary['steps']} steps, "
                  f"{self.facts.monitored_steps} monitored; {probe_dir})")
 
@@ -396,6 +417,8 @@ class Advisor:
             self.say(line)
         self.say("")
         self.say(f"advise: to train it: python train.py {override_line(advice)}")
+        if advice.lab is not None and advice.lab.overrides:
+            self.say(f"advise: to try the best lab candidate (emulated): python train.py {lab_line(self.overrides, advice)}")
         header = {"model": str(self.cfg.model.name), "overrides": self.overrides, "world": self.args.world,
                   "budget_gib": self.args.budget_gib,
                   "probe": f"{self.facts.steps} steps, {self.facts.monitored_steps} monitored, "

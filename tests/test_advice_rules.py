@@ -730,3 +730,32 @@ def test_advise_override_line_parses_as_hydra_overrides():
     parsed = {o.key_or_group: o.value() for o in parser.parse_overrides(advise(f, H100).overrides)}
     assert parsed["precision"] == "fp8"
     assert parsed["precision.fp8.exclude"] == [HEAD, QKV]
+
+
+# ------------------------------------------------------------------ lab candidates
+
+
+def _with_lab(figures: dict[str, dict[str, Cast]], order: tuple[str, ...]) -> Facts:
+    """The healthy facts with per-linear lab figures ({linear: {recipe: Cast}}) and ``--lab`` ``order``."""
+    f = facts(lab_candidates=order)
+    lins = tuple(dataclasses.replace(lin, lab=figures.get(lin.name, {})) for lin in f.linears)
+    return dataclasses.replace(f, linears=lins)
+
+
+def test_lab_candidates_rank_by_flops_weighted_worst_sqnr():
+    """QKV, FC and PROJ carry a quarter of the FLOPs each: A scores (30 + 30 + 12) / 3 =
+    24 dB, B 20 dB everywhere; A ranks first although one linear falls below 20 dB, and
+    the evidence gives each one's figures; the head (kept out) is not counted."""
+    a = {QKV: Cast(0.001, 0.0, 30.0, "input"), FC: Cast(0.001, 0.0, 30.0, "input"),
+         PROJ: Cast(0.02, 0.001, 12.0, "grad_output")}
+    figs = {name: {"B": Cast(0.0, 0.0, 20.0, "weight"), "A": a[name]} for name in a}
+    figs[HEAD] = {"A": Cast(0.9, 0.9, -10.0, "input")}
+    d = advise(_with_lab(figs, ("B", "A")), H100).lab
+    assert d.choice == "A" and d.overrides == ["precision=lab", "precision.lab.recipe=A"]
+    assert "A: 24.0 dB (flush <= 2.00%, saturate <= 0.100%, 50% of the step's FLOPs within the float8 " \
+           "thresholds); B: 20.0 dB (flush <= 0.00%, saturate <= 0.000%, 75% of the step's FLOPs" in d.evidence
+    # equal scores keep the order given; a candidate without figures is named, not ranked
+    same = {name: {"B": Cast(0.0, 0.0, 20.0), "A": Cast(0.0, 0.0, 20.0)} for name in a}
+    d = advise(_with_lab(same, ("B", "A", "C")), H100).lab
+    assert d.choice == "B" and "not measured: C" in d.evidence
+    assert advise(facts(), H100).lab is None and "lab" not in {x.topic for x in advise(facts(), H100).decisions()}

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from omegaconf import OmegaConf
 
 from mptrain.advice.answer import confirm_verdict
 from mptrain.advice.probe import GPU_TARGETS, MIN_STEPS
@@ -31,6 +32,7 @@ from mptrain.advice.rules import Thresholds, speed_words
 from mptrain.advise import main as advise_main
 from mptrain.model.families import build as build_family
 from mptrain.observe.memory import estimate
+from mptrain.precision.rules import validate
 from mptrain.precision.support import verdicts
 
 from .conftest import ROOT, TINY, make_cfg
@@ -58,7 +60,8 @@ def planted(tmp_path_factory):
     fp32_moments = estimate(make_cfg("precision=bf16"), vocab).total / 2**30
     budget = fp32_moments * 0.99  # too small for fp32 moments by 1%: bf16 moments (-4 bytes/param) fit
     code = _advise(f"debug.outlier_module={PLANTED}", "debug.loss_multiplier=1e-6", "--target", "h100",
-                   "--steps", STEPS, "--budget-gib", f"{budget:.9f}", f"hydra.run.dir={run_dir}")
+                   "--steps", STEPS, "--budget-gib", f"{budget:.9f}", "--lab", "nvfp4_4over6,mxfp6_e2m3",
+                   f"hydra.run.dir={run_dir}")
     assert code == 0
     return run_dir, _json(run_dir), vocab
 
@@ -123,6 +126,24 @@ def test_the_answer_is_a_table_markdown_json_and_an_experiment_config(planted, t
     assert cfg.precision.name == "bf16" and cfg.optim.state_dtype.value == "bf16"
 
 
+def test_lab_candidates_are_measured_ranked_and_given_as_a_command_line(planted):
+    """--lab: the probe measured each named lab recipe as a what-if on every converted
+    linear; the answer ranks six bits above four by the noise they add, and the best
+    is a precision=lab command line that the config checks accept."""
+    run_dir, doc, _ = planted
+    probe = OmegaConf.load(run_dir / "probe" / "config.yaml")
+    assert {"nvfp4_4over6", "mxfp6_e2m3"} <= set(probe.monitor.fp8_whatif)
+    row = next(json.loads(x) for x in (run_dir / "probe" / "metrics.jsonl").read_text().splitlines()
+               if "fp8.block0.mlp.fc/input/mxfp6_e2m3/sqnr_db" in x)
+    assert row["fp8.block0.mlp.fc/input/mxfp6_e2m3/sqnr_db"] > row["fp8.block0.mlp.fc/input/nvfp4_4over6/sqnr_db"]
+    lab = _decision(doc, "lab")
+    assert lab["choice"] == "mxfp6_e2m3" and lab["evidence"].index("mxfp6_e2m3:") < lab["evidence"].index("nvfp4_4over6:")
+    assert lab["overrides"] == ["precision=lab", "precision.lab.recipe=mxfp6_e2m3"]
+    assert "lab" not in doc["override_line"]  # the lab is a study beside the advice, not part of it
+    assert "precision=lab precision.lab.recipe=mxfp6_e2m3" in (run_dir / "advice.md").read_text()
+    validate(make_cfg(*lab["overrides"]))
+
+
 @pytest.mark.parametrize("args,said", [
     (["--target", "tpu"], "--target tpu is not a known target; choose one of cpu, " + ", ".join(GPU_TARGETS)),
     (["--steps", "5"], f"--steps 5 is too few to measure"),
@@ -130,6 +151,7 @@ def test_the_answer_is_a_table_markdown_json_and_an_experiment_config(planted, t
     (["--budget-gib", "lots"], "--budget-gib needs a positive number (got 'lots')"),
     (["--world", "3"], "world size"),
     (["--frobnicate"], "unknown flag --frobnicate"),
+    (["--lab", "mxfp6,nvfp4"], "--lab 'mxfp6,nvfp4': mxfp6 is not a named lab recipe; give one or more of fp8_"),
     (["train.max_stepz=3"], "train.max_stepz"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_work(args, said, tmp_path, capsys):

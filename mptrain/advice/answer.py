@@ -69,6 +69,14 @@ def override_line(advice: Advice) -> str:
     return " ".join(advice.overrides)
 
 
+def lab_line(user: list[str], advice: Advice) -> str:
+    """The command line of the best ``--lab`` candidate: the user's own overrides
+    (their precision choices dropped) and the lab recipe on top."""
+    keep = [o for o in user if not o.split("=", 1)[0].lstrip("+~").startswith("precision")
+            and not o.startswith("hydra.")]
+    return " ".join([*keep, *(advice.lab.overrides if advice.lab else [])])
+
+
 def experiment_yaml(overrides: list[str], note: str = "") -> str:
     """The overrides as a config file to compose with ``experiment=<name>``
     (``# @package _global_``): a group choice (``precision=fp16``) becomes a
@@ -103,6 +111,9 @@ def markdown(advice: Advice, target: Target, header: dict) -> str:
               *float8_table(advice), "```", "", "## To train it", "", "```",
               f"python train.py {override_line(advice)} <your other overrides>", "```", "",
               "or copy `advice.yaml` to `mptrain/configs/experiment/<name>.yaml` and pass `experiment=<name>`.", ""]
+    if advice.lab is not None and advice.lab.overrides:
+        lines += ["## The best lab candidate (--lab; emulated)", "", advice.lab.evidence, "", "```",
+                  f"python train.py {lab_line(header.get('overrides', []), advice)}", "```", ""]
     if header.get("confirm"):
         lines += ["## Checked on this model (--confirm)", "", *header["confirm"], ""]
     return "\n".join(lines)

@@ -90,14 +90,19 @@ def every_for(steps: int) -> int:
     return max(2, steps // 6)
 
 
-def probe_overrides(overrides: list[str], steps: int, device: str) -> list[str]:
+def probe_overrides(overrides: list[str], steps: int, device: str, lab: tuple[str, ...] = ()) -> list[str]:
+    """The probe's command line: the user's overrides, float8 tensorwise linears,
+    every monitor, and the other float8 candidates and ``lab`` (named lab
+    recipes, ``--lab``) as the cast statistics' what-ifs."""
     compute = "bf16" if device == "cuda" else "fp32"
     every = every_for(steps)
+    whatif = [WHATIF_OF[r] for r in FP8_CANDIDATES if r != "tensorwise"]
+    whatif += [r for r in lab if r not in whatif]
     return [*user_part(overrides), "precision=fp8", f"precision.compute_dtype={compute}",
             f"precision.param_dtype={compute}", f"train.max_steps={steps}", "train.eval_every=0",
             f"train.log_every={every}", "monitor.enabled=true", f"monitor.every={every}", "monitor.stability=true",
             "monitor.fp8_casts=true", "monitor.histogram=true", "monitor.activations=true",
-            f"monitor.fp8_whatif=[{','.join(WHATIF_OF[r] for r in FP8_CANDIDATES if r != 'tensorwise')}]",
+            f"monitor.fp8_whatif=[{','.join(whatif)}]",
             # auto: a rerun of an interrupted advise continues from the checkpoint the signal saved
             "checkpoint.at_end=false", "checkpoint.every=0", "resume.source=auto", "train.sample_tokens=0"]
 
@@ -242,8 +247,10 @@ def _by_group(rows: list[dict], prefix: str) -> dict[str, list[float]]:
     return out
 
 
-def read_facts(run_dir: Path, cfg, world: int, options: dict[str, tuple[StateOption, ...]]) -> Facts:
-    """The probe's run directory as :class:`Facts` (``cfg``: the user's composed config)."""
+def read_facts(run_dir: Path, cfg, world: int, options: dict[str, tuple[StateOption, ...]],
+               lab: tuple[str, ...] = ()) -> Facts:
+    """The probe's run directory as :class:`Facts` (``cfg``: the user's composed
+    config; ``lab``: the named lab recipes it measured as what-ifs)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [r for r in read_rows(run_dir) if "numerics/grad_log2_hist" in r]
     if len(rows) < 3:
@@ -274,8 +281,9 @@ def read_facts(run_dir: Path, cfg, world: int, options: dict[str, tuple[StateOpt
                 if c is not None:
                     casts[recipe] = c
         kept = excluded.get(name) if name not in fp8.get("converted", []) else None
+        labs = {r: c for r in lab if (c := _worst(rows, layer_name(name), r)) is not None}
         linears.append(LinearFacts(name, fin, fout, 6.0 * fin * fout / flops_tok, casts,
-                                   kept or (None if casts else "not converted by the probe")))
+                                   kept or (None if casts else "not converted by the probe"), labs))
     blocks = {g: max(v) for g, v in _by_group(rows, "stability/act_max_over_rms/").items() if g.startswith("block")}
     # Adam's second moment is young in a probe's first steps (g^2 > 10 v-hat is common
     # until it has seen a few dozen gradients): the median over the probe's second half.
@@ -290,7 +298,8 @@ def read_facts(run_dir: Path, cfg, world: int, options: dict[str, tuple[StateOpt
                  output_logit_max=_series(rows, "stability/output_logit_max"),
                  g2_over_v=adam,
                  act_max_over_rms=blocks, state_options=options,
-                 loss_scale_init_log2=int(round(math.log2(ls.init_scale))), growth_interval=int(ls.growth_interval))
+                 loss_scale_init_log2=int(round(math.log2(ls.init_scale))), growth_interval=int(ls.growth_interval),
+                 lab_candidates=tuple(lab))
 
 
 def finished_summary(run_dir: Path, max_steps: int) -> Optional[dict]:

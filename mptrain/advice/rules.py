@@ -132,6 +132,8 @@ class LinearFacts:
     kept_out: Optional[str] = None
     """Why the configuration's own rules keep it out of float8 (name, size,
     position), or None when the probe converted it."""
+    lab: dict[str, Cast] = field(default_factory=dict)
+    """Per lab candidate (``--lab``, :attr:`Facts.lab_candidates`), its worst operand."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,8 @@ class Facts:
     the advice prefers them (most faithful first)."""
     loss_scale_init_log2: int = 16
     growth_interval: int = 2000
+    lab_candidates: tuple[str, ...] = ()
+    """The named lab recipes the probe measured as what-ifs (``--lab``), in the order given."""
 
 
 @dataclass
@@ -211,9 +215,12 @@ class Advice:
     expected: dict[str, float]
     """The figures the choice promises: ``fp8_flops_share``, ``fp8_speedup``,
     ``fp16_skip_rate``, ``fp16_init_scale``, ``gib_per_rank``, ``bytes_per_param``."""
+    lab: Optional[Decision] = None
+    """The lab candidates ranked (``--lab``), the best as its own command line; not
+    part of :attr:`overrides`: lab recipes are emulated, a study, not a speed-up."""
 
     def decisions(self) -> list[Decision]:
-        return [self.precision, self.fp16, self.float8, self.state, *self.risks]
+        return [self.precision, self.fp16, self.float8, self.state, *([self.lab] if self.lab else []), *self.risks]
 
     def to_json(self) -> dict:
         return {"decisions": [asdict(d) for d in self.decisions()], "overrides": self.overrides,
@@ -294,6 +301,40 @@ def float8_plan(facts: Facts, target: Target, th: Thresholds) -> tuple[Decision,
                         f"SQNR >= {th.fp8_sqnr_db:g} dB per operand")
     decision.overrides = _exclude_overrides(facts, failing)
     return decision, layers, recipe, share, gain
+
+
+def lab_plan(facts: Facts, th: Thresholds) -> Optional[Decision]:
+    """The ``--lab`` candidates ranked by the SQNR of each converted linear's worst
+    operand, averaged with the linears' FLOPs shares as weights (the noise each
+    format adds where the step's work is), highest first, ties in the order
+    given; each with its worst flush and saturation and the FLOPs share within
+    the float8 thresholds (reported, not required: 4-bit formats keep 10-20 dB,
+    below float8's 20). None without candidates."""
+    if not facts.lab_candidates:
+        return None
+    lins = [lin for lin in facts.linears if lin.kept_out is None and lin.lab]
+    figs: dict[str, tuple[float, float, float, float]] = {}
+    for r in facts.lab_candidates:
+        got = [(lin.flops_share, lin.lab[r]) for lin in lins if r in lin.lab]
+        weight = sum(w for w, _ in got)
+        if got and weight > 0:
+            figs[r] = (sum(w * c.sqnr_db for w, c in got) / weight, max(c.flush for _, c in got),
+                       max(c.saturate for _, c in got), sum(w for w, c in got if passes(c, th)))
+    missing = [r for r in facts.lab_candidates if r not in figs]
+    if not figs:
+        return Decision("lab", "none measured", f"the probe logged no figures for {', '.join(missing)}",
+                        "highest FLOPs-weighted worst-operand SQNR")
+    ranked = sorted(figs, key=lambda r: (-figs[r][0], facts.lab_candidates.index(r)))
+    parts = [f"{r}: {figs[r][0]:.1f} dB (flush <= {figs[r][1]:.2%}, saturate <= {figs[r][2]:.3%}, "
+             f"{figs[r][3]:.0%} of the step's FLOPs within the float8 thresholds)" for r in ranked]
+    evidence = "ranked over the converted linears: " + "; ".join(parts)
+    if missing:
+        evidence += f"; not measured: {', '.join(missing)}"
+    evidence += "; lab recipes are emulated (fp32 products): a study of the format, no speed-up on any device here"
+    best = ranked[0]
+    return Decision("lab", best, evidence, "highest FLOPs-weighted SQNR of each linear's worst operand; flush, "
+                    "saturate and the float8 thresholds reported, not applied",
+                    ["precision=lab", f"precision.lab.recipe={best}"])
 
 
 def _exclude_overrides(facts: Facts, failing: list[LinearFacts]) -> list[str]:
@@ -505,4 +546,4 @@ def advise(facts: Facts, target: Target, budget_gib: Optional[float] = None,
                 "fp16_init_scale": 2.0 ** init}
     if opt is not None:
         expected.update(gib_per_rank=opt.gib_per_rank, bytes_per_param=opt.bytes_per_param)
-    return Advice(prec, f16, f8, state, risks(facts, th), overrides, layers, expected)
+    return Advice(prec, f16, f8, state, risks(facts, th), overrides, layers, expected, lab_plan(facts, th))

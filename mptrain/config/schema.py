@@ -850,7 +850,13 @@ class MonitorConfig:
     scale), ``nvfp4_rht`` (the same after a random Hadamard transform of each
     block of 16 with a fixed sign vector, measured on the transformed tensor)
     and ``mxfp4`` (E2M1 in blocks of 32, power-of-two scales) cast to E2M1,
-    rounding to nearest (the monitor draws no random numbers). ``[]``: none."""
+    rounding to nearest (the monitor draws no random numbers). Any other name
+    of the format lab's named recipes (``precision.lab.recipe``: ``mxfp8``,
+    ``nvfp4_4over6``, ``mxfp6_e2m3``, ``mxfp6_e3m2``, ...) casts each operand
+    with its recipe's spec for the matmul it enters first (input:
+    ``fwd_input``, weight: ``fwd_weight``, output gradient:
+    ``dgrad_grad_output``), also rounding to nearest; ``nvfp4`` and ``mxfp4``
+    keep the meaning above. ``[]``: none."""
 
 
 @dataclass

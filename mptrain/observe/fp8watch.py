@@ -8,11 +8,23 @@ import torch
 import torch.nn as nn
 
 from mptrain.core.shards import local_shard
+from mptrain.config.schema import Fp8Recipe
 from mptrain.core.text import text_table
 from mptrain.model.names import canonical_name, layer_name
 from mptrain.observe.audit import observing
 from mptrain.observe.comm import uncounted
-from mptrain.precision.fp8casts import FORMATS, FP4_RECIPES, SUMS, cast_counts, element_format, summarize
+from mptrain.precision import labtrain
+from mptrain.precision.fp8casts import (
+    FORMATS,
+    FP4_RECIPES,
+    LAB_RECIPES,
+    RECIPES,
+    SUMS,
+    cast_counts,
+    element_format,
+    lab_operand,
+    summarize,
+)
 
 # ------------------------------------------------------------------ in a run
 OPERANDS = ("input", "weight", "grad_output")
@@ -23,6 +35,9 @@ STATS = ("flush", "saturate", "sqnr_db", "amax", "scale_min", "scale_max")
 
 WHATIF_STATS = ("flush", "saturate", "sqnr_db")
 
+
+FLOAT8_RUNS = tuple(r.value for r in Fp8Recipe)
+"""The recipe names a float8 run (``precision.fp8.recipe``) reports its casts under."""
 
 RUN = "run"  # the store tag of the run's own casts; what-ifs are tagged by their recipe
 
@@ -49,6 +64,24 @@ def _own_scale(mod: nn.Module, op: str, t: torch.Tensor) -> Optional[torch.Tenso
     """The scale ``mod`` casts ``t`` with when its recipe keeps scales as state
     (delayed scaling: ``scale_for``); None where the recipe's rule computes it."""
     return mod.scale_for(op, t) if hasattr(mod, "scale_for") else None
+
+
+def _measure(tag: str, recipe: str, op: str, run_format: str,
+             own: Optional[labtrain.LabRecipe]) -> Optional[tuple]:
+    """How ``op`` is measured for ``tag``: ``(recipe or lab operand, element
+    format)`` for :func:`cast_counts`, or None where that recipe leaves it
+    unquantized. The run's own casts: its lab recipe's operand where it has one,
+    else its rule in the run's format; a float8 or 4-bit what-if in
+    :func:`element_format`'s; a lab what-if as its recipe's operand spec says."""
+    if tag == RUN and own is not None:
+        o = lab_operand(own, op)
+        return None if o is None else (o, None)
+    if tag == RUN:
+        return None if run_format == labtrain.NONE else (recipe, run_format)
+    if recipe in LAB_RECIPES:
+        o = lab_operand(recipe, op)
+        return None if o is None else (o, None)
+    return recipe, element_format(recipe, run_format)
 
 
 class CastWatch:
@@ -86,13 +119,19 @@ class CastWatch:
     @classmethod
     def of_run(cls, fp8, model: nn.Module, whatif: list[str]) -> Optional["CastWatch"]:
         """The watch of a run's converted linears (``fp8``: the policy's
-        :class:`~mptrain.precision.policy.Fp8Linears`); None for a recipe the
+        :class:`~mptrain.precision.policy.Fp8Linears` or
+        :class:`~mptrain.precision.labtrain.LabLinears`, whose own casts are
+        measured with its recipe's operand specs); None for a recipe the
         statistics do not model (``cast_rules`` returns None)."""
         rules = fp8.cast_rules(whatif)
-        return None if rules is None else cls(model, fp8.report["converted"], *rules)
+        if rules is None:
+            return None
+        own = getattr(fp8, "kind", None)
+        return cls(model, fp8.report["converted"], *rules,
+                   own=own if isinstance(own, labtrain.LabRecipe) else None)
 
     def __init__(self, model: nn.Module, converted: list[str], recipe: str, formats: dict[str, str],
-                 whatif: list[str], mx_rounding: str = "rceil"):
+                 whatif: list[str], mx_rounding: str = "rceil", own: Optional[labtrain.LabRecipe] = None):
         wanted = {canonical_name(c) for c in converted}
         self.layers: dict[str, nn.Module] = {}
         for name, mod in model.named_modules():
@@ -104,6 +143,9 @@ class CastWatch:
         self.master = {k: m.weight for k, m in self.layers.items()}
         self.recipe, self.formats, self.mx_rounding = recipe, formats, mx_rounding
         self.tags = {RUN: recipe, **{r: r for r in whatif}}
+        self.error = own.error if own is not None else "mse"
+        self.casts = {(tag, op): _measure(tag, r, op, formats[op], own) for tag, r in self.tags.items()
+                      for op in OPERANDS}
         self.clear()
 
     def clear(self) -> None:
@@ -151,11 +193,13 @@ class CastWatch:
 
     def _add_counts(self, layer: str, op: str, t: torch.Tensor, own_scale: Optional[torch.Tensor]) -> None:
         t = t.detach().float()  # once here; cast_counts' own .float() is then free for every recipe
-        for tag, recipe in self.tags.items():
-            # The run's own casts in the run's format; a what-if in its recipe's (E2M1 for the
-            # 4-bit ones, whatever the run casts to; a float8 format for the float8 ones).
-            fmt = self.formats[op] if tag == RUN else element_format(recipe, self.formats[op])
-            sums, maxes = cast_counts(t, recipe, fmt, self.mx_rounding, own_scale if tag == RUN else None)
+        for tag in self.tags:
+            how = self.casts[(tag, op)]
+            if how is None:  # an operand this recipe leaves unquantized: nothing to measure
+                continue
+            recipe, fmt = how
+            scale = own_scale if tag == RUN and isinstance(recipe, str) else None
+            sums, maxes = cast_counts(t, recipe, fmt, self.mx_rounding, scale, self.error if tag == RUN else "mse")
             ks, km = f"fp8s/{layer}/{op}/{tag}", f"fp8m/{layer}/{op}/{tag}"
             self.sum_all[ks] = self.sum_all[ks] + sums
             self.max_all[km] = torch.maximum(self.max_all[km], maxes)
@@ -209,26 +253,54 @@ def _pct(v: float) -> str:
     return "0" if v == 0 else f"{100 * v:.3g}%"
 
 
+def _bits(recipe: str) -> Optional[int]:
+    """The widest element a recipe casts the measured operands to (8 for the float8
+    statistics, 4 for the 4-bit ones); None for a name the statistics do not
+    know (a lab run's ``custom`` recipe)."""
+    if recipe in FP4_RECIPES:
+        return 4
+    if recipe in LAB_RECIPES:
+        ops = [lab_operand(recipe, op) for op in OPERANDS]
+        return max(o.element.bits for o in ops if o is not None)
+    return 8 if recipe in RECIPES or recipe in FLOAT8_RUNS else None
+
+
+def kind_of(recipe: str) -> str:
+    """How the table names a run's casts: ``4-bit``, ``float8`` (a float8 preset's
+    recipe: ``mxfp8`` is also a lab name, for the same casts) or ``lab`` (any
+    other lab recipe, ``custom`` included)."""
+    if recipe in FP4_RECIPES:
+        return "4-bit"
+    return "float8" if recipe in RECIPES or recipe in FLOAT8_RUNS else "lab"
+
+
+def _own_cells(f: dict) -> list[str]:
+    """flush, saturate, SQNR, amax and scale of the run's own cast; dashes for an
+    operand its recipe leaves unquantized (a lab recipe's ``none``: what-ifs only)."""
+    if "flush" not in f:
+        return ["unquantized", "-", "-", "-", "-"]
+    scale = (f"{f['scale_min']:.4g}" if f["scale_min"] == f["scale_max"]
+             else f"{f['scale_min']:.3g}..{f['scale_max']:.3g}")
+    return [_pct(f["flush"]), _pct(f["saturate"]), f"{f['sqnr_db']:.1f}", f"{f['amax']:.4g}", scale]
+
+
 def table(rep: dict) -> str:
     """The console table of :func:`report`: one row per layer and operand, the
-    run's casts and the what-if recipe of the run's width (float8 or 4-bit)
-    with the best SQNR beside them."""
+    run's casts and the what-if recipe of the run's width (float8, 4-bit, or a
+    lab recipe's widest element) with the best SQNR beside them."""
     head = ["layer", "operand", "flush", "saturate", "SQNR dB", "amax", "scale", "best what-if (SQNR dB, flush)"]
     rows = []
-    four = rep["recipe"] in FP4_RECIPES
+    recipe = rep["recipe"]
+    width = _bits(recipe)
     for layer, ops in rep["layers"].items():
         for op, f in ops.items():
-            scale = (f"{f['scale_min']:.4g}" if f["scale_min"] == f["scale_max"]
-                     else f"{f['scale_min']:.3g}..{f['scale_max']:.3g}")
             # the best what-if of the run's own width: in a 4-bit run any float8 recipe wins by
             # its 4 more bits, which says nothing about the choice of 4-bit scales
-            same = {k: v for k, v in (f.get("whatif") or {}).items() if (k in FP4_RECIPES) == four}
+            same = {k: v for k, v in (f.get("whatif") or {}).items() if width is None or _bits(k) == width}
             alt = max(same.items(), key=lambda kv: kv[1]["sqnr_db"], default=None)
             best = f"{alt[0]} ({alt[1]['sqnr_db']:.1f}, {_pct(alt[1]['flush'])})" if alt else ""
-            rows.append([layer, op, _pct(f["flush"]), _pct(f["saturate"]), f"{f['sqnr_db']:.1f}",
-                         f"{f['amax']:.4g}", scale, best])
+            rows.append([layer, op, *_own_cells(f), best])
     w = rep["worst"]
-    kind = "4-bit" if four else "float8"
-    return "\n".join([f"{kind} casts at step {rep['step']} (recipe {rep['recipe']}):", *text_table(head, rows),
+    return "\n".join([f"{kind_of(recipe)} casts at step {rep['step']} (recipe {recipe}):", *text_table(head, rows),
                       f"worst: flush {_pct(w.get('flush', 0))}, saturate {_pct(w.get('saturate', 0))}, "
                       f"SQNR {w.get('sqnr_db', math.nan):.1f} dB"])

@@ -30,7 +30,21 @@ random numbers):
 - ``mxfp4``: blocks of 32 with power-of-two (E8M0) scales, the OCP rule.
 
 A last dimension that is not a multiple of the block is padded with zeros,
-as the float8 blocks are.
+as the float8 blocks are. The 4-bit recipes are the format lab's casts
+(:data:`FP4_SPECS`, through :func:`lab_counts`).
+
+Any named recipe of the format lab (:data:`LAB_RECIPES`, the names
+``precision.lab.recipe`` takes besides ``nvfp4`` and ``mxfp4``, which keep
+the meaning above) and a lab run's own recipe are measured through
+:func:`lab_counts`, the lab's own :func:`~mptrain.precision.lab.cast`: each
+operand with the spec of the matmul it enters first, laid out with its
+contraction dimension last as it arrives (:data:`STAT_ROLES`: the input with
+``fwd_input``'s spec, the weight with ``fwd_weight``'s, the output gradient
+with ``dgrad_grad_output``'s). Not modelled: the input gradient's transposed
+weight (``dgrad_weight``) and the weight gradient's operands (``wgrad_*``),
+blocked along the tokens. Rounding is to nearest, a Hadamard transform uses
+the fixed sign vector, and rows or columns a block does not divide are
+padded with zeros.
 
 :func:`cast_counts` returns, for one tensor and one recipe, the sums a
 statistic needs, so that shards can be added up (and amaxes maxed) before
@@ -40,7 +54,8 @@ anything is read back. :func:`summarize` turns them into figures:
 - ``saturate``: the share that the clamp to the format's largest value
   changed (beyond rounding to it: the numerics monitor's overflow threshold;
   for E2M1, a scaled magnitude of 7 or more, ``fp4.E2M1_FIRST_OVERFLOW``: up
-  to 7 a value would round to 6 without the clamp);
+  to 7 a value would round to 6 without the clamp; any lab element's is
+  :func:`first_overflow`);
 - ``sqnr_db``: the signal-to-quantization-noise ratio of the round trip
   (x cast, then divided by its scale), in dB;
 - ``scale_min`` / ``scale_max``: the smallest and largest scale used: the
@@ -57,11 +72,14 @@ from the same tensors.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Optional, Union
 
 import torch
 
-from mptrain.precision import fp4
+from mptrain.precision import fp4, lab, labtrain
+from mptrain.precision.elements import Element
 from mptrain.precision.formats import thresholds
 from mptrain.precision.fp8delayed import EPS, scale_from_amax  # noqa: F401  EPS: the amax floor of every recipe here
 
@@ -126,8 +144,9 @@ def element_format(recipe: str, run_format: str) -> str:
     return run_format if run_format in FORMATS else "e4m3"
 
 
-def cast_counts(t: torch.Tensor, recipe: str, fmt: str | None = None, mx_rounding: str = "rceil",
-                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def cast_counts(t: torch.Tensor, recipe: Union[str, lab.Operand], fmt: str | None = None,
+                mx_rounding: str = "rceil", scale: torch.Tensor | None = None,
+                error: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
     """``(sums, maxima)`` of casting ``t`` to ``fmt`` with ``recipe``'s scales
     (fp64 ``SUMS`` and fp32 ``MAXES``, see the module docstring). The last
     dimension is the row; leading dimensions are flattened into rows.
@@ -135,7 +154,16 @@ def cast_counts(t: torch.Tensor, recipe: str, fmt: str | None = None, mx_roundin
     ``e2m1`` (the default) for the 4-bit ones; any other pairing raises
     ValueError. ``scale``: use these scales instead of computing them from
     ``t`` (shaped as the groups: one per group), as a recipe with stale scales
-    would (float8 recipes only)."""
+    would (float8 recipes only). ``recipe`` may be a lab operand
+    (:func:`lab_operand`): then :func:`lab_counts` (``fmt`` None or its element)."""
+    if isinstance(recipe, lab.Operand):
+        if fmt not in (None, recipe.element.name) or scale is not None:
+            raise ValueError(f"lab operand {recipe.spec} casts to {recipe.element.name} with its own scales; "
+                             f"got fmt={fmt!r} and {'a' if scale is not None else 'no'} given scale.")
+        return lab_counts(t, recipe, error)
+    if recipe in LAB_RECIPES:
+        raise ValueError(f"recipe {recipe} is a lab recipe with a spec per operand: measure each operand "
+                         "with lab_operand(recipe, operand).")
     x = t.detach().float()
     x = x.reshape(1, -1) if x.dim() < 2 else x.reshape(-1, x.shape[-1])
     if recipe in FP4_RECIPES:
@@ -185,30 +213,84 @@ RHT_SIGNS = fp4.fixed_signs(torch.device("cpu"))
 """The one sign vector of every ``nvfp4_rht`` statistic (``fp4.fixed_signs``: a private
 seed-0 generator, nothing drawn from the run's, the same on every step and rank)."""
 
+FP4_SPECS = {"nvfp4": "e2m1/1x16/e4m3/nearest", "nvfp4_rht": "e2m1/1x16/e4m3/nearest/hadamard",
+             "mxfp4": "e2m1/1x32/ue8m0/nearest"}
+"""The 4-bit statistics' casts as lab operand specs, the same for every operand (the
+weight too: in blocks of 16 along a row, not NVFP4 training's 16 x 16 tiles)."""
+LAB_RECIPES = tuple(n for n in labtrain.NAMED if n not in RECIPES)
+"""The named lab recipes the statistics take besides :data:`RECIPES` (``nvfp4`` and
+``mxfp4`` are both: they keep the meaning above, which for their input and output
+gradient is the lab recipe's cast with nearest rounding)."""
+WHATIFS = RECIPES + LAB_RECIPES
+STAT_ROLES = {"input": "fwd_input", "weight": "fwd_weight", "grad_output": "dgrad_grad_output"}
+"""The lab role whose spec casts each measured operand: each arrives with its
+contraction dimension last for that matmul (input and weight for the forward, the
+output gradient for the input gradient's)."""
+
+
+def first_overflow(el: Element) -> float:
+    """The smallest magnitude that rounding ``el`` to nearest would carry past its
+    largest value if the clamp did not stop it: the midpoint between ``max`` and
+    the next value the grid would have, ``max + spacing``; a tie there rounds up
+    when ``max``'s code is odd, else only values above it do (the next fp32 up).
+    E2M1: 7 (:data:`fp4.E2M1_FIRST_OVERFLOW`); E4M3: 464.00003; int8: 127.5."""
+    step = 1.0 if el.convention == "int" else 2.0 ** (el.emax - el.mantissa)
+    mid = el.max + step / 2
+    if int(el.max / step) % 2:
+        return mid
+    return torch.nextafter(torch.tensor(mid), torch.tensor(math.inf)).item()
+
+
+def lab_operand(recipe: Union[str, labtrain.LabRecipe], operand: str) -> Optional[lab.Operand]:
+    """The lab cast that measures ``operand`` (input, weight, grad_output) for
+    ``recipe`` (a name of :data:`LAB_RECIPES`, or a run's own recipe), rounding
+    to nearest; None where the recipe leaves that operand unquantized."""
+    specs = labtrain.NAMED[recipe] if isinstance(recipe, str) else recipe.specs
+    spec = specs[STAT_ROLES[operand]]
+    if spec == labtrain.NONE:
+        return None
+    return lab.parse(spec.replace("/stochastic", "/nearest"))
+
+
+def lab_counts(t: torch.Tensor, op: lab.Operand, error: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cast_counts` of one lab operand cast (:func:`mptrain.precision.lab.cast`,
+    the training casts' own code). ``t``'s last dimension is the contraction
+    dimension; leading ones are flattened into rows. Rounding is to nearest
+    whatever ``op`` says (a statistic draws nothing from the run's generators), and
+    a Hadamard transform uses the fixed sign vector (``hadamard-plain``: none).
+    Rows and columns that do not divide the block are padded with zeros (no amax,
+    no element). Measured on the transformed tensor (see :func:`_fp4_counts`).
+    ``error``: 4over6's measure."""
+    if op.stochastic:
+        op = dataclasses.replace(op, rounding="nearest")
+    x = t.detach().float()
+    x = x.reshape(1, -1) if x.dim() < 2 else x.reshape(-1, x.shape[-1])
+    pad_c, pad_r = (-x.shape[1]) % op.contraction_multiple(), (-x.shape[0]) % op.row_multiple()
+    if pad_c or pad_r:
+        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
+    signs = None if op.transform in ("", "hadamard-plain") else lab.fixed_signs(x.device)
+    c = lab.cast(x, op, signs=signs, error=error)
+    # The error is exact in fp32 (Sterbenz): a value not flushed comes back within a
+    # factor of 2 of itself; a clamped one from at most 2x the largest value.
+    err = c.blocks - c.q * c.decode
+    amax, mult = torch.broadcast_tensors(c.amax, c.multiplier)
+    clamped = c.scaled.abs() >= first_overflow(op.element)
+    return _stack(c.blocks, c.blocks != 0, c.q == 0, clamped, err, amax, mult)
+
 
 def _fp4_counts(x: torch.Tensor, recipe: str, fmt: str | None,
                 scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`cast_counts` of a 4-bit recipe, for ``x`` fp32 ``(rows, cols)``."""
+    """:func:`cast_counts` of a 4-bit recipe, for ``x`` fp32 ``(rows, cols)``: the lab
+    cast of :data:`FP4_SPECS`. ``nvfp4_rht`` is measured on the transformed tensor,
+    not transformed back: the format holds the transformed values (their flush and
+    saturation are the cast's), the matmul contracts them as they are
+    (rht(a) @ rht(b).T = a @ b.T), and the transform is orthogonal, so the noise
+    energy, hence the SQNR, is the same either side."""
     if fmt not in (None, FP4_FORMAT):
         raise ValueError(f"recipe {recipe} casts to {FP4_FORMAT}, not {fmt!r}.")
     if scale is not None:
         raise ValueError(f"recipe {recipe}: given (stale) scales are modelled for the float8 recipes only.")
-    name = "mxfp4" if recipe == "mxfp4" else "nvfp4"
-    if x.shape[1] % fp4.BLOCK[name]:
-        x = torch.nn.functional.pad(x, (0, (-x.shape[1]) % fp4.BLOCK[name]))  # zeros: no amax, no element
-    if recipe == "nvfp4_rht":
-        # Measured on the transformed tensor, not transformed back: the format holds the
-        # transformed values (their flush and saturation are the cast's), the matmul
-        # contracts them as they are (rht(a) @ rht(b).T = a @ b.T), and the transform is
-        # orthogonal, so the noise energy, hence the SQNR, is the same either side.
-        x = fp4.rht(x, fp4.fixed_signs(x.device))
-    c = fp4.quantize_blocks(x, name)
-    # The error is exact in fp32 (Sterbenz): a value not flushed comes back within a
-    # factor of 2 of itself (at worst 0.26 -> 0.5 at the bottom, 7.9 -> 6 clamped at the top).
-    err = c.blocks - c.q * c.decode
-    # Saturated: would have rounded past 6 without the clamp (scaled magnitude >= 7).
-    clamped = c.scaled.abs() >= fp4.E2M1_FIRST_OVERFLOW
-    return _stack(c.blocks, c.blocks != 0, c.q == 0, clamped, err, c.amax, c.multiplier)
+    return lab_counts(x, lab.parse(FP4_SPECS[recipe]))
 
 
 def summarize(sums: torch.Tensor, maxes: torch.Tensor) -> dict[str, float]:

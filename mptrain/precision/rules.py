@@ -1,7 +1,7 @@
 """The config rules that need the model and precision layers' knowledge, on top
 of the schema's own (:func:`mptrain.config.checks.validate`): what the model
 family can take (its spec's ``check``), which optimizer a combination of keys
-can run, and which float8 recipes the cast statistics know.
+can run, and which recipes the cast statistics know (float8, 4-bit, the lab's named ones).
 A run checks them all at start-up, before anything is built."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from mptrain.config import checks
 from mptrain.core.errors import ConfigError
 from mptrain.model.families import family_of, family_spec, ffn_hidden
-from mptrain.precision.fp8casts import RECIPES
+from mptrain.precision.fp8casts import LAB_RECIPES, RECIPES, STAT_ROLES, WHATIFS, lab_operand
 from mptrain.precision.labtrain import lab_recipe, shape_problem
 from mptrain.precision.optimizers import choose
 
@@ -21,10 +21,17 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     checks.validate(cfg, world_size)
     # The model family's own rules (model.init_from's config.json among them: read before any data is prepared)
     family_spec(cfg.model).check(cfg.model)
-    unknown = [r for r in cfg.monitor.fp8_whatif if r not in RECIPES]
+    unknown = [r for r in cfg.monitor.fp8_whatif if r not in WHATIFS]
     if unknown:
-        raise ConfigError(f"monitor.fp8_whatif has unknown recipe(s) {', '.join(map(str, unknown))}; "
-                          f"choose from {', '.join(RECIPES)}, or [] for none.")
+        raise ConfigError(f"monitor.fp8_whatif has unknown recipe(s) {', '.join(map(str, unknown))}; choose "
+                          f"from the statistics' {', '.join(RECIPES)} or the lab's named recipes "
+                          f"{', '.join(LAB_RECIPES)}, or [] for none.")
+    for r in cfg.monitor.fp8_whatif:
+        try:
+            if r in LAB_RECIPES:
+                [lab_operand(r, op) for op in STAT_ROLES]
+        except ValueError as e:  # a named recipe whose spec the lab cannot cast: refused here, not mid-run
+            raise ConfigError(f"monitor.fp8_whatif: the lab recipe {r} cannot be measured ({e}); leave it out.") from None
     _lowp_hidden(cfg)
     _lab_shapes(cfg, world_size)
     choose(cfg)  # optimizer combinations that cannot run

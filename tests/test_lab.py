@@ -65,16 +65,16 @@ def finfo(dtype):
     return torch.finfo(dtype) if isinstance(dtype, torch.dtype) else ml_dtypes.finfo(dtype)
 
 
-def probes(el, seed: int) -> torch.Tensor:
+def probes(el, seed: int, n: int = 20000) -> torch.Tensor:
     """Each value, every midpoint between neighbours (the ties), the fp32 numbers just
-    above and below each midpoint, and 20000 random magnitudes from a quarter of the
+    above and below each midpoint, and ``n`` random magnitudes from a quarter of the
     smallest subnormal to 1.5 x max (log-uniform), all with both signs."""
     v = torch.tensor(el.values(), dtype=torch.float64)
     mid = ((v[1:] + v[:-1]) / 2).float()
     up, down = torch.full_like(mid, math.inf), torch.full_like(mid, -math.inf)
     g = torch.Generator().manual_seed(seed)
     lo, hi = math.log(el.min_subnormal / 4), math.log(el.max * 1.5)
-    rand = torch.exp(lo + (hi - lo) * torch.rand(20000, generator=g, dtype=torch.float64)).float()
+    rand = torch.exp(lo + (hi - lo) * torch.rand(n, generator=g, dtype=torch.float64)).float()
     a = torch.cat([v.float(), mid, torch.nextafter(mid, up), torch.nextafter(mid, down), rand])
     return torch.cat([a, -a])
 
@@ -112,7 +112,7 @@ def test_rounding_to_nearest_is_the_librarys_cast(ref):
     # without the clamp, the difference is only where the library overflows
     raw = library_round(x, dtype)
     differ = bits(el.round(x)) != bits(raw)
-    assert bool((x[differ].abs() > el.max).all()) and bool((~torch.isfinite(raw[differ])).all() or el.name == "e4m3")
+    assert bool((x[differ].abs() > el.max).all()) and bool((~torch.isfinite(raw[differ])).all())
 
 
 @pytest.mark.parametrize("name", ["e4m3", "e3m2", "e2m1", "e5m2", "int4", "e1m6"])
@@ -184,7 +184,7 @@ def test_rounding_without_a_library_is_the_nearest_value_ties_to_even(name):
     going to the even code; codes of non-negative values rise with the value, so the
     even code is the even index of the sorted values (for integers, the even integer)."""
     el = element(name)
-    x = probes(el, 11)
+    x = probes(el, 11, n=3000)  # every tie and its neighbours, and fewer random ones: a dense search
     grid = torch.tensor(el.values(), dtype=torch.float64)
     a = x.double().abs().clamp(max=el.max)
     dist = (a[:, None] - grid[None, :]).abs()

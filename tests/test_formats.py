@@ -13,8 +13,6 @@ from mptrain.precision import formats
 from mptrain.precision.elements import all_formats, element
 from mptrain.precision.labtrain import NAMED, NAMED_WHY, ROLES
 
-from .test_lab import REFERENCES
-
 # Independent facts about each format (IEEE 754 / OCP FP8 specs), to check the derivation against.
 LAYOUT = {  # name: (dtype, bits, exponent bits, mantissa bits, smallest normal, smallest subnormal)
     "fp32": (torch.float32, 32, 8, 23, 2.0 ** -126, 2.0 ** -149),
@@ -124,15 +122,6 @@ def test_cli_lists_every_lab_element_with_its_figures(capsys):
     assert rows["e4m3"][5] == "448" and rows["e2m1"][5] == "6" and rows["int8"][3:5] == ["-", "-"]
     # 256 codes less e4m3's two NaNs, the two zeros once: 253; E2M1's 16 codes: 15; symmetric int8: 255
     assert [rows[n][8] for n in ("e4m3", "e2m1", "int8", "e5m2")] == ["253", "15", "255", "247"]
-
-
-def test_library_types_named_are_the_ones_tests_compare():
-    """The table's claim "equals bit for bit" holds exactly where tests/test_lab.py checks it."""
-    named = {(lab_name, t.strip().split(" ")[0]) for lab_name, types in formats.LIBRARY_TYPES.items()
-             for t in types.split(",")}
-    compared = {(n, ("torch." if isinstance(d, torch.dtype) else "ml_dtypes.") + (str(d).replace("torch.", "")
-                     if isinstance(d, torch.dtype) else d.__name__)) for n, d in REFERENCES.values()}
-    assert named == compared
 
 
 def test_cli_recipes_and_default_and_bad_flag(capsys):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from mptrain.precision import lab, labtrain
+from mptrain.precision import formats, lab, labtrain
 from mptrain.precision.elements import all_formats, element
 
 float8 = pytest.importorskip("torchao.float8")
@@ -113,6 +113,16 @@ def test_rounding_to_nearest_is_the_librarys_cast(ref):
     raw = library_round(x, dtype)
     differ = bits(el.round(x)) != bits(raw)
     assert bool((x[differ].abs() > el.max).all()) and bool((~torch.isfinite(raw[differ])).all())
+
+
+def test_library_types_named_are_the_ones_tests_compare():
+    """``python -m mptrain.formats --lab``'s claim "equals bit for bit" is made exactly
+    where this file checks it."""
+    named = {(lab_name, t.strip().split(" ")[0]) for lab_name, types in formats.LIBRARY_TYPES.items()
+             for t in types.split(",")}
+    compared = {(n, ("torch." if isinstance(d, torch.dtype) else "ml_dtypes.") + (str(d).replace("torch.", "")
+                     if isinstance(d, torch.dtype) else d.__name__)) for n, d in REFERENCES.values()}
+    assert named == compared
 
 
 @pytest.mark.parametrize("name", ["e4m3", "e3m2", "e2m1", "e5m2", "int4", "e1m6"])

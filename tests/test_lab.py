@@ -65,7 +65,7 @@ def finfo(dtype):
     return torch.finfo(dtype) if isinstance(dtype, torch.dtype) else ml_dtypes.finfo(dtype)
 
 
-def probes(el, seed: int, n: int = 20000) -> torch.Tensor:
+def probes(el, seed: int, n: int = 6000) -> torch.Tensor:
     """Each value, every midpoint between neighbours (the ties), the fp32 numbers just
     above and below each midpoint, and ``n`` random magnitudes from a quarter of the
     smallest subnormal to 1.5 x max (log-uniform), all with both signs."""
@@ -134,7 +134,7 @@ def test_stochastic_rounding_is_unbiased_between_two_neighbours(name):
     frac = torch.rand(12, generator=g)
     x = v[i] + frac * (v[i + 1] - v[i])
     x = torch.cat([x, -x])
-    n = 20000
+    n = 5000
     torch.manual_seed(3)
     r = el.round(x.repeat(n, 1), stochastic=True)
     lo, hi = torch.cat([v[i], -v[i]]), torch.cat([v[i + 1], -v[i + 1]])
@@ -142,7 +142,7 @@ def test_stochastic_rounding_is_unbiased_between_two_neighbours(name):
     gap = (hi - lo).abs().double()
     p = ((x.double() - lo) / (hi - lo).double()).clamp(0, 1)
     stderr = gap * torch.sqrt(p * (1 - p) / n)
-    assert bool(((r.double().mean(0) - x.double()).abs() <= 4 * stderr + 1e-12).all())
+    assert bool(((r.double().mean(0) - x.double()).abs() <= 5 * stderr + 1e-12).all())
 
 
 # ------------------------------------------------------------------ formats without a library type
@@ -194,7 +194,7 @@ def test_rounding_without_a_library_is_the_nearest_value_ties_to_even(name):
     going to the even code; codes of non-negative values rise with the value, so the
     even code is the even index of the sorted values (for integers, the even integer)."""
     el = element(name)
-    x = probes(el, 11, n=3000)  # every tie and its neighbours, and fewer random ones: a dense search
+    x = probes(el, 11, n=1000)  # every tie and its neighbours, and fewer random ones: a dense search
     grid = torch.tensor(el.values(), dtype=torch.float64)
     a = x.double().abs().clamp(max=el.max)
     dist = (a[:, None] - grid[None, :]).abs()

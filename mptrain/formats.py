@@ -1,11 +1,26 @@
-"""``python -m mptrain.formats``: the facts of every format a mixed-precision run touches, as a table.
+"""``python -m mptrain.formats``: the facts of every format a mixed-precision run touches, as tables.
 
-    python -m mptrain.formats
+    python -m mptrain.formats              # both tables below
+    python -m mptrain.formats --torch      # only torch's formats
+    python -m mptrain.formats --lab        # only the format lab's element formats
+    python -m mptrain.formats --recipes    # the lab's named recipes, operand by operand
 
-One row per format (fp32, bf16, fp16, the float8 formats): bits, exponent and
-mantissa bits, largest value, smallest normal and subnormal, machine epsilon,
-and the dynamic range in binades, all read from ``torch.finfo``. Takes no
-arguments; ``--help`` prints this.
+The first table has one row per torch format a run computes or stores in
+(fp32, bf16, fp16, the float8 formats): bits, exponent and mantissa bits,
+largest value, smallest normal and subnormal, machine epsilon, and the dynamic
+range in binades, all read from ``torch.finfo``.
+
+The second lists every element format the format lab casts to (``precision=lab``,
+docs/formats.md): each sign + exponent + mantissa split of 4 to 8 bits in its
+default convention (ieee: the top exponent holds inf and NaN; fn: no inf, the
+all-ones code is NaN; fin: every code a number), plus ``e4m3ieee``, and int8 and
+int4: largest value, smallest normal and subnormal, how many distinct finite
+values a cast gives, and the torch or ml_dtypes type it equals bit for bit where
+one exists (tests/test_lab.py checks every code and every rounding).
+
+``--recipes`` prints each named recipe of ``precision.lab.recipe`` with what it
+is for and the operand spec of each of the six operands of a linear's three
+matmuls (forward, input gradient, weight gradient). The flags combine.
 """
 from __future__ import annotations
 
@@ -15,20 +30,42 @@ import torch
 
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import wants_help
-from mptrain.precision.formats import format_table
+from mptrain.precision.formats import format_table, lab_table
+from mptrain.precision.labtrain import NAMED, NAMED_WHY, ROLES
+
+FLAGS = ("--torch", "--lab", "--recipes")
+
+
+def recipes_text() -> str:
+    """Every named lab recipe: its name and purpose, then its six operand specs."""
+    width = max(len(r) for r in ROLES)
+    out = []
+    for name, specs in NAMED.items():
+        out.append(f"{name}: {NAMED_WHY[name]}")
+        out.extend(f"  {role.ljust(width)}  {specs[role]}" for role in ROLES)
+    return "\n".join(out)
 
 
 def main(argv: list[str]) -> int:
-    """``python -m mptrain.formats``: print the table (``--help``: the usage)."""
+    """``python -m mptrain.formats [--torch] [--lab] [--recipes]``: print the
+    tables asked for, both format tables without flags (``--help``: the usage)."""
     if wants_help(argv):
         print(__doc__.strip())
         return 0
-    if argv:
-        print(f"mptrain.formats: takes no arguments (got {' '.join(argv)}); run python -m mptrain.formats.",
-              file=sys.stderr)
+    bad = [a for a in argv if a not in FLAGS]
+    if bad:
+        print(f"mptrain.formats: unknown argument {' '.join(bad)}; it takes {', '.join(FLAGS)} or nothing "
+              "(python -m mptrain.formats --help).", file=sys.stderr)
         return 2
-    print(f"Floating-point formats (from torch.finfo, torch {torch.__version__})")
-    print(format_table())
+    want = set(argv) or {"--torch", "--lab"}
+    parts = []
+    if "--torch" in want:
+        parts.append(f"Floating-point formats (from torch.finfo, torch {torch.__version__})\n{format_table()}")
+    if "--lab" in want:
+        parts.append("The format lab's element formats (from their fields; docs/formats.md)\n" + lab_table())
+    if "--recipes" in want:
+        parts.append("The format lab's named recipes (precision.lab.recipe; docs/formats.md)\n" + recipes_text())
+    print("\n\n".join(parts))
     return 0
 
 

@@ -3,12 +3,15 @@ each format, and with what a real cast does at the bottom of the range."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 from mptrain import formats as formats_cli
 from mptrain.precision import formats
+from mptrain.precision.elements import all_formats, element
+from mptrain.precision.labtrain import NAMED, NAMED_WHY, ROLES
 
 # Independent facts about each format (IEEE 754 / OCP FP8 specs), to check the derivation against.
 LAYOUT = {  # name: (dtype, bits, exponent bits, mantissa bits, smallest normal, smallest subnormal)
@@ -78,9 +81,61 @@ def test_ulp_of_max():
 def test_cli_prints_all_five(capsys):
     # What ``python -m mptrain.formats`` prints is main()'s output; the launch itself is
     # run by tests/test_monitor.py::test_formats_cli, so here it is called in-process.
-    assert formats_cli.main([]) == 0
+    assert formats_cli.main(["--torch"]) == 0
     stdout = capsys.readouterr().out
     lines = stdout.splitlines()
     for name in LAYOUT:
         assert sum(line.split()[0] == name for line in lines if line.strip()) == 1, stdout
     assert "65504" in stdout and "448" in stdout and "2^-9" in stdout
+
+
+def _table_rows(text: str, first: str) -> dict[str, list[str]]:
+    """The rows of the table whose header starts with ``first``, by their first cell;
+    cells are parted by two or more spaces (a number and its ``(2^k)`` by one)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == [first])
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[0]] = cells
+    return rows
+
+
+def test_cli_lists_every_lab_element_with_its_figures(capsys):
+    """``--lab``: one row per element format the lab takes (and e4m3ieee), the figures
+    of elements.py and the library type named where tests/test_lab.py compares one."""
+    assert formats_cli.main(["--lab"]) == 0
+    out = capsys.readouterr().out
+    assert "float8_e4m3fn  " not in out.split("element")[0]  # the torch table is not printed
+    rows = _table_rows(out, "element")
+    names = [e.name for e in all_formats()] + ["e4m3ieee"]
+    assert sorted(rows) == sorted(names)
+    for name in names:
+        el, cells = element(name), rows[name]
+        assert len(cells) == 10, cells
+        assert cells[1:3] == [el.convention, str(el.bits)]
+        assert float(cells[5].split()[0]) == pytest.approx(el.max, rel=1e-5)
+        assert float(cells[7].split()[0]) == pytest.approx(el.min_subnormal, rel=1e-3)
+        assert cells[9] == formats.LIBRARY_TYPES.get(name, "-")
+    assert rows["e4m3"][5] == "448" and rows["e2m1"][5] == "6" and rows["int8"][3:5] == ["-", "-"]
+    # 256 codes less e4m3's two NaNs, the two zeros once: 253; E2M1's 16 codes: 15; symmetric int8: 255
+    assert [rows[n][8] for n in ("e4m3", "e2m1", "int8", "e5m2")] == ["253", "15", "255", "247"]
+
+
+def test_cli_recipes_and_default_and_bad_flag(capsys):
+    assert formats_cli.main(["--recipes"]) == 0
+    out = capsys.readouterr().out
+    for name, specs in NAMED.items():
+        block = out.split(f"\n{name}: ", 1)[1].splitlines()
+        assert block[0] == NAMED_WHY[name]
+        assert [line.split() for line in block[1:7]] == [[r, specs[r]] for r in ROLES]
+    assert formats_cli.main([]) == 0  # no flag: both format tables, no recipes
+    out = capsys.readouterr().out
+    assert "float8_e4m3fn" in out and "e3m4" in out and "fp8_tensorwise:" not in out
+    assert formats_cli.main(["--lab", "--bogus"]) == 2
+    assert "unknown argument --bogus" in capsys.readouterr().err
+    assert formats_cli.main(["--help"]) == 0
+    usage = capsys.readouterr().out
+    assert all(flag in usage for flag in formats_cli.FLAGS)

@@ -145,6 +145,11 @@ class Element:
             q = lo + s * (torch.rand_like(a) < (a - lo) / s)
         else:
             q = torch.round(a / s) * s
+            if self.mantissa == 0 and self.convention != "int":
+                # one value per binade, so a / s is 1 or 2 and its parity is not the code's:
+                # a tie (1.5 s) goes to the even exponent field, s's or 2 s's
+                field = ((s.view(torch.int32) >> 23) & 0xFF) - 127 + self.bias
+                q = torch.where(a == 1.5 * s, torch.where(field % 2 == 0, s, 2 * s), q)
         return torch.copysign(q, x)
 
     def describe(self) -> str:

@@ -6,7 +6,9 @@ from ``torch.finfo`` of the torch dtype, never typed in, so the table is
 whatever the installed torch says a cast does. ``mptrain.observe.numerics`` builds its
 underflow / subnormal / overflow thresholds from these facts.
 
-``python -m mptrain.formats`` prints the table.
+``python -m mptrain.formats`` prints the table, and after it the format lab's
+element formats (:func:`lab_table`: figures from their fields, in
+:mod:`mptrain.precision.elements`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from mptrain.precision.elements import Element, all_formats, element
 
 FORMATS: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -105,6 +109,17 @@ def _num(x: float, spec: str = ".4g") -> str:
     return f"{x:{spec}}"
 
 
+def _aligned(head: list[str], rows: list[list[str]], left: int, last_left: bool = False) -> str:
+    """``rows`` under ``head``: the first ``left`` columns (and the last, with
+    ``last_left``) left-aligned, numbers right-aligned so magnitudes line up."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left or (last_left and i == len(cells) - 1) else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+    return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
 def format_table() -> str:
     """The table as aligned text, one row per format."""
     head = ["format", "dtype", "bits", "exp", "mant", "max", "smallest normal",
@@ -112,12 +127,45 @@ def format_table() -> str:
     rows = [[f.name, str(f.dtype).replace("torch.", ""), str(f.bits), str(f.exponent_bits),
              str(f.mantissa_bits), _num(f.max, ".6g"), _num(f.smallest_normal), _num(f.smallest_subnormal),
              _num(f.eps), f"{f.dynamic_range_binades:.1f}"] for f in table()]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    # Names and dtypes left-aligned, numbers right-aligned so magnitudes line up.
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
-    return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+    return _aligned(head, rows, 2)
+
+
+# ----------------------------------------------------------------- the format lab's elements
+LIBRARY_TYPES: dict[str, str] = {
+    "e4m3": "torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn",
+    "e5m2": "torch.float8_e5m2, ml_dtypes.float8_e5m2",
+    "e3m4": "ml_dtypes.float8_e3m4",
+    "e4m3ieee": "ml_dtypes.float8_e4m3",
+    "e2m3": "ml_dtypes.float6_e2m3fn",
+    "e3m2": "ml_dtypes.float6_e3m2fn",
+    "e2m1": "ml_dtypes.float4_e2m1fn (torch.float4_e2m1fn_x2 packs two a byte)",
+}
+"""Lab element -> the library types it equals bit for bit, every code and every
+rounding: what tests/test_lab.py compares (its ``REFERENCES``; tests/test_formats.py
+checks that the two lists agree). torch's float4 has no CPU conversion in torch
+2.13, so E2M1 is compared with ml_dtypes' and with torchao's E2M1 kernels."""
+
+
+def finite_values(el: Element) -> int:
+    """How many distinct finite values a cast to ``el`` can give: each positive
+    value with both signs, and zero once (an integer's ``-2**(N-1)`` is never
+    produced: the lab's integer casts are symmetric)."""
+    return 2 * len(el.values()) - 1
+
+
+def lab_table() -> str:
+    """The format lab's element formats (:func:`~mptrain.precision.elements.all_formats`,
+    each in its default convention, and ``e4m3ieee``, the one other convention a
+    library has) as aligned text: fields, convention, range, how many values, and
+    the library type each equals."""
+    els = all_formats()
+    els.insert([e.name for e in els].index("e4m3") + 1, element("e4m3ieee"))
+    head = ["element", "conv", "bits", "exp", "mant", "max", "smallest normal", "smallest subnormal",
+            "finite values", "equals"]
+    rows = [[e.name, e.convention, str(e.bits), *((str(e.exponent), str(e.mantissa)) if e.exponent else "--"),
+             _num(e.max, ".6g"), _num(e.min_normal), _num(e.min_subnormal), str(finite_values(e)),
+             LIBRARY_TYPES.get(e.name, "-")] for e in els]
+    return _aligned(head, rows, 2, last_left=True)
 
 
 

@@ -133,7 +133,10 @@ def _scale(text: str, el: Element) -> Scale:
     signed = 0 if m.group(1) else 1
     if signed + e + mant > 8 or e < 2:
         raise SpecError(f"scale {text!r}: a float scale has 2 or more exponent bits and 8 bits at most.")
-    fmt = element(f"e{e}m{mant}fn") if (e, mant) in ((4, 3), (5, 3)) else element(f"e{e}m{mant}fin")
+    conv = "fn" if (e, mant) in ((4, 3), (5, 3)) else "fin"
+    # built from its fields: an unsigned scale's fields may fill all 8 bits (ue5m3), wider
+    # than element() takes for an element; only its range and rounding are used
+    fmt = Element(base, 1 + e + mant, e, mant, conv)
     if rule == "4over6" and el.name != "e2m1":
         raise SpecError(f"scale {text!r}: 4over6 chooses between mapping a block's maximum to 4 or to 6, "
                         f"values of e2m1 only, not of {el.name}.")
@@ -306,7 +309,10 @@ def fake_quantize(x: torch.Tensor, op: Operand, *, per_tensor: Optional[torch.Te
     scales) as fp32 of ``x``'s shape; with a transform, still in the transformed
     basis (the matmul contracts it there)."""
     c = cast(x, op, per_tensor=per_tensor, signs=signs, error=error)
-    return (c.q * c.decode).reshape(x.shape)
+    # an fp32 scale is divided out, as torchao's float8 dequantization does (data / scale);
+    # times its rounded reciprocal would differ in the last bit
+    back = c.q / c.multiplier if op.scale.kind == "fp32" else c.q * c.decode
+    return back.reshape(x.shape)
 
 
 # ------------------------------------------------------------------ Hadamard

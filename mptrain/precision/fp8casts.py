@@ -272,7 +272,7 @@ def lab_counts(t: torch.Tensor, op: lab.Operand, error: str = "mse") -> tuple[to
     c = lab.cast(x, op, signs=signs, error=error)
     # The error is exact in fp32 (Sterbenz): a value not flushed comes back within a
     # factor of 2 of itself; a clamped one from at most 2x the largest value.
-    err = c.blocks - c.q * c.decode
+    err = c.blocks - lab.round_trip(c, op)
     amax, mult = torch.broadcast_tensors(c.amax, c.multiplier)
     clamped = c.scaled.abs() >= first_overflow(op.element)
     return _stack(c.blocks, c.blocks != 0, c.q == 0, clamped, err, amax, mult)

@@ -309,10 +309,15 @@ def fake_quantize(x: torch.Tensor, op: Operand, *, per_tensor: Optional[torch.Te
     scales) as fp32 of ``x``'s shape; with a transform, still in the transformed
     basis (the matmul contracts it there)."""
     c = cast(x, op, per_tensor=per_tensor, signs=signs, error=error)
-    # an fp32 scale is divided out, as torchao's float8 dequantization does (data / scale);
-    # times its rounded reciprocal would differ in the last bit
-    back = c.q / c.multiplier if op.scale.kind == "fp32" else c.q * c.decode
-    return back.reshape(x.shape)
+    return round_trip(c, op).reshape(x.shape)
+
+
+def round_trip(c: LabCast, op: Operand) -> torch.Tensor:
+    """The element values of cast ``c`` brought back to the input's scale, in blocks:
+    what a matmul multiplies and what the cast statistics measure the error of."""
+    # An fp32 scale is divided out, as torchao's float8 dequantization does (data / scale);
+    # times its rounded reciprocal would differ in the last bit.
+    return c.q / c.multiplier if op.scale.kind == "fp32" else c.q * c.decode
 
 
 # ------------------------------------------------------------------ Hadamard

@@ -254,7 +254,7 @@ def test_float8_tensorwise_and_rowwise_equal_torchaos(spec, fp8, rowwise, kind, 
     assert torch.equal(bits(lab.fake_quantize(x, lab.parse(spec))), bits(t._data.float() / t._scale))
 
 
-@pytest.mark.parametrize("kind", KINDS[:-1])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("spec,elem,mode", [
     ("e4m3/1x32/ue8m0-rceil/nearest", torch.float8_e4m3fn, "RCEIL"),
     ("e4m3/1x32/ue8m0/nearest", torch.float8_e4m3fn, "FLOOR"),
@@ -272,16 +272,19 @@ def test_mx_casts_equal_torchaos(spec, elem, mode, kind):
     assert torch.equal(bits(lab.fake_quantize(x, lab.parse(spec))), bits(want))
 
 
-def test_rceil_floors_amax_at_1e_12_as_torchaos_float8_not_as_its_mx():
-    """The one rule ue8m0-rceil serves two torchao casts that part at the bottom: its
-    float8 rowwise scale floors amax at 1e-12 (checked equal above, tiny rows included)
-    and its MX RCEIL does not. A block of amax 1e-30 keeps its values in torchao's MXFP8
-    and flushes to zero in the lab's: a known difference (blocks of amax 1e-12 and above
-    agree bit for bit, "small" above), reported, not hidden."""
+def test_rceil_follows_torchaos_mx_rule_in_blocks_and_its_rowwise_rule_in_rows():
+    """ue8m0-rceil serves two torchao casts that part at the bottom: its float8 rowwise
+    scale floors amax at 1e-12 (checked equal above, tiny rows included) and its MX
+    RCEIL does not (fp32, E8M0's range, a multiplier of 1 at the biased exponent 0).
+    The lab follows each in its own blocks: a block of amax 1e-30 keeps its values in
+    MXFP8 as in torchao, bit for bit, and the same values as a row are flushed as torchao's
+    rowwise cast flushes them."""
     x = sample("tiny")
     ours = lab.fake_quantize(x, lab.parse("e4m3/1x32/ue8m0-rceil/nearest"))
     theirs = mx_tensor.MXTensor.to_mx(x, torch.float8_e4m3fn, 32, scaling_mode=mx_config.ScaleCalculationMode.RCEIL)
-    assert bool((ours == 0).all()) and bool((theirs.dequantize(torch.float32) != 0).any())
+    assert bool((ours != 0).any()) and torch.equal(ours, theirs.dequantize(torch.float32))
+    rows = lab.fake_quantize(x, lab.parse("e4m3/row/ue8m0-rceil/nearest"))
+    assert bool((rows == 0).all())
 
 
 # ------------------------------------------------------------------ specs

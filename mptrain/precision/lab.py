@@ -232,7 +232,15 @@ def _two_level(amax: torch.Tensor, op: Operand, per_tensor: Optional[torch.Tenso
 
 def _pow2(amax: torch.Tensor, op: Operand):
     """(multiplier, decode, divisor) of a power-of-two (E8M0) scale."""
-    if op.scale.rule == "rceil":  # the smallest power of two with amax * s <= max (fp64, as torchao)
+    if op.scale.rule == "rceil" and op.block[1] >= 2:
+        # Blocks (1xN, NxN): torchao's MX RCEIL, in fp32: 2**ceil(log2(amax / max)) clamped to
+        # E8M0's +-127, no amax floor; its quirk kept: a biased exponent of 0 (amax below
+        # about 2**-127 x max, zero included) multiplies by 1, not 2**127.
+        e = torch.ceil(torch.log2(amax / op.element.max)).clamp(min=-127, max=127)
+        mult = torch.where(e == -127, 1.0, torch.exp2(-e))
+        mult = torch.where(torch.isnan(amax), math.nan, mult)
+        return mult, 1.0 / mult, 1.0 / mult
+    if op.scale.rule == "rceil":  # tensor/row/column: torchao's rowwise float8 rule (fp64, amax floored)
         mult = torch.exp2(torch.floor(torch.log2(op.element.max / amax.double().clamp(min=EPS)))).float()
         return mult, 1.0 / mult, 1.0 / mult
     # OCP: 2**(exponent field of amax - emax), E8M0's range; torchao divides by it floored

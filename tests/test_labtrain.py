@@ -25,6 +25,7 @@ from mptrain.precision.labtrain import (NAMED, LabLinear, LabLinears, build_reci
                                         with_specs)
 from mptrain.precision.rules import validate
 
+from .aids import without_wall_clock
 from .conftest import make_cfg, run_cli, train
 
 FP32_REST = ["precision.compute_dtype=fp32", "precision.param_dtype=fp32"]  # fast on CPUs without native bf16
@@ -196,23 +197,31 @@ def test_float8_recipes_are_torchaos_emulated_linears(ours, theirs):
 
 
 # --- through the trainer ----------------------------------------------------------------
+SR = "e2m1/1x32/ue8m0/stochastic"
+LAB_MXFP4_SR = ["precision=lab", "precision.lab.recipe=mxfp4", f"precision.lab.dgrad_grad_output={SR}",
+                f"precision.lab.wgrad_grad_output={SR}"]
+"""precision=lab's mxfp4 with stochastic output gradients: precision=mxfp4
+precision.fp4.stochastic_rounding=true as lab keys."""
+RUN = [*FP32_REST, "train.max_steps=8", "monitor.enabled=false"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """precision=lab's nvfp4 and mxfp4 recipes and the 4-bit presets, the rest of the model in
-    fp32, 8 steps each, the lab's nvfp4 audited at step 1."""
+    """precision=lab's nvfp4 and mxfp4 (stochastic) recipes and the 4-bit presets, the rest
+    of the model in fp32, 8 steps each, the lab's nvfp4 audited at step 1."""
     out = {}
     for name, overrides in (("lab-nvfp4", ["precision=lab", "precision.lab.recipe=nvfp4", "train.audit=true"]),
                             ("nvfp4", ["precision=nvfp4"]),
-                            ("lab-mxfp4", ["precision=lab", "precision.lab.recipe=mxfp4"]),
-                            ("mxfp4", ["precision=mxfp4"])):
+                            ("lab-mxfp4", LAB_MXFP4_SR),
+                            ("mxfp4", ["precision=mxfp4", "precision.fp4.stochastic_rounding=true"])):
         run = tmp_path_factory.mktemp(name) / "run"
-        s, rows = train(run, *overrides, *FP32_REST, "train.max_steps=8", "monitor.enabled=false")
-        out[name] = (run, s, [r["train/loss"] for r in rows if "train/loss" in r])
+        s, rows = train(run, *overrides, *RUN)
+        out[name] = (run, s, [r["train/loss"] for r in rows if "train/loss" in r], rows)
     return out
 
 
 def test_a_lab_run_learns_and_says_every_operand(runs):
-    run, s, losses = runs["lab-nvfp4"]
+    run, s, losses, _ = runs["lab-nvfp4"]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.3
     key = "lab" if "lab" in s else "fp4"  # precision=lab's own key since 615e32c; fp4 before it
     r = s[key]
@@ -233,10 +242,12 @@ def test_a_lab_run_learns_and_says_every_operand(runs):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_the_4bit_presets_are_the_labs_named_recipes(runs, fmt):
-    """One implementation: precision=nvfp4 (mxfp4) and precision=lab with the named recipe
-    build the same recipe and train bit for bit alike, stochastic draws included."""
-    assert lab_recipe(make_cfg("precision=lab", f"precision.lab.recipe={fmt}").precision.lab).ops == \
-        fp4_recipe(make_cfg(f"precision={fmt}").precision.fp4).ops
+    """One implementation: precision=nvfp4 (mxfp4, its stochastic switch on) and precision=lab
+    with the named recipe (and the same specs) build the same recipe and train bit for bit
+    alike, stochastic draws included."""
+    lab_keys = ["precision=lab", "precision.lab.recipe=nvfp4"] if fmt == "nvfp4" else LAB_MXFP4_SR
+    preset = [f"precision={fmt}"] + ([] if fmt == "nvfp4" else ["precision.fp4.stochastic_rounding=true"])
+    assert lab_recipe(make_cfg(*lab_keys).precision.lab).ops == fp4_recipe(make_cfg(*preset).precision.fp4).ops
     lab_losses, preset_losses = runs[f"lab-{fmt}"][2], runs[fmt][2]
     assert lab_losses == preset_losses and len(set(lab_losses)) > 4
 
@@ -275,3 +286,14 @@ def test_a_bad_spec_exits_2_before_any_work(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().count("\n") == 0 and "precision.lab.fwd_weight" in r.stderr, r.stderr
     assert not run.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_resume_is_exact_with_a_stochastic_lab_recipe(runs, tmp_path):
+    """precision=lab's mxfp4 with stochastic output gradients, stopped at step 4 and
+    resumed, repeats the straight run (the fixture's) bit for bit: the draws come from
+    the default generator, which the checkpoint saves (test_fp4train.py shows for nvfp4
+    that other draws would change the losses)."""
+    train(tmp_path / "run", *LAB_MXFP4_SR, *RUN, "train.stop_after=4")
+    s, resumed = train(tmp_path / "run", *LAB_MXFP4_SR, *RUN)
+    assert s["resumed_from"].endswith("step-4")
+    assert without_wall_clock(resumed) == without_wall_clock(runs["lab-mxfp4"][3])

@@ -232,6 +232,12 @@ def _q(x: torch.Tensor, op: Optional[lab.Operand], r: LabRecipe, signs=None) -> 
     """``x`` (contraction last) as the matmul multiplies it: quantized and back, or as it is."""
     if op is None:
         return x.float()
+    if op.scale.kind == "fp32":
+        # torchao dequantizes a float8 tensor by dividing by its fp32 scale (its emulated matmul,
+        # to_original_precision); multiplying by the reciprocal can differ in the last bit, and
+        # precision=lab's fp8_tensorwise would then not train bit for bit as precision=fp8 emulated.
+        c = lab.cast(x, op, signs=signs, error=r.error)
+        return (c.q / c.multiplier).reshape(x.shape)
     return lab.fake_quantize(x, op, signs=signs, error=r.error)
 
 

@@ -164,6 +164,25 @@ def test_random_hadamard_shares_one_draw_per_matmul_and_plain_is_deterministic()
                        @ lab.fake_quantize(x.t().contiguous(), plain.op("wgrad_input"), signs=None).t())
 
 
+def test_random_hadamard_shares_one_draw_in_the_forward_and_input_gradient_matmuls_too():
+    """The same rule for the other two matmuls: with hadamard-random on both operands of the
+    forward and of the input-gradient matmul (E4M3, so the casts themselves err ~3%), the
+    output and the input gradient stay close to the exact products. Two independent draws
+    would scramble them (a relative error near 1.4)."""
+    spec = "e4m3/1x16/e4m3/nearest/hadamard-random"
+    r = build_recipe("custom", {"fwd_input": spec, "fwd_weight": spec, "dgrad_grad_output": spec,
+                                "dgrad_weight": spec, "wgrad_grad_output": "none", "wgrad_input": "none"})
+    torch.manual_seed(0)
+    layer = LabLinear.from_linear(nn.Linear(64, 32, bias=False), r)
+    x = torch.randn(32, 64, requires_grad=True)
+    g = torch.randn(32, 32)
+    y = layer(x)
+    y.backward(g)
+    w = layer.weight.detach()
+    for got, exact in ((y.detach(), x.detach() @ w.t()), (x.grad, g @ w)):
+        assert float((got - exact).norm() / exact.norm()) < 0.1
+
+
 @pytest.mark.parametrize("ours,theirs", [("fp8_tensorwise", "tensorwise"), ("fp8_rowwise", "rowwise")])
 def test_float8_recipes_are_torchaos_emulated_linears(ours, theirs):
     """The lab's float8 recipes against torchao's Float8Linear with its emulated matmul

@@ -232,13 +232,16 @@ def _q(x: torch.Tensor, op: Optional[lab.Operand], r: LabRecipe, signs=None) -> 
     """``x`` (contraction last) as the matmul multiplies it: quantized and back, or as it is."""
     if op is None:
         return x.float()
-    if op.scale.kind == "fp32":
-        # torchao dequantizes a float8 tensor by dividing by its fp32 scale (its emulated matmul,
-        # to_original_precision); multiplying by the reciprocal can differ in the last bit, and
-        # precision=lab's fp8_tensorwise would then not train bit for bit as precision=fp8 emulated.
-        c = lab.cast(x, op, signs=signs, error=r.error)
-        return (c.q / c.multiplier).reshape(x.shape)
+    # lab.round_trip divides fp32 scales out as torchao's float8 dequantization does, so
+    # precision=lab's fp8_tensorwise trains bit for bit as precision=fp8 matmul=emulated.
     return lab.fake_quantize(x, op, signs=signs, error=r.error)
+
+
+def _signs(r: LabRecipe, gemm: str, device) -> Optional[torch.Tensor]:
+    """The sign vector of one matmul's transform, drawn once for both its operands
+    (``hadamard-random`` draws anew at every call), or None without a transform."""
+    op = r.op(GEMMS[gemm][0])
+    return lab.transform_signs(op, device) if op is not None and op.transform else None
 
 
 def _square(op: Optional[lab.Operand]) -> bool:
@@ -255,7 +258,8 @@ class _LabMatmul(torch.autograd.Function):
         ctx.r, ctx.has_bias = r, bias is not None
         ctx.save_for_backward(x, w)
         with torch.autocast(x.device.type, enabled=False):  # the products are fp32's, not autocast's
-            y = _q(x, r.op("fwd_input"), r) @ _q(w, r.op("fwd_weight"), r).t()
+            s = _signs(r, "forward", x.device)
+            y = _q(x, r.op("fwd_input"), r, s) @ _q(w, r.op("fwd_weight"), r, s).t()
             if bias is not None:
                 y = y + bias.float()
         return y.to(x.dtype)
@@ -267,13 +271,12 @@ class _LabMatmul(torch.autograd.Function):
         r = ctx.r
         with torch.autocast(gy.device.type, enabled=False):
             g = gy.float()
-            wop = r.op("dgrad_weight")
-            wq = _q(w, wop, r) if _square(wop) or wop is None else _q(w.t().contiguous(), wop, r).t()
-            dx = _q(g, r.op("dgrad_grad_output"), r) @ wq
+            s, wop = _signs(r, "input gradient", g.device), r.op("dgrad_weight")
+            wq = _q(w, wop, r) if _square(wop) or wop is None else _q(w.t().contiguous(), wop, r, s).t()
+            dx = _q(g, r.op("dgrad_grad_output"), r, s) @ wq
             # Weight gradient: both operands with the tokens as their last (contraction) dimension.
-            a_op, b_op = r.op("wgrad_grad_output"), r.op("wgrad_input")
-            signs = lab.transform_signs(a_op, g.device) if a_op and a_op.transform else None
-            dw = (_q(g.t().contiguous(), a_op, r, signs) @ _q(x.float().t().contiguous(), b_op, r, signs).t())
+            s, a_op, b_op = _signs(r, "weight gradient", g.device), r.op("wgrad_grad_output"), r.op("wgrad_input")
+            dw = _q(g.t().contiguous(), a_op, r, s) @ _q(x.float().t().contiguous(), b_op, r, s).t()
             db = g.sum(0) if ctx.has_bias else None
         return dx.to(x.dtype), dw.to(w.dtype), db, None
 

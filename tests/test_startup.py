@@ -30,6 +30,9 @@ from .conftest import ROOT, TINY, run_cli
 # Imports every module of the package in a fresh process, then reports what the process looks like.
 IMPORT_ALL = """
 import importlib, json, os, pkgutil, signal, threading
+# SIGINT as this process started with it: Python's KeyboardInterrupt handler, or SIG_IGN
+# when the suite runs as a background job (a shell starts those with SIGINT ignored)
+sigint_at_start = signal.getsignal(signal.SIGINT)
 import mptrain
 names = sorted(m.name for m in pkgutil.walk_packages(mptrain.__path__, "mptrain."))
 for name in names:
@@ -40,7 +43,7 @@ print(json.dumps({
     "threads": [t.name for t in threading.enumerate()],
     "resolvers": [r for r in ("mptrain_now", "mptrain_new_dir") if OmegaConf.has_resolver(r)],
     "sigterm_default": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
-    "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "sigint_default": signal.getsignal(signal.SIGINT) is sigint_at_start,
     "wakeup_fd": signal.set_wakeup_fd(-1),
     "env": [k for k in ("HYDRA_FULL_ERROR", "MPTRAIN_LAUNCH") if k in os.environ],
 }))

@@ -45,6 +45,7 @@ import argparse
 import copy
 import csv
 import datetime
+import fnmatch
 import json
 import math
 import os
@@ -52,6 +53,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -203,12 +205,15 @@ def train(run: Run, every: int = 0, measure=None, label: str = "") -> dict:
             "final_train": statistics.fmean(losses[-20:]), "seconds": time.perf_counter() - t0}
 
 
-def cell(out: str, name: str, fn) -> dict:
-    """The cell's result from ``<out>/cells/<name>.json``, or ``fn()`` run and written there."""
-    path = os.path.join(out, "cells", f"{name}.json")
+def cell(a, name: str, fn) -> Optional[dict]:
+    """The cell's result from ``<out>/cells/<name>.json``, or ``fn()`` run and written there;
+    None for a cell ``--only`` leaves out."""
+    path = os.path.join(a.out, "cells", f"{name}.json")
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
+    if a.only and not any(fnmatch.fnmatch(name, p) for p in a.only):
+        return None
     os.makedirs(os.path.dirname(path), exist_ok=True)
     print(f"  {name} ...", flush=True)
     res = fn()
@@ -222,7 +227,7 @@ def cell(out: str, name: str, fn) -> dict:
 def baseline(a, seed: int, measure=None, every: int = 0) -> dict:
     """The unquantized run (plain linears, ``--dtype``) of ``seed``; shared by the studies."""
     pre = ["precision=fp32"] if a.dtype == "fp32" else ["precision=bf16"]
-    return cell(a.out, f"baseline_{a.dtype}_s{seed}",
+    return cell(a, f"baseline_{a.dtype}_s{seed}",
                 lambda: train(Run(pre, a.steps, seed, a.batch), every, measure, f"baseline s{seed}"))
 
 
@@ -243,7 +248,7 @@ def roles_cells(a) -> dict:
 
                 def measure(run, step, draws=draws):
                     return noise_ratios(run, draws)
-                out[name] = cell(a.out, name, lambda ov=ov, seed=seed, name=name, measure=measure: train(
+                out[name] = cell(a, name, lambda ov=ov, seed=seed, name=name, measure=measure: train(
                     Run(ov, a.steps, seed, a.batch), a.every, measure, name))
     return out
 
@@ -286,7 +291,7 @@ def fourover6_cells(a) -> dict:
             ov = lab_overrides(a.dtype, recipe, {})
             meas = capture if (i == 0 and recipe == "nvfp4") else None
             name = f"fourover6_{recipe}_s{seed}"
-            out[name] = cell(a.out, name, lambda ov=ov, seed=seed, meas=meas, name=name: train(
+            out[name] = cell(a, name, lambda ov=ov, seed=seed, meas=meas, name=name: train(
                 Run(ov, a.steps, seed, a.batch), a.every, meas, name))
     return out
 
@@ -300,7 +305,7 @@ def expman_cells(a) -> dict:
             specs = {r: (spec if r in ROLE_SETS["fwd"] else "none") for r in ROLE_SETS["all"]}
             ov = lab_overrides(a.dtype, "custom", specs)
             name = f"expman_{el}_s{seed}"
-            out[name] = cell(a.out, name, lambda ov=ov, seed=seed, name=name: train(Run(ov, a.steps, seed, a.batch),
+            out[name] = cell(a, name, lambda ov=ov, seed=seed, name=name: train(Run(ov, a.steps, seed, a.batch),
                                                                                     label=name))
     return out
 
@@ -329,6 +334,19 @@ def spread(values: list[float]) -> str:
 def by_seed(cells: dict, stem: str) -> list[float]:
     """The held-out losses of ``<stem>_s<seed>`` over the seeds run."""
     return [r["val_loss"] for n, r in sorted(cells.items()) if n.rsplit("_s", 1)[0] == stem]
+
+
+def paired(a, cells: dict, stem: str) -> str:
+    """Cell minus baseline, seed by seed (the same initial weights and batches: the
+    seed's own luck cancels), as ``+0.0042 +0.0080``."""
+    base = load(a.out, f"baseline_{a.dtype}")
+    diffs = []
+    for n, r in sorted(cells.items()):
+        stem_n, seed = n.rsplit("_s", 1)
+        b = base.get(f"baseline_{a.dtype}_s{seed}")
+        if stem_n == stem and b:
+            diffs.append(f"{r['val_loss'] - b['val_loss']:+.4f}")
+    return " ".join(diffs)
 
 
 def write_table(a, rows: list[dict]) -> None:
@@ -382,8 +400,10 @@ def roles_report(a, plt) -> None:
             steps = sorted(ratio)
             rows.append({"gemms": rs, "transform": tn, "seeds": len(losses), "val_loss": statistics.fmean(losses),
                          "minus_baseline": statistics.fmean(losses) - ref,
-                         "ratio_first": ratio[steps[0]], "ratio_last": ratio[steps[-1]],
-                         "ratio_min": min(ratio.values())})
+                         "paired_per_seed": paired(a, cells, stem), "ratio_first": ratio[steps[0]], "ratio_last": ratio[steps[-1]],
+                         "ratio_min": min(ratio.values()),
+                         "worst_layer_last": min((v, k) for k, v in first["measured"][str(steps[-1])].items()
+                                                 if k != "all")[1]})
             ax2.plot(steps, [ratio[s] for s in steps], styles[tn], color=colors[rs], label=f"{rs}, {tn}")
     for i, tn in enumerate(TRANSFORMS):
         xs = [j + (i - 1) * 0.27 for j, rs in enumerate(ROLE_SETS)]
@@ -392,7 +412,7 @@ def roles_report(a, plt) -> None:
         ax1.bar(xs, ys, width=0.27, label=f"transform: {tn}")
     if len(base) > 1:
         half = (max(base) - min(base)) / 2
-        ax1.axhspan(-half, half, color="0.85", label="baseline seed spread (+- half range)")
+        ax1.axhspan(-half, half, color="0.85", zorder=0, label="baseline seed spread (+- half range)")
     ax1.set_xticks(range(len(ROLE_SETS)), [f"MXFP4 on {rs}" for rs in ROLE_SETS])
     ax1.set_ylabel(f"held-out loss minus unquantized ({ref:.3f})")
     ax1.legend(fontsize=7)
@@ -448,18 +468,31 @@ def expman_report(a, plt) -> None:
     ref = statistics.fmean(base) if base else math.nan
     rows = [{"format": f"unquantized {a.dtype}", "bits": 16 if a.dtype == "bf16" else 32, "seeds": len(base),
              "val_loss": ref, "seed_half_range": (max(base) - min(base)) / 2 if base else math.nan,
-             "minus_baseline": 0.0}]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+             "minus_baseline": 0.0, "paired_per_seed": ""}]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax.plot([0] * len(base), base, "ko")
     for i, (el, bits) in enumerate(EXPMAN.items(), start=1):
         ys = by_seed(cells, f"expman_{el}")
         if not ys:
             continue
         rows.append({"format": el, "bits": bits, "seeds": len(ys), "val_loss": statistics.fmean(ys),
-                     "seed_half_range": (max(ys) - min(ys)) / 2, "minus_baseline": statistics.fmean(ys) - ref})
-        ax.plot([i] * len(ys), ys, "o", color="C0" if bits == 8 else "C1")
-    ax.set_xticks(range(len(EXPMAN) + 1), ["unquantized", *[f"{e} ({b}b)" for e, b in EXPMAN.items()]])
+                     "seed_half_range": (max(ys) - min(ys)) / 2, "minus_baseline": statistics.fmean(ys) - ref,
+                     "paired_per_seed": paired(a, cells, f"expman_{el}")})
+        color = "C0" if bits == 8 else "C1"
+        ax.plot([i] * len(ys), ys, "o", color=color)
+        ds = [float(d) for d in rows[-1]["paired_per_seed"].split()]
+        ax2.plot([i] * len(ds), ds, "o", color=color)
+        ax2.plot([i], [statistics.fmean(ds)], "_", color="k", ms=14)
+    names = [f"{e} ({b}b)" for e, b in EXPMAN.items()]
+    ax.set_xticks(range(len(EXPMAN) + 1), ["unquantized", *names], fontsize=8)
     ax.set_ylabel("held-out loss (one dot per seed)")
+    ax2.axhline(0, color="k", lw=0.6)
+    if len(base) > 1:
+        ax2.axhline(max(base) - min(base), color="0.5", ls="--", lw=0.8,
+                    label="the baselines' own seed-to-seed gap")
+        ax2.legend(fontsize=7)
+    ax2.set_xticks(range(1, len(EXPMAN) + 1), names, fontsize=8)
+    ax2.set_ylabel("minus the same seed's baseline (bar: mean)")
     write_table(a, rows)
     figure(a, fig, "Exponent vs mantissa on the forward GEMMs, 1x32 blocks, ue8m0 scales (arXiv 2501.02423)")
 
@@ -494,6 +527,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--draws", type=int, default=2, help="quantized gradients per measurement, random transform")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                     help="autocast dtype outside the lab's fp32 products, and the baseline's")
+    ap.add_argument("--only", nargs="+", default=[],
+                    help="run only the cells whose names match these patterns (e.g. 'roles_*_none_s1')")
     ap.add_argument("--note", default="", help="a line added under the figure (e.g. 'machine shared')")
     ap.add_argument("--report-only", action="store_true", help="tables and figure from the cells already run")
     a = ap.parse_args(argv)

@@ -457,9 +457,28 @@ def fourover6_report(a, plt) -> None:
     ax2.set_xticks(range(len(loss_rows)), [lr["recipe"] for lr in loss_rows], fontsize=7)
     ax2.set_ylabel("held-out loss (one dot per seed)")
     write_table(a, rows)
+    print("\n| operand | layers | SQNR NVFP4 dB | SQNR 4over6 dB | gain dB, mean (min to max) |\n|---|---|---|---|---|")
+    for op in ("weight", "input", "grad_output"):
+        rs = [r for r in rows if r["operand"] == op]
+        if rs:
+            gains = [r["gain_db"] for r in rs]
+            print(f"| {op} | {len(rs)} | {statistics.fmean(r['sqnr_nvfp4_db'] for r in rs):.2f} | "
+                  f"{statistics.fmean(r['sqnr_4over6_db'] for r in rs):.2f} | "
+                  f"{statistics.fmean(gains):+.2f} ({min(gains):+.2f} to {max(gains):+.2f}) |")
     with open(os.path.join(a.out, "fourover6_loss.json"), "w") as f:
         json.dump(loss_rows, f, indent=1)
     figure(a, fig, "Four Over Six vs NVFP4: the run's own tensors, and the loss (arXiv 2512.02010)")
+
+
+def synthetic_sqnr() -> dict:
+    """Each expman format's SQNR (dB) in 1x32 blocks with ue8m0 scales on a Gaussian and a
+    heavy-tailed (Student t, 3 degrees of freedom) 1024 x 64 tensor: what the bits buy once
+    the block scale has taken the range."""
+    g = torch.Generator().manual_seed(0)
+    xs = {"gaussian": torch.randn(1024, 64, generator=g),
+          "student_t3": torch.randn(1024, 64, generator=g) / torch.sqrt(
+              torch.distributions.Chi2(3.0).sample((1024, 64)) / 3)}
+    return {el: {k: sqnr_db(x, f"{el}/1x32/ue8m0/nearest") for k, x in xs.items()} for el in EXPMAN}
 
 
 def expman_report(a, plt) -> None:
@@ -493,6 +512,9 @@ def expman_report(a, plt) -> None:
         ax2.legend(fontsize=7)
     ax2.set_xticks(range(1, len(EXPMAN) + 1), names, fontsize=8)
     ax2.set_ylabel("minus the same seed's baseline (bar: mean)")
+    sq = synthetic_sqnr()
+    for r in rows:
+        r.update({f"sqnr_{k}_db": v for k, v in sq.get(r["format"], dict.fromkeys(sq["e4m3"], math.nan)).items()})
     write_table(a, rows)
     figure(a, fig, "Exponent vs mantissa on the forward GEMMs, 1x32 blocks, ue8m0 scales (arXiv 2501.02423)")
 

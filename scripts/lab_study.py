@@ -440,6 +440,7 @@ def fourover6_report(a, plt) -> None:
     base = baseline_losses(a)
     loss_rows = [{"recipe": r, "val_loss_per_seed": by_seed(cells, f"fourover6_{r}")}
                  for r in ("nvfp4", "nvfp4_4over6")] + [{"recipe": f"unquantized {a.dtype}", "val_loss_per_seed": base}]
+    seeds = [n.rsplit("_s", 1)[1] for n in sorted(cells) if n.startswith("fourover6_nvfp4_s")]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2.2, 1]})
     layers = sorted({r["layer"] for r in rows})
     for i, op in enumerate(("weight", "input", "grad_output")):
@@ -452,8 +453,10 @@ def fourover6_report(a, plt) -> None:
     ax1.legend(fontsize=7)
     for i, lr in enumerate(loss_rows):
         ys = lr["val_loss_per_seed"]
-        ax2.plot([i] * len(ys), ys, "o")
-        print(f"{lr['recipe']}: held-out loss per seed {ys} -> {spread(ys) if ys else '-'}")
+        for j, y in enumerate(ys):  # one colour per seed, so each seed's three runs read together
+            ax2.plot([i], [y], "o", color=f"C{j}", label=f"seed {seeds[j]}" if i == 0 and j < len(seeds) else None)
+        print(f"{lr['recipe']}: held-out loss per seed {[round(y, 4) for y in ys]} -> {spread(ys) if ys else '-'}")
+    ax2.legend(fontsize=7)
     ax2.set_xticks(range(len(loss_rows)), [lr["recipe"] for lr in loss_rows], fontsize=7)
     ax2.set_ylabel("held-out loss (one dot per seed)")
     write_table(a, rows)
@@ -477,7 +480,7 @@ def synthetic_sqnr() -> dict:
     g = torch.Generator().manual_seed(0)
     xs = {"gaussian": torch.randn(1024, 64, generator=g),
           "student_t3": torch.randn(1024, 64, generator=g) / torch.sqrt(
-              torch.distributions.Chi2(3.0).sample((1024, 64)) / 3)}
+              torch.randn(3, 1024, 64, generator=g).square().mean(0))}  # chi-square(3) / 3 from g alone
     return {el: {k: sqnr_db(x, f"{el}/1x32/ue8m0/nearest") for k, x in xs.items()} for el in EXPMAN}
 
 

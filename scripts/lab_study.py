@@ -405,16 +405,21 @@ def roles_report(a, plt) -> None:
                          "worst_layer_last": min((v, k) for k, v in first["measured"][str(steps[-1])].items()
                                                  if k != "all")[1]})
             ax2.plot(steps, [ratio[s] for s in steps], styles[tn], color=colors[rs], label=f"{rs}, {tn}")
+    def paired_mean(r: dict) -> float:
+        ds = [float(d) for d in r["paired_per_seed"].split()]
+        return statistics.fmean(ds) if ds else math.nan
+
     for i, tn in enumerate(TRANSFORMS):
         xs = [j + (i - 1) * 0.27 for j, rs in enumerate(ROLE_SETS)]
-        ys = [next((r["minus_baseline"] for r in rows if r["gemms"] == rs and r["transform"] == tn), math.nan)
+        ys = [next((paired_mean(r) for r in rows if r["gemms"] == rs and r["transform"] == tn), math.nan)
               for rs in ROLE_SETS]
         ax1.bar(xs, ys, width=0.27, label=f"transform: {tn}")
     if len(base) > 1:
         half = (max(base) - min(base)) / 2
-        ax1.axhspan(-half, half, color="0.85", zorder=0, label="baseline seed spread (+- half range)")
-    ax1.set_xticks(range(len(ROLE_SETS)), [f"MXFP4 on {rs}" for rs in ROLE_SETS])
-    ax1.set_ylabel(f"held-out loss minus unquantized ({ref:.3f})")
+        ax1.axhspan(-half, half, color="0.85", zorder=0, label="+- half the baselines' seed-to-seed gap")
+    ax1.set_xticks(range(len(ROLE_SETS)), list(ROLE_SETS))
+    ax1.set_xlabel("the GEMMs in MXFP4")
+    ax1.set_ylabel("held-out loss minus the same seed's unquantized run")
     ax1.legend(fontsize=7)
     ax2.axhline(math.sqrt(3), color="k", lw=0.8, label="sqrt(3) (2505.19115)")
     ax2.set_yscale("log")
@@ -440,7 +445,6 @@ def fourover6_report(a, plt) -> None:
     base = baseline_losses(a)
     loss_rows = [{"recipe": r, "val_loss_per_seed": by_seed(cells, f"fourover6_{r}")}
                  for r in ("nvfp4", "nvfp4_4over6")] + [{"recipe": f"unquantized {a.dtype}", "val_loss_per_seed": base}]
-    seeds = [n.rsplit("_s", 1)[1] for n in sorted(cells) if n.startswith("fourover6_nvfp4_s")]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2.2, 1]})
     layers = sorted({r["layer"] for r in rows})
     for i, op in enumerate(("weight", "input", "grad_output")):
@@ -451,10 +455,12 @@ def fourover6_report(a, plt) -> None:
     ax1.axhline(0, color="k", lw=0.6)
     ax1.set_ylabel("SQNR(4over6) - SQNR(NVFP4), dB")
     ax1.legend(fontsize=7)
+    labelled: set = set()
     for i, lr in enumerate(loss_rows):
         ys = lr["val_loss_per_seed"]
-        for j, y in enumerate(ys):  # one colour per seed, so each seed's three runs read together
-            ax2.plot([i], [y], "o", color=f"C{j}", label=f"seed {seeds[j]}" if i == 0 and j < len(seeds) else None)
+        for j, y in enumerate(ys):  # one colour per seed (in seed order), so each seed's runs read together
+            ax2.plot([i], [y], "o", color=f"C{j}", label=None if j in labelled else f"seed #{j + 1}")
+            labelled.add(j)
         print(f"{lr['recipe']}: held-out loss per seed {[round(y, 4) for y in ys]} -> {spread(ys) if ys else '-'}")
     ax2.legend(fontsize=7)
     ax2.set_xticks(range(len(loss_rows)), [lr["recipe"] for lr in loss_rows], fontsize=7)

@@ -400,7 +400,8 @@ def roles_report(a, plt) -> None:
             steps = sorted(ratio)
             rows.append({"gemms": rs, "transform": tn, "seeds": len(losses), "val_loss": statistics.fmean(losses),
                          "minus_baseline": statistics.fmean(losses) - ref,
-                         "paired_per_seed": paired(a, cells, stem), "ratio_first": ratio[steps[0]], "ratio_last": ratio[steps[-1]],
+                         "paired_per_seed": paired(a, cells, stem), "ratio_first": ratio[steps[0]],
+                         "ratio_last": ratio[steps[-1]],
                          "ratio_min": min(ratio.values()),
                          "worst_layer_last": min((v, k) for k, v in first["measured"][str(steps[-1])].items()
                                                  if k != "all")[1]})
@@ -570,7 +571,8 @@ def main(argv: list[str]) -> int:
           flush=True)
     t0 = time.perf_counter()
     if not a.report_only:
-        if a.study != "fourover6" and not a.no_baseline:  # fourover6 compares its two recipes; it reads the baseline if there
+        # fourover6 compares its two recipes with each other; it reads the baselines if they are there
+        if a.study != "fourover6" and not a.no_baseline:
             for seed in a.seeds:
                 baseline(a, seed)
         STUDIES[a.study](a)

@@ -85,26 +85,6 @@ EXPMAN = {"e4m3": 8, "e5m2": 8, "e3m4": 8, "e2m3": 6, "e3m2": 6}
 # ------------------------------------------------------------------ one training run
 
 
-_lab_q = labtrain._q
-_pending: list = []  # the sign vector the first operand of a matmul drew, for its second
-
-
-def _q_shared_random_signs(x, op, r, signs=None):
-    """Workaround (see docs/lab_studies.md): labtrain's forward and input-gradient matmuls
-    quantize their two operands without handing them one sign vector, so
-    ``hadamard-random`` there draws a different vector per operand and the product is
-    no longer ``x W^T``. The two operands of those matmuls are quantized one after the
-    other (the weight-gradient matmul passes its own vector), so the first call of a
-    pair draws and the second takes the same vector."""
-    if op is not None and op.transform == "hadamard-random" and signs is None:
-        if _pending:
-            signs = _pending.pop()
-        else:
-            signs = lab.transform_signs(op, x.device)
-            _pending.append(signs)
-    return _lab_q(x, op, r, signs)
-
-
 def lab_overrides(dtype: str, recipe: str, specs: dict) -> list[str]:
     """The config overrides of a lab run: the recipe, the given operands, every block quantized."""
     keep = [] if dtype == "bf16" else ["precision.compute_dtype=fp32", "precision.param_dtype=fp32"]
@@ -565,7 +545,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--report-only", action="store_true", help="tables and figure from the cells already run")
     a = ap.parse_args(argv)
     a.out = os.path.abspath(a.out)
-    labtrain._q = _q_shared_random_signs  # here, not on import: --help (and the tests) must not patch it
     os.makedirs(a.out, exist_ok=True)
     print(f"lab_study {a.study}: {a.steps} steps, seeds {a.seeds}, {a.dtype}, into {a.out}\n  {where()}",
           flush=True)

@@ -213,8 +213,7 @@ RHT_SIGNS = fp4.fixed_signs(torch.device("cpu"))
 """The one sign vector of every ``nvfp4_rht`` statistic (``fp4.fixed_signs``: a private
 seed-0 generator, nothing drawn from the run's, the same on every step and rank)."""
 
-FP4_SPECS = {"nvfp4": "e2m1/1x16/e4m3/nearest", "nvfp4_rht": "e2m1/1x16/e4m3/nearest/hadamard",
-             "mxfp4": "e2m1/1x32/ue8m0/nearest"}
+FP4_SPECS = {**fp4.SPECS, "nvfp4_rht": fp4.SPECS["nvfp4"] + "/hadamard"}
 """The 4-bit statistics' casts as lab operand specs, the same for every operand (the
 weight too: in blocks of 16 along a row, not NVFP4 training's 16 x 16 tiles)."""
 LAB_RECIPES = tuple(n for n in labtrain.NAMED if n not in RECIPES)
@@ -222,10 +221,8 @@ LAB_RECIPES = tuple(n for n in labtrain.NAMED if n not in RECIPES)
 ``mxfp4`` are both: they keep the meaning above, which for their input and output
 gradient is the lab recipe's cast with nearest rounding)."""
 WHATIFS = RECIPES + LAB_RECIPES
-STAT_ROLES = {"input": "fwd_input", "weight": "fwd_weight", "grad_output": "dgrad_grad_output"}
-"""The lab role whose spec casts each measured operand: each arrives with its
-contraction dimension last for that matmul (input and weight for the forward, the
-output gradient for the input gradient's)."""
+STAT_ROLES = labtrain.STAT_ROLES
+"""Which lab operand measures each tensor (:data:`mptrain.precision.labtrain.STAT_ROLES`)."""
 
 
 def first_overflow(el: Element) -> float:

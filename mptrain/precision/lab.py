@@ -217,15 +217,17 @@ def _grouped(x2: torch.Tensor, op: Operand) -> torch.Tensor:
     return x2.reshape(r // br, br, c // bc, bc)
 
 
-def _two_level(amax: torch.Tensor, op: Operand, per_tensor: Optional[torch.Tensor]):
+def _two_level(amax: torch.Tensor, op: Operand, per_tensor: Optional[torch.Tensor], top: Optional[float] = None):
     """(multiplier, decode) of a float block scale under an fp32 per-tensor scale:
-    torchao's NVFP4 order of fp32 operations for E4M3 over E2M1, for any pair."""
+    torchao's NVFP4 order of fp32 operations for E4M3 over E2M1, for any pair. Each
+    block's maximum is mapped to ``top`` (default the element's largest value; 4over6
+    asks for 4), while the per-tensor scale always maps to the largest value."""
     s, el = op.scale.fmt, op.element
     floor = 2.0 ** -126 / s.min_normal  # keeps (1 / per-tensor) / smallest scale finite
     if per_tensor is None:
         per_tensor = amax.max() / (s.max * el.max)
     pts = torch.as_tensor(per_tensor, dtype=torch.float32, device=amax.device).clamp(min=floor)
-    sb = s.round(torch.clamp(amax / el.max / pts, min=s.min_normal, max=s.max))
+    sb = s.round(torch.clamp(amax / (top or el.max) / pts, min=s.min_normal, max=s.max))
     decode = pts * sb
     return (1.0 / pts) / sb, decode
 
@@ -292,12 +294,7 @@ def _four_over_six(blocks, amax, op: Operand, per_tensor, error: str, six):
     The per-tensor scale is the standard one (amax / (scale max * 6)), so a block
     whose maximum-to-4 scale would pass the scale format's largest value clamps
     there, errs more, and keeps 6."""
-    s = op.scale.fmt
-    if per_tensor is None:
-        per_tensor = amax.max() / (s.max * op.element.max)
-    pts = torch.as_tensor(per_tensor, dtype=torch.float32, device=amax.device).clamp(min=2.0 ** -126 / s.min_normal)
-    sb = s.round(torch.clamp(amax / 4.0 / pts, min=s.min_normal, max=s.max))
-    mult4, decode4 = (1.0 / pts) / sb, pts * sb
+    mult4, decode4 = _two_level(amax, op, per_tensor, top=4.0)
     scaled4 = blocks * mult4
     q4 = op.element.round(scaled4, op.stochastic)
     e6, e4 = blocks - six[3] * six[1], blocks - q4 * decode4

@@ -56,6 +56,10 @@ GEMMS = {"forward": ("fwd_input", "fwd_weight"), "input gradient": ("dgrad_grad_
          "weight gradient": ("wgrad_grad_output", "wgrad_input")}
 NONE = "none"
 """An operand left unquantized."""
+STAT_ROLES = {"input": "fwd_input", "weight": "fwd_weight", "grad_output": "dgrad_grad_output"}
+"""The operand whose spec the cast statistics measure each tensor with: each arrives
+with its contraction dimension last for that matmul (input and weight for the forward,
+the output gradient for the input gradient's)."""
 
 NVFP4 = {"fwd_input": "e2m1/1x16/e4m3/nearest", "fwd_weight": "e2m1/16x16/e4m3/nearest",
          "dgrad_grad_output": "e2m1/1x16/e4m3/stochastic", "dgrad_weight": "e2m1/16x16/e4m3/nearest",
@@ -139,8 +143,7 @@ class LabRecipe:
 
     def formats(self) -> dict[str, str]:
         """The element format of each operand the cast statistics measure."""
-        pick = {"input": "fwd_input", "weight": "fwd_weight", "grad_output": "dgrad_grad_output"}
-        return {k: (self.op(r).element.name if self.op(r) else NONE) for k, r in pick.items()}
+        return {k: (self.op(r).element.name if self.op(r) else NONE) for k, r in STAT_ROLES.items()}
 
 
 def build_recipe(name: str, overrides: Optional[dict] = None, *, error: str = "mse",

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from mptrain.config.mesh import MESH_MODES
 from mptrain.core.shards import local_shard
 from mptrain.precision.optimizers import QUANTIZED, state_parts, stored_as
 
@@ -78,7 +79,7 @@ def _quantized_layout(state_dtype, parallel: str, world: int) -> Optional[str]:
     state_dtype = getattr(state_dtype, "value", state_dtype)
     if state_dtype not in QUANTIZED:
         return None
-    return "per-rank" if parallel == "fsdp" and world > 1 else "whole"
+    return "per-rank" if parallel in MESH_MODES and world > 1 else "whole"
 
 
 def quantized_layout_refusal(path: Path, meta: dict, cfg, world: int) -> Optional[str]:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from omegaconf import ListConfig, OmegaConf
 
+from mptrain.config.mesh import data_world
 from mptrain.config.schema import Config, DType, Fp8Config, ModelConfig
 from mptrain.core.errors import ConfigError, require_extra
 
@@ -454,6 +455,8 @@ _RANGES: tuple = (
     ("data.val_fraction", lambda v: 0 < v < 0.5, "a share in (0, 0.5)", None),
     ("train.max_steps", _positive, "a positive integer", None),
     ("train.global_batch_size", _positive, "a positive integer", None),
+    *((f"parallel.{d}", lambda v: v >= -1, "a positive size, -1 (the rest of the world) or 0 (dp_replicate: the "
+       "number of nodes; dp_shard, tp: the ranks of one node)", None) for d in ("dp_replicate", "dp_shard", "tp")),
     ("train.micro_batch_size", _optional(_positive), "a positive integer, or null for the whole per-rank batch",
      None),
     ("train.grad_clip", _non_negative, "a value >= 0 (0: no clipping)", None),
@@ -595,19 +598,24 @@ def _delayed_knobs(f: Any) -> None:
 
 
 def micro_steps(cfg: Any, world_size: int) -> tuple[int, int]:
-    """(micro_batch_size, accumulation steps) for this world size, or ConfigError."""
+    """(micro_batch_size, accumulation steps) for this world size, or ConfigError.
+    The batch is split over the data-parallel ranks only: the ``parallel.tp``
+    ranks of a TP group share theirs."""
     t = cfg.train
     gbs = t.global_batch_size
-    if gbs % world_size:
+    dp = data_world(cfg, world_size)
+    over = f"the world size {world_size}" if dp == world_size else \
+        f"the {dp} data-parallel ranks (world size {world_size} / parallel.tp)"
+    if gbs % dp:
         raise ConfigError(
-            f"train.global_batch_size={gbs} does not divide by the world size {world_size}. "
-            f"Use a multiple of {world_size} (e.g. train.global_batch_size={world_size * max(1, gbs // world_size)})."
+            f"train.global_batch_size={gbs} does not divide by {over}. "
+            f"Use a multiple of {dp} (e.g. train.global_batch_size={dp * max(1, gbs // dp)})."
         )
-    per_rank = gbs // world_size
+    per_rank = gbs // dp
     mbs = t.micro_batch_size or per_rank
     if mbs <= 0 or per_rank % mbs:
         raise ConfigError(
-            f"train.global_batch_size={gbs} over {world_size} rank(s) is {per_rank} sequences per rank, "
+            f"train.global_batch_size={gbs} over {dp} data-parallel rank(s) is {per_rank} sequences per rank, "
             f"which train.micro_batch_size={mbs} does not divide. "
             f"Pick a micro_batch_size that divides {per_rank}."
         )

@@ -130,6 +130,8 @@ class ParallelMode(Enum):
     ddp = "ddp"
     fsdp = "fsdp"
     fsdp1 = "fsdp1"
+    hsdp = "hsdp"
+    fsdp_tp = "fsdp_tp"
 
 
 class LRSchedule(Enum):
@@ -499,9 +501,34 @@ class ParallelConfig:
     """How the model is replicated or sharded over ranks (``mptrain/distributed/parallel.py``)."""
 
     name: ParallelMode = recorded(ParallelMode.none)
-    """``none`` | ``ddp`` | ``fsdp`` (FSDP2 ``fully_shard``) | ``fsdp1``."""
+    """``none`` | ``ddp`` | ``fsdp`` (FSDP2 ``fully_shard``) | ``fsdp1`` |
+    ``hsdp`` (FSDP2 on a replicate x shard mesh) | ``fsdp_tp`` (FSDP2 x tensor
+    parallelism). ``fsdp``, ``hsdp`` and ``fsdp_tp`` are one wrapper on the
+    mesh ``dp_replicate x dp_shard x tp``; they differ only in their presets'
+    sizes, and any of them takes any sizes."""
     backend: str = recorded("auto")
     """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``gloo`` or ``nccl``."""
+    dp_replicate: int = recorded(1)
+    """Mesh size of HSDP's replicate dimension: groups of ranks that each hold
+    a whole (sharded) copy of the model, their gradients all-reduced across
+    groups. Put it across nodes: its collective is one all-reduce per step.
+    ``-1``: the world size over the other two sizes; ``0``: the number of
+    nodes (world size / ranks per node). FSDP2 wrappers only."""
+    dp_shard: int = recorded(-1)
+    """Mesh size of the sharded data-parallel dimension (FSDP's all-gathers
+    and reduce-scatters run along it). ``-1``: the rest of the world;
+    ``0``: the ranks of one node (``LOCAL_WORLD_SIZE``). FSDP2 wrappers only."""
+    tp: int = recorded(1)
+    """Tensor-parallel size: each block's heads and MLP width, the embedding
+    and the head split over this many ranks, which see the same batch. Must
+    divide the heads, the key/value heads, the MLP width and the vocabulary.
+    Keep it inside a node (its collectives run in every block). ``-1``: the
+    rest of the world; ``0``: the ranks of one node. FSDP2 wrappers only."""
+    sequence_parallel: bool = recorded(True)
+    """With ``tp > 1``: split the residual stream and the norms over the
+    sequence between TP ranks (all-gather before each half of a block,
+    reduce-scatter after) instead of holding it whole on every TP rank. Same
+    results, less activation memory. Ignored (and said so) without TP."""
 
 
 # ---------------------------------------------------------------------------- data

@@ -23,12 +23,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from mptrain.config.mesh import DIMS, MESH_MODES, MeshShape, mesh_shape
 from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError
 from mptrain.core.shards import local_shard
+from mptrain.distributed import tensor_parallel
 from mptrain.model.common import Block, write_weights
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.policy import PrecisionPolicy
+
+
+_MESH = tuple(ParallelMode(m) for m in MESH_MODES)
 
 
 def _pick_device(spec: str, local_rank: int) -> torch.device:
@@ -55,10 +60,49 @@ class DistContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
     owns_group: bool = False
+    shape: MeshShape = field(default_factory=MeshShape)
+    mesh: object = None  # the DeviceMesh (dp_replicate, dp_shard, tp) of the FSDP2 wrappers; None otherwise
+    dp_group: object = None  # the ranks with this rank's tp coordinate; None: the whole world
+    sequence_parallel: bool = False  # parallel.sequence_parallel, where tp > 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the ranks that see different data (the TP
+        ranks of a group share one): its batches' shard."""
+        return self.rank // self.shape.tp
+
+    @property
+    def dp_world(self) -> int:
+        return self.world // self.shape.tp
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Sequence lengths the wrapped model takes are multiples of this:
+        sequence parallelism splits them evenly over the TP ranks."""
+        return self.shape.tp if self.sequence_parallel else 1
+
+    @property
+    def uses_mesh(self) -> bool:
+        return self.mode.value in MESH_MODES
+
+    def owned_shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``t`` if this rank is the first of the ranks that
+        hold the same part (its coordinate is 0 on every mesh dimension along
+        which ``t`` is replicated), else an empty tensor: summed over every
+        rank, each value then counts once. Under HSDP the replicate groups hold
+        copies, under TP the TP ranks hold copies of what is not split."""
+        local = local_shard(t)
+        if self.mesh is None or local is t:
+            return local
+        mine = dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
+        split = {n for n, pl in zip(t.device_mesh.mesh_dim_names, t.placements) if not pl.is_replicate()}
+        if all(mine[d] == 0 for d in DIMS if d not in split):
+            return local
+        return local.reshape(-1)[:0]
 
     @property
     def has_group(self) -> bool:
@@ -70,30 +114,34 @@ class DistContext:
             dist.barrier()
 
     def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
-        """Mean over ranks (SUM then divide: gloo has no AVG)."""
-        if self.has_group and self.world > 1:
+        """Mean over the data-parallel ranks (SUM then divide: gloo has no AVG).
+        TP ranks share a batch, so each data-parallel group is counted once:
+        the mean of a loss is one process's mean over the same batches."""
+        if self.has_group and self.dp_world > 1:
             t = t.clone()
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-            t /= self.world
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
+            t /= self.dp_world
         return t
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over every rank (statistics of per-rank data, such as activations)."""
-        if self.has_group and self.world > 1:
+        """Sum over the data-parallel ranks (statistics of per-rank data, such as
+        a loss's sum and token count; the TP ranks of a group hold the same)."""
+        if self.has_group and self.dp_world > 1:
             t = t.clone()
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
         return t
 
     def shard_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks that *shard* the parameters (FSDP); identity where
-        every rank holds full copies (none, DDP)."""
-        if self.mode in (ParallelMode.fsdp, ParallelMode.fsdp1) and self.has_group and self.world > 1:
+        """Sum over the ranks that *shard* the parameters (FSDP, TP); identity
+        where every rank holds full copies (none, DDP). Under a mesh, sum only
+        :meth:`owned_shard` parts: replicas would otherwise count twice."""
+        if self.mode in (ParallelMode.fsdp1, *_MESH) and self.has_group and self.world > 1:
             t = t.clone()
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
     def shard_max(self, t: torch.Tensor) -> torch.Tensor:
-        if self.mode in (ParallelMode.fsdp, ParallelMode.fsdp1):
+        if self.mode in (ParallelMode.fsdp1, *_MESH):
             return self.all_reduce_max(t)
         return t
 
@@ -172,10 +220,10 @@ class DistContext:
         """Context for one micro-batch's forward+backward: gradients are
         reduced across ranks only when ``enabled`` (the last micro-batch)."""
         if enabled or self.mode == ParallelMode.none:
-            if self.mode == ParallelMode.fsdp:
+            if self.uses_mesh:
                 model.set_requires_gradient_sync(True)
             return contextlib.nullcontext()
-        if self.mode == ParallelMode.fsdp:
+        if self.uses_mesh:
             model.set_requires_gradient_sync(False)
             return contextlib.nullcontext()
         return model.no_sync()  # ddp and fsdp1
@@ -183,7 +231,7 @@ class DistContext:
     def reshard(self, model: nn.Module) -> None:
         """Free the unsharded parameters FSDP2 keeps after a forward without a
         backward (evaluation): the root does not reshard after forward."""
-        if self.mode == ParallelMode.fsdp:
+        if self.uses_mesh:
             for mod in model.modules():
                 if hasattr(mod, "reshard"):
                     mod.reshard()
@@ -206,12 +254,18 @@ class DistContext:
         gradients' dtype, rounding what the log and the inf/nan guard see (an
         fp16 norm overflows past 65504)."""
         params = [p for p in model.parameters() if p.grad is not None]
-        sq = self.shard_sum(_sq_sum([local_shard(p.grad) for p in params], self.device))
+        sq = self.shard_sum(_sq_sum([self.owned_shard(p.grad) for p in params], self.device))
         # on the device (no host sync); NaN stays NaN
         sq = sq.masked_fill(sq > torch.finfo(torch.float32).max, math.inf)
         norm = sq.sqrt().float()
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
+            # One call per device mesh: under TP the split and the unsplit parameters
+            # live on different meshes, and foreach kernels take one mesh per list.
+            groups: dict = {}
+            for p in params:
+                groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+            for group in groups.values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=None)
         return norm
 
 
@@ -249,7 +303,8 @@ def export_submitit_env() -> None:
 
 
 def setup(pcfg, device_spec: str) -> DistContext:
-    """Join (or create) the process group and pick this rank's device."""
+    """Join (or create) the process group, pick this rank's device and, for the
+    FSDP2 wrappers, build the device mesh ``dp_replicate x dp_shard x tp``."""
     mode = pcfg.name
     export_submitit_env()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -260,39 +315,68 @@ def setup(pcfg, device_spec: str) -> DistContext:
             f"launched with {world} processes but parallel=none: every rank would train its own copy. "
             "Use parallel=ddp, parallel=fsdp or parallel=fsdp1 under torchrun."
         )
+    shape = mesh_shape(pcfg, world)  # before any device or group: a bad mesh is a config error
     device = _pick_device(device_spec, local_rank)
-    ctx = DistContext(mode=mode, rank=rank, world=world, local_rank=local_rank, device=device)
+    ctx = DistContext(mode=mode, rank=rank, world=world, local_rank=local_rank, device=device, shape=shape,
+                      sequence_parallel=shape.tp > 1 and bool(pcfg.sequence_parallel))
     if mode == ParallelMode.none:
         return ctx
     if not dist.is_available():
         raise ConfigError(f"parallel={mode.value} needs torch.distributed, which this torch build lacks.")
-    backend = pcfg.backend
+    ctx.backend = _backend(pcfg.backend, device)
+    _join(ctx)
+    if ctx.uses_mesh:
+        _build_mesh(ctx)
+    return ctx
+
+
+def _backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError("parallel.backend=nccl needs CUDA devices; on CPU use parallel.backend=gloo (or auto).")
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"parallel.backend='{backend}' is not one of auto, gloo, nccl.")
-    ctx.backend = backend
+    return backend
+
+
+def _join(ctx: DistContext) -> None:
+    """The process group: torchrun's, joined once per process; or a one-rank one."""
+    backend = ctx.backend
     if dist.is_initialized():
         if dist.get_backend() != backend:
             raise ConfigError(
                 f"this process already joined a '{dist.get_backend()}' process group; parallel.backend={backend} "
                 "cannot change inside one torchrun launch (e.g. across multirun jobs)."
             )
-        return ctx
+        return
     timeout = datetime.timedelta(minutes=10)
     if "MASTER_ADDR" in os.environ:
         # The torchrun group lives as long as the process: Hydra multirun runs several
         # jobs in one process, and tearing the group down and re-creating it between
         # jobs races on the rendezvous store (a rank still leaving job 1 meets a rank
         # entering job 2). Every job reuses it; it is destroyed at exit.
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, rank=ctx.rank, world_size=ctx.world, timeout=timeout)
         atexit.register(_destroy_at_exit)
     else:  # one process without torchrun: an in-memory one-rank group, just for this run
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         ctx.owns_group = True
-    return ctx
+
+
+def _build_mesh(ctx: DistContext) -> None:
+    """The named mesh (tp fastest, then dp_shard, then dp_replicate) and, with
+    TP, the group of the ranks that share this rank's tp coordinate (those
+    that see different data: the loss is averaged over them). Every rank
+    creates every such group, as torch requires."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    s = ctx.shape
+    ctx.mesh = init_device_mesh(ctx.device.type, (s.dp_replicate, s.dp_shard, s.tp), mesh_dim_names=DIMS)
+    if s.tp > 1:
+        for t in range(s.tp):
+            group = dist.new_group(list(range(t, ctx.world, s.tp)))
+            if ctx.rank % s.tp == t:
+                ctx.dp_group = group
 
 
 def _checkpoint_and_compile(model: nn.Module, activation_checkpointing: bool, compile_blocks: bool) -> None:
@@ -343,19 +427,21 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
     if initial_weights is not None and not on_meta:
         raise ValueError("initial_weights are written when a meta-device model is materialized; this one has storage")
     model = model.to(dtype=policy.param_dtype)  # fp32 unless master_weights=false
-    if on_meta and ctx.mode != ParallelMode.fsdp:
+    if on_meta and not ctx.uses_mesh:
         materialize(model, ctx.device, init_seed, initial_weights)
         on_meta = False
     if not on_meta:
         model = model.to(ctx.device)
     model = policy.convert_model(model)  # float8 linears first: FSDP must shard the converted weights
+    if ctx.shape.tp > 1:  # split before the block-level passes, which rename the blocks' insides
+        tensor_parallel.apply(model, ctx.mesh["tp"], ctx.sequence_parallel)
     _checkpoint_and_compile(model, activation_checkpointing, compile_blocks)
     mode = ctx.mode
     if mode == ParallelMode.none:
         return model
     if mode == ParallelMode.ddp:
         return _wrap_ddp(model, policy, ctx)
-    if mode == ParallelMode.fsdp:
+    if ctx.uses_mesh:
         model = _wrap_fsdp2(model, policy, ctx)
         if on_meta:
             materialize(model, ctx.device, init_seed, initial_weights)
@@ -397,7 +483,7 @@ def wrapper_dtypes(policy: PrecisionPolicy, mode: ParallelMode) -> dict:
             "grad_reduce": comm,
             "buffers": dtype_name(policy.buffer_dtype),
         }
-    if mode == ParallelMode.fsdp:
+    if mode.value in MESH_MODES:
         return _sharded_dtypes("FSDP2 fully_shard (per block + its norms, root)", "sharded", policy)
     if mode == ParallelMode.fsdp1:
         return _sharded_dtypes("FullyShardedDataParallel (FSDP1, per-block auto-wrap)", "flat, sharded", policy)
@@ -485,10 +571,10 @@ def _wrap_fsdp2(model, policy, ctx):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError as e:  # torch < 2.6
         raise ConfigError(f"parallel=fsdp needs FSDP2 (torch>=2.6); this torch is {torch.__version__}. Use parallel=fsdp1.") from e
-    from torch.distributed.device_mesh import init_device_mesh
-
     _cast_buffers(model, policy.buffer_dtype)
-    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    # HSDP when there is a replicate dimension (FSDP2 reads a 2-D mesh as
+    # replicate x shard); plain sharding over dp_shard otherwise, as before.
+    mesh = ctx.mesh["dp_replicate", "dp_shard"] if ctx.shape.dp_replicate > 1 else ctx.mesh["dp_shard"]
 
     def mp(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
         # Explicit on every field: FSDP2 defaults have changed between releases.

@@ -245,6 +245,14 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(B, T, n * head_dim) -> (B, n, T, head_dim). ``n`` is read from the
+    width, not from the model's shape: under tensor parallelism a rank's
+    projections hold only its share of the heads (``parallel.tp``)."""
+    B, T, width = t.shape
+    return t.view(B, T, width // head_dim, head_dim).transpose(1, 2)
+
+
 def blocks_and_head(model: nn.Module, x: torch.Tensor, targets: Optional[torch.Tensor]):
     """The rest of either family's forward from the embedded tokens ``x``: the
     blocks, the final norm and the head; the logits, and with ``targets`` also

@@ -48,9 +48,13 @@ def _eager():
 
 def sample_ids(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
                generator: Optional[torch.Generator] = None, autocast=contextlib.nullcontext, device=None,
-               stop_id: Optional[int] = None) -> list[int]:
+               stop_id: Optional[int] = None, multiple: int = 1) -> list[int]:
     """:func:`generate`, stopping after ``stop_id`` when it is produced (kept as
-    the last token). Without ``stop_id`` it always returns ``max_new_tokens``."""
+    the last token). Without ``stop_id`` it always returns ``max_new_tokens``.
+    ``multiple``: the model takes only sequences of a multiple of this length
+    (sequence parallelism splits them over ``parallel.tp`` ranks): the window
+    is padded on the right by repeating its last token, which a causal model's
+    logits at the real positions do not see."""
     if not prompt_ids:
         raise ValueError("generate needs at least one prompt token (the end-of-text token starts a document)")
     if device is None:
@@ -64,9 +68,11 @@ def sample_ids(model, prompt_ids: list[int], max_new_tokens: int, *, temperature
         with torch.no_grad(), _eager():
             for _ in range(max_new_tokens):
                 idx = torch.tensor([ids[-block:]], dtype=torch.long, device=device)  # crop as GPT's context
+                n = idx.shape[1]
+                idx = torch.cat([idx, idx[:, -1:].expand(1, -n % multiple)], dim=1)
                 with autocast():
                     logits = model(idx)
-                tok = _next_token(logits[0, -1], temperature, top_k, generator)
+                tok = _next_token(logits[0, n - 1], temperature, top_k, generator)
                 ids.append(tok)
                 new.append(tok)
                 if tok == stop_id:
@@ -77,7 +83,8 @@ def sample_ids(model, prompt_ids: list[int], max_new_tokens: int, *, temperature
 
 
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-             generator: torch.Generator | None = None, autocast=contextlib.nullcontext, device=None) -> list[int]:
+             generator: torch.Generator | None = None, autocast=contextlib.nullcontext, device=None,
+             multiple: int = 1) -> list[int]:
     """``max_new_tokens`` tokens that ``model`` writes after ``prompt_ids`` (the
     new ones only), one forward pass each on the last ``block_size`` tokens.
 
@@ -90,6 +97,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: 
     a generator draws from the global RNG, which ranks need not share.
     ``autocast`` is a zero-argument callable returning a context manager (the
     trainer's ``policy.autocast``); ``device`` defaults to the parameters' device.
-    ``prompt_ids`` must hold at least one token (ValueError otherwise)."""
+    ``prompt_ids`` must hold at least one token (ValueError otherwise).
+    ``multiple``: see :func:`sample_ids`."""
     return sample_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                      generator=generator, autocast=autocast, device=device)
+                      generator=generator, autocast=autocast, device=device, multiple=multiple)

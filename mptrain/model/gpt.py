@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mptrain.model.common import AttentionProbe, Block, LossFn, blocks_and_head, draw_init, gelu_tanh
+from mptrain.model.common import AttentionProbe, Block, LossFn, blocks_and_head, draw_init, gelu_tanh, heads
 
 
 @dataclass
@@ -82,17 +82,21 @@ class CausalSelfAttention(AttentionProbe, nn.Module):
         self.proj = nn.Linear(s.d_model, s.d_model, bias=s.bias)
         self.dropout = s.dropout
         self.resid_drop = nn.Dropout(s.dropout)
-        head_dim = s.d_model // s.n_head
+        self.head_dim = head_dim = s.d_model // s.n_head
         self.q_norm = LayerNorm(head_dim, s.bias) if s.qk_norm else None
         self.k_norm = LayerNorm(head_dim, s.bias) if s.qk_norm else None
         self.probe: bool = False
         self.probe_stats: Optional[dict[str, torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        qkv = self.qkv(x)
+        # (B, T, 3 * heads * head_dim) -> three (B, heads, T, head_dim). The
+        # widths are read from the output, not from the shape: under tensor
+        # parallelism a rank's qkv output holds only its share of the heads, as
+        # [q; k; v] of those heads (distributed/tensor_parallel.py).
+        q, k, v = qkv.split(qkv.shape[-1] // 3, dim=2)
+        q, k, v = (heads(t, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.probe:
@@ -100,7 +104,7 @@ class CausalSelfAttention(AttentionProbe, nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, q.shape[1] * self.head_dim)
         return self.resid_drop(self.proj(y))
 
 

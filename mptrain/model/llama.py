@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mptrain.model.common import AttentionProbe, Block, LossFn, blocks_and_head, draw_init
+from mptrain.model.common import AttentionProbe, Block, LossFn, blocks_and_head, draw_init, heads
 
 
 @dataclass
@@ -260,24 +260,24 @@ class Attention(AttentionProbe, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        # (B, T, heads * hd) -> (B, heads, T, hd)
-        q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # (B, T, heads * hd) -> (B, heads, T, hd). The head counts are read from
+        # the projections' outputs, not from the shape: under tensor parallelism
+        # a rank's q/k/v hold only its share of the heads (parallel.tp).
+        q, k, v = (heads(proj(x), self.head_dim) for proj in (self.q, self.k, self.v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rope.tables(T, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Repeated explicitly, as transformers does, rather than through SDPA's
         # enable_gqa, which not every fused kernel takes.
-        n_rep = self.n_head // self.n_kv_head
+        n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         if self.probe:
             self._probe(q, k)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
+        y = y.transpose(1, 2).contiguous().view(B, T, q.shape[1] * self.head_dim)
         return self.resid_drop(self.o(y))
 
 

@@ -32,6 +32,7 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
+from mptrain.config.mesh import MESH_MODES
 from mptrain.core.errors import ConfigError
 from mptrain.core.shards import local_shard
 from mptrain.precision.formats import dtype_name
@@ -118,7 +119,7 @@ def choose(cfg) -> Choice:
                 f"{why} is not supported under parallel=fsdp1: FSDP1 hands the optimizer flattened shards that "
                 "span several tensors, and its optimizer checkpointing gathers plain tensors only, not "
                 "quantized moments or compensation buffers; use parallel=fsdp (FSDP2), ddp or none.")
-    if state in QUANTIZED and param != "fp32" and cfg.parallel.name.value == "fsdp":
+    if state in QUANTIZED and param != "fp32" and cfg.parallel.name.value in MESH_MODES:
         # torchao 0.18's step fails on such a shard (its fp32 upcast of a bf16-typed
         # quantized DTensor meets fp32 operands in lerp); fp32 weights work.
         raise ConfigError(

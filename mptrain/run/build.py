@@ -78,7 +78,7 @@ def build_data(cfg: DictConfig, ctx: DistContext, say: Callable[[str], None]) ->
         Windows(ids, block, tokens.vocab_size, functools.partial(tokens.out_of_range, split))
         for split, ids in (("train", tokens.train), ("val", tokens.val)))
     return RunData(tokens, vocab, mbs, accum, train_windows, val_windows,
-                   Batches(train_windows, tc.global_batch_size, mbs, ctx.rank, ctx.world, tc.seed),
+                   Batches(train_windows, tc.global_batch_size, mbs, ctx.dp_rank, ctx.dp_world, tc.seed),
                    tc.global_batch_size * block)
 
 
@@ -147,5 +147,5 @@ def build_policy(cfg: DictConfig, ctx: DistContext) -> tuple[PrecisionPolicy, li
     """The precision policy and this machine's warnings about it; what the
     machine cannot do at all (fp8 without fp8 hardware or software) is refused
     here, before any work."""
-    policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=ctx.mode == ParallelMode.fsdp)
+    policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=ctx.uses_mesh)
     return policy, check_precision(policy, ctx.device)

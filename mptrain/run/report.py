@@ -316,7 +316,8 @@ class Reporter:
         if not tc.sample_tokens or not hasattr(tok, "encode_batch"):
             return  # token shards carry only the tokenizer's name: nothing to decode with
         ids = tok.encode_batch([tc.sample_prompt])[0] or [tok.eos_id]  # no prompt: a new document
-        new = generate(model, ids, tc.sample_tokens, autocast=policy.autocast, device=self.ctx.device)
+        new = generate(model, ids, tc.sample_tokens, autocast=policy.autocast, device=self.ctx.device,
+                       multiple=self.ctx.sequence_multiple)
         text = tok.decode(ids + new)
         self.metrics.write(f"step {done:>6} | sample: {text!r}")
         self.metrics.text("samples/text", text, done)

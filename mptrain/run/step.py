@@ -21,7 +21,6 @@ from typing import Iterator, Optional, Union
 import torch
 import torch.nn as nn
 
-from mptrain.core.shards import local_shard
 from mptrain.distributed.parallel import DistContext
 from mptrain.model.names import canonical_name
 from mptrain.precision import optimizers
@@ -305,16 +304,16 @@ def update_rms(optimizer: torch.optim.Optimizer, ctx: DistContext) -> torch.Tens
     sums, counts = [], []
     for group in optimizer.param_groups:
         (p,) = group["params"]  # update clipping builds one group per parameter
-        counts.append(local_shard(p).numel())  # with no gradient the sum is 0, and so is the RMS
+        counts.append(ctx.owned_shard(p).numel())  # with no gradient the sum is 0, and so is the RMS
         if p.grad is None:
             sums.append(torch.zeros((), device=ctx.device))
             continue
-        g2 = local_shard(p.grad).float().square()
+        g2 = ctx.owned_shard(p.grad).float().square()
         beta2 = group["betas"][1]
         state = optimizer.state.get(p, {})
         v = g2 * (1 - beta2)  # two temporaries of the tensor's size, updated in place
         if "exp_avg_sq" in state:
-            v.add_(local_shard(state["exp_avg_sq"]), alpha=beta2)
+            v.add_(ctx.owned_shard(state["exp_avg_sq"]), alpha=beta2)
         t = state["step"] + 1 if "step" in state else 1.0  # a tensor (host or device): no sync
         v.div_(bias_correction(beta2, t)).clamp_(min=group["eps"] ** 2)
         sums.append(g2.div_(v).sum())

@@ -19,6 +19,8 @@ formatted in ``report.py``, which the loop only tells when.
 """
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 from typing import Optional
 
@@ -57,7 +59,7 @@ def run(cfg: DictConfig, run_dir: Optional[str | Path] = None) -> dict:
     with held(run_dir) as claim:
         # model.init_from's architecture replaces the preset's (a value the run set itself that differs is refused)
         adopted = adopt_init_from(cfg.model)
-        validate(cfg)
+        validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the launch's world: a mesh's sizes must fit it
         ctx = setup(cfg.parallel, cfg.train.device)
         log = RunLog(run_dir / LOG_NAME, enabled=ctx.is_main)  # the console, kept in <run>/train.log
         try:
@@ -250,7 +252,7 @@ class Trainer:
             # The same windows at every evaluation and on any batch or world size (cheap to lay out again).
             val = ValSet(self.data.val_windows, tc.eval_tokens)
             mbs, ctx = self.data.micro_batch, self.ctx
-            loss = evaluate(self.model, self.state.policy, ctx, val.batches(mbs, ctx.rank, ctx.world))
+            loss = evaluate(self.model, self.state.policy, ctx, val.batches(mbs, ctx.dp_rank, ctx.dp_world))
             row = self.report.evaluated(done, self.val_figures(loss))
             self.report.sample(done, self.model, self.state.policy)
         return row

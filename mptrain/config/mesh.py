@@ -1,0 +1,107 @@
+"""The device mesh a run asks for: ``parallel.dp_replicate x dp_shard x tp``.
+
+Resolved from the config and the launch alone (world size, ranks per node),
+so the checks, the memory estimator and the advisor see the same sizes the
+run will build (``mptrain/distributed/parallel.py``).
+
+Rank order: ``tp`` varies fastest, then ``dp_shard``, then ``dp_replicate``
+(torch's ``init_device_mesh`` order). With ``torchrun`` placing consecutive
+ranks on one node, a ``tp`` or ``dp_shard`` that divides the ranks per node
+stays inside a node, and ``dp_replicate`` spans the nodes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from mptrain.core.errors import ConfigError
+
+# The wrappers that build a mesh (FSDP2); the others take the whole world as one data-parallel group.
+MESH_MODES = ("fsdp", "hsdp", "fsdp_tp")
+DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the three mesh dimensions; their product is the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data: both data-parallel dimensions."""
+        return self.dp_replicate * self.dp_shard
+
+    def text(self) -> str:
+        """``2 x 2 x 1 (dp_replicate x dp_shard x tp)``, for the banner and errors."""
+        return f"{self.dp_replicate} x {self.dp_shard} x {self.tp} (dp_replicate x dp_shard x tp)"
+
+    def as_dict(self) -> dict:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+
+
+def _mode(pcfg: Any) -> str:
+    name = pcfg.name
+    return str(getattr(name, "value", name))
+
+
+def ranks_per_node(world: int) -> int:
+    """torchrun's ``LOCAL_WORLD_SIZE`` (ranks on this node); the whole world without it."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def mesh_shape(pcfg: Any, world: int, per_node: int | None = None) -> MeshShape:
+    """The mesh of ``parallel`` on ``world`` ranks (``per_node`` of them on each
+    node), or one :class:`ConfigError` naming the sizes and the fix."""
+    per_node = ranks_per_node(world) if per_node is None else per_node
+    mode = _mode(pcfg)
+    given = {d: int(getattr(pcfg, d)) for d in DIMS}
+    if mode not in MESH_MODES:
+        odd = [f"parallel.{d}={v}" for d, v in given.items() if v not in ((-1, 1) if d == "dp_shard" else (1,))]
+        if odd:
+            raise ConfigError(
+                f"{', '.join(odd)} needs an FSDP2 mesh, but parallel={mode} has none"
+                + ("" if mode == "none" else f" ({mode} keeps a whole model per rank)" if mode == "ddp"
+                   else " (FSDP1 does not take a device mesh)")
+                + "; use parallel=hsdp (replicate x shard) or parallel=fsdp_tp (shard x tp).")
+        return MeshShape(1, world, 1)  # every rank its own batches (parallel=none on several ranks is refused at setup)
+    sizes = {}
+    for d, v in given.items():
+        if v == 0:
+            v = max(1, world // per_node) if d == "dp_replicate" else per_node
+        if v < -1:
+            raise ConfigError(f"parallel.{d}={v} is not a size; use a positive size, -1 (the rest) or 0 "
+                              "(dp_replicate: the number of nodes; dp_shard, tp: the ranks of one node).")
+        sizes[d] = v
+    rest = [d for d, v in sizes.items() if v == -1]
+    if len(rest) > 1:
+        raise ConfigError(f"parallel.{rest[0]} and parallel.{rest[1]} are both -1 ('the rest'); set one of them.")
+    known = 1
+    for d, v in sizes.items():
+        known *= v if v != -1 else 1
+    if rest:
+        if world % known:
+            raise ConfigError(_mismatch(sizes, world, f"the other sizes' product {known} does not divide it"))
+        sizes[rest[0]] = world // known
+    shape = MeshShape(**sizes)
+    if shape.world != world:
+        raise ConfigError(_mismatch(sizes, world, f"their product is {shape.world}"))
+    return shape
+
+
+def _mismatch(sizes: dict, world: int, why: str) -> str:
+    given = " x ".join(f"parallel.{d}={v}" for d, v in sizes.items())
+    return (f"the mesh {given} does not fit {world} rank(s): {why}. Make dp_replicate x dp_shard x tp equal "
+            f"the world size, or set one of them to -1 to take the rest.")
+
+
+def data_world(cfg: Any, world: int) -> int:
+    """Ranks that see different batches (TP ranks share theirs)."""
+    return mesh_shape(cfg.parallel, world).dp

@@ -1,0 +1,161 @@
+"""The mesh on 4 real gloo ranks: HSDP (2 x 2), FSDP x TP (2 x 2), 4-way TP and
+4-way FSDP, each equal to one process that splits the batch as the
+data-parallel ranks see it; checkpoints resharded across layouts; a two-agent
+(two "nodes") launch.
+
+Every layout case is a job of ONE torchrun launch (a Hydra multirun: the 4
+processes start once), read by the tests below; the one-process references
+run in this process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, TINY, read_rows, train
+from .test_distributed import sweep
+
+STEPS = 4
+# gpt-nano has 2 heads and llama-nano 2 key/value heads: 4 of each, so that tp=4 divides them.
+FAMILIES = {"gpt": ["model=gpt-nano", "model.n_head=4"], "llama": ["model=llama-nano", "model.n_kv_head=4"]}
+# name -> (overrides, data-parallel ranks: the one-process reference takes as many micro-batches)
+LAYOUTS = {
+    "hsdp": (["parallel=hsdp", "parallel.dp_shard=2"], 4),
+    "fsdp_tp": (["parallel=fsdp_tp", "parallel.tp=2"], 2),
+    "tp4": (["parallel=fsdp_tp", "parallel.tp=4"], 1),
+    "fsdp": (["parallel=fsdp"], 4),
+}
+PRECISIONS = ("fp32", "bf16")
+COMMON = [*TINY, f"train.max_steps={STEPS}", "train.log_every=1", "monitor.every=100"]
+# Max |loss - one process| over the steps, per precision:
+# - fp32: the layouts compute the same operations on the same values; only the order
+#   of sums differs (a row-split matmul's partial sums added by the TP reduction, the
+#   data-parallel gradient sum). That is ~1e-7 relative per step, carried on by AdamW;
+#   at a loss of ~5.5 a few fp32 ulps (4.8e-7 each). Bound: 2e-5, 40 ulps.
+# - bf16: as tests/test_distributed.py's bf16 bound (6e-4: a gradient rounded per rank
+#   flips later bf16 roundings by one ulp, 2^-8), plus what TP adds: a row-split
+#   matmul's output is rounded to bf16 on each rank before the ranks' sum, one process
+#   rounds the whole sum once, so those outputs may differ by a bf16 ulp from the first
+#   step on. Bound: 2e-3.
+TOL = {"fp32": 2e-5, "bf16": 2e-3}
+
+
+def _case(family: str, layout: str, precision: str) -> list[str]:
+    return [*COMMON, *FAMILIES[family], *LAYOUTS[layout][0], f"precision={precision}"]
+
+
+CASES = {f"{f}-{l}-{p}": _case(f, l, p) for f in FAMILIES for l in LAYOUTS for p in PRECISIONS}
+# The reshard chain (test_checkpoint_reshards_across_layouts): llama on 2 x 2 (dp_shard x tp)
+# for 2 of 8 steps, then 4-way FSDP, then one process, then 2 x 2 again. Its first leg is a
+# job of the shared launch; the straight run is CHAIN in one process.
+CHAIN = [*TINY, "model=llama-nano", "train.max_steps=8", "train.log_every=1", "monitor.every=100",
+         "checkpoint.every=2", "checkpoint.keep_last=0", "precision=fp32"]
+CASES["chain"] = [*CHAIN, "parallel=fsdp_tp", "parallel.tp=2", "train.stop_after=2"]
+
+
+def launch(cwd: Path, *args: str, agent: tuple = ("--standalone", "--nproc_per_node=4"),
+           timeout: int = 900) -> subprocess.CompletedProcess:
+    """``torchrun <agent> train.py <args>`` in ``cwd``; asserts it exits 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *agent, str(ROOT / "train.py"), *args]
+    cwd.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def mesh_jobs(tmp_path_factory):
+    """{case: job directory} of the one 4-rank launch."""
+    cwd = tmp_path_factory.mktemp("mesh")
+    exp = cwd / "experiments" / "experiment"
+    exp.mkdir(parents=True)
+    from mptrain.advice.answer import experiment_yaml
+
+    for name, overrides in CASES.items():
+        (exp / f"{name}.yaml").write_text(experiment_yaml(overrides))
+    launch(cwd, "-m", f"hydra.searchpath=[file://{exp.parent}]", f"experiment={','.join(CASES)}")
+    jobs = sorted((p for p in next((cwd / "multirun").glob("*/*")).iterdir() if p.is_dir()), key=lambda p: int(p.name))
+    return dict(zip(CASES, jobs, strict=True))
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """(family, precision, data-parallel ranks) -> one process's loss per step, with
+    the batch split in as many micro-batches as the layout has data-parallel ranks."""
+    out = {}
+    for family in FAMILIES:
+        for precision in PRECISIONS:
+            for dp in sorted({dp for _, dp in LAYOUTS.values()}):
+                d = tmp_path_factory.mktemp(f"ref-{family}-{precision}-{dp}")
+                ov = [*COMMON, *FAMILIES[family], f"precision={precision}", f"train.micro_batch_size={8 // dp}"]
+                _, rows = train(d, *ov)
+                out[family, precision, dp] = [r["train/loss"] for r in rows if "train/loss" in r]
+    return out
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["train/loss"] for r in read_rows(run_dir) if "train/loss" in r]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layout_equals_one_process(mesh_jobs, references, family, layout, precision):
+    run = mesh_jobs[f"{family}-{layout}-{precision}"]
+    got, ref = losses(run), references[family, precision, LAYOUTS[layout][1]]
+    assert len(got) == len(ref) == STEPS
+    diff = max(abs(a - b) for a, b in zip(got, ref))
+    assert diff < TOL[precision], f"{family} {layout} {precision}: max |loss - one process| = {diff:.2e}"
+    assert got[-1] < got[0] - 0.1  # it learns
+    rows = [r for r in read_rows(run) if "train/loss" in r]
+    assert all(r["dist/rank_mismatch"] == 0 for r in rows)  # every rank saw the same loss and grad norm
+
+
+def test_checkpoint_reshards_across_layouts(mesh_jobs, tmp_path):
+    """Saved on 2 x 2 (dp_shard x tp), resumed on 4-way FSDP, on one process, and on
+    2 x 2 again: the loss curve is the straight one-process run's. DCP reshards the
+    weights and optimizer state; the checkpoint's manifest and optimizer layout follow."""
+    run = tmp_path / "chain"
+    (mesh_jobs["chain"]).rename(run)  # the shared launch's first leg, moved to a path of its own
+    resume = [*CHAIN, f"resume={run}", f"hydra.run.dir={run}"]
+    launch(tmp_path, *resume, "parallel=fsdp", "train.stop_after=4")
+    train(run, *CHAIN, "train.stop_after=6", f"resume={run}")
+    launch(tmp_path, *resume, "parallel=fsdp_tp", "parallel.tp=2")
+    _, straight = train(tmp_path / "straight", *CHAIN)
+    want = [r["train/loss"] for r in straight if "train/loss" in r]
+    got = losses(run)
+    assert [r["step"] for r in read_rows(run) if "train/loss" in r] == list(range(1, 9))
+    # fp32, and each leg equals one process up to summation order (TOL["fp32"])
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL["fp32"], (got, want)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_agents_form_one_job(mesh_jobs, tmp_path):
+    """Two torchrun agents (--nnodes=2, two ranks each) on 127.0.0.1 make one 4-rank
+    job: HSDP's replicate dimension spans the two "nodes" (dp_shard 0 = the ranks of one
+    node), one run directory is written, and the loss is the one-launch 2 x 2 HSDP run's."""
+    port, run = _free_port(), tmp_path / "run"
+    agent = ("--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+             f"--rdzv-id=mesh-{port}")
+    args = [str(ROOT / "train.py"), *COMMON, *FAMILIES["gpt"], "parallel=hsdp", "precision=fp32", f"hydra.run.dir={run}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *agent, f"--node-rank={n}", *args],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for n in (0, 1)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    info = json.loads((run / "summary.json").read_text())
+    assert info["world_size"] == 4
+    assert "2 x 2 x 1" in outs[0]  # the mesh the banner states: replicate across the agents
+    assert losses(run) == pytest.approx(losses(mesh_jobs["gpt-hsdp-fp32"]), abs=TOL["fp32"])
+    assert not (tmp_path / "outputs").exists()  # one run directory, the one named

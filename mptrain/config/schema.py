@@ -528,7 +528,8 @@ class ParallelConfig:
     """With ``tp > 1``: split the residual stream and the norms over the
     sequence between TP ranks (all-gather before each half of a block,
     reduce-scatter after) instead of holding it whole on every TP rank. Same
-    results, less activation memory. Ignored (and said so) without TP."""
+    results, less activation memory. Without TP there is nothing to split
+    and it has no effect."""
 
 
 # ---------------------------------------------------------------------------- data

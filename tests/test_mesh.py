@@ -120,7 +120,8 @@ def test_layout_equals_one_process(mesh_jobs, references, family, layout, precis
 def test_checkpoint_reshards_across_layouts(mesh_jobs, tmp_path):
     """Saved on 2 x 2 (dp_shard x tp), resumed on 4-way FSDP, on one process, and on
     2 x 2 again: the loss curve is the straight one-process run's. DCP reshards the
-    weights and optimizer state; the checkpoint's manifest and optimizer layout follow."""
+    weights and optimizer state; the checkpoint's manifest and optimizer layout follow.
+    The last checkpoint, written by 2 x 2 ranks, exports to a transformers Llama."""
     run = tmp_path / "chain"
     (mesh_jobs["chain"]).rename(run)  # the shared launch's first leg, moved to a path of its own
     resume = [*CHAIN, f"resume={run}", f"hydra.run.dir={run}"]
@@ -133,6 +134,11 @@ def test_checkpoint_reshards_across_layouts(mesh_jobs, tmp_path):
     assert [r["step"] for r in read_rows(run) if "train/loss" in r] == list(range(1, 9))
     # fp32, and each leg equals one process up to summation order (TOL["fp32"])
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL["fp32"], (got, want)
+    # the last checkpoint, saved on 2 x 2, exports to transformers (export_hf checks the logits itself)
+    from .test_export import _export_module
+
+    _export_module().main([str(run), str(tmp_path / "hf")])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
 def _free_port() -> int:

@@ -208,10 +208,11 @@ def test_a_layout_limit_refuses_its_recipe_on_its_dimension_only():
                     "rank; use precision=fp8.") and one_sentence(said)
     assert layout_limit_problem(delayed, MeshShape(2, 2, 1), lim) is None
     assert layout_limit_problem(make_cfg("precision=fp8").precision, MeshShape(1, 2, 2), lim) is None
+    every_dim = ["parallel=fsdp_tp", "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.tp=2",
+                 "model.n_head=4", "precision=fp8"]  # 2 x 2 x 2 on 8 ranks: each entry's dimension is split
     for entry in LAYOUT_LIMITS:  # each entry the project keeps refuses through the start-up check
-        with pytest.raises(ConfigError):
-            validate(make_cfg(*TP4, "precision=fp8", f"precision.fp8.recipe={entry.recipe}",
-                              f"parallel.{entry.dim}=2", "parallel.tp=2" if entry.dim == "tp" else "parallel.tp=1"), 4)
+        said = refusal(*every_dim, f"precision.fp8.recipe={entry.recipe}", world=8)
+        assert said.startswith(f"precision.fp8.recipe={entry.recipe} cannot run with parallel."), said
 
 
 # ------------------------------------------------------------------ train.py as a user types it

@@ -203,13 +203,14 @@ layout limits known; an entry goes here when a recipe is found that a mesh
 dimension cannot carry and that cannot be made to (the precision work of #41 decides)."""
 
 
-def layout_limit_problem(p: Any, shape: MeshShape, limits: tuple[LayoutLimit, ...] = LAYOUT_LIMITS) -> Optional[str]:
+def layout_limit_problem(p: Any, shape: MeshShape,
+                         limits: Optional[tuple[LayoutLimit, ...]] = None) -> Optional[str]:
     """Why precision section ``p``'s float8 recipe cannot run on mesh ``shape``
-    (the first of ``limits`` that applies), or None."""
+    (the first of ``limits``, default :data:`LAYOUT_LIMITS`, that applies), or None."""
     if not p.fp8.enabled:
         return None
     recipe = p.fp8.recipe.value
-    for lim in limits:
+    for lim in LAYOUT_LIMITS if limits is None else limits:
         size = getattr(shape, lim.dim)
         if lim.recipe == recipe and size > 1:
             return f"precision.fp8.recipe={recipe} cannot run with parallel.{lim.dim}={size}: {lim.why}; {lim.fix}."

@@ -87,12 +87,12 @@ def test_the_fixes_the_mesh_refusals_name_are_accepted():
 
 DIVISIBILITY = [
     (["parallel=fsdp_tp"],  # the preset's tp 0: all 4 ranks of the node; gpt-nano has 2 heads
-     "parallel.tp=4 does not divide model.n_head=2: each rank computes whole attention heads; use a parallel.tp "
-     "that divides 2, or set model.n_head to a multiple of 4."),
-    (["model=llama-nano", "parallel=fsdp_tp"],  # 4 query heads, 2 key/value heads
-     "parallel.tp=4 does not divide model.n_kv_head=2: each rank holds whole key/value heads; use a parallel.tp "
-     "that divides 2, or set model.n_kv_head to a multiple of 4."),
-    (["model=llama-nano", "parallel=fsdp_tp", "model.n_kv_head=4", "model.ffn_hidden=190"],
+     "parallel.tp=0 (the ranks of one node: 4) does not divide model.n_head=2: each rank computes whole attention "
+     "heads; use a parallel.tp that divides 2, or set model.n_head to a multiple of 4."),
+    (["model=llama-nano", "parallel=fsdp_tp", "parallel.dp_shard=1", "parallel.tp=-1"],  # 4 query heads, 2 kv
+     "parallel.tp=-1 (the rest of the world: 4) does not divide model.n_kv_head=2: each rank holds whole key/value "
+     "heads; use a parallel.tp that divides 2, or set model.n_kv_head to a multiple of 4."),
+    (["model=llama-nano", "parallel=fsdp_tp", "parallel.tp=4", "model.n_kv_head=4", "model.ffn_hidden=190"],
      "parallel.tp=4 does not divide the SwiGLU hidden size 190 (model.ffn_hidden, or Llama's rule): each rank holds "
      "an equal share of the MLP width; use a parallel.tp that divides 190, or set model.ffn_hidden to a multiple "
      "of 4."),

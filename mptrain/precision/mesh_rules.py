@@ -77,17 +77,27 @@ def validate(cfg: Any, world_size: int) -> None:
     shape = mesh_shape(cfg.parallel, world_size)
     problem = layout_limit_problem(cfg.precision, shape)
     if not problem and shape.tp > 1:
-        problem = divisibility_problem(cfg, shape.tp) or _blocks_refusal(cfg, shape.tp, world_size)
+        said = tp_said(int(cfg.parallel.tp), shape.tp)
+        problem = divisibility_problem(cfg, shape.tp, said) or _blocks_refusal(cfg, shape.tp, world_size, said)
     if problem:
         raise ConfigError(problem)
 
 
-def divisibility_problem(cfg: Any, tp: int) -> Optional[str]:
+def tp_said(given: int, tp: int) -> str:
+    """``parallel.tp`` as a refusal names it: with the size it stands for when
+    the config says 0 (the ranks of a node) or -1 (the rest of the world)."""
+    if given == tp:
+        return f"parallel.tp={tp}"
+    return f"parallel.tp={given} ({'the ranks of one node' if given == 0 else 'the rest of the world'}: {tp})"
+
+
+def divisibility_problem(cfg: Any, tp: int, said: str = "") -> Optional[str]:
     """Why ``tp`` ranks cannot split the model's heads, key/value heads, MLP
     width, vocabulary (``model.vocab_size`` when set; the tokenizer's padded one
     is checked when the data is read, :func:`vocab_problem`) or, with sequence
-    parallelism, its training windows; None if they can."""
-    m = cfg.model
+    parallelism, its training windows; None if they can. ``said``: how the
+    refusal names the tp (:func:`tp_said`)."""
+    m, said = cfg.model, said or f"parallel.tp={tp}"
     llama, n_head = family_of(m) == "llama", int(m.n_head)
     # (the size, how the refusal names it, why tp must divide it, the other fix)
     rules = [(n_head, f"model.n_head={n_head}", "each rank computes whole attention heads",
@@ -107,21 +117,22 @@ def divisibility_problem(cfg: Any, tp: int) -> Optional[str]:
                       "training window over the tp ranks", "set parallel.sequence_parallel=false"))
     for n, label, why, fix in rules:
         if n % tp:
-            return f"parallel.tp={tp} does not divide {label}: {why}; use a parallel.tp that divides {n}, or {fix}."
-    return vocab_problem(int(m.vocab_size), tp) if m.vocab_size else None
+            return f"{said} does not divide {label}: {why}; use a parallel.tp that divides {n}, or {fix}."
+    return vocab_problem(int(m.vocab_size), tp, said=said) if m.vocab_size else None
 
 
-def vocab_problem(vocab: int, tp: int, tokenizer_vocab: Optional[int] = None) -> Optional[str]:
+def vocab_problem(vocab: int, tp: int, tokenizer_vocab: Optional[int] = None, said: str = "") -> Optional[str]:
     """Why ``tp`` ranks cannot split a vocabulary of ``vocab`` rows, or None.
     ``tokenizer_vocab``: the rows were the tokenizer's ids rounded up to 64
-    (``model.vocab_size`` null), said so in the refusal."""
+    (``model.vocab_size`` null), said so in the refusal; ``said``: as for
+    :func:`divisibility_problem`."""
     if vocab % tp == 0:
         return None
-    at_least = tokenizer_vocab or vocab
+    at_least, said = tokenizer_vocab or vocab, said or f"parallel.tp={tp}"
     fit = math.ceil(at_least / tp) * tp
     rows = (f"the vocabulary's {vocab} rows (the tokenizer's {tokenizer_vocab} ids rounded up to 64)"
             if tokenizer_vocab else f"model.vocab_size={vocab}")
-    return (f"parallel.tp={tp} does not divide {rows}: the embedding and the output head split their rows over the "
+    return (f"{said} does not divide {rows}: the embedding and the output head split their rows over the "
             f"tp ranks; set model.vocab_size to a multiple of {tp} of at least {at_least} (e.g. "
             f"model.vocab_size={fit}), or use a parallel.tp that divides {vocab}.")
 
@@ -169,7 +180,7 @@ def blocks_problem(cfg: Any, tp: int) -> Optional[tuple[str, SplitLinear, str]]:
     return None
 
 
-def _blocks_refusal(cfg: Any, tp: int, world_size: int) -> Optional[str]:
+def _blocks_refusal(cfg: Any, tp: int, world_size: int, said: str) -> Optional[str]:
     """:func:`blocks_problem` as one sentence, with a smaller tp that fits (if one does)."""
     found = blocks_problem(cfg, tp)
     if found is None:
@@ -178,7 +189,7 @@ def _blocks_refusal(cfg: Any, tp: int, world_size: int) -> Optional[str]:
     n_in, n_out = s.per_rank(tp)
     fits = [t for t in range(tp - 1, 0, -1)
             if world_size % t == 0 and not divisibility_problem(cfg, t) and not blocks_problem(cfg, t)]
-    return (f"{key} under parallel.tp={tp}: a rank holds {s.path} ({s.what}, split by "
+    return (f"{key} under {said}: a rank holds {s.path} ({s.what}, split by "
             f"{'output' if s.colwise else 'input'} features) as a {n_in} -> {n_out} linear, where {problem}, so the "
             f"recipe's blocks would straddle the tensor-parallel shards; use parallel.tp={fits[0]}, or a recipe "
             "with smaller blocks.")

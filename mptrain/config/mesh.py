@@ -52,6 +52,22 @@ def _mode(pcfg: Any) -> str:
     return str(getattr(name, "value", name))
 
 
+# Why a wrapper without a mesh cannot take mesh sizes, for the one-line refusal.
+_NO_MESH = {"none": "parallel=none runs one process without a wrapper",
+            "ddp": "parallel=ddp keeps a whole model on every rank",
+            "fsdp1": "parallel=fsdp1 (FSDP1) takes no device mesh"}
+
+
+def _no_mesh(mode: str, odd: dict) -> str:
+    """The refusal of mesh sizes on ``ddp``/``fsdp1``/``none``, with the FSDP2
+    preset that carries them (every FSDP2 preset takes any sizes)."""
+    sizes = " ".join(f"parallel.{d}={v}" for d, v in odd.items())
+    keys = " and ".join(f"parallel.{d}" for d in odd)
+    preset = "fsdp_tp" if "tp" in odd else "hsdp" if "dp_replicate" in odd else "fsdp"
+    return (f"{sizes} needs an FSDP2 device mesh, and {_NO_MESH[mode]}: use parallel={preset} {sizes}, "
+            f"or leave {keys} at {'its default' if len(odd) == 1 else 'their defaults'}.")
+
+
 def ranks_per_node(world: int) -> int:
     """torchrun's ``LOCAL_WORLD_SIZE`` (ranks on this node); the whole world without it."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -64,13 +80,9 @@ def mesh_shape(pcfg: Any, world: int, per_node: int | None = None) -> MeshShape:
     mode = _mode(pcfg)
     given = {d: int(getattr(pcfg, d)) for d in DIMS}
     if mode not in MESH_MODES:
-        odd = [f"parallel.{d}={v}" for d, v in given.items() if v not in ((-1, 1) if d == "dp_shard" else (1,))]
+        odd = {d: v for d, v in given.items() if v not in ((-1, 1) if d == "dp_shard" else (1,))}
         if odd:
-            raise ConfigError(
-                f"{', '.join(odd)} needs an FSDP2 mesh, but parallel={mode} has none"
-                + ("" if mode == "none" else f" ({mode} keeps a whole model per rank)" if mode == "ddp"
-                   else " (FSDP1 does not take a device mesh)")
-                + "; use parallel=hsdp (replicate x shard) or parallel=fsdp_tp (shard x tp).")
+            raise ConfigError(_no_mesh(mode, odd))
         return MeshShape(1, world, 1)  # every rank its own batches (parallel=none on several ranks is refused at setup)
     sizes = {}
     for d, v in given.items():
@@ -88,18 +100,17 @@ def mesh_shape(pcfg: Any, world: int, per_node: int | None = None) -> MeshShape:
         known *= v if v != -1 else 1
     if rest:
         if world % known:
-            raise ConfigError(_mismatch(sizes, world, f"the other sizes' product {known} does not divide it"))
+            others = " x ".join(f"parallel.{d}={v}" for d, v in sizes.items() if d != rest[0])
+            raise ConfigError(f"{others} (= {known}) does not divide the world size {world}, so "
+                              f"parallel.{rest[0]}=-1 has no whole size to take; use sizes whose product divides "
+                              f"{world}.")
         sizes[rest[0]] = world // known
     shape = MeshShape(**sizes)
     if shape.world != world:
-        raise ConfigError(_mismatch(sizes, world, f"their product is {shape.world}"))
+        given = " x ".join(f"parallel.{d}={v}" for d, v in sizes.items())
+        raise ConfigError(f"the mesh {given} = {shape.world} ranks, but the world size is {world}: make the "
+                          f"product equal {world}, or set one size to -1 to take the rest.")
     return shape
-
-
-def _mismatch(sizes: dict, world: int, why: str) -> str:
-    given = " x ".join(f"parallel.{d}={v}" for d, v in sizes.items())
-    return (f"the mesh {given} does not fit {world} rank(s): {why}. Make dp_replicate x dp_shard x tp equal "
-            f"the world size, or set one of them to -1 to take the rest.")
 
 
 def data_world(cfg: Any, world: int) -> int:

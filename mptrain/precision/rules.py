@@ -10,6 +10,7 @@ from typing import Any
 from mptrain.config import checks
 from mptrain.core.errors import ConfigError
 from mptrain.model.families import family_of, family_spec, ffn_hidden
+from mptrain.precision import mesh_rules
 from mptrain.precision.fp8casts import LAB_RECIPES, RECIPES, STAT_ROLES, WHATIFS, lab_operand
 from mptrain.precision.labtrain import lab_recipe, shape_problem
 from mptrain.precision.optimizers import choose
@@ -34,6 +35,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             raise ConfigError(f"monitor.fp8_whatif: the lab recipe {r} cannot be measured ({e}); leave it out.") from None
     _lowp_hidden(cfg)
     _lab_shapes(cfg, world_size)
+    mesh_rules.validate(cfg, world_size)  # what tensor parallelism asks of the model and the blocks
     choose(cfg)  # optimizer combinations that cannot run
 
 

@@ -28,6 +28,7 @@ from mptrain.distributed.parallel import DistContext, wrap
 from mptrain.model.families import build as build_family
 from mptrain.model.families import pretrained_weights
 from mptrain.observe.memory import fit_check
+from mptrain.precision.mesh_rules import vocab_problem
 from mptrain.precision.optimizers import Choice, choose
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
 from mptrain.precision.support import check_precision
@@ -72,6 +73,11 @@ def build_data(cfg: DictConfig, ctx: DistContext, say: Callable[[str], None]) ->
         raise ConfigError(
             f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
             f"({tokens.vocab_size}); leave model.vocab_size=null to take it from the tokenizer.")
+    # The tokenizer's rows are known only now: tensor parallelism splits them (a set model.vocab_size was checked
+    # at start-up, precision/mesh_rules.py); refused before the model is built.
+    problem = vocab_problem(vocab, ctx.shape.tp, None if cfg.model.vocab_size else tokens.vocab_size)
+    if problem:
+        raise ConfigError(problem)
     block = cfg.model.block_size
     # Every window read is checked against the tokenizer's vocabulary (not the padded one).
     train_windows, val_windows = (

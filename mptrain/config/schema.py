@@ -521,7 +521,8 @@ class ParallelConfig:
     tp: int = recorded(1)
     """Tensor-parallel size: each block's heads and MLP width, the embedding
     and the head split over this many ranks, which see the same batch. Must
-    divide the heads, the key/value heads, the MLP width and the vocabulary.
+    divide the heads, the key/value heads, the MLP width, the vocabulary and,
+    with sequence parallelism, ``model.block_size``.
     Keep it inside a node (its collectives run in every block). ``-1``: the
     rest of the world; ``0``: the ranks of one node. FSDP2 wrappers only."""
     sequence_parallel: bool = recorded(True)

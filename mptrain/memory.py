@@ -31,7 +31,7 @@ from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import wants_help
 from mptrain.model.families import adopt_init_from
-from mptrain.observe.memory import estimate, format_table, left_out, micro_batch_of
+from mptrain.observe.memory import estimate, format_table, left_out, mesh_overrides, micro_batch_of
 from mptrain.observe.traffic import format_traffic, traffic
 
 
@@ -61,14 +61,6 @@ def _parse_args(argv: list[str]) -> tuple[dict[str, int], bool, list[str]]:
     return flags, comm, rest
 
 
-def mesh_overrides(flags: dict[str, int]) -> list[str]:
-    """``--tp`` and ``--replicate`` as the ``parallel.*`` overrides they stand
-    for; ``dp_shard`` then takes the rest of the world."""
-    out = [f"parallel.tp={flags['tp']}"] if "tp" in flags else []
-    out += [f"parallel.dp_replicate={flags['replicate']}"] if "replicate" in flags else []
-    return out + (["parallel.dp_shard=-1"] if out else [])
-
-
 def main(argv: list[str]) -> None:
     """``python -m mptrain.memory <overrides> [--world N] [--tp T] [--replicate R]
     [--per-node P] [--vocab V] [--comm]``: the estimate as a table. A bad
@@ -79,7 +71,7 @@ def main(argv: list[str]) -> None:
     try:
         flags, comm, rest = _parse_args(argv)
         world = flags.get("world", 1)
-        cfg = compose_checked([*rest, *mesh_overrides(flags)])
+        cfg = compose_checked([*rest, *mesh_overrides(flags.get("tp"), flags.get("replicate"))])
         adopt_init_from(cfg.model)  # the model a run from model.init_from would build
         vocab = flags.get("vocab") or cfg.model.vocab_size or 4096
         mesh = mesh_shape(cfg.parallel, world, flags.get("per_node", world))

@@ -328,6 +328,14 @@ def layout(cfg, world: int, mesh: Optional[MeshShape] = None) -> MeshShape:
     return mesh or mesh_shape(cfg.parallel, world)
 
 
+def mesh_overrides(tp: Optional[int], replicate: Optional[int]) -> list[str]:
+    """The ``parallel.*`` overrides the commands' ``--tp`` and ``--replicate``
+    stand for (either may be None: not given); ``dp_shard`` then takes the rest."""
+    out = [f"parallel.tp={tp}"] if tp else []
+    out += [f"parallel.dp_replicate={replicate}"] if replicate else []
+    return out + (["parallel.dp_shard=-1"] if out else [])
+
+
 def micro_batch_of(cfg, world: int, mesh: Optional[MeshShape] = None) -> int:
     """Sequences per forward on each rank: ``train.micro_batch_size``, else the
     rank's share of the global batch (no accumulation) over the data-parallel

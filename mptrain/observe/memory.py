@@ -167,7 +167,8 @@ def tp_dims(model) -> dict[str, Optional[int]]:
                 split.update({f"blocks.{i}.{path}.weight": 0, f"blocks.{i}.{path}.bias": 0})
             elif isinstance(style, RowwiseParallel):
                 split[f"blocks.{i}.{path}.weight"] = 1
-    return {name: split.get(name) for name, _ in model.named_parameters()}
+    # every name, a tied head's too (named_parameters() lists a shared tensor once)
+    return {name: split.get(name) for name, _ in model.named_parameters(remove_duplicate=False)}
 
 
 def tp_shape(shape: tuple[int, ...], dim: Optional[int], tp: int) -> tuple[int, ...]:

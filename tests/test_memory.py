@@ -561,6 +561,11 @@ def test_fsdp_traffic_by_hand():
                               ("dp_shard", "reduce_scatter", "fp32"): (5, (2 * (lin + norms) + root) * 4)}
 
 
+def cfg_args(sp: bool) -> list[str]:
+    return ["model=llama-nano", "parallel=fsdp_tp", "parallel.tp=2", "parallel.dp_shard=-1",
+            f"parallel.sequence_parallel={str(sp).lower()}", *BATCH]
+
+
 @pytest.mark.parametrize("sp", [True, False])
 def test_tensor_parallel_traffic_by_hand(sp):
     """llama-nano bf16 on tp=2, two micro-batches of 2 x 64 tokens: u = 2 x 64 x 64
@@ -572,9 +577,7 @@ def test_tensor_parallel_traffic_by_hand(sp):
     the head's input gradient and, under SP, the final norm's gather, the
     embedding gradient's gather and the 5 norm weights' gradients (64 fp32).
     monitor.comm counted the same calls and bytes on 2 gloo ranks."""
-    cfg = make_cfg("model=llama-nano", "parallel=fsdp_tp", "parallel.tp=2", "parallel.dp_shard=-1",
-                   f"parallel.sequence_parallel={str(sp).lower()}", *BATCH, tiny=False)
-    mesh, flows = _flows(cfg, 2)
+    mesh, flows = _flows(make_cfg(*cfg_args(sp), tiny=False), 2)
     assert (mesh.dp_shard, mesh.tp) == (1, 2)  # nothing to shard: FSDP2 issues nothing on a 1-rank dimension
     mb, u, L = 2, 2 * 64 * 64, 2
     logits = (mb, mb * 2 * 64 * 4096 * 2)
@@ -590,6 +593,14 @@ def test_tensor_parallel_traffic_by_hand(sp):
         want[("tp", "all_gather", "bf16")] = logits
         want[("tp", "all_reduce", "bf16")] = (2 * L * mb, 2 * L * mb * u * 2)
     assert _totals(flows) == want
+    # Checkpointed blocks recompute their forward in the backward pass, its collectives with it,
+    # but for the MLP's output reduction (recomputation stops at the last tensor the backward
+    # needs): monitor.comm counted 12 reduce-scatters for 8 and 20 fp32 gathers for 12 with SP.
+    _, again = _flows(make_cfg(*cfg_args(sp), "train.activation_checkpointing=block", tiny=False), 2)
+    out = ("tp", "reduce_scatter", "bf16") if sp else ("tp", "all_reduce", "bf16")
+    assert _totals(again)[out] == (3 * L * mb, 3 * L * mb * u * 2)
+    if sp:
+        assert _totals(again)[("tp", "all_gather", "fp32")] == ((4 * L + 2) * mb, (4 * L + 2) * mb * u * 4)
 
 
 def test_hsdp_ddp_and_ring_traffic():

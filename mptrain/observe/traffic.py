@@ -36,7 +36,11 @@ parallelism; docs/distributed.md):
   logits all-gathered (``B x T x vocab``, compute dtype), GPT's fused qkv
   output gathered to whole heads and its gradient reduce-scattered back; under
   sequence parallelism the norms' weight gradients (partial sums over the
-  sequence) are all-reduced once per step.
+  sequence) are all-reduced once per step. Checkpointed blocks
+  (``train.activation_checkpointing=block``) run their forward collectives
+  again when the backward pass recomputes them, all but the last (torch's
+  non-reentrant checkpoint stops recomputing at the last tensor the backward
+  needs: the MLP's output reduction is not rerun; counted with SP).
 
 Left out: scalars (the loss and gradient-norm reductions, float8 amax
 all-reduces), the checks' and monitors' own collectives, and which linears a
@@ -177,23 +181,32 @@ def _tensor_parallel(cfg, mesh: MeshShape, parts: _Parts, store: str, tokens: in
     fused = family_of_model(model) == "gpt"  # qkv gathered to whole heads, its gradient scattered back
     sp = bool(cfg.parallel.sequence_parallel)
     bc, br = BYTES[c], BYTES[r]
+    # A checkpointed block runs its forward again in the backward pass, collectives included,
+    # up to the last tensor the backward needs: the MLP's output reduction is not rerun.
+    ckpt = cfg.train.activation_checkpointing.value == "block"
+    fwd, halves = (2, 3) if ckpt else (1, 2)
+    again = " (again in the recompute of checkpointed blocks)" if ckpt else ""
+    redo = " (the attention half's again in the recompute)" if ckpt else ""
     ag_c, rs_c = [("logits (B x T x vocab)", accum, tokens * vocab * bc)], []
     if fused:
-        ag_c.append(("GPT's fused qkv output, to whole heads", L * accum, L * 3 * u * bc))
+        ag_c.append((f"GPT's fused qkv output, to whole heads{again}", fwd * L * accum, fwd * L * 3 * u * bc))
         rs_c.append(("GPT's fused qkv gradient", L * accum, L * 3 * u * bc))
     ar_r = [("each fan-out linear's input gradient (backward)", fan_out * L * accum, fan_out * L * u * br),
             ("embedding output (vocabulary-split table)", accum, u * br)]
     rows = []
     if sp:
-        rows += [("all_gather", r, "norm outputs before each half, final norm, embedding gradient",
-                  (2 * L + 2) * accum, (2 * L + 2) * u * br),
+        rows += [("all_gather", r, f"norm outputs before each half (forward){again}", fwd * 2 * L * accum,
+                  fwd * 2 * L * u * br),
+                 ("all_gather", r, "final norm output, embedding gradient", 2 * accum, 2 * u * br),
                  ("all_gather", c, "each half's output gradient (backward)", 2 * L * accum, 2 * L * u * bc),
-                 ("reduce_scatter", c, "each half's output (forward)", 2 * L * accum, 2 * L * u * bc),
+                 ("reduce_scatter", c, f"each half's output (forward){redo}", halves * L * accum,
+                  halves * L * u * bc),
                  ("reduce_scatter", r, "the head's input gradient", accum, u * br),
                  ("all_reduce", r, "norm weight gradients (partial over the sequence), once per step",
                   parts.n_norm_params, parts.replicated * br)]
     else:
-        rows += [("all_reduce", c, "each half's output (forward)", 2 * L * accum, 2 * L * u * bc)]
+        rows += [("all_reduce", c, f"each half's output (forward){redo}", halves * L * accum,
+                  halves * L * u * bc)]
         ar_r.append(("the head's input gradient", accum, u * br))
     rows += [("all_gather", c, *x) for x in ag_c] + [("reduce_scatter", c, *x) for x in rs_c]
     rows += [("all_reduce", r, *x) for x in ar_r]

@@ -82,13 +82,14 @@ from mptrain.advice.probe import (
 )
 from mptrain.advice.rules import Advice, Thresholds, advise, smallest_option
 from mptrain.config.checks import compose_checked
+from mptrain.config.mesh import MESH_MODES
 from mptrain.core.errors import ConfigError, DiskError, UserError
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import duration, wants_help
 from mptrain.data.batches import padded_vocab
 from mptrain.data.tokenizers import ByteTokenizer
 from mptrain.model.families import adopt_init_from
-from mptrain.observe.memory import mesh_overrides, micro_batch_of
+from mptrain.observe.memory import layout, mesh_overrides, micro_batch_of
 from mptrain.observe.perf import device_key, flops_per_token, predict_pace
 from mptrain.precision import labtrain
 from mptrain.precision.rules import validate
@@ -335,7 +336,10 @@ class Advisor:
         pace = predict_pace(str(self.device), {"fp32": flops}, micro_batch_of(cfg, a.world) * cfg.model.block_size,
                             cfg.model.d_model)
         per_step = pace.fp32_seconds_per_token * cfg.train.global_batch_size * cfg.model.block_size / a.world
-        self.say(f"advise: model={cfg.model.name} on {a.world} rank(s), target {self.target_name}; "
+        mesh = layout(cfg, a.world)
+        on = f"{a.world} rank(s)" + (f", mesh {mesh.text()} (the probe trains without it)"
+                                     if cfg.parallel.name.value in MESH_MODES and mesh.world > 1 else "")
+        self.say(f"advise: model={cfg.model.name} on {on}, target {self.target_name}; "
                  f"probe {a.steps} steps (monitored every {every_for(a.steps)}), float8 tensorwise linears with "
                  f"the rowwise and MX block casts" + (f" and the lab's {', '.join(a.lab)}" if a.lab else "")
                  + " as what-ifs" + (f"; then --confirm: 2 runs of {a.confirm} steps" if a.confirm else ""))

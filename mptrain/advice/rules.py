@@ -600,9 +600,9 @@ def layout_plan(facts: Facts, recipe: str, preset: str, chosen: bool) -> Optiona
     parts = [float8_gather_text(recipe, chosen, m)]
     breaks = block_breaks(facts, m["tp"])
     for fmt, bad in breaks.items():
-        parts.append(f"{fmt} blocks of {BLOCK_OF[fmt]} under tp={m['tp']}: "
-                     + (f"straddle TP shards in {len(bad)} linear(s): {', '.join(bad[:4])}"
-                        + (", ..." if len(bad) > 4 else "") if bad else "every converted linear's per-rank width divides"))
+        said = (f"straddle TP shards in {len(bad)} linear(s): {', '.join(bad[:4])}" + (", ..." if len(bad) > 4 else "")
+                if bad else "every converted linear's per-rank width divides")
+        parts.append(f"{fmt} blocks of {BLOCK_OF[fmt]} under tp={m['tp']}: {said}")
     comm = lay.comm.get(preset)
     if comm:
         parts.append(f"communication per step per rank under precision={preset}, on paper (payload; "

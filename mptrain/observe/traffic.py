@@ -60,8 +60,8 @@ from mptrain.distributed.tensor_parallel import block_plan, family_of_model
 from mptrain.observe.memory import BYTES, layout, meta_model, micro_batch_of, shard_numel, tp_dims, tp_shape
 from mptrain.precision.optimizers import choose
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 FP8_ALL_GATHER = "float8_e4m3"
+"""The dtype tensorwise float8 weights are all-gathered in (1 byte)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,9 @@ class Flow:
     """``all_gather``, ``reduce_scatter`` or ``all_reduce``."""
     dtype: str
     what: str
+    """Which tensors, in words."""
     calls: int
+    """Collectives per step."""
     payload: int
     """Bytes: the full-size side of each call, summed."""
 
@@ -99,6 +101,7 @@ class _Parts:
 
 
 def _parts(model, tp: int) -> _Parts:
+    """:class:`_Parts` of ``model`` (unwrapped, meta) on one of ``tp`` ranks."""
     dims = tp_dims(model)
     part = {name: tp_shape(tuple(p.shape), dims[name], tp) for name, p in model.named_parameters()}
     linear = {f"{n}.{pn}" for n, mod in model.named_modules() if isinstance(mod, nn.Linear) and n.startswith("blocks.")
@@ -128,7 +131,7 @@ def traffic(cfg, vocab: int, world: int, micro_batch: Optional[int] = None,
     if mode == "ddp":
         n = sum(math.prod(tuple(t.shape)) for t in model.parameters())
         return [Flow("dp", "all_reduce", reduce, "gradients (DDP buckets)", 1, n * BYTES[reduce])]
-    if mode not in MESH_MODES:  # fsdp1: flat shards over the whole world, the same volumes as FSDP2
+    if mode not in MESH_MODES:  # fsdp1: flat shards over the whole world, about FSDP2's volumes
         mesh = MeshShape(1, world, 1)
     parts = _parts(model, mesh.tp)
     flows = _fsdp(cfg, mesh, parts, store, accum, model)

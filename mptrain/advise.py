@@ -1,11 +1,13 @@
 """Which precision to train in, decided from your model's own numbers: ``python -m mptrain.advise``.
 
-    python -m mptrain.advise [train.py's overrides...] [--steps N] [--budget-gib G] [--world W]
+    python -m mptrain.advise [train.py's overrides...] [--steps N] [--budget-gib G] [--world W] [--tp T]
+                             [--replicate R]
                              [--target cpu|v100|a100|a10g|l4|l40s|h100|h100-pcie|h200|b200] [--confirm K]
                              [--lab RECIPE,RECIPE,...]
     python -m mptrain.advise model=gpt-mini --target h100 --budget-gib 40
     python -m mptrain.advise model=gpt-mini --lab nvfp4,nvfp4_4over6,mxfp6_e2m3,mxfp6_e3m2
     torchrun --standalone --nproc_per_node=2 -m mptrain.advise parallel=fsdp --world 2
+    python -m mptrain.advise model=llama-1b parallel=fsdp_tp --world 64 --tp 2 --replicate 8 --target h100
 
 Prints its plan and a time estimate, runs a short probe of the model and data
 those overrides name (``--steps``, default 30; the monitors on every few
@@ -36,6 +38,13 @@ beside the float8 candidates; the answer ranks them by the noise their casts
 add to each linear and prints the best as a command line
 (``precision=lab precision.lab.recipe=...``). Lab recipes are emulated: the
 ranking is about numerics, not speed, and ``--confirm`` does not train them.
+``--tp``, ``--replicate`` (or ``parallel.*`` overrides): the device mesh
+of ``--world`` ranks to advise for (``dp_shard`` takes the rest). The probe
+and ``--confirm`` still train on the launch's own ranks (the mesh sizes
+dropped, ``hsdp``/``fsdp_tp`` read as ``fsdp``); the mesh changes the
+answer: the memory per rank, whether the float8 recipe can all-gather in
+float8, whether MX and NVFP4 blocks fit each linear's per-rank width, and the
+advised configuration's bytes per step per mesh dimension, on paper.
 The rules and their thresholds: docs/advise.md.
 """
 from __future__ import annotations
@@ -45,7 +54,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -59,6 +68,7 @@ from mptrain.advice.probe import (
     candidates,
     every_for,
     finished_summary,
+    layout_facts,
     linear_shapes,
     probe_overrides,
     read_facts,
@@ -68,16 +78,18 @@ from mptrain.advice.probe import (
     target_to_json,
     user_part,
     wait_for,
+    without_mesh,
 )
 from mptrain.advice.rules import Advice, Thresholds, advise, smallest_option
 from mptrain.config.checks import compose_checked
+from mptrain.config.mesh import MESH_MODES
 from mptrain.core.errors import ConfigError, DiskError, UserError
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import duration, wants_help
 from mptrain.data.batches import padded_vocab
 from mptrain.data.tokenizers import ByteTokenizer
 from mptrain.model.families import adopt_init_from
-from mptrain.observe.memory import micro_batch_of
+from mptrain.observe.memory import layout, mesh_overrides, micro_batch_of
 from mptrain.observe.perf import device_key, flops_per_token, predict_pace
 from mptrain.precision import labtrain
 from mptrain.precision.rules import validate
@@ -97,10 +109,12 @@ class Args:
     confirm: int = 0
     overrides: tuple[str, ...] = ()
     lab: tuple[str, ...] = ()
+    tp: Optional[int] = None
+    replicate: Optional[int] = None
 
 
 _FLAGS = {"--steps": int, "--budget-gib": float, "--world": int, "--target": str, "--confirm": int,
-          "--lab": str}
+          "--lab": str, "--tp": int, "--replicate": int}
 
 
 def lab_names(value: str) -> tuple[str, ...]:
@@ -137,6 +151,7 @@ def parse_args(argv: list[str]) -> Args:
                               f"{'cpu' if name == '--target' else 8}.") from None
         got[name[2:].replace("-", "_")] = lab_names(v) if name == "--lab" else v
     world = got.pop("world", int(os.environ.get("WORLD_SIZE", "1")))
+    rest += mesh_overrides(got.get("tp"), got.get("replicate"))
     return Args(world=world, overrides=tuple(rest), **got)
 
 
@@ -217,6 +232,7 @@ class StopOnSignal:
 def command_line(args: Args) -> str:
     """``args`` as one canonical command line, without ``hydra.run.dir``: what a rerun must repeat."""
     flags = [f"--steps {args.steps}", f"--world {args.world}", f"--confirm {args.confirm}",
+             *([f"--tp {args.tp}"] if args.tp else []), *([f"--replicate {args.replicate}"] if args.replicate else []),
              *([f"--budget-gib {args.budget_gib:g}"] if args.budget_gib is not None else []),
              *([f"--target {args.target}"] if args.target else [])]
     return " ".join([*(o for o in args.overrides if not o.startswith("hydra.run.dir=")), *flags])
@@ -320,7 +336,10 @@ class Advisor:
         pace = predict_pace(str(self.device), {"fp32": flops}, micro_batch_of(cfg, a.world) * cfg.model.block_size,
                             cfg.model.d_model)
         per_step = pace.fp32_seconds_per_token * cfg.train.global_batch_size * cfg.model.block_size / a.world
-        self.say(f"advise: model={cfg.model.name} on {a.world} rank(s), target {self.target_name}; "
+        mesh = layout(cfg, a.world)
+        on = f"{a.world} rank(s)" + (f", mesh {mesh.text()} (the probe trains without it)"
+                                     if cfg.parallel.name.value in MESH_MODES and mesh.world > 1 else "")
+        self.say(f"advise: model={cfg.model.name} on {on}, target {self.target_name}; "
                  f"probe {a.steps} steps (monitored every {every_for(a.steps)}), float8 tensorwise linears with "
                  f"the rowwise and MX block casts" + (f" and the lab's {', '.join(a.lab)}" if a.lab else "")
                  + " as what-ifs" + (f"; then --confirm: 2 runs of {a.confirm} steps" if a.confirm else ""))
@@ -361,7 +380,8 @@ class Advisor:
         self.target = target_from_json(json.loads((run_dir / "target.json").read_text()))
         vocab = int(OmegaConf.load(probe_dir / "config.yaml").run_info.vocab_size)
         self.options = state_options(self.candidates, self.args.world, vocab)  # with the tokenizer's real vocab
-        self.facts = read_facts(probe_dir, self.cfg, self.args.world, self.options, self.args.lab)
+        self.facts = replace(read_facts(probe_dir, self.cfg, self.args.world, self.options, self.args.lab),
+                             layout=layout_facts(self.cfg, self.candidates, self.args.world, vocab))
         self.say(f"advise: probe done in {duration(self.probe_s)} ({summary['steps']} steps, "
                  f"{self.facts.monitored_steps} monitored; {probe_dir})")
 
@@ -372,7 +392,8 @@ class Advisor:
         baseline = "bf16" if verdicts(self.device, check_fp8=False)["bf16"].status == "native" else "fp32"
         advised = {o.split("=", 1)[0] for o in advice.overrides}
         # (a stop before step K would leave the comparison incomplete: train.stop_after and audit_only are dropped)
-        keep = user_part(self.overrides, drop=("precision", "hydra.run.dir", "train.max_steps", "train.eval_every",
+        keep = user_part(without_mesh(self.overrides), drop=(
+                             "precision", "hydra.run.dir", "train.max_steps", "train.eval_every",
                                                "resume.source", "checkpoint.at_end", "train.stop_after",
                                                "train.audit_only", *advised))
         # auto: a rerun of an interrupted advise continues from the checkpoint the signal saved

@@ -1,7 +1,9 @@
 """How much memory a configuration needs per rank: ``python -m mptrain.memory <overrides> [--world N]``.
 
-    python -m mptrain.memory [train.py's overrides...] [--world N] [--vocab V]
+    python -m mptrain.memory [train.py's overrides...] [--world N] [--tp T] [--replicate R]
+                             [--per-node P] [--vocab V] [--comm]
     python -m mptrain.memory model=gpt-6.7b precision=bf16 parallel=fsdp --world 8
+    python -m mptrain.memory model=llama-8b precision=bf16 parallel=fsdp_tp --world 64 --tp 2 --replicate 8 --comm
 
 Prints, per rank, the bytes (GiB and bytes per parameter) of the weights,
 gradients, Adam moments, Kahan buffers, gathered copies and activations of a
@@ -9,62 +11,87 @@ training step under that config: the same estimate the trainer checks before
 it allocates (``train.memory_check``). Under the table: what the estimate
 leaves out (the framework's own memory, measured in this process; allocator
 slack; transient buffers; the data), and where a run reports its measured
-peak. ``--world``: the number of ranks
-(default 1); ``--vocab``: the embedding rows when ``model.vocab_size`` is
-unset (default 4096). Nothing is built or allocated.
+peak. ``--world``: the number of ranks (default 1); ``--tp``, ``--replicate``:
+the mesh's tensor-parallel and replicate sizes (``parallel.tp``,
+``parallel.dp_replicate``; ``dp_shard`` takes the rest), for ``parallel=fsdp``,
+``hsdp`` or ``fsdp_tp`` (the config's own ``parallel.*`` sizes otherwise);
+``--per-node``: ranks per node, for the sizes 0 means (default: the whole
+world on one node); ``--comm``: also the communication volume of one step
+per mesh dimension, on paper (``mptrain/observe/traffic.py``); ``--vocab``:
+the embedding rows when ``model.vocab_size`` is unset (default 4096).
+Nothing is built or allocated.
 """
 from __future__ import annotations
 
 import sys
 
 from mptrain.config.checks import compose_checked
+from mptrain.config.mesh import MESH_MODES, mesh_shape
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import wants_help
 from mptrain.model.families import adopt_init_from
-from mptrain.observe.memory import estimate, format_table, left_out, micro_batch_of
+from mptrain.observe.memory import estimate, format_table, left_out, mesh_overrides, micro_batch_of
+from mptrain.observe.traffic import format_traffic, traffic
 
 
-def _parse_args(argv: list[str]) -> tuple[int, int | None, list[str]]:
-    """(``--world``, ``--vocab``, the Hydra overrides); a bad flag is a ConfigError."""
+_FLAGS = ("--world", "--vocab", "--tp", "--replicate", "--per-node")
+
+
+def _parse_args(argv: list[str]) -> tuple[dict[str, int], bool, list[str]]:
+    """(the numeric flags by name without dashes, ``--comm``, the Hydra
+    overrides); a bad flag is a ConfigError."""
     flags: dict[str, int] = {}
     rest = []
+    comm = False
     it = iter(argv)
     for a in it:
         name, eq, given = a.partition("=")
-        if name not in ("--world", "--vocab"):
+        if a == "--comm":
+            comm = True
+            continue
+        if name not in _FLAGS:
             rest.append(a)
             continue
         value = given if eq else next(it, None)
         if value is None or not value.isdigit() or int(value) < 1:
             raise ConfigError(f"{name} needs a positive whole number (got {value!r}); "
                               f"e.g. python -m mptrain.memory model=gpt-small {name} 8.")
-        flags[name] = int(value)
-    return flags.get("--world", 1), flags.get("--vocab"), rest
+        flags[name[2:].replace("-", "_")] = int(value)
+    return flags, comm, rest
 
 
 def main(argv: list[str]) -> None:
-    """``python -m mptrain.memory <overrides> [--world N] [--vocab V]``: the
-    estimate as a table. A bad argument is one line on stderr and exit code 2."""
+    """``python -m mptrain.memory <overrides> [--world N] [--tp T] [--replicate R]
+    [--per-node P] [--vocab V] [--comm]``: the estimate as a table. A bad
+    argument is one line on stderr and exit code 2."""
     if wants_help(argv):
         print(__doc__.strip())
         return
     try:
-        world, vocab, rest = _parse_args(argv)
-        cfg = compose_checked(rest)
+        flags, comm, rest = _parse_args(argv)
+        world = flags.get("world", 1)
+        cfg = compose_checked([*rest, *mesh_overrides(flags.get("tp"), flags.get("replicate"))])
         adopt_init_from(cfg.model)  # the model a run from model.init_from would build
-        vocab = vocab or cfg.model.vocab_size or 4096
-        e = estimate(cfg, vocab, world)
+        vocab = flags.get("vocab") or cfg.model.vocab_size or 4096
+        mesh = mesh_shape(cfg.parallel, world, flags.get("per_node", world))
+        e = estimate(cfg, vocab, world, mesh=mesh)
+        flows = traffic(cfg, vocab, world, mesh=mesh) if comm else []
     except UserError as err:
         print(f"mptrain: {err.one_line()}", file=sys.stderr)
         sys.exit(2)
     state = cfg.optim.state_dtype
-    micro = micro_batch_of(cfg, world)
+    micro = micro_batch_of(cfg, world, mesh)
+    mode = cfg.parallel.name.value
+    on = f" mesh={mesh.text()}" + (" sequence_parallel" if mesh.tp > 1 and cfg.parallel.sequence_parallel else "") \
+        if mode in MESH_MODES else ""
     print(f"memory per rank: model={cfg.model.name} precision={cfg.precision.name} "
           f"optim.state_dtype={getattr(state, 'value', state) or 'null'} "
-          f"parallel={cfg.parallel.name.value} world={world} vocab={vocab} "
+          f"parallel={mode} world={world}{on} vocab={vocab} "
           f"micro_batch={micro}x{cfg.model.block_size} tokens")
     print("\n".join(format_table(e) + left_out(e, micro, cfg.model.block_size, vocab)))
+    if comm:
+        print("\n".join(format_traffic(flows, mesh)))
 
 
 if __name__ == "__main__":

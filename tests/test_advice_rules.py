@@ -17,13 +17,17 @@ from mptrain.advice.rules import (
     PRESET_OF,
     Cast,
     Facts,
+    Layout,
     LinearFacts,
     StateOption,
     Target,
     Thresholds,
     advise,
+    block_breaks,
+    float8_gather_text,
     float8_plan,
     fp16_plan,
+    layout_plan,
     precision_choice,
     risks,
     smallest_option,
@@ -759,3 +763,64 @@ def test_lab_candidates_rank_by_flops_weighted_worst_sqnr():
     d = advise(_with_lab(same, ("B", "A", "C")), H100).lab
     assert d.choice == "B" and "not measured: C" in d.evidence
     assert advise(facts(), H100).lab is None and "lab" not in {x.topic for x in advise(facts(), H100).decisions()}
+
+
+# ---------------------------------------------------------------------- layout
+
+def laid_out(tp: int = 2, shard: int = 4, replicate: int = 1, comm: dict | None = None, **changes) -> Facts:
+    """The healthy facts advised for a mesh: qkv and fc split by output row,
+    the projection by input column, the head (kept out of float8) by vocabulary row."""
+    lay = Layout({"dp_replicate": replicate, "dp_shard": shard, "tp": tp}, tp > 1,
+                 {QKV: 0, FC: 0, PROJ: 1, HEAD: 0}, comm or {})
+    return facts(layout=lay, **changes)
+
+
+def test_no_mesh_no_layout_decision():
+    a = advise(facts(), H100)
+    assert a.layout is None and all(d.topic != "layout" for d in a.decisions())
+
+
+def test_layout_blocks_fit_at_tp2_and_mx_breaks_at_tp4():
+    """Per-rank widths: qkv's 192 outputs, fc's 256, proj's 256 inputs. At tp=2
+    (96, 128, 128) MX's 32 and NVFP4's 16 divide all three; at tp=4 qkv keeps
+    48, which 16 divides and 32 does not. The head is kept out of float8: its
+    split does not count."""
+    two = layout_plan(laid_out(tp=2), "tensorwise", "bf16", False)
+    assert two.choice == "1 x 4 x 2 (dp_replicate x dp_shard x tp)"
+    assert two.evidence.count("every converted linear's per-rank width divides") == 2
+    four = layout_plan(laid_out(tp=4, shard=2), "tensorwise", "bf16", False)
+    assert four.choice.endswith("; MX (mxfp8, mxfp4) blocks do not fit this tp")
+    assert f"MX (mxfp8, mxfp4) blocks of 32 under tp=4: straddle TP shards in 1 linear(s): {QKV} out 192/4=48" \
+        in four.evidence
+    assert "NVFP4 blocks of 16 under tp=4: every converted linear's per-rank width divides" in four.evidence
+    # a width tp does not divide breaks both (192 / 3 = 64 is whole and fits both)
+    assert block_breaks(laid_out(tp=3), 3) == {fmt: [f"{FC} out 256/3=85.3333", f"{PROJ} in 256/3=85.3333"]
+                                               for fmt in ("MX (mxfp8, mxfp4)", "NVFP4")}
+
+
+def test_layout_float8_all_gather_tensorwise_yes_rowwise_no():
+    """Tensorwise's one scale per tensor is known before the gather: FSDP can
+    gather float8 weights, TP float8 activations; rowwise's scales are per row
+    of the operand as the matmul sees it: the gathers stay bf16."""
+    big = laid_out(params=2_000_000_000)
+    a = advise(big, H100)
+    assert a.precision.choice == "float8 (tensorwise)"
+    assert "float8 all-gather with tensorwise: possible with tensorwise" in a.layout.evidence
+    assert "FSDP gathers the float8 weights" in a.layout.evidence and "TP can gather" in a.layout.evidence
+    rowwise = float8_gather_text("rowwise", True, {"dp_replicate": 1, "dp_shard": 4, "tp": 2})
+    assert rowwise.startswith("float8 all-gather with rowwise: not possible")
+    bf16 = float8_gather_text("tensorwise", False, {"dp_replicate": 1, "dp_shard": 4, "tp": 1})
+    assert bf16.startswith("float8 is not advised; were it, possible with tensorwise") and "TP can" not in bf16
+    assert "rowwise and mxfp8 could not" in bf16
+    assert float8_gather_text("tensorwise", True, {"dp_replicate": 8, "dp_shard": 1, "tp": 1}).endswith(
+        "nothing is gathered (dp_shard and tp are 1)")
+
+
+def test_layout_gives_the_advised_presets_bytes_per_dimension():
+    comm = {"bf16": {"dp_shard": 1.5 * 2**30, "tp": 2**31}, "fp8": {"dp_shard": 0.75 * 2**30, "tp": 2**31}}
+    a = advise(laid_out(comm=comm), H100)
+    assert a.precision.choice == "bf16"
+    assert "under precision=bf16, on paper (payload; python -m mptrain.memory --comm): dp_shard 1.5 GiB, tp 2 GiB" \
+        in a.layout.evidence
+    assert "layout" in [d["topic"] for d in a.to_json()["decisions"]]
+    assert a.overrides == advise(facts(), H100).overrides  # the layout changes the text, not the line to paste

@@ -150,6 +150,7 @@ def test_lab_candidates_are_measured_ranked_and_given_as_a_command_line(planted)
     (["--budget-gib", "0.000001"], "no precision and optimizer state fits 1e-06 GiB per rank"),
     (["--budget-gib", "lots"], "--budget-gib needs a positive number (got 'lots')"),
     (["--world", "3"], "world size"),
+    (["parallel=fsdp_tp", "--world", "6", "--tp", "4"], "does not fit 6 rank(s)"),
     (["--frobnicate"], "unknown flag --frobnicate"),
     (["--lab", "mxfp6,nvfp4"], "--lab 'mxfp6,nvfp4': mxfp6 is not a named lab recipe; give one or more of fp8_"),
     (["train.max_stepz=3"], "train.max_stepz"),
@@ -266,3 +267,29 @@ def test_confirm_says_what_its_comparison_measures():
     assert slow == ("loss gap (recommended - baseline): +0.0123 nats/token after 200 steps; speed against the "
                     "baseline: slowdown to 0.13x (7.7x slower); 16.0 against 12.0 bytes/param")
     assert "within noise" in confirm_verdict(0.0, 1.04, 3, (16.0, 12.0), same=False, noise=0.10)
+
+
+def test_the_layout_shapes_the_advice_not_the_probe():
+    """``--tp``/``--replicate`` become the mesh's ``parallel.*`` sizes; the probe
+    and --confirm train without them (plain FSDP over the launch's ranks); the
+    layout's facts hold the mesh, each linear's TP split and each preset's bytes
+    per mesh dimension on paper, float8 tensorwise gathering its linears in
+    float8 over dp_shard (1 byte to bf16's 2) while TP's activations stay as they are."""
+    from mptrain.advice.probe import Candidate, layout_facts, probe_overrides, without_mesh
+    from mptrain.advise import command_line, parse_args
+    from mptrain.config.checks import compose_checked
+
+    a = parse_args([*TINY, "parallel=fsdp_tp", "--world", "8", "--tp", "2", "--replicate", "2"])
+    assert a.overrides[-3:] == ("parallel.tp=2", "parallel.dp_replicate=2", "parallel.dp_shard=-1")
+    assert "--tp 2 --replicate 2" in command_line(a)
+    probe = probe_overrides(list(a.overrides), MIN_STEPS, "cpu")
+    assert "parallel=fsdp" in probe and not [o for o in probe if o.startswith("parallel.")]
+    assert without_mesh(["parallel=ddp", "parallel.tp=1"]) == ["parallel=ddp"]
+    cands = [Candidate(p, "fp32 moments", (), False, compose_checked([*a.overrides, f"precision={p}"]))
+             for p in ("bf16", "fp8")]
+    lay = layout_facts(cands[0].cfg, cands, 8, 320)
+    assert lay.mesh == {"dp_replicate": 2, "dp_shard": 2, "tp": 2} and lay.sequence_parallel
+    assert (lay.split["blocks.0.attn.qkv"], lay.split["blocks.0.attn.proj"], lay.split["lm_head"]) == (0, 1, 0)
+    assert lay.comm["fp8"]["dp_shard"] < lay.comm["bf16"]["dp_shard"]
+    assert lay.comm["fp8"]["tp"] == lay.comm["bf16"]["tp"] and lay.comm["bf16"]["dp_replicate"] > 0
+    assert layout_facts(cands[0].cfg, cands, 1, 320) is None  # one rank: no layout to advise on

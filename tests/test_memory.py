@@ -18,7 +18,9 @@ import torch
 
 from mptrain.memory import main
 from mptrain.model.families import build as build_family
+from mptrain.model.families import family_of
 from mptrain.observe.memory import (
+    ACTIVATIONS,
     STATE_ROWS,
     estimate,
     local_numels,
@@ -462,3 +464,174 @@ def test_a_run_that_cannot_fit_is_refused_before_it_allocates(tmp_path):
     assert float(need) > float(free) > 0
     assert not run_dir.exists()
     print(f"refused after {took:.1f} s")
+
+
+# ------------------------------------------------------------ the device mesh
+def _mesh_cfg(*overrides: str):
+    return make_cfg("model=llama-nano", "precision=fp32", *overrides)
+
+
+def test_the_mesh_splits_each_tensor_as_tp_then_shards_its_rows_over_dp_shard():
+    """llama-nano (d 64, 4 heads of 16, 2 key/value heads, SwiGLU 192) with 322
+    rows on 2 x 2 (dp_shard x tp), counted by hand: TP halves q/k/v/gate/up by
+    output row, o/down by input column, the embedding and the head by
+    vocabulary row, keeps the norms whole; FSDP then takes rank 0's
+    ceil(rows / 2) of each part. A replicate dimension divides nothing."""
+    per_block = (32 + 16 * 64 + 8 * 64 + 8 * 64 + 32 * 32  # ln_1, q, k, v, o (64 x 32 of it)
+                 + 32 + 48 * 64 + 48 * 64 + 32 * 96)  # ln_2, gate, up, down (64 x 96 of it)
+    by_hand = 81 * 64 + 2 * per_block + 32 + 81 * 64  # wte 161 rows -> 81, blocks, ln_f, lm_head
+    e = estimate(_mesh_cfg("parallel=fsdp_tp", "parallel.tp=2", "parallel.dp_shard=-1"), VOCAB, world=4)
+    assert e.n_params == by_hand == 35104 and e.weights == e.grads == e.exp_avg == 4 * by_hand
+    hsdp = estimate(_mesh_cfg("parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"), VOCAB, world=4)
+    fsdp = estimate(_mesh_cfg("parallel=fsdp"), VOCAB, world=2)
+    assert hsdp.n_params == fsdp.n_params  # the two replicas hold the same shards
+    assert fsdp.n_params == sum(local_numels(shapes(_mesh_cfg(), VOCAB)[0], "fsdp", 2))  # as before the mesh
+
+
+@pytest.mark.parametrize("model", ["gpt-nano", "llama-nano"])
+def test_tp_divides_the_split_activations_and_sp_the_residual_stream(model):
+    """Per token and layer, by hand from each family's count (the functions'
+    docstrings): GPT's split part is q/k/v, the attention output, the GELU and
+    projection inputs (12 c d) and the log-sum-exp (4 h); its residual stream
+    the two norms' fp32 inputs and statistics (8 d + 16). Llama's split part
+    is attention (4 c d + 4 h) and the SwiGLU width (4 c x hidden); its stream
+    two RMSNorms' input, output and rstd (2 (8 d + 4)). Under bf16: c = 2."""
+    from mptrain.model.families import ffn_hidden
+
+    cfg = make_cfg(f"model={model}", "precision=bf16")
+    m, b = cfg.model, 2
+    fn = ACTIVATIONS[family_of(m)]
+    d, h = m.d_model, m.n_head
+    split, stream = ((12 * 2 * d + 4 * h, 8 * d + 16) if model == "gpt-nano"
+                     else (4 * 2 * d + 4 * h + 4 * 2 * ffn_hidden(m), 2 * (8 * d + 4)))
+    tokens = m.n_layer * b * m.block_size
+    one, tp2, sp2 = (fn(m, b, VOCAB, "bf16", tp=t, sp=s) for t, s in ((1, False), (2, False), (2, True)))
+    assert one - tp2 == tokens * split // 2
+    assert tp2 - sp2 == tokens * stream // 2
+
+
+def test_the_run_checks_memory_on_its_mesh():
+    """``fit_check`` (what ``run/build.py``'s check_memory calls) prices the
+    mesh of ``cfg.parallel`` and names it: a model too big for this host on
+    2 x 2 (dp_shard x tp) is refused with the mesh's estimate, not one rank's
+    whole model; on 2 replicas the fixes add more sharding."""
+    from mptrain.observe.memory import fit_check
+
+    cfg = make_cfg(*TOO_BIG, "parallel=fsdp_tp", "parallel.tp=2", "parallel.dp_shard=-1")
+    said = fit_check(cfg, 4096, 4, 4, 4, torch.device("cpu"))
+    need = estimate(cfg, 4096, 4, 4).total
+    assert need < estimate(make_cfg(*TOO_BIG, "parallel=fsdp"), 4096, 4, 4).total  # TP splits activations too
+    assert f"needs about {need / 2**30:.1f} GiB per rank" in said and "mesh 1 x 2 x 2" in said
+    hsdp = make_cfg(*TOO_BIG, "parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2")
+    assert "a smaller parallel.dp_replicate=2" in fit_check(hsdp, 4096, 4, 4, 4, torch.device("cpu"))
+
+
+# ---------------------------------------------------- communication, on paper
+def _flows(cfg, world: int, per_node: int | None = None):
+    from mptrain.config.mesh import mesh_shape
+    from mptrain.observe.traffic import traffic
+
+    mesh = mesh_shape(cfg.parallel, world, per_node or world)
+    return mesh, {(f.dim, f.kind, f.dtype, f.what.split(",")[0]): (f.calls, f.payload)
+                  for f in traffic(cfg, 4096, world, mesh=mesh)}
+
+
+def _totals(flows: dict) -> dict:
+    out: dict = {}
+    for (dim, kind, dtype, _), (calls, payload) in flows.items():
+        c, p = out.get((dim, kind, dtype), (0, 0))
+        out[(dim, kind, dtype)] = (c + calls, p + payload)
+    return out
+
+
+BATCH = ["precision=bf16", "train.global_batch_size=4", "train.micro_batch_size=2"]
+
+
+def test_fsdp_traffic_by_hand():
+    """gpt-nano (4096 rows) bf16 on 2 ranks of FSDP2, one micro-batch of 2:
+    each block's linears (qkv, proj, fc, proj with biases: 49,728 elements)
+    gathered in bf16 forward and backward, its norms (256) in fp32, the root
+    (wte 4096 x 64, wpe 64 x 64, ln_f 128) once in fp32, every gradient
+    reduce-scattered once in fp32. monitor.comm counted the same bytes and
+    calls on 2 gloo ranks (docs/distributed.md)."""
+    _, flows = _flows(make_cfg("model=gpt-nano", "parallel=fsdp", *BATCH, tiny=False), 2)
+    lin, norms, root = 49_728, 256, 4096 * 64 + 64 * 64 + 128
+    assert _totals(flows) == {("dp_shard", "all_gather", "bf16"): (4, 2 * 2 * lin * 2),
+                              ("dp_shard", "all_gather", "fp32"): (5, 2 * 2 * norms * 4 + root * 4),
+                              ("dp_shard", "reduce_scatter", "fp32"): (5, (2 * (lin + norms) + root) * 4)}
+
+
+def cfg_args(sp: bool) -> list[str]:
+    return ["model=llama-nano", "parallel=fsdp_tp", "parallel.tp=2", "parallel.dp_shard=-1",
+            f"parallel.sequence_parallel={str(sp).lower()}", *BATCH]
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_tensor_parallel_traffic_by_hand(sp):
+    """llama-nano bf16 on tp=2, two micro-batches of 2 x 64 tokens: u = 2 x 64 x 64
+    elements per activation and micro-batch. With SP per block: 2 all-gathers
+    of norm outputs (fp32) and 2 of output gradients (bf16), 2 reduce-scatters
+    of the halves' outputs (bf16); without it 2 bf16 all-reduces; either way
+    5 fp32 all-reduces (q, k, v, gate, up each reduce their input gradient).
+    Plus the embedding's all-reduce, the logits' gather (2 x 64 x 4096 bf16),
+    the head's input gradient and, under SP, the final norm's gather, the
+    embedding gradient's gather and the 5 norm weights' gradients (64 fp32).
+    monitor.comm counted the same calls and bytes on 2 gloo ranks."""
+    mesh, flows = _flows(make_cfg(*cfg_args(sp), tiny=False), 2)
+    assert (mesh.dp_shard, mesh.tp) == (1, 2)  # nothing to shard: FSDP2 issues nothing on a 1-rank dimension
+    mb, u, L = 2, 2 * 64 * 64, 2
+    logits = (mb, mb * 2 * 64 * 4096 * 2)
+    fan_out = 5 * L * mb
+    want = {("tp", "all_reduce", "fp32"): (fan_out + mb + (5 if sp else mb), (fan_out + mb) * u * 4
+                                          + (5 * 64 * 4 if sp else mb * u * 4))}
+    if sp:
+        want[("tp", "all_gather", "fp32")] = ((2 * L + 2) * mb, (2 * L + 2) * mb * u * 4)
+        want[("tp", "all_gather", "bf16")] = (2 * L * mb + logits[0], 2 * L * mb * u * 2 + logits[1])
+        want[("tp", "reduce_scatter", "bf16")] = (2 * L * mb, 2 * L * mb * u * 2)
+        want[("tp", "reduce_scatter", "fp32")] = (mb, mb * u * 4)
+    else:
+        want[("tp", "all_gather", "bf16")] = logits
+        want[("tp", "all_reduce", "bf16")] = (2 * L * mb, 2 * L * mb * u * 2)
+    assert _totals(flows) == want
+    # Checkpointed blocks recompute their forward in the backward pass, its collectives with it,
+    # but for the MLP's output reduction (recomputation stops at the last tensor the backward
+    # needs): monitor.comm counted 12 reduce-scatters for 8 and 20 fp32 gathers for 12 with SP.
+    _, again = _flows(make_cfg(*cfg_args(sp), "train.activation_checkpointing=block", tiny=False), 2)
+    out = ("tp", "reduce_scatter", "bf16") if sp else ("tp", "all_reduce", "bf16")
+    assert _totals(again)[out] == (3 * L * mb, 3 * L * mb * u * 2)
+    if sp:
+        assert _totals(again)[("tp", "all_gather", "fp32")] == ((4 * L + 2) * mb, (4 * L + 2) * mb * u * 4)
+
+
+def test_hsdp_ddp_and_ring_traffic():
+    """HSDP all-reduces each rank's gradient shard across the replicas once a
+    step (the shard the memory estimate counts); DDP every gradient; a ring
+    sends (n-1)/n of a gather's payload and twice that of an all-reduce."""
+    from mptrain.observe.traffic import Flow
+
+    cfg = make_cfg("model=gpt-nano", "parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2", *BATCH,
+                   tiny=False)
+    _, flows = _flows(cfg, 4)
+    shard = estimate(cfg, 4096, 4).n_params
+    assert _totals(flows)[("dp_replicate", "all_reduce", "fp32")] == (2 * 2 + 1, shard * 4)
+    _, ddp = _flows(make_cfg("model=gpt-nano", "parallel=ddp", *BATCH, tiny=False), 2)
+    assert list(ddp.values()) == [(1, estimate(make_cfg("model=gpt-nano", tiny=False), 4096).n_params * 4)]
+    assert Flow("tp", "all_gather", "bf16", "", 1, 800).wire(4) == 600
+    assert Flow("tp", "all_reduce", "bf16", "", 1, 800).wire(4) == 1200
+    assert Flow("tp", "all_reduce", "bf16", "", 1, 800).wire(1) == 0
+
+
+def test_cli_takes_the_mesh_and_prints_its_traffic(capsys):
+    main(["model=llama-nano", "parallel=fsdp_tp", "--world", "8", "--tp", "2", "--replicate", "2", "--comm",
+          "--vocab", "322"])
+    out = capsys.readouterr().out
+    assert "mesh=2 x 2 x 2 (dp_replicate x dp_shard x tp) sequence_parallel" in out
+    assert "ON PAPER" in out
+    for dim, n in (("dp_shard", 2), ("dp_replicate", 2), ("tp", 2)):
+        assert f"total on {dim} ({n} ranks): payload" in out, dim
+    main(["model=llama-nano", "parallel=hsdp", "--world", "16", "--per-node", "8"])  # dp_shard 0: a node's ranks
+    assert "mesh=2 x 8 x 1" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # a mesh that does not fit the world: one line, exit 2
+        main(["model=llama-nano", "parallel=fsdp_tp", "--world", "6", "--tp", "4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "does not fit 6 rank(s)" in err, err

@@ -28,15 +28,18 @@ from mptrain.advice.rules import (
     WHATIF_OF,
     Cast,
     Facts,
+    Layout,
     LinearFacts,
     StateOption,
     Target,
 )
 from mptrain.config.checks import compose_checked
+from mptrain.config.mesh import MESH_MODES, mesh_shape
 from mptrain.core.errors import ConfigError
 from mptrain.model.families import build as build_family
 from mptrain.model.names import layer_name
-from mptrain.observe.memory import estimate
+from mptrain.observe.memory import estimate, meta_model, tp_dims
+from mptrain.observe.traffic import by_dim, traffic
 from mptrain.observe.perf import PEAK_TFLOPS
 from mptrain.precision.rules import validate
 from mptrain.precision.support import (
@@ -80,9 +83,21 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+MESH_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.sequence_parallel")
+"""The layout's keys: they shape the advice's text, not the probe (:func:`without_mesh`)."""
+
+
 def user_part(overrides: list[str], drop: tuple[str, ...] = _PROBE_KEYS) -> list[str]:
     """The user's overrides without those the probe (or a candidate) sets itself."""
     return [o for o in overrides if _key(o) not in drop]
+
+
+def without_mesh(overrides: list[str]) -> list[str]:
+    """``overrides`` for the probe and ``--confirm``'s runs, which train on the
+    launch's own ranks (one process, or torchrun's): the mesh sizes dropped and
+    ``parallel=hsdp|fsdp_tp`` read as plain FSDP over them."""
+    return ["parallel=fsdp" if _key(o) == "parallel" and o.split("=", 1)[1] in ("hsdp", "fsdp_tp") else o
+            for o in user_part(overrides, MESH_KEYS)]
 
 
 def every_for(steps: int) -> int:
@@ -98,7 +113,7 @@ def probe_overrides(overrides: list[str], steps: int, device: str, lab: tuple[st
     every = every_for(steps)
     whatif = [WHATIF_OF[r] for r in FP8_CANDIDATES if r != "tensorwise"]
     whatif += [r for r in lab if r not in whatif]
-    return [*user_part(overrides), "precision=fp8", f"precision.compute_dtype={compute}",
+    return [*without_mesh(user_part(overrides)), "precision=fp8", f"precision.compute_dtype={compute}",
             f"precision.param_dtype={compute}", f"train.max_steps={steps}", "train.eval_every=0",
             f"train.log_every={every}", "monitor.enabled=true", f"monitor.every={every}", "monitor.stability=true",
             "monitor.fp8_casts=true", "monitor.histogram=true", "monitor.activations=true",
@@ -199,6 +214,28 @@ def state_options(cands: list[Candidate], world: int, vocab: int) -> dict[str, t
             problem, gib, bpp = err.one_line(), math.inf, math.inf
         out.setdefault(c.preset, []).append(StateOption(c.name, c.overrides, gib, bpp, c.rounds_updates, problem))
     return {k: tuple(v) for k, v in out.items()}
+
+
+def layout_facts(cfg, cands: list[Candidate], world: int, vocab: int) -> Optional[Layout]:
+    """The mesh ``cfg.parallel`` makes of ``world`` ranks, the TP split of every
+    linear, and each precision preset's bytes per step per mesh dimension (its
+    first runnable candidate's, on paper: ``observe/traffic.py``); None on one
+    rank or without an FSDP2 mesh."""
+    if world <= 1 or cfg.parallel.name.value not in MESH_MODES:
+        return None
+    mesh = mesh_shape(cfg.parallel, world)
+    model = meta_model(cfg.model, vocab)
+    dims = tp_dims(model)
+    split = {n: dims.get(f"{n}.weight") for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    comm: dict[str, dict[str, float]] = {}
+    for c in cands:
+        if c.preset in comm:
+            continue
+        try:
+            comm[c.preset] = {d: pay for d, (pay, _) in by_dim(traffic(c.cfg, vocab, world, mesh=mesh), mesh).items()}
+        except ConfigError:  # a combination the checks refuse: its state option says why
+            continue
+    return Layout(mesh.as_dict(), mesh.tp > 1 and bool(cfg.parallel.sequence_parallel), split, comm)
 
 
 # ------------------------------------------------------------------ reading the probe

@@ -153,6 +153,27 @@ class StateOption:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """The device mesh the advice is for (``--world``, ``--tp``, ``--replicate``,
+    ``parallel.*``) and what follows from it (``probe.layout_facts``). The probe
+    itself runs without it: the layout changes the advice, not the measurements."""
+
+    mesh: dict[str, int]
+    """``dp_replicate``, ``dp_shard``, ``tp`` sizes."""
+    sequence_parallel: bool
+    split: dict[str, Optional[int]]
+    """Per linear name: the weight dimension tensor parallelism splits (0: its
+    output rows, 1: its input columns), None where every TP rank holds it whole."""
+    comm: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per precision preset: bytes per step per rank by mesh dimension, on paper
+    (``observe/traffic.py``'s payloads)."""
+
+
+BLOCK_OF = {"MX (mxfp8, mxfp4)": 32, "NVFP4": 16}
+"""Elements per scaling block along a matmul's dimensions: MX formats' 1x32, NVFP4's 16 (and 16x16 weight tiles)."""
+
+
+@dataclass(frozen=True)
 class Facts:
     """Everything the probe measured (``probe.py`` reads it from its run directory)."""
 
@@ -188,6 +209,8 @@ class Facts:
     growth_interval: int = 2000
     lab_candidates: tuple[str, ...] = ()
     """The named lab recipes the probe measured as what-ifs (``--lab``), in the order given."""
+    layout: Optional[Layout] = None
+    """The mesh the advice is for; None on one rank or without an FSDP2 mesh."""
 
 
 @dataclass
@@ -218,9 +241,12 @@ class Advice:
     lab: Optional[Decision] = None
     """The lab candidates ranked (``--lab``), the best as its own command line; not
     part of :attr:`overrides`: lab recipes are emulated, a study, not a speed-up."""
+    layout: Optional[Decision] = None
+    """What the mesh changes (:func:`layout_plan`); None without one."""
 
     def decisions(self) -> list[Decision]:
-        return [self.precision, self.fp16, self.float8, self.state, *([self.lab] if self.lab else []), *self.risks]
+        return [self.precision, self.fp16, self.float8, self.state, *([self.layout] if self.layout else []),
+                *([self.lab] if self.lab else []), *self.risks]
 
     def to_json(self) -> dict:
         return {"decisions": [asdict(d) for d in self.decisions()], "overrides": self.overrides,
@@ -522,6 +548,72 @@ def risks(facts: Facts, th: Thresholds) -> list[Decision]:
     return out
 
 
+# ---------------------------------------------------------------------- layout
+
+
+def float8_gather_text(recipe: str, chosen: bool, mesh: dict[str, int]) -> str:
+    """Whether ``recipe``'s float8 weights (over ``dp_shard``) and activations
+    (over ``tp``) can travel in float8 on ``mesh``; ``chosen``: float8 is the advice."""
+    where = [d for d in ("dp_shard", "tp") if mesh.get(d, 1) > 1]
+    if not where:
+        return "float8 all-gather: nothing is gathered (dp_shard and tp are 1)"
+    lead = f"float8 all-gather with {recipe}: " if chosen else "float8 is not advised; were it, "
+    if recipe == "tensorwise" or not chosen:
+        yes = ("possible with tensorwise (one scale per tensor, known before the gather): "
+               + " and ".join({"dp_shard": "FSDP gathers the float8 weights (precision.fp8.fsdp_float8_all_gather, "
+                                           "half of bf16's bytes)",
+                               "tp": "TP can gather float8 activations (torchao's Float8ColwiseParallel)"}[d]
+                              for d in where))
+        return lead + yes + ("" if chosen else "; rowwise and mxfp8 could not (their scales are per row or "
+                             "block of the operand as the matmul sees it: weights travel in bf16, cast after)")
+    return lead + ("not possible: its scales are per row or block of the operand as the matmul sees it, so "
+                   "weights and activations travel in bf16 and are cast after the gather")
+
+
+def block_breaks(facts: Facts, tp: int) -> dict[str, list[str]]:
+    """Per block format (:data:`BLOCK_OF`), the converted linears whose per-TP-rank
+    width does not divide by its block, each as ``name out|in width/tp=w``."""
+    lay = facts.layout
+    out: dict[str, list[str]] = {k: [] for k in BLOCK_OF}
+    for lin in facts.linears:
+        dim = lay.split.get(lin.name) if lay else None
+        if lin.kept_out is not None or dim is None or tp <= 1:
+            continue
+        side, width = ("out", lin.out_features) if dim == 0 else ("in", lin.in_features)
+        for fmt, block in BLOCK_OF.items():
+            if width % tp or (width // tp) % block:
+                out[fmt].append(f"{lin.name} {side} {width}/{tp}={width / tp:g}")
+    return out
+
+
+def layout_plan(facts: Facts, recipe: str, preset: str, chosen: bool) -> Optional[Decision]:
+    """What the mesh (:attr:`Facts.layout`) changes for the advice: whether the
+    float8 recipe (``chosen``: float8 is advised) can all-gather in float8,
+    whether each converted linear's per-TP-rank width keeps MX (32) and NVFP4
+    (16) blocks whole, and the bytes per step per mesh dimension of the advised
+    ``preset``, on paper. None without a mesh."""
+    lay = facts.layout
+    if lay is None:
+        return None
+    m = lay.mesh
+    text = f"{m['dp_replicate']} x {m['dp_shard']} x {m['tp']} (dp_replicate x dp_shard x tp)"
+    parts = [float8_gather_text(recipe, chosen, m)]
+    breaks = block_breaks(facts, m["tp"])
+    for fmt, bad in breaks.items():
+        said = (f"straddle TP shards in {len(bad)} linear(s): {', '.join(bad[:4])}" + (", ..." if len(bad) > 4 else "")
+                if bad else "every converted linear's per-rank width divides")
+        parts.append(f"{fmt} blocks of {BLOCK_OF[fmt]} under tp={m['tp']}: {said}")
+    comm = lay.comm.get(preset)
+    if comm:
+        parts.append(f"communication per step per rank under precision={preset}, on paper (payload; "
+                     "python -m mptrain.memory --comm): "
+                     + ", ".join(f"{d} {v / 2**30:.3g} GiB" for d, v in comm.items()))
+    blocked = [f for f, bad in breaks.items() if bad]
+    choice = text + ("; " + " and ".join(blocked) + " blocks do not fit this tp" if blocked else "")
+    return Decision("layout", choice, "; ".join(parts), "tensorwise alone gathers float8; each split width "
+                    "divisible by the block (MX 32, NVFP4 16) per TP rank")
+
+
 # ---------------------------------------------------------------------- advise
 
 
@@ -546,4 +638,5 @@ def advise(facts: Facts, target: Target, budget_gib: Optional[float] = None,
                 "fp16_init_scale": 2.0 ** init}
     if opt is not None:
         expected.update(gib_per_rank=opt.gib_per_rank, bytes_per_param=opt.bytes_per_param)
-    return Advice(prec, f16, f8, state, risks(facts, th), overrides, layers, expected, lab_plan(facts, th))
+    lay = layout_plan(facts, recipe, preset, prec.choice.startswith("float8"))
+    return Advice(prec, f16, f8, state, risks(facts, th), overrides, layers, expected, lab_plan(facts, th), lay)

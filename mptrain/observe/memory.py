@@ -13,6 +13,17 @@ bytes per parameter. What it leaves out (the framework's own memory, measured
 in the process; allocator slack; transient buffers; the data) is
 :func:`left_out`, and the run's closing line beside its peak :func:`measured_line`.
 
+Under a device mesh (``parallel=fsdp|hsdp|fsdp_tp``, ``dp_replicate x
+dp_shard x tp``, read from ``cfg.parallel`` by ``config.mesh.mesh_shape``)
+each parameter is first split as tensor parallelism splits it (the plan of
+``distributed/tensor_parallel.py``: fan-out linears by row, fan-in ones by
+column, embedding and head by vocabulary row; norms whole), then its dim-0
+rows over ``dp_shard``; the ``dp_replicate`` groups hold the same shard, so
+they divide nothing. Activations inside the split halves (q/k/v, attention,
+the MLP's hidden width) are divided by ``tp``, the residual stream and the
+norms by ``tp`` too under sequence parallelism; the linears' gathered inputs
+and the head's gathered logits are whole on every TP rank.
+
 The same figure guards a run before it allocates anything
 (:func:`fit_check`, ``train.memory_check``): a configuration whose estimate
 exceeds the device's free memory, or the host's available memory, is refused
@@ -25,6 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from mptrain.config.mesh import MESH_MODES, MeshShape, mesh_shape
+from mptrain.distributed.tensor_parallel import block_plan, family_of_model
 from mptrain.model.families import build as build_family
 from mptrain.model.families import family_of, ffn_hidden
 from mptrain.precision.optimizers import (
@@ -136,12 +151,64 @@ def local_numels(shape_list: list[tuple[int, ...]], mode: str, world: int) -> li
             for s, n in zip(shape_list, numels, strict=True)]
 
 
+def tp_dims(model) -> dict[str, Optional[int]]:
+    """Per parameter name of ``model`` (either family, unwrapped), the dimension
+    tensor parallelism splits it along, or None where every TP rank holds it
+    whole (norms, GPT's position embedding, a fan-in linear's bias). Read off
+    the block plan ``distributed/tensor_parallel.py`` applies, so the two agree:
+    a fan-out (colwise) linear splits its output rows (weight and bias dim 0),
+    a fan-in (rowwise) one its input columns (weight dim 1); the token
+    embedding and the head split the vocabulary (dim 0)."""
+    split: dict[str, Optional[int]] = {"wte.weight": 0, "lm_head.weight": 0}
+    plan = block_plan(family_of_model(model), sequence_parallel=False)
+    for i in range(len(model.blocks)):
+        for path, style in plan.items():
+            if isinstance(style, ColwiseParallel):
+                split.update({f"blocks.{i}.{path}.weight": 0, f"blocks.{i}.{path}.bias": 0})
+            elif isinstance(style, RowwiseParallel):
+                split[f"blocks.{i}.{path}.weight"] = 1
+    # every name, a tied head's too (named_parameters() lists a shared tensor once)
+    return {name: split.get(name) for name, _ in model.named_parameters(remove_duplicate=False)}
+
+
+def tp_shape(shape: tuple[int, ...], dim: Optional[int], tp: int) -> tuple[int, ...]:
+    """``shape`` as one TP rank holds it: ``dim`` cut in ``tp`` (the checks
+    require it to divide; rounded up otherwise, as the first rank holds most)."""
+    if dim is None or tp <= 1:
+        return shape
+    return tuple(math.ceil(n / tp) if i == dim else n for i, n in enumerate(shape))
+
+
+def shard_numel(shape: tuple[int, ...], ways: int) -> int:
+    """Elements of rank 0's FSDP2 chunk of a tensor of ``shape`` cut into ``ways`` by rows."""
+    n = math.prod(shape)
+    if not shape or ways <= 1:
+        return n
+    return math.ceil(shape[0] / ways) * (n // shape[0]) if shape[0] else 0
+
+
+def mesh_numels(model, mesh: MeshShape) -> list[int]:
+    """Elements of each parameter of ``model`` on rank 0 of ``mesh``: its TP
+    part (:func:`tp_dims`), then that part's dim-0 chunk over ``dp_shard``.
+    ``dp_replicate`` divides nothing: each replica group holds the same shards."""
+    dims = tp_dims(model)
+    return [shard_numel(tp_shape(tuple(p.shape), dims[name], mesh.tp), mesh.dp_shard)
+            for name, p in model.named_parameters()]
+
+
+def block_tp_numel(model, tp: int) -> int:
+    """Elements of one transformer block on one TP rank (what FSDP gathers per block)."""
+    dims = tp_dims(model)
+    return sum(math.prod(tp_shape(tuple(p.shape), dims[f"blocks.0.{n}"], tp))
+               for n, p in model.blocks[0].named_parameters()) if len(model.blocks) else 0
+
+
 ATTENTION_KERNEL = "flash/mem-efficient SDPA, no T x T"
 """What the activation estimate assumes attention keeps (the activations row's label says it)."""
 
 
 def activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_copies: int = 0,
-                     checkpointed: bool = False) -> int:
+                     checkpointed: bool = False, tp: int = 1, sp: bool = False) -> int:
     """Bytes autograd keeps between the forward and the backward pass of one
     micro-batch of ``micro_batch`` sequences of model ``m`` (a ``ModelConfig``),
     computing in ``compute`` (``fp32``/``bf16``/``fp16``), plus ``weight_copies``
@@ -166,22 +233,48 @@ def activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_copie
     ``checkpointed`` (``train.activation_checkpointing=block``): each block
     keeps only its fp32 input (4d bytes per token, as counted on real steps)
     and one block's activations exist at a time, while the backward pass
-    recomputes it."""
+    recomputes it.
+
+    ``tp`` ranks of tensor parallelism (``sp``: with sequence parallelism):
+    :func:`per_rank` divides each part as that layout holds it."""
     b, t, d, h = micro_batch, m.block_size, m.d_model, m.n_head
     c = BYTES[compute]
-    per_token = 8 * d + 16 + 14 * c * d + 4 * h
+    # (whole on every TP rank: the gathered inputs of qkv and the MLP;
+    #  split: q/k/v, attention output, the MLP's hidden width, log-sum-exp per head;
+    #  the residual stream: the norms' inputs and statistics, dropout's masks)
+    whole, split, stream = 2 * c * d, 12 * c * d + 4 * h, 8 * d + 16
     if m.dropout:
-        per_token += 2 * d
+        stream += 2 * d
     if m.qk_norm:
-        per_token += 8 * d + 2 * c * d + 16 * h
+        split += 8 * d + 2 * c * d + 16 * h
     head = 4 * d + 8 + c * d + vocab * (c + 4) + (d if m.dropout else 0)
-    if checkpointed and m.n_layer:
-        return m.n_layer * b * t * 4 * d + b * t * per_token + b * t * head + weight_copies
-    return m.n_layer * b * t * per_token + b * t * head + weight_copies
+    return _layers(m.n_layer, b * t, (whole, split, stream), head, weight_copies, 4 * d if checkpointed else 0, tp, sp)
+
+
+def per_rank(tokens: int, parts: tuple[int, int, int], tp: int, sp: bool) -> int:
+    """Bytes of ``tokens`` tokens' activations of ``parts`` (bytes per token:
+    whole on every TP rank, split by the heads or the MLP width, on the
+    residual stream) on one of ``tp`` ranks; the residual stream is split only
+    under sequence parallelism (``sp``)."""
+    whole, split, stream = parts
+    return tokens * whole + tokens * split // tp + tokens * stream // (tp if sp else 1)
+
+
+def _layers(n_layer: int, tokens: int, parts: tuple[int, int, int], head: int, weight_copies: int,
+            kept: int, tp: int, sp: bool) -> int:
+    """Every block's ``parts`` (:func:`per_rank`) plus the head's bytes per
+    token (whole on every TP rank: the logits are gathered) and the weight
+    copies. ``kept`` > 0: checkpointed blocks, each keeping only its input
+    (``kept`` bytes per token, on the residual stream), and one block's
+    activations alive at a time while the backward pass recomputes it."""
+    block = per_rank(tokens, parts, tp, sp)
+    if kept and n_layer:
+        return n_layer * per_rank(tokens, (0, 0, kept), tp, sp) + block + tokens * head + weight_copies
+    return n_layer * block + tokens * head + weight_copies
 
 
 def llama_activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_copies: int = 0,
-                           checkpointed: bool = False) -> int:
+                           checkpointed: bool = False, tp: int = 1, sp: bool = False) -> int:
     """:func:`activation_bytes` for the Llama family, as counted on real steps
     (``tests/test_memory.py``). Per layer and token: each RMSNorm's fp32 input,
     normalized value and rstd (2 x (8d + 4)); the attention input, one fp32
@@ -193,22 +286,24 @@ def llama_activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight
     The rotary tables are one pair per context length, shared by the layers
     (not counted). QK-norm adds its fp32 norms on q and k. Once per
     micro-batch: the final norm, the head's input and the logits with their
-    fp32 log-probabilities, and the token ids."""
+    fp32 log-probabilities, and the token ids. ``tp``/``sp``: as in
+    :func:`activation_bytes`."""
     b, t, d, h = micro_batch, m.block_size, m.d_model, m.n_head
     kv, c = m.n_kv_head or h, BYTES[compute]
     hid = ffn_hidden(m)
     half = compute != "fp32"
-    per_token = 2 * (8 * d + 4) + (3 * c * d if half else 4 * d) + 4 * c * d + 4 * h \
-        + (2 * c * d if half else 4 * d) + 4 * c * hid
+    # whole on every TP rank: the projections' gathered inputs; split: attention and the MLP's
+    # hidden width; the residual stream: the norms' inputs, outputs and statistics
+    whole = (3 * c * d if half else 4 * d) + (2 * c * d if half else 4 * d)
+    split, stream = 4 * c * d + 4 * h + 4 * c * hid, 2 * (8 * d + 4)
     if m.dropout:
-        per_token += 2 * d
+        stream += 2 * d
     if m.qk_norm:
         hd = d // h
-        per_token += 8 * d + 4 * h + 8 * kv * hd + 4 * kv
+        split += 8 * d + 4 * h + 8 * kv * hd + 4 * kv
     head = 8 * d + 4 + (c * d if half else 4 * d) + vocab * (c + 4) + 8
-    if checkpointed and m.n_layer:
-        return m.n_layer * b * t * 4 * d + b * t * per_token + b * t * head + weight_copies
-    return m.n_layer * b * t * per_token + b * t * head + weight_copies
+    return _layers(m.n_layer, b * t, (whole, split, stream), head, weight_copies, 4 * d if checkpointed else 0,
+                   tp, sp)
 
 
 def linear_weights(model) -> tuple[int, int]:
@@ -227,26 +322,46 @@ own, not a field of the family's spec: what autograd keeps is counted on real
 steps here (``tests/test_memory.py``), and the model layer knows nothing of it."""
 
 
-def micro_batch_of(cfg, world: int) -> int:
+def layout(cfg, world: int, mesh: Optional[MeshShape] = None) -> MeshShape:
+    """The mesh ``cfg.parallel`` makes of ``world`` ranks (``mesh`` when given,
+    e.g. resolved for another node size); the whole world as one data-parallel
+    dimension under ``none``/``ddp``/``fsdp1``. A mismatch is a ConfigError."""
+    return mesh or mesh_shape(cfg.parallel, world)
+
+
+def mesh_overrides(tp: Optional[int], replicate: Optional[int]) -> list[str]:
+    """The ``parallel.*`` overrides the commands' ``--tp`` and ``--replicate``
+    stand for (either may be None: not given); ``dp_shard`` then takes the rest."""
+    out = [f"parallel.tp={tp}"] if tp else []
+    out += [f"parallel.dp_replicate={replicate}"] if replicate else []
+    return out + (["parallel.dp_shard=-1"] if out else [])
+
+
+def micro_batch_of(cfg, world: int, mesh: Optional[MeshShape] = None) -> int:
     """Sequences per forward on each rank: ``train.micro_batch_size``, else the
-    rank's share of the global batch (no accumulation)."""
-    return cfg.train.micro_batch_size or max(1, cfg.train.global_batch_size // world)
+    rank's share of the global batch (no accumulation) over the data-parallel
+    ranks (the TP ranks of a group share one batch)."""
+    return cfg.train.micro_batch_size or max(1, cfg.train.global_batch_size // layout(cfg, world, mesh).dp)
 
 
-def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) -> Estimate:
+def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None,
+             mesh: Optional[MeshShape] = None) -> Estimate:
     """Bytes per rank for ``cfg`` (a composed mptrain config) with ``vocab``
-    rows, on ``world`` ranks; ``micro_batch`` sequences per forward (default:
-    the config's). An optimizer combination that cannot run is a ConfigError
-    (:func:`mptrain.precision.optimizers.choose`)."""
+    rows, on ``world`` ranks laid out as ``cfg.parallel`` says (``mesh``: that
+    layout resolved already, :func:`layout`); ``micro_batch`` sequences per
+    forward (default: the config's). An optimizer combination that cannot run,
+    or a mesh that does not fit ``world``, is a ConfigError."""
     m, p = cfg.model, cfg.precision
     choice = choose(cfg)
     mode = cfg.parallel.name.value
+    mesh = layout(cfg, world, mesh)
     compute = p.compute_dtype.name
     store = choice.param_dtype  # the dtype the weights (and so their grads) are stored in
     pb = BYTES[store]
     model = meta_model(m, vocab)
     shape_list, block_numel = _shapes(model)
-    local = local_numels(shape_list, mode, world)
+    on_mesh = mode in MESH_MODES
+    local = mesh_numels(model, mesh) if on_mesh else local_numels(shape_list, mode, world)
     n = sum(local)
 
     weights = grads = n * pb
@@ -255,21 +370,32 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
     kahan = n * pb if choice.kahan else 0
 
     gathered = 0
-    if mode in ("fsdp", "fsdp1") and world > 1:
-        # one block gathered for compute, one prefetched, in the gather dtype
-        gathered = 2 * block_numel * BYTES[(p.param_dtype or p.compute_dtype).name]
-    b = micro_batch or micro_batch_of(cfg, world)
+    if (mode == "fsdp1" or on_mesh) and world > 1:
+        # one block gathered for compute, one prefetched, in the gather dtype (a TP rank's part of each)
+        gathered = 2 * (block_tp_numel(model, mesh.tp) if on_mesh else block_numel) \
+            * BYTES[(p.param_dtype or p.compute_dtype).name]
+    b = micro_batch or micro_batch_of(cfg, world, mesh)
     checkpointed = cfg.train.activation_checkpointing.value == "block"
     copies = 0
-    if mode not in ("fsdp", "fsdp1") and BYTES[compute] < pb and not p.fp8.enabled:
+    if not (mode == "fsdp1" or on_mesh) and BYTES[compute] < pb and not p.fp8.enabled:
         # Autocast casts each linear's weight once per forward and the backward keeps
         # the copy (FSDP gathers weights already in the compute dtype: nothing to cast);
         # a checkpointed block keeps none of its own, only the one being recomputed.
         per_block, head = linear_weights(model)
         copies = BYTES[compute] * ((1 if checkpointed else m.n_layer) * per_block + head)
-    activations = ACTIVATIONS[family_of(m)](m, b, vocab, compute, copies, checkpointed)
+    sp = on_mesh and mesh.tp > 1 and bool(cfg.parallel.sequence_parallel)
+    activations = ACTIVATIONS[family_of(m)](m, b, vocab, compute, copies, checkpointed, mesh.tp, sp)
 
-    # labels: what each row is made of, so that a reader sees where the bytes go
+    act = (", block checkpointing" if checkpointed else "") + (
+        f", 1/{mesh.tp} of the split parts" + (" and the residual stream" if sp else "")
+        if on_mesh and mesh.tp > 1 else "") + (", + autocast weight copies" if copies else "")
+    labels = _labels(store, compute, choice, local, mode, act)
+    return Estimate(weights, grads, exp_avg, exp_avg_sq, kahan, gathered, activations, n, labels)
+
+
+def _labels(store: str, compute: str, choice, local: list[int], mode: str, act: str) -> dict[str, str]:
+    """What each row of an estimate is made of, so that a reader sees where the
+    bytes go (``act``: the activations row's notes)."""
     if store == "fp32" and compute == "fp32":
         w, master = "weights (fp32)", "separate master copy (none: fp32 training)"
     elif store == "fp32":
@@ -283,15 +409,11 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None) ->
         moment = f"{choice.state} + {extras}; {len(local) - big} of {len(local)} tensors left {store}"
     else:
         moment = choice.state
-    labels = {"weights": w, "master_copy": master, "gradients": f"gradients ({store})",
-              "exp_avg": f"Adam exp_avg ({moment})", "exp_avg_sq": f"Adam exp_avg_sq ({moment})",
-              "kahan_comp": f"Kahan compensation ({store})" if choice.kahan else "Kahan compensation (none)",
-              "gathered": "FSDP gathered copies (estimate)",
-              "activations": f"activations (estimate; {ATTENTION_KERNEL}"
-                             + (", block checkpointing" if checkpointed else "")
-                             + (", + autocast weight copies)" if copies else ")"),
-              "total": "total"}
-    return Estimate(weights, grads, exp_avg, exp_avg_sq, kahan, gathered, activations, n, labels)
+    return {"weights": w, "master_copy": master, "gradients": f"gradients ({store})",
+            "exp_avg": f"Adam exp_avg ({moment})", "exp_avg_sq": f"Adam exp_avg_sq ({moment})",
+            "kahan_comp": f"Kahan compensation ({store})" if choice.kahan else "Kahan compensation (none)",
+            "gathered": "FSDP gathered copies (estimate)",
+            "activations": f"activations (estimate; {ATTENTION_KERNEL}{act})", "total": "total"}
 
 
 def summary_figures(e: Estimate) -> dict:
@@ -408,11 +530,14 @@ def fit_problem(needed: int, available: Optional[int], what: str, where: str, fi
             f"Fixes: {', '.join(fixes)}; train.memory_check=false skips this check.")
 
 
-def fit_fixes(cfg, micro_batch: int) -> list[str]:
-    """What would bring the estimate of ``cfg`` down, leaving out what it already does."""
+def fit_fixes(cfg, micro_batch: int, mesh: Optional[MeshShape] = None) -> list[str]:
+    """What would bring the estimate of ``cfg`` down, leaving out what it already
+    does (``mesh``: the layout it runs on, when known)."""
     mode = cfg.parallel.name.value
-    fixes = ["more ranks (torchrun --nproc_per_node, --nnodes)" if mode in ("fsdp", "fsdp1")
+    fixes = ["more ranks (torchrun --nproc_per_node, --nnodes)" if mode in ("fsdp1", *MESH_MODES)
              else "more ranks with parallel=fsdp"]
+    if mesh is not None and mesh.dp_replicate > 1:
+        fixes.append(f"more sharding (a larger parallel.dp_shard, a smaller parallel.dp_replicate={mesh.dp_replicate})")
     if cfg.train.activation_checkpointing.value != "block":
         fixes.append("train.activation_checkpointing=block")
     if micro_batch > 1:
@@ -430,17 +555,19 @@ def fit_check(cfg, vocab: int, world: int, local_world: int, micro_batch: int, d
     in fp32 on the CPU (``GPT.reset_parameters``), which is also the most a
     checkpoint write stages there at once: the largest weight must fit in the
     host's share of each local rank."""
-    e = estimate(cfg, vocab, world, micro_batch)
+    mesh = layout(cfg, world)
+    e = estimate(cfg, vocab, world, micro_batch, mesh)
     mode = cfg.parallel.name.value
-    what = (f"model={cfg.model.name} (parallel={mode}, {world} rank{'s' if world > 1 else ''}, "
+    on = f"mesh {mesh.text()}" if mode in MESH_MODES and world > 1 else f"{world} rank{'s' if world > 1 else ''}"
+    what = (f"model={cfg.model.name} (parallel={mode}, {on}, "
             f"micro-batch {micro_batch} x {cfg.model.block_size}; estimate: python -m mptrain.memory)")
     host = host_available()
     local_world = max(1, local_world)
     share = None if host is None else host // local_world  # the ranks of one node share its memory
     among = f" per rank ({_gib(host)} shared by {local_world} ranks)" if host is not None and local_world > 1 else ""
     if device.type != "cuda":
-        return fit_problem(e.total, share, what, "this host has", fit_fixes(cfg, micro_batch), among)
-    problem = fit_problem(e.total, device_free(device), what, f"{device} has", fit_fixes(cfg, micro_batch))
+        return fit_problem(e.total, share, what, "this host has", fit_fixes(cfg, micro_batch, mesh), among)
+    problem = fit_problem(e.total, device_free(device), what, f"{device} has", fit_fixes(cfg, micro_batch, mesh))
     if problem:
         return problem
     largest = 4 * max((math.prod(s) for s in shapes(cfg, vocab)[0]), default=0)

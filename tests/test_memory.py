@@ -634,4 +634,4 @@ def test_cli_takes_the_mesh_and_prints_its_traffic(capsys):
     with pytest.raises(SystemExit) as e:  # a mesh that does not fit the world: one line, exit 2
         main(["model=llama-nano", "parallel=fsdp_tp", "--world", "6", "--tp", "4"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and "does not fit 6 rank(s)" in err, err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "does not divide the world size 6" in err, err

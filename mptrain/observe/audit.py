@@ -572,7 +572,10 @@ class DtypeAudit:
             return
         dim = self.groups.of(args)
         floats = _names(t.dtype for t in ins if t.is_floating_point())
-        grad = phase == "backward" and kind in ("reduce_scatter", "all_reduce") and (
+        # A functional collective names its reduction: a max (float8's amax of a weight
+        # before its float8 all-gather, in the backward's re-gather too) is no gradient sum.
+        summed = not any(isinstance(a, str) and a in ("max", "min", "product") for a in args)
+        grad = phase == "backward" and kind in ("reduce_scatter", "all_reduce") and summed and (
             dim in ("dp_shard", "dp_replicate", "dp")
             or (dim == "tp" and kind == "all_reduce" and any(tuple(t.shape) in self._tp_whole for t in ins)))
         self._comm[(dim, kind, phase, floats, grad)] += 1

@@ -65,12 +65,14 @@ class MeshGroups:
     with those of this rank's group along each dimension of ``mesh`` (a
     ``DeviceMesh`` named ``dp_replicate, dp_shard, tp``). ``dp_ranks``: the
     ranks that see different data (None: every rank). Where two names have the
-    same ranks (a dimension of size 1 is this rank alone; with tp = 1 and no
-    replication ``dp_shard`` is every rank) the first in that order wins."""
+    same ranks the first of ``dp_shard, tp, dp_replicate, dp, world`` wins: a
+    dimension of size 1 is this rank alone, and FSDP2 still shards over
+    ``dp_shard`` when it is one rank (one process, or all of the ranks in TP);
+    with tp = 1 and no replication ``dp_shard`` is every rank."""
 
     def __init__(self, mesh, world: int, dp_ranks: Optional[list[int]] = None):
         self.names: dict[tuple[int, ...], str] = {}
-        for name in mesh.mesh_dim_names:
+        for name in sorted(mesh.mesh_dim_names, key=("dp_shard", "tp", "dp_replicate").index):
             self.names.setdefault(tuple(sorted(dist.get_process_group_ranks(mesh[name].get_group()))), name)
         self.names.setdefault(tuple(sorted(dp_ranks if dp_ranks is not None else range(world))), "dp")
         self.names.setdefault(tuple(range(world)), "world")
@@ -84,8 +86,12 @@ class MeshGroups:
             if name is None:
                 continue
             if name not in self._cache:
-                pg = dist.distributed_c10d._resolve_process_group(name)
-                self._cache[name] = self.names.get(tuple(sorted(dist.get_process_group_ranks(pg))), "other")
+                try:
+                    pg = dist.distributed_c10d._resolve_process_group(name)
+                    ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
+                except (RuntimeError, ValueError, KeyError):  # a string argument that names no group
+                    continue
+                self._cache[name] = self.names.get(ranks, "other")
             return self._cache[name]
         return "other"
 

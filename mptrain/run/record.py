@@ -202,7 +202,9 @@ def mesh_info(shape, sequence_parallel: bool) -> dict:
         runs["tp"] = ("TP all-gather / reduce-scatter of the sequence (SP) around each split layer, all-reduce "
                       "of the replicated norms' gradients" if sequence_parallel else
                       "TP all-reduce after each row-split layer (forward) and column-split layer (backward)")
-        runs["tp"] += "; the embedding's all-reduce and the head's all-gather"
+        runs["tp"] += ("; the embedding's all-reduce and the head's all-gather. Activations travel in their "
+                       "own dtype; the whole parameters' gradients in theirs, which precision.reduce_dtype does "
+                       "not set (the dtype audit flags it where they differ)")
     return {**shape.as_dict(), "text": shape.text(), "sequence_parallel": bool(sequence_parallel), "collectives": runs}
 
 

@@ -78,7 +78,7 @@ def _sweep_jobs(cwd: Path) -> list[Path]:
     return sorted((p for p in sweeps[0].iterdir() if p.is_dir()), key=lambda p: int(p.name))
 
 
-def sweep(cwd: Path, cases: dict[str, list[str]], timeout: int = 900) -> dict[str, Path]:
+def sweep(cwd: Path, cases: dict[str, list[str]], timeout: int = 900, nproc: int = 2) -> dict[str, Path]:
     """Every case (name -> overrides) as one job of a single torchrun launch: a Hydra
     multirun over experiment files written for the purpose, so the 3 processes start
     (and import torch) once for all of them. Returns name -> job directory."""
@@ -86,7 +86,8 @@ def sweep(cwd: Path, cases: dict[str, list[str]], timeout: int = 900) -> dict[st
     (exp / "experiment").mkdir(parents=True)
     for name, overrides in cases.items():
         (exp / "experiment" / f"{name}.yaml").write_text(experiment_yaml(overrides))
-    torchrun(cwd, "-m", f"hydra.searchpath=[file://{exp}]", f"experiment={','.join(cases)}", timeout=timeout)
+    torchrun(cwd, "-m", f"hydra.searchpath=[file://{exp}]", f"experiment={','.join(cases)}", nproc=nproc,
+             timeout=timeout)
     jobs = _sweep_jobs(cwd)
     assert [j.name for j in jobs] == [str(i) for i in range(len(cases))]  # one directory per job
     for name, job in zip(cases, jobs, strict=True):

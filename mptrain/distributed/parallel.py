@@ -469,10 +469,12 @@ def materialize(model: nn.Module, device: torch.device, seed: int,
             m.reset_delayed_state()
 
 
-def wrapper_dtypes(policy: PrecisionPolicy, mode: ParallelMode) -> dict:
+def wrapper_dtypes(policy: PrecisionPolicy, mode: ParallelMode, shape: Optional[MeshShape] = None) -> dict:
     """What the wrapper of ``mode`` is given under ``policy`` (storage, gathered
-    and reduced dtypes), for the banner and run_info. A function of the two,
-    not a record kept by :func:`wrap`: every part of it follows from them."""
+    and reduced dtypes), for the banner and run_info. A function of these,
+    not a record kept by :func:`wrap`: every part of it follows from them.
+    ``shape``: the mesh of the FSDP2 modes, which says on which dimension the
+    gradient reductions run (HSDP adds an all-reduce over ``dp_replicate``)."""
     if mode == ParallelMode.ddp:
         comm = "fp32 (all-reduce)"
         if policy.reduce_dtype != torch.float32:
@@ -485,7 +487,13 @@ def wrapper_dtypes(policy: PrecisionPolicy, mode: ParallelMode) -> dict:
             "buffers": dtype_name(policy.buffer_dtype),
         }
     if mode.value in MESH_MODES:
-        return _sharded_dtypes("FSDP2 fully_shard (per block + its norms, root)", "sharded", policy)
+        out = _sharded_dtypes("FSDP2 fully_shard (per block + its norms, root)", "sharded", policy)
+        if shape is not None:
+            reduce = dtype_name(policy.reduce_dtype)
+            out["grad_reduce"] = (f"{reduce} (reduce-scatter on dp_shard"
+                                  + (f"; all-reduce of the shards on dp_replicate, {reduce})"
+                                     if shape.dp_replicate > 1 else ")"))
+        return out
     if mode == ParallelMode.fsdp1:
         return _sharded_dtypes("FullyShardedDataParallel (FSDP1, per-block auto-wrap)", "flat, sharded", policy)
     return {"wrapper": "none"}

@@ -17,6 +17,18 @@ norms, softmax, loss, gradients and updates used) and a list of flags, each
 with the problem and a concrete fix. The step itself is not changed: every
 hook is removed on exit and the model and optimizer are left as they were.
 
+Under a device mesh (``groups``, :class:`mptrain.observe.comm.MeshGroups`)
+every collective is also attributed to its mesh dimension, and a gradient
+reduction that ran in a dtype other than the policy's ``reduce_dtype`` is
+flagged: the reduce-scatters and all-reduces of the backward pass on the
+data-parallel dimensions, and on ``tp`` the all-reduce of a gradient of a
+parameter TP does not split (a norm's under sequence parallelism, whose
+partial sums FSDP's ``reduce_dtype`` does not govern). Tensor-parallel
+collectives of activations and their gradients run in the compute dtype on
+purpose and are not flagged. DTensors (TP's split weights and activations,
+FSDP2's shards) are seen through: each runs its own dispatch and the plain
+operators and collectives it issues are recorded.
+
 What it cannot see: work inside a fused kernel (an attention kernel's softmax
 is one ``attention`` op). A ``torch.compile``d module runs eagerly while the
 mode is active (Dynamo does not run compiled code under a user dispatch mode),
@@ -39,6 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mptrain.core.shards import local_shard
 from mptrain.core.text import text_table
 from mptrain.model.names import canonical_name
+from mptrain.observe.comm import KINDS, MeshGroups
 from mptrain.precision.formats import dtype_name
 
 try:
@@ -306,7 +319,9 @@ class DtypeAudit:
     (``policy.param_dtype``: fp32 with master weights, the compute dtype without).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy,
+                 groups: Optional[MeshGroups] = None):
+        self.groups = groups  # under a mesh: which dimension each collective ran on
         self.model = model
         self.optimizer = optimizer
         self.policy = policy
@@ -344,6 +359,10 @@ class DtypeAudit:
         self._flag_hits: dict[tuple, dict[str, None]] = {}
         self._n_ops = 0
         self._widened = _Widened()
+        self._comm: Counter = Counter()  # (dim, kind, phase, dtypes, gradient reduction) -> calls
+        # Shapes of the parameters TP holds whole on every TP rank: an all-reduce over tp of
+        # a tensor of one of these shapes in backward is that parameter's gradient.
+        self._tp_whole = {tuple(p.shape) for p in self.model.parameters() if _tp_replicated(p)}
 
     # ---------------------------------------------------------------- hooks
     def __enter__(self) -> "DtypeAudit":
@@ -498,6 +517,8 @@ class DtypeAudit:
             computed = _first_float(ins)  # these compute in their input's dtype
             if computed is not None:
                 self._seen[module][category].add(dtype_name(computed))
+        if category == "comm" and self.groups is not None:
+            self._collective(func, args, ins, phase, module, op)
         if not emulated:  # an emulated float8 product is widened on purpose: nothing autocast missed
             self._check(module, phase, op, category, ins, outs, autocast)
 
@@ -542,6 +563,37 @@ class DtypeAudit:
                        "is rounded to half precision (8 significant bits in bf16, 11 in fp16, and fp16 "
                        "overflows past 65504)")
             self._flag("fp32-op", module, phase, op, dts, problem, self._fp32_fix(phase))
+
+    def _collective(self, func, args, ins, phase: str, module: str, op: str) -> None:
+        """Record a collective by mesh dimension; flag a gradient reduction that
+        ran in a dtype other than the policy's reduce dtype."""
+        kind = KINDS.get(func.overloadpacket.__name__)
+        if kind is None:  # waits and autograd wrappers of the functional collectives
+            return
+        dim = self.groups.of(args)
+        floats = _names(t.dtype for t in ins if t.is_floating_point())
+        # A functional collective names its reduction: a max (float8's amax of a weight
+        # before its float8 all-gather, in the backward's re-gather too) is no gradient sum.
+        summed = not any(isinstance(a, str) and a in ("max", "min", "product") for a in args)
+        grad = phase == "backward" and kind in ("reduce_scatter", "all_reduce") and summed and (
+            dim in ("dp_shard", "dp_replicate", "dp")
+            or (dim == "tp" and kind == "all_reduce" and any(tuple(t.shape) in self._tp_whole for t in ins)))
+        self._comm[(dim, kind, phase, floats, grad)] += 1
+        want = dtype_name(self.policy.reduce_dtype)
+        if grad and floats and floats != (want,):
+            problem = (f"gradient {kind} on {dim} ran in {'/'.join(floats)}, but precision.reduce_dtype is {want}: "
+                       "the gradient sum rounds in another format than the one configured")
+            fix = (f"cast the gradient to {want} before this collective (FSDP's reduce_dtype covers its own "
+                   "reduce-scatter and all-reduce, not the partial sums TP reduces), or set "
+                   f"precision.reduce_dtype={floats[0]} if that is what you meant")
+            self._flag("reduce", module, phase, op, floats, problem, fix)
+
+    def collectives(self) -> list[dict]:
+        """Every collective of the step by mesh dimension, kind, phase and dtype
+        (under a mesh; empty otherwise); ``gradient``: a gradient reduction,
+        which must run in the reduce dtype."""
+        return [{"dim": d, "kind": k, "phase": ph, "dtype": ",".join(dts) or "none", "calls": n, "gradient": g}
+                for (d, k, ph, dts, g), n in sorted(self._comm.items())]
 
     def _fp32_fix(self, phase: str) -> str:
         fix = (f"compute it in fp32: upcast its input with x.float() (or run it inside torch.autocast("
@@ -600,6 +652,8 @@ class DtypeAudit:
             "flags": self.flags,
             "expected": {"compute": dtype_name(self.policy.compute_dtype), "param": want, "grad": want,
                          "autocast": bool(self.policy.autocast_enabled)},
+            **({"collectives": self.collectives(), "reduce_dtype": dtype_name(self.policy.reduce_dtype)}
+               if self.groups is not None else {}),
             "n_ops": self._n_ops,
         }
 
@@ -622,6 +676,13 @@ class DtypeAudit:
 
 # ------------------------------------------------------------ name collapsing
 _INDEXED = re.compile(r"^(.*?)\.(\d+)(\..*)?$")
+
+
+def _tp_replicated(p: torch.Tensor) -> bool:
+    """A parameter on a mesh with a ``tp`` dimension that is whole (replicated) along it."""
+    mesh = getattr(p, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return "tp" in names and p.placements[names.index("tp")].is_replicate()
 
 
 def _split_index(name: str) -> Optional[tuple[str, int, str]]:

@@ -257,7 +257,11 @@ class NumericsMonitor:
     parameters (identity in one process or under DDP, where every rank holds
     the same full gradients; an all-reduce under FSDP). ``reduce_max_all`` and
     ``reduce_sum_all`` combine over every rank (activations come from
-    different data on each rank, whatever the wrapper).
+    different data on each rank, whatever the wrapper). ``owned`` gives the
+    part of a parameter (or its gradient) this rank adds to the sums: its local
+    shard by default; under a device mesh, ``DistContext.owned_shard``, empty
+    on every replica but one, so that HSDP's replicate groups and the TP ranks'
+    copies of what TP does not split count once.
 
     With ``monitor.stability`` the same calls also drive the ``stability/*``
     figures of :class:`mptrain.observe.stability.StabilityMonitor`; Adam's need
@@ -266,7 +270,7 @@ class NumericsMonitor:
 
     def __init__(self, mcfg, model: nn.Module, reduce_sum: Reducer = _identity, reduce_max: Reducer = _identity,
                  *, reduce_max_all: Reducer = _identity, reduce_sum_all: Reducer = _identity,
-                 hist_lo: int = -40, hist_hi: int = 16, fp8_watch=None):
+                 hist_lo: int = -40, hist_hi: int = 16, fp8_watch=None, owned: Reducer = local_shard):
         self.cfg = mcfg
         self.enabled = bool(mcfg.enabled)
         self.every = int(mcfg.every)
@@ -274,6 +278,7 @@ class NumericsMonitor:
         self.activations = bool(mcfg.activations)
         self.reduce_sum, self.reduce_max, self.reduce_max_all = reduce_sum, reduce_max, reduce_max_all
         self.reduce_sum_all = reduce_sum_all
+        self.owned = owned
         self.hist_lo, self.hist_hi = hist_lo, hist_hi
         # Outermost module per block name: with wrappers (FSDP1, checkpoint
         # wrappers) the same "blocks.N" appears at several depths after
@@ -288,7 +293,7 @@ class NumericsMonitor:
         self.choice: optimizers.Choice = optimizers.TORCH_ADAMW
         if self.enabled and getattr(mcfg, "stability", False):
 
-            self.stability = StabilityMonitor(model)
+            self.stability = StabilityMonitor(model, owned)
         # The float8 casts' statistics (fp8stats.CastWatch), when the run has float8 linears.
         self.fp8 = fp8_watch if self.enabled else None
         self._on = False
@@ -424,12 +429,12 @@ class NumericsMonitor:
         for _, p in params:
             if p.grad is not None:
                 self._has_grad.add(group)
-            w = local_shard(p.detach())
-            if w.numel() == 0:  # an FSDP rank may hold no shard of a small parameter
+            w = self.owned(p.detach())
+            if w.numel() == 0:  # an FSDP rank may hold no shard of a small parameter, a replica owns none
                 continue
             ws.append(w)
             if p.grad is not None:
-                gs.append(local_shard(p.grad.detach()))
+                gs.append(self.owned(p.grad.detach()))
         # Sums of squares accumulate in fp64: over a whole group's millions of
         # elements an fp32 accumulator drifts (1e-4 relative on a 4x256 block, CPU).
         if ws:
@@ -459,7 +464,7 @@ class NumericsMonitor:
             self.stability.before_optimizer(model, self._device(model))
         # One flat fp32 copy (what after_optimizer compares whole), and each
         # parameter's part of it as a view (what the intended update needs).
-        shards = [local_shard(p.detach()) for p in model.parameters() if p.requires_grad]
+        shards = [self.owned(p.detach()) for p in model.parameters() if p.requires_grad]
         self._snapshot_flat = _flat(shards) if shards else None
         self._snapshot = ([] if not shards else
                           [v.view(s.shape) for v, s in zip(self._snapshot_flat.split([s.numel() for s in shards]),
@@ -483,7 +488,7 @@ class NumericsMonitor:
             self._snapshot = self._snapshot_flat = None
             return
         # whole model: one pass over all parameters (see _flat)
-        after = _flat([local_shard(p.detach()) for p in params])
+        after = _flat([self.owned(p.detach()) for p in params])
         counts = update_underflow_counts(self._snapshot_flat, after)
         applied = self._applied(params, after) if self.optimizer is not None else None
         self._snapshot = self._snapshot_flat = None
@@ -497,18 +502,24 @@ class NumericsMonitor:
         stochastic = self.choice.rounding == "stochastic"
         groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         befores, afters, intendeds, comps = [], [], [], []
+        replica = False  # a tensor with state left to its owner: this rank still sends its (zero) figures
         for before, p in zip(self._snapshot, params, strict=True):
             if p.grad is None or id(p) not in groups:
+                continue
+            if before.numel() == 0:  # a replica's copy (DistContext.owned_shard): its owner counts it
+                replica = replica or bool(self.optimizer.state.get(p))
                 continue
             intended = optimizers.intended_update(self.optimizer, p, groups[id(p)], before, self.choice)
             if intended is None:
                 continue
             befores.append(before)
-            afters.append(local_shard(p.detach()))
+            afters.append(self.owned(p.detach()))
             intendeds.append(intended)
             comps.append(optimizers.compensation(self.optimizer, p))
         if not befores:
-            return None
+            # The same layout on every rank for collect()'s sum: a rank that owns no part of
+            # any tensor with state adds zeros, where the owners add their figures.
+            return torch.zeros(6, dtype=torch.float64, device=after.device) if replica else None
         # Once over the concatenation (see _flat). A tensor without a compensation
         # buffer contributes zeros to it, which count as nothing held. When the step
         # updated every parameter (the usual case), the flat copies are those at hand.

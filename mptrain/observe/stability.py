@@ -62,7 +62,7 @@ Where outliers start (the "traps" of a long low-precision run), per block:
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -258,7 +258,8 @@ class StabilityMonitor:
     turns the reduced stores into metrics. ``rank`` / ``world`` (from the
     process group) place this rank's row in the massive-activation table."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, owned: Callable[[torch.Tensor], torch.Tensor] = local_shard):
+        self.owned = owned  # this rank's part of a parameter to sum (empty on a replica: its owner counts it)
         self._attn = {group_of(n): m for n, m in _outermost(model, _is_attention).items()}
         heads = _outermost(model, lambda canon, mod: canon == "lm_head")
         self._head: Optional[nn.Module] = heads.get("lm_head")
@@ -405,6 +406,8 @@ class StabilityMonitor:
         for group, entries in self._states(model).items():
             total, n = torch.zeros((), dtype=torch.float64, device=device), 0
             for p, hyper in entries:
+                if self.owned(p.detach()).numel() == 0:  # a replica's copy: its owner counts it
+                    continue
                 moments = optimizers.moments(self.optimizer, p, hyper, self.choice)
                 value = None if moments is None or moments[1].numel() == 0 else term(p, moments, hyper)
                 if value is not None:

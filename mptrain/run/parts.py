@@ -8,7 +8,7 @@ loop; the small adapters here give each the component hooks it needs:
   stability monitor and the float8 cast watch it drives; compiled blocks run
   eagerly on its monitored steps; the closing float8 and outlier tables;
 - :class:`CommPart` (``monitor.comm``, several ranks): the collectives of the
-  monitored steps, by kind and dtype;
+  monitored steps, by kind and dtype (and by mesh dimension under a mesh);
 - :class:`AuditPart` (``train.audit``, ``train.audit_only``): the dtype audit
   of the first step of a launch, and the end of the run after it;
 - :class:`SkipRatePart`, :class:`SpikePart`, :class:`StabilityPart`: the
@@ -29,7 +29,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from mptrain.config.schema import ParallelMode, debug_set
-from mptrain.observe.comm import CommCounter
+from mptrain.observe.comm import CommCounter, MeshGroups
 from mptrain.distributed.parallel import DistContext
 from mptrain.observe import fp8watch
 from mptrain.observe.alerts import SkipRateWarning, SpikeDetector
@@ -116,9 +116,16 @@ def numerics_monitor(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
     watch when the run casts to float8 and ``monitor.fp8_casts`` is on."""
     fp8_watch = (fp8watch.CastWatch.of_run(policy.lowp, model, cfg.monitor.fp8_whatif)
                  if policy.lowp and cfg.monitor.fp8_casts else None)
+    # owned_shard: the part of each parameter this rank sums, so that replicas (HSDP's
+    # replicate groups, the TP ranks' copies of what TP does not split) count once.
+    # Sums of what each rank sees are over every rank under TP: the TP ranks of a data-parallel
+    # group share a batch but hold different heads (the attention probes) and, with sequence
+    # parallelism, different positions. These sums feed means (a sum over its count), which
+    # the ranks that hold copies change in neither; one shard_sum is then over the world.
+    sum_seen = ctx.shard_sum if ctx.shape.tp > 1 else ctx.all_reduce_sum
     monitor = NumericsMonitor(cfg.monitor, model, reduce_sum=ctx.shard_sum, reduce_max=ctx.shard_max,
-                              reduce_max_all=ctx.all_reduce_max, reduce_sum_all=ctx.all_reduce_sum,
-                              fp8_watch=fp8_watch)
+                              reduce_max_all=ctx.all_reduce_max, reduce_sum_all=sum_seen,
+                              fp8_watch=fp8_watch, owned=ctx.owned_shard)
     monitor.attach_optimizer(optimizer, choice)  # Adam's health on monitored steps (stability.py)
     return monitor
 
@@ -126,17 +133,18 @@ def numerics_monitor(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
 class CommPart(Component):
     """``monitor.comm``: the collectives of each monitored step (``when``), counted
     by kind and dtype (``comm/*`` metrics, and a console line for the first step of
-    a launch that is counted)."""
+    a launch that is counted); under a mesh (``groups``) also by mesh dimension
+    (``comm/<dim>/*``)."""
 
-    def __init__(self, when: Callable[[int], bool]):
-        self.when = when
+    def __init__(self, when: Callable[[int], bool], groups: Optional[MeshGroups] = None):
+        self.when, self.groups = when, groups  # groups: under a mesh, which dimension each collective ran on
         self.first: Optional[int] = None  # the first step this launch runs
         self.counter: Optional[CommCounter] = None  # this step's, when it is counted
         self.last: dict = {}  # the last counted step's figures, for the summary
 
     def begin_step(self, step: int) -> None:
         self.first = step if self.first is None else self.first
-        self.counter = CommCounter() if self.when(step) else None
+        self.counter = CommCounter(self.groups) if self.when(step) else None
 
     def around_step(self, step: int) -> ContextManager:
         return self.counter if self.counter is not None else contextlib.nullcontext()
@@ -165,8 +173,8 @@ class AuditPart(Component):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
                  write_json: Callable[[str, dict], object], audit: bool, only: bool,
-                 comm_figures: Callable[[], dict] = dict):
-        self.model, self.optimizer, self.policy = model, optimizer, policy
+                 comm_figures: Callable[[], dict] = dict, groups: Optional[MeshGroups] = None):
+        self.model, self.optimizer, self.policy, self.groups = model, optimizer, policy, groups
         self.write_json, self.comm_figures = write_json, comm_figures
         self.audit, self.only = audit, only
         self.first: Optional[int] = None  # the first step this launch runs: the audited one
@@ -181,7 +189,8 @@ class AuditPart(Component):
             yield
             return
         # Compiled blocks run eagerly for it: a dispatch mode cannot look inside a graph.
-        with torch.compiler.set_stance("force_eager"), DtypeAudit(self.model, self.optimizer, self.policy) as audit:
+        audit = DtypeAudit(self.model, self.optimizer, self.policy, self.groups)
+        with torch.compiler.set_stance("force_eager"), audit:
             self.recorded = audit
             yield
 
@@ -262,6 +271,15 @@ class StabilityPart(_AlertPart):
         return {}
 
 
+def mesh_groups(ctx: DistContext) -> Optional[MeshGroups]:
+    """Under a device mesh, the dimension of each process group (for the
+    collectives' accounting and the audit); None otherwise."""
+    if ctx.mesh is None:
+        return None
+    dp = list(range(ctx.rank % ctx.shape.tp, ctx.world, ctx.shape.tp))  # ctx.dp_group's ranks (this tp coordinate)
+    return MeshGroups(ctx.mesh, ctx.world, dp)
+
+
 @dataclass
 class RunParts:
     """The run's components in order, and the guard its step asks (the non-finite handler's)."""
@@ -284,15 +302,16 @@ def build_parts(cfg: DictConfig, ctx: DistContext, built: RunModel, policy: Prec
                                injector[0] if injector else NO_FAULTS, cfg.precision.loss_scale.min_loss_scale)
     members: list[Component] = [*injector, handler, SkipRatePart(cfg.precision.loss_scale), SpikePart(mcfg)]
     comm: Optional[CommPart] = None
+    groups = mesh_groups(ctx)
     if mcfg.enabled:
         monitor = numerics_monitor(cfg, model, built.optimizer, built.opt_choice, policy, ctx)
         members.append(NumericsPart(monitor, built.compile_blocks, policy.lowp.recipe if policy.lowp else None,
                                     audit_first=tc.audit))
         if mcfg.comm and ctx.mode != ParallelMode.none:
-            comm = CommPart(monitor.active)
+            comm = CommPart(monitor.active, groups)
             members.append(comm)
     if tc.audit or tc.audit_only:
         members.append(AuditPart(model, built.optimizer, policy, write_json, tc.audit, tc.audit_only,
-                                 comm.step_figures if comm is not None else dict))
+                                 comm.step_figures if comm is not None else dict, groups))
     members.append(StabilityPart(mcfg, dtype_name(policy.compute_dtype)))
     return RunParts(Components(members), handler.step_guard)

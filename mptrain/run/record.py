@@ -189,6 +189,32 @@ def _steps_text(tc) -> str:
     return f"{tc.max_steps} steps"
 
 
+def mesh_info(shape, sequence_parallel: bool) -> dict:
+    """run_info's ``mesh``: the sizes of the device mesh, whether sequence
+    parallelism is on, and which collectives run on each dimension of more
+    than one rank (what ``comm/<dim>/*`` then measures)."""
+    runs = {}
+    if shape.dp_shard > 1:
+        runs["dp_shard"] = "FSDP all-gather (parameters) and reduce-scatter (gradients)"
+    if shape.dp_replicate > 1:
+        runs["dp_replicate"] = "HSDP all-reduce (the reduce-scattered gradient shards)"
+    if shape.tp > 1:
+        runs["tp"] = ("TP all-gather / reduce-scatter of the sequence (SP) around each split layer, all-reduce "
+                      "of the replicated norms' gradients" if sequence_parallel else
+                      "TP all-reduce after each row-split layer (forward) and column-split layer (backward)")
+        runs["tp"] += ("; the embedding's all-reduce and the head's all-gather. Activations travel in their "
+                       "own dtype; the whole parameters' gradients in theirs, which precision.reduce_dtype does "
+                       "not set (the dtype audit flags it where they differ)")
+    return {**shape.as_dict(), "text": shape.text(), "sequence_parallel": bool(sequence_parallel), "collectives": runs}
+
+
+def mesh_lines(mesh: dict) -> list[str]:
+    """The banner's mesh lines (run_info's ``mesh``, :func:`mesh_info`)."""
+    lines = [f"  mesh {mesh['text']}, sequence parallel {_switch(mesh['sequence_parallel'])}"]
+    lines += [f"    {dim:<16} {what}" for dim, what in mesh["collectives"].items()]
+    return lines
+
+
 def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run_dir: Path) -> str:
     """The start-up lines: model, device, data, batch, and every dtype in use."""
     m = cfg.model
@@ -207,6 +233,8 @@ def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run
         "  stability switches: " + ", ".join(f"{k}={_switch(v)}" for k, v in info["stability"].items()),
         f"  precision={cfg.precision.name}:",
     ]
+    if "mesh" in info:
+        lines[2:2] = mesh_lines(info["mesh"])  # after the device line
     lines += [f"    {k:<16} {v}" for k, v in dtypes.items()]
     if "gelu" in info:
         lines.append(f"  {info['gelu']}")

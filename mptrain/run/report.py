@@ -44,8 +44,8 @@ from mptrain.precision.policy import LossScaler, PrecisionPolicy
 from mptrain.run.build import RunData, RunModel
 from mptrain.run.console import RunLog, plain_cadence
 from mptrain.run.metrics import Metrics
-from mptrain.run.record import (ComputeDtypeProbe, RunRecord, banner, observed_dtypes, peak_memory, reset_peak_memory,
-                               start_memory)
+from mptrain.run.record import (ComputeDtypeProbe, RunRecord, banner, mesh_info, observed_dtypes, peak_memory,
+                               reset_peak_memory, start_memory)
 from mptrain.run.step import StepResult
 from mptrain.run.validation import ValFigures
 
@@ -126,7 +126,7 @@ def describe(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, data: R
              info: dict) -> RunFacts:
     """run_info (into ``info``) and the run's facts: what the banner prints and config.yaml records."""
     tc, choice, model = cfg.train, built.opt_choice, built.model
-    dtypes = {**policy.describe(), **wrapper_dtypes(policy, ctx.mode)}
+    dtypes = {**policy.describe(), **wrapper_dtypes(policy, ctx.mode, ctx.shape if ctx.uses_mesh else None)}
     # the moments as configured; after step 1, as observed
     dtypes["optimizer_state"] = choice.state + (f" + Kahan compensation {choice.param_dtype}" if choice.kahan else "")
     tokens = data.tokens
@@ -138,6 +138,8 @@ def describe(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, data: R
         "compile": built.compile_blocks, "activation_checkpointing": tc.activation_checkpointing.value,
         "fused_adamw": any(g.get("fused") for g in built.optimizer.param_groups),
         "optimizer": choice.describe()})
+    if ctx.uses_mesh:
+        info["mesh"] = mesh_info(ctx.shape, ctx.sequence_parallel)
     # fp4 for precision=nvfp4/mxfp4 (the key runs have always had), lab for precision=lab
     lowp_key = policy.fp4.key.rpartition(".")[2] if policy.fp4 else "fp8"
     lowp = policy.lowp.report if policy.lowp else None

@@ -36,9 +36,15 @@ CASES = {
     "hsdp-fp32": [*COMMON, *HSDP, "precision=fp32"],
     "hsdp-bf16pure": [*COMMON, *HSDP, "precision=bf16-pure"],  # reduce_dtype bf16: gradient bytes halve
     "tp-fp32": [*COMMON, *TP, "precision=fp32"],
-    # bf16 gradients under an fp32 reduce dtype: FSDP casts its own reductions up, TP's all-reduce
-    # of the norms' partial gradients stays bf16 (what the audit must flag)
+    # The reduce dtype on TP's gradient all-reduce (the norms' partial sums under sequence
+    # parallelism), with and without gradient accumulation (2 micro-batches of 2 per rank):
+    # bf16 in an fp32 run, fp32 in a bf16-pure one...
+    **{f"tp-reduce-bf16{a}": [*COMMON, *TP, "precision=fp32", "precision.reduce_dtype=bf16", *m]
+       for a, m in (("", []), ("-accum", ["train.micro_batch_size=2"]))},
     "tp-bf16pure-fp32reduce": [*COMMON, *TP, "precision=bf16-pure", "precision.reduce_dtype=fp32"],
+    # ... and with the guard off, FSDP2 runs it in the gradients' bf16 (pytorch #190626): flagged
+    "tp-bf16pure-fp32reduce-unguarded": [*COMMON, *TP, "precision=bf16-pure", "precision.reduce_dtype=fp32",
+                                         "debug.unguarded=[tp_reduce_dtype]"],
 }
 BYTES = {"fp32": 4, "bf16": 2}
 # TP splits these (tensor_parallel.py's plan for GPT): column-split qkv and fc (weights
@@ -127,10 +133,38 @@ def test_audit_clean_on_correct_runs(runs):
     assert dims == {"dp_shard", "dp_replicate"}
 
 
+def _norm_values(info) -> int:
+    """Values of the parameters TP holds whole but feeds a split input: the norms."""
+    return sum(n for name, n in _params(info["vocab_size"]) if ".ln_" in f".{name}")
+
+
+def test_tp_gradient_all_reduce_runs_in_the_reduce_dtype(runs):
+    """TP's gradient all-reduce follows precision.reduce_dtype, with and without
+    gradient accumulation: bf16 in an fp32 run (its bytes: the norms' values x 2
+    bytes, once per micro-batch; half what the fp32-reduce run sends), fp32 in a
+    bf16-pure run; nothing flagged. Every other tp all-reduce carries activations,
+    in the compute dtype, and does not move."""
+    fp32_row, info, _, _, _ = runs["tp-fp32"]
+    norms = _norm_values(info)
+    for case, micro in (("tp-reduce-bf16", 1), ("tp-reduce-bf16-accum", 2)):
+        row, _, audit, _, _ = runs[case]
+        grads = {(c["dim"], c["dtype"]) for c in audit["collectives"] if c["gradient"]}
+        assert grads == {("dp_shard", "bf16"), ("tp", "bf16")}, (case, grads)
+        assert [f for f in audit["flags"] if "reduce_dtype" in f["problem"]] == [], case
+        assert _dim_bytes(row, "tp", "all_reduce")["bf16"] == norms * 2 * micro, case
+    bf16 = _dim_bytes(runs["tp-reduce-bf16"][0], "tp", "all_reduce")
+    assert 2 * bf16["bf16"] == _dim_bytes(fp32_row, "tp", "all_reduce")["fp32"] - bf16["fp32"]  # bytes halve
+    row, _, audit, _, _ = runs["tp-bf16pure-fp32reduce"]
+    assert {c["dtype"] for c in audit["collectives"] if c["gradient"]} == {"fp32"}
+    assert [f for f in audit["flags"] if "reduce_dtype" in f["problem"]] == []
+    assert _dim_bytes(row, "tp", "all_reduce")["fp32"] == norms * 4
+
+
 def test_audit_flags_tp_reduction_outside_reduce_dtype(runs):
-    """bf16 gradients, fp32 reduce dtype: FSDP's reduce-scatter runs in fp32, TP's
-    all-reduce of the norms' gradients in bf16, and only that is flagged."""
-    row, _, audit, log, _ = runs["tp-bf16pure-fp32reduce"]
+    """The guard off (debug.unguarded=[tp_reduce_dtype]): bf16 gradients, fp32 reduce
+    dtype, FSDP's reduce-scatter still in fp32 but TP's all-reduce of the norms'
+    gradients in bf16, and only that is flagged."""
+    row, _, audit, log, _ = runs["tp-bf16pure-fp32reduce-unguarded"]
     assert _dim_bytes(row, "dp_shard", "reduce_scatter").keys() == {"fp32"}
     reduce_flags = [f for f in audit["flags"] if "reduce_dtype" in f["problem"]]
     assert len(reduce_flags) == 1, audit["flags"]

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from omegaconf import ListConfig, OmegaConf
 
-from mptrain.config.mesh import data_world
+from mptrain.config.mesh import check_unguarded, data_world
 from mptrain.config.schema import Config, DType, Fp8Config, ModelConfig
 from mptrain.core.errors import ConfigError, require_extra
 
@@ -540,6 +540,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             "pick a head count that divides the width."
         )
     mbs, _ = micro_steps(cfg, world_size)  # raises on batch sizes that do not divide
+    check_unguarded(cfg.debug.unguarded)
     _delayed_knobs(p.fp8)
     if p.fp8.enabled and p.fp8.recipe.value == "mxfp8" and (mbs * m.block_size) % 32:
         # The weight-gradient matmul blocks its operands along the tokens of a micro-batch.

@@ -20,6 +20,8 @@ from mptrain.core.errors import ConfigError
 # The wrappers that build a mesh (FSDP2); the others take the whole world as one data-parallel group.
 MESH_MODES = ("fsdp", "hsdp", "fsdp_tp")
 DIMS = ("dp_replicate", "dp_shard", "tp")
+# The mesh's guards that debug.unguarded may switch off (to rehearse what each prevents).
+GUARDS = ("tp_reduce_dtype",)
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,14 @@ def mesh_shape(pcfg: Any, world: int, per_node: int | None = None) -> MeshShape:
         raise ConfigError(f"the mesh {given} = {shape.world} ranks, but the world size is {world}: make the "
                           f"product equal {world}, or set one size to -1 to take the rest.")
     return shape
+
+
+def check_unguarded(names: Any) -> None:
+    """``debug.unguarded`` names only known guards (a misspelt one would leave the guard on unnoticed)."""
+    unknown = [n for n in names if n not in GUARDS]
+    if unknown:
+        raise ConfigError(f"debug.unguarded names {', '.join(map(str, unknown))}, which is not a guard of the mesh; "
+                          f"the guards are {', '.join(GUARDS)}.")
 
 
 def data_world(cfg: Any, world: int) -> int:

@@ -963,6 +963,12 @@ class DebugConfig:
     1e-6 give 1e-9, below the default 1e-8), and up to clipping, which no longer
     acts. Under fp16, gradients this small can flush to zero despite the loss
     scale. Must be finite and > 0."""
+    unguarded: list[str] = recorded(factory=list)
+    """Guards of the device mesh switched off, to rehearse the failure each one
+    prevents (a test aid: never in a real run). ``tp_reduce_dtype``: TP's
+    gradient all-reduce (the norms' partial sums under sequence parallelism)
+    left to FSDP2, which runs it in the gradient's dtype instead of
+    ``precision.reduce_dtype`` (pytorch #190626); the dtype audit then flags it."""
     kill_during_save_at_step: Optional[int] = harmless(
         None, why="ends the process during a save; a launch it does not end trains the same")
     """SIGKILL this process in the middle of saving the checkpoint of this

@@ -405,7 +405,7 @@ def _checkpoint_and_compile(model: nn.Module, activation_checkpointing: bool, co
 
 def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation_checkpointing: bool = False,
          compile_blocks: bool = False, init_seed: Optional[int] = None,
-         initial_weights: Optional[dict[str, torch.Tensor]] = None) -> nn.Module:
+         initial_weights: Optional[dict[str, torch.Tensor]] = None, unguarded: frozenset = frozenset()) -> nn.Module:
     """Wrap ``model`` for ``ctx.mode``; :func:`wrapper_dtypes` says which dtypes
     the wrapper was given.
 
@@ -421,6 +421,7 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
     weights equal those of a model built on the CPU and reset with the same seed.
     ``initial_weights`` (whole CPU tensors by parameter name, ``model.init_from``)
     replace the drawn ones, written at the same point (:func:`materialize`).
+    ``unguarded``: mesh guards switched off (``debug.unguarded``, a test aid).
     """
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and init_seed is None:
@@ -444,6 +445,8 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
         return _wrap_ddp(model, policy, ctx)
     if ctx.uses_mesh:
         model = _wrap_fsdp2(model, policy, ctx)
+        if ctx.shape.tp > 1 and "tp_reduce_dtype" not in unguarded:
+            reduce_tp_partials_in(model, policy.reduce_dtype)
         if on_meta:
             materialize(model, ctx.device, init_seed, initial_weights)
         return model
@@ -606,8 +609,6 @@ def _wrap_fsdp2(model, policy, ctx):
             fully_shard(kept, mesh=mesh, mp_policy=mp(policy.gather_dtype(kept[0])))
         fully_shard(blk, mesh=mesh, mp_policy=mp(policy.wrapper_param_dtype))
     fully_shard(model, mesh=mesh, mp_policy=mp(policy.param_dtype))
-    if ctx.shape.tp > 1:
-        reduce_tp_partials_in(model, policy.reduce_dtype)
     return model
 
 

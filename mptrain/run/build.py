@@ -140,7 +140,7 @@ def build_model(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, voca
     # model.init_from's weights: read whole on every rank, each rank's part written by wrap();
     # passed, not kept in a local, so the copy (32 GB for an 8B model) is freed once wrap returns
     model = wrap(model, policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
-                 compile_blocks=compile_blocks, init_seed=tc.seed,
+                 compile_blocks=compile_blocks, init_seed=tc.seed, unguarded=frozenset(cfg.debug.unguarded),
                  initial_weights=pretrained_weights(m, vocab, tokenizer_vocab) if m.init_from else None)
     choice = choose(cfg)
     optimizer = build_optimizer(model, decay, cfg.optim, ctx.device, choice)

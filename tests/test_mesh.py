@@ -10,7 +10,6 @@ run in this process.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -72,16 +71,7 @@ def launch(cwd: Path, *args: str, agent: tuple = ("--standalone", "--nproc_per_n
 @pytest.fixture(scope="module")
 def mesh_jobs(tmp_path_factory):
     """{case: job directory} of the one 4-rank launch."""
-    cwd = tmp_path_factory.mktemp("mesh")
-    exp = cwd / "experiments" / "experiment"
-    exp.mkdir(parents=True)
-    from mptrain.advice.answer import experiment_yaml
-
-    for name, overrides in CASES.items():
-        (exp / f"{name}.yaml").write_text(experiment_yaml(overrides))
-    launch(cwd, "-m", f"hydra.searchpath=[file://{exp.parent}]", f"experiment={','.join(CASES)}")
-    jobs = sorted((p for p in next((cwd / "multirun").glob("*/*")).iterdir() if p.is_dir()), key=lambda p: int(p.name))
-    return dict(zip(CASES, jobs, strict=True))
+    return sweep(tmp_path_factory.mktemp("mesh"), CASES, nproc=4)
 
 
 @pytest.fixture(scope="module")

@@ -280,3 +280,19 @@ def test_fsdp_quantized_moments_save_and_resume_per_rank(tmp_path):
     assert quantized_layout_refusal(ckpt, read_meta(ckpt), make_cfg(*FSDP_8BIT), 2) is None
     saved = [p.name for p in complete_checkpoints(sweep / "0" / "checkpoints")]
     assert saved == [f"step-{STOP}", f"step-{STEPS}"]
+
+
+def test_per_rank_quantized_moments_follow_the_mesh(tmp_path):
+    """Moments quantized per rank on a mesh load only on the same mesh: 2 x 2
+    (dp_shard x tp) and 4-way FSDP both have 4 ranks but split the tensors
+    otherwise. A checkpoint from before the mesh was recorded counts as FSDP over
+    every rank."""
+    meta = {"config": {"optim": {"state_dtype": "8bit"}}, "parallel": "fsdp_tp", "world_size": 4,
+            "mesh": {"dp_replicate": 1, "dp_shard": 2, "tp": 2}}
+    same = make_cfg(*BASE, *OPTIMIZERS["8bit"], "parallel=fsdp_tp", "parallel.tp=2")
+    assert quantized_layout_refusal(tmp_path, meta, same, 4) is None
+    said = quantized_layout_refusal(tmp_path, meta, make_cfg(*BASE, *OPTIMIZERS["8bit"], "parallel=fsdp"), 4)
+    assert _one_sentence(said) and "mesh 1 x 2 x 2" in said and "mesh 1 x 4 x 1" in said, said
+    old = {k: v for k, v in meta.items() if k != "mesh"} | {"parallel": "fsdp"}
+    assert quantized_layout_refusal(tmp_path, old, make_cfg(*BASE, *OPTIMIZERS["8bit"], "parallel=fsdp"), 4) is None
+    assert quantized_layout_refusal(tmp_path, old, same, 4) is not None

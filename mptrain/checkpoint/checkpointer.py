@@ -235,6 +235,7 @@ class Checkpointer:
             "tokens": progress.tokens,
             "world_size": self.ctx.world,
             "parallel": self.ctx.mode.value,
+            "mesh": self.ctx.shape.as_dict(),  # how the tensors were split (per-rank quantized moments follow it)
             "precision": self.run_cfg.precision.name,
             "model": {k: int(m[k]) for k in _SHAPE_KEYS},
             "vocab_size": int(model_sd["wte.weight"].shape[0]),

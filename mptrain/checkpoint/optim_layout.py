@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from mptrain.config.mesh import MESH_MODES
+from mptrain.config.mesh import MESH_MODES, MeshShape, mesh_shape
 from mptrain.core.shards import local_shard
 from mptrain.precision.optimizers import QUANTIZED, state_parts, stored_as
 
@@ -89,16 +89,25 @@ def quantized_layout_refusal(path: Path, meta: dict, cfg, world: int) -> Optiona
     each rank's shard, and another split of the tensor needs other blocks."""
     saved_state = meta.get("config", {}).get("optim", {}).get("state_dtype")
     saved_parallel, saved_world = meta.get("parallel"), meta.get("world_size")
+    # A checkpoint from before the mesh: FSDP split over every rank, as dp_shard = world does.
+    saved_mesh = meta.get("mesh") or MeshShape(1, saved_world or 1, 1).as_dict()
     saved = _quantized_layout(saved_state, saved_parallel, saved_world)
     now_parallel = getattr(cfg.parallel.name, "value", cfg.parallel.name)
     now = _quantized_layout(cfg.optim.state_dtype, now_parallel, world)
     if saved is None or now is None or (saved, now) == ("whole", "whole"):
         return None
-    if (saved_parallel, saved_world) == (now_parallel, world):
+    now_mesh = mesh_shape(cfg.parallel, world).as_dict()
+    if (saved_parallel in MESH_MODES) == (now_parallel in MESH_MODES) and (saved_world, saved_mesh) == (world, now_mesh):
         return None
     how = (f"within each of its {saved_world} ranks' FSDP shards" if saved == "per-rank"
            else "over whole tensors")
     return (f"checkpoint {path} holds {saved_state} Adam moments whose blocks and scales were taken {how}, and "
-            f"this launch (parallel={now_parallel} on {world} rank{'s' if world > 1 else ''}) divides the "
-            f"tensors otherwise, so they do not carry over; resume it with parallel={saved_parallel} on "
-            f"{saved_world} rank{'s' if saved_world > 1 else ''}, the world size it was saved with.")
+            f"this launch (parallel={now_parallel} on {world} rank{'s' if world > 1 else ''}"
+            f"{_mesh_words(now_parallel, now_mesh)}) divides the tensors otherwise, so they do not carry over; "
+            f"resume it with parallel={saved_parallel} on {saved_world} rank{'s' if saved_world > 1 else ''}"
+            f"{_mesh_words(saved_parallel, saved_mesh, ' and')}, the layout it was saved with.")
+
+
+def _mesh_words(parallel: str, mesh: dict, lead: str = ",") -> str:
+    """``, mesh 1 x 2 x 2 (...)`` for a wrapper on a mesh; nothing for the others."""
+    return f"{lead} mesh {MeshShape(**mesh).text()}" if parallel in MESH_MODES else ""

@@ -16,6 +16,19 @@ all-gather and the reduction after it a reduce-scatter.
 Nothing here changes what the model computes: the logits every rank sees
 are the whole ones, and the loss is one process's loss on the same batch up
 to the order of the row-split matmuls' partial sums (fp32 rounding).
+
+Low precision. A split linear's casts must scale by the logical tensor, not a
+rank's part of it (torchtitan #3109: NaN from amaxes of local shards). The
+styles are chosen per linear (:func:`block_plan`): tensorwise float8 linears
+get torchao's ``Float8ColwiseParallel``/``Float8RowwiseParallel``, which cast
+the input as a DTensor before any gather (so its amax is the whole
+activation's, and under sequence parallelism over NCCL the output gradient is
+all-gathered in float8, :func:`float8_gathers`); every other linear keeps
+torch's styles. There the layer receives DTensors and its own casts make the
+scales whole: torchao's rowwise and MX casts and delayed scaling as DTensor
+reductions, the lab's linears (nvfp4, mxfp4, lab) with explicit MAX
+all-reduces (``labtrain.LabLinear``). tests/test_tp_precision.py checks each
+against one process.
 """
 from __future__ import annotations
 
@@ -76,6 +89,17 @@ def moves_float8(mesh: DeviceMesh) -> bool:
     """Whether the mesh's collectives can carry float8 tensors: NCCL can, gloo
     cannot (it refuses the dtype), so a CPU run keeps its collectives in high precision."""
     return "nccl" in str(dist.get_backend(mesh.get_group()))
+
+
+def float8_gathers(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> bool:
+    """Whether a split ``model`` moves float8 over the TP group: some linear took
+    torchao's float8 styles (tensorwise float8, a backend that carries float8) and
+    sequence parallelism all-gathers that linear's output gradient, which those
+    styles cast to float8 first. The forward's activation all-gather before each
+    half stays in high precision (the blocks' plain input preparation). For the
+    banner and ``run_info``."""
+    return (sequence_parallel and STYLES["float8"] and moves_float8(mesh)
+            and any(float8_styles(m) is not None for m in model.modules()))
 
 
 def _styles(block: nn.Module, name: str, colwise, rowwise, float8_ok: bool) -> tuple[type, type]:

@@ -131,6 +131,14 @@ def test_fp16_one_skip_decision_for_the_mesh(rows):
     assert all(r == {"skipped": [1, 0], "scale": 2.0 ** 15} for r in ranks), ranks
 
 
+def test_stochastic_rounding_has_a_stream_per_rank(rows):
+    """With the default generator alike on every rank (the trainer seeds it so),
+    the stochastic casts of the TP parts still draw different noise, and the
+    default generator stays alike (dropout and random Hadamard signs in step)."""
+    row = rows["sr-streams"]
+    assert row["parts_differ"] and row["default_alike"], row
+
+
 def test_float8_styles_by_recipe():
     """Tensorwise float8 linears get torchao's float8 TP styles (their casts
     reduce the amax over the whole activation before any gather); rowwise ones

@@ -40,7 +40,7 @@ import mptrain.config.schema  # noqa: E402,F401
 from mptrain.distributed import tensor_parallel  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.model.llama import Llama, LlamaShape  # noqa: E402
-from mptrain.precision import fp8delayed, labtrain  # noqa: E402
+from mptrain.precision import fp8delayed, lab, labtrain  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
 
 EMU = "precision.fp8.matmul=emulated"
@@ -212,6 +212,22 @@ def fp16_skip(mesh) -> dict:
     return {"case": "fp16-skip", "ranks": every}
 
 
+def sr_streams(mesh) -> dict:
+    """Stochastic rounding on TP parts: with the default generator alike on every
+    rank (as the trainer seeds it), each rank's part still gets its own noise,
+    and the default generator ends alike (what else draws from it stays in step)."""
+    op = lab.parse("e2m1/1x16/e4m3/stochastic")
+    tp = labtrain._TP(mesh.get_group(), "colwise")
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(7)
+    q = labtrain._q(x, op, labtrain.build_recipe("nvfp4"), tp=tp, role="dgrad_grad_output")  # a split part
+    after = torch.rand(4)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (q, after))
+    return {"case": "sr-streams", "parts_differ": all(not torch.equal(every[0][0], e[0]) for e in every[1:]),
+            "default_alike": all(torch.equal(every[0][1], e[1]) for e in every[1:])}
+
+
 def main(out_dir: str, names: list[str]) -> None:
     dist.init_process_group("gloo")
     meshes = {4: init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
@@ -224,6 +240,8 @@ def main(out_dir: str, names: list[str]) -> None:
             print(json.dumps(rows[-1]), flush=True)
     if not names or "fp16-skip" in names:
         rows.append(fp16_skip(meshes[4]))
+    if not names or "sr-streams" in names:
+        rows.append(sr_streams(meshes[4]))
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "tp.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -30,7 +30,8 @@ inputs and the (cast) weight are saved for the backward pass: the quantized
 copies are made again there, so a bf16 run's memory estimate holds.
 Stochastic rounding draws from torch's default generator (checkpoints save
 its state: a resumed run repeats the draws), the input gradient's operands
-before the weight gradient's.
+before the weight gradient's; a tensor-parallel part from a stream of its own
+seeded from it (``_TP.own_stream``).
 
 ``precision=nvfp4`` and ``precision=mxfp4`` are the named recipes ``nvfp4``
 and ``mxfp4`` with ``precision.fp4``'s switches applied (:func:`fp4_recipe`):
@@ -38,6 +39,7 @@ one implementation of 4-bit training.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -243,7 +245,8 @@ def _q(x: torch.Tensor, op: Optional[lab.Operand], r: LabRecipe, signs=None, tp=
     split = tp.split(role, transposed) if tp is not None else None
     # lab.round_trip divides fp32 scales out as torchao's float8 dequantization does, so
     # precision=lab's fp8_tensorwise trains bit for bit as precision=fp8 matmul=emulated.
-    return lab.fake_quantize(x, op, signs=signs, error=r.error, split=split)
+    with tp.own_stream(x.device) if tp is not None and op.stochastic else contextlib.nullcontext():
+        return lab.fake_quantize(x, op, signs=signs, error=r.error, split=split)
 
 
 def _signs(r: LabRecipe, gemm: str, device, tp=None) -> Optional[torch.Tensor]:
@@ -291,6 +294,19 @@ class _TP:
         if dim is None or not _TP_AMAX:
             return None
         return lab.Split(1 - dim if transposed else dim, self._max)
+
+    @contextlib.contextmanager
+    def own_stream(self, device: torch.device):
+        """Stochastic rounding on this rank's part draws from a stream of its own:
+        the parts of one tensor get independent noise, as one process's draws over
+        the whole tensor are. The default generator moves on by one draw on every
+        rank alike (the seed), so what else draws from it (dropout, random
+        Hadamard signs) stays in step across the group, and a resumed run, whose
+        checkpoint holds that generator, repeats the same streams."""
+        seed = int(torch.randint(0, 2 ** 62, (), device=device))
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed + dist.get_rank(self.group))
+            yield
 
     def same_signs(self, signs: torch.Tensor) -> torch.Tensor:
         if _TP_SIGNS:

@@ -1,21 +1,25 @@
 """Launched once by tests/test_tp_precision.py under torchrun (4 gloo ranks).
 
 For each case (a precision preset, a model family, sequence parallelism on or
-off, and optionally a guard switched off) it builds a tiny model, converts it
-as the trainer does (``PrecisionPolicy(cfg.precision).convert_model``), splits
-it over a 1-D tensor-parallel mesh of all 4 ranks (``tensor_parallel.apply``)
+off, optionally a guard switched off, the TP size) it builds a tiny model,
+converts it as the trainer does (``PrecisionPolicy(cfg.precision).convert_model``),
+splits it over a 1-D tensor-parallel mesh (all 4 ranks, or the tp dimension of
+a 2 x 2 mesh whose 2 replicas do the same work) with ``tensor_parallel.apply``
 and trains it 2 SGD steps on fixed data; beside it, in the same process, an
 unsplit copy (same weights, same conversion) trains on the same data: the
 one-process reference. Every rank computes both (TP ranks see the same batch),
-so nothing but the split differs. Per case, rank 0 writes one JSON line to
+so nothing but the split differs. Rank 0 writes one JSON line per case to
 ``<out_dir>/tp.jsonl``: the three losses (before each step and after the last)
-of both, and the largest relative difference of a few gradients after step 1.
+of both, and each of a few gradients' relative L2 difference after step 1.
+Two more records: fp16's skip decision with an inf in one rank's part
+(``fp16_skip``) and stochastic rounding's per-rank streams (``sr_streams``).
 
-Guards are switched off through the modules' private switches, to show what
-each one prevents: ``labtrain._TP_AMAX`` / ``fp8delayed._TP_AMAX`` (per-tensor
-amax over the logical tensor, else the local shard's), ``labtrain._TP_SIGNS``
-(one Hadamard sign vector per TP group, else each rank's own draw) and
-``tensor_parallel.STYLES`` (torchao's float8 styles for tensorwise float8).
+Guards are switched off one at a time (``GUARDS``): torchao's and delayed
+scaling's amax taken on this rank's shard only (their amax function replaced,
+as torchtitan #3109's layers took it), the lab's switches ``labtrain._TP_AMAX``
+(scales over the whole tensor) and ``labtrain._TP_SIGNS`` (one random Hadamard
+vector per TP group; the split model's ranks seed their default generators
+differently, rank 0 as the reference).
 """
 from __future__ import annotations
 

@@ -16,12 +16,27 @@ all-gather and the reduction after it a reduce-scatter.
 Nothing here changes what the model computes: the logits every rank sees
 are the whole ones, and the loss is one process's loss on the same batch up
 to the order of the row-split matmuls' partial sums (fp32 rounding).
+
+Low precision. A split linear's casts must scale by the logical tensor, not a
+rank's part of it (torchtitan #3109: NaN from amaxes of local shards). The
+styles are chosen per linear (:func:`block_plan`): tensorwise float8 linears
+get torchao's ``Float8ColwiseParallel``/``Float8RowwiseParallel``, which cast
+the input as a DTensor before any gather (so its amax is the whole
+activation's, and under sequence parallelism over NCCL the output gradient is
+all-gathered in float8, :func:`float8_gathers`); every other linear keeps
+torch's styles. There the layer receives DTensors and its own casts make the
+scales whole: torchao's rowwise and MX casts and delayed scaling as DTensor
+reductions, the lab's linears (nvfp4, mxfp4, lab) with explicit MAX
+all-reduces (``labtrain.LabLinear``). tests/test_tp_precision.py checks each
+against one process.
 """
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -45,13 +60,74 @@ def family_of_model(model: nn.Module) -> str:
     return "gpt" if hasattr(model.blocks[0].attn, "qkv") else "llama"
 
 
-def block_plan(family: str, sequence_parallel: bool, colwise=ColwiseParallel, rowwise=RowwiseParallel) -> dict:
+def float8_styles(linear: nn.Module) -> Optional[tuple[type, type]]:
+    """torchao's float8 TP styles for a tensorwise ``Float8Linear``, else None.
+
+    Those styles cast a layer's input to float8 as a DTensor, before any
+    redistribution: the scale comes from the amax of the whole (logical)
+    activation, and an all-gather of it moves float8 bytes. They cast with one
+    scale per tensor whatever the layer's recipe says, so a rowwise layer keeps
+    torch's plain styles: its input then reaches ``Float8Linear`` as a
+    DTensor, whose amax along the unsplit feature dimension needs no other rank.
+    """
+    config = getattr(linear, "config", None)
+    if type(linear).__name__ != "Float8Linear" or config is None:
+        return None
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    casts = (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output)
+    if all(c.scaling_granularity == ScalingGranularity.TENSORWISE for c in casts):
+        return Float8ColwiseParallel, Float8RowwiseParallel
+    return None
+
+
+STYLES = {"float8": True}
+"""``STYLES["float8"]``: give tensorwise float8 linears torchao's styles (tests turn it off to compare)."""
+
+
+def moves_float8(mesh: DeviceMesh) -> bool:
+    """Whether the mesh's collectives can carry float8 tensors: NCCL can, gloo
+    cannot (it refuses the dtype), so a CPU run keeps its collectives in high precision."""
+    return "nccl" in str(dist.get_backend(mesh.get_group()))
+
+
+def float8_gathers(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> bool:
+    """Whether a split ``model`` moves float8 over the TP group: some linear took
+    torchao's float8 styles (tensorwise float8, a backend that carries float8) and
+    sequence parallelism all-gathers that linear's output gradient, which those
+    styles cast to float8 first. The forward's activation all-gather before each
+    half stays in high precision (the blocks' plain input preparation). For the
+    banner and ``run_info``."""
+    return (sequence_parallel and STYLES["float8"] and moves_float8(mesh)
+            and any(float8_styles(m) is not None for m in model.modules()))
+
+
+def _styles(block: nn.Module, name: str, colwise, rowwise, float8_ok: bool) -> tuple[type, type]:
+    """The (colwise, rowwise) styles of linear ``name`` in ``block``: the given
+    ones when the caller chose, else by the layer's kind (:func:`float8_styles`)
+    where ``float8_ok``."""
+    if colwise is not None and rowwise is not None:
+        return colwise, rowwise
+    mine = float8_styles(block.get_submodule(name)) if float8_ok and STYLES["float8"] else None
+    return mine or (colwise or ColwiseParallel, rowwise or RowwiseParallel)
+
+
+def block_plan(family: str, sequence_parallel: bool, colwise=None, rowwise=None,
+               block: Optional[nn.Module] = None, float8_ok: bool = True) -> dict:
     """The ``parallelize_module`` plan of one block. ``colwise``/``rowwise``
-    are the styles of the linears (torchao's float8 ones for float8 linears)."""
+    are the styles of the linears; None: chosen per linear of ``block``
+    (torchao's float8 ones for tensorwise float8 linears, torch's otherwise)."""
     fan_out, fan_in = _SPLITS[family]
     between = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
-    plan: dict = {name: colwise() for name in fan_out}
-    plan.update({name: rowwise(output_layouts=between) for name in fan_in})
+
+    def style(name: str, side: int):
+        if block is None:
+            return (colwise or ColwiseParallel, rowwise or RowwiseParallel)[side]
+        return _styles(block, name, colwise, rowwise, float8_ok)[side]
+
+    plan: dict = {name: style(name, 0)() for name in fan_out}
+    plan.update({name: style(name, 1)(output_layouts=between) for name in fan_in})
     if sequence_parallel:
         for norm, half in (("ln_1", "attn"), ("ln_2", "mlp")):
             plan[norm] = SequenceParallel()
@@ -74,19 +150,24 @@ def _gather_fused_qkv(module: nn.Module, inputs, output):
     return parts.reshape(*lead, width // tp)
 
 
-def apply(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, colwise=ColwiseParallel,
-          rowwise=RowwiseParallel) -> nn.Module:
-    """Split ``model`` (either family, unwrapped) over the 1-D ``mesh``, in place."""
+def apply(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, colwise=None,
+          rowwise=None) -> nn.Module:
+    """Split ``model`` (either family, unwrapped, converted to its precision's
+    linears) over the 1-D ``mesh``, in place. ``colwise``/``rowwise``: the
+    linears' styles; None picks them per linear (:func:`block_plan`)."""
     family = family_of_model(model)
     # The head's gathered logits come back as a view of the collective's buffer, and
     # FSDP2 warns, on every rank, that an in-place op on a view its root returns would
     # skip its backward hook. Nothing writes into the logits in place (the loss reads
     # them), so the warning says nothing about this run: dropped, by its own words only.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+    # torchao's float8 styles cast a gradient to float8 before sequence parallelism's
+    # all-gather of it: only a backend that moves float8 can run them there.
+    float8_ok = not sequence_parallel or moves_float8(mesh)
     for i, block in enumerate(model.blocks):
-        plan = block_plan(family, sequence_parallel, colwise, rowwise)
+        plan = block_plan(family, sequence_parallel, colwise, rowwise, block, float8_ok)
         if family == "gpt":
-            plan["attn.qkv"] = colwise(use_local_output=False)
+            plan["attn.qkv"] = _styles(block, "attn.qkv", colwise, rowwise, float8_ok)[0](use_local_output=False)
         parallelize_module(block, mesh, plan)
         if sequence_parallel and i == 0:  # the embeddings hand over the whole sequence: keep this rank's part
             parallelize_module(block, mesh, PrepareModuleInput(input_layouts=(Replicate(),),

@@ -62,6 +62,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from mptrain.precision.support import emulated_scaled_mm
 
@@ -79,12 +80,25 @@ def scale_from_amax(amax: torch.Tensor, fmt: torch.dtype, margin: int = 0) -> to
     return (top / (amax.double().clamp(min=EPS) * 2.0 ** margin)).float()
 
 
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s largest magnitude (fp32, 0-d). Under tensor parallelism ``t`` is a
+    DTensor and this is the logical tensor's amax, the same as one process's: the
+    reduction over a split tensor comes out a pending ``Partial(max)``, made
+    whole here by an all-reduce MAX over the ranks that split it, before a scale
+    is taken from it (the scale is decreasing in the amax, and taken from a
+    pending max it would itself be reduced by MAX: the smallest amax's scale)."""
+    amax = t.detach().abs().amax().float()
+    if isinstance(amax, DTensor) and not all(p.is_replicate() for p in amax.placements):
+        amax = amax.redistribute(amax.device_mesh, [Replicate()] * amax.device_mesh.ndim)
+    return amax
+
+
 def _cast(t: torch.Tensor, state: tuple, fmt: torch.dtype, margin: int, record: bool):
     """``t`` cast to ``fmt`` with the operand's stored scale (or just in time
     before it has one); returns ``(float8 tensor, scale used)``. Records the
     running amax when ``record``, and the scale used in every case."""
     scale, initialized, amax_buf, cast_buf = state
-    amax = t.detach().abs().amax().float()
+    amax = _amax(t)
     s = torch.where(initialized, scale, scale_from_amax(amax, fmt, margin))
     if record:
         amax_buf.copy_(torch.maximum(amax_buf, amax))
@@ -267,6 +281,14 @@ class DelayedFloat8Linear(nn.Linear):
                 + (", matmul emulated" if self.emulate else ""))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A state buffer's own storage. Under tensor parallelism ``parallelize_module``
+    makes a layer's buffers replicated DTensors; the amaxes they hold are already
+    the logical tensors' (the casts reduce a sharded operand's amax as DTensor ops),
+    so every rank holds the same values and the step's bookkeeping is local."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 @torch.no_grad()
 def update_histories(modules: Iterable[nn.Module],
                      reduce_max: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None) -> None:
@@ -288,7 +310,7 @@ def update_histories(modules: Iterable[nn.Module],
     if not groups:
         return
     entries = [e for g in groups.values() for e in g]
-    amaxes = [getattr(m, f"{op}_amax") for m, op in entries]
+    amaxes = [_local(getattr(m, f"{op}_amax")) for m, op in entries]
     step_amax = torch.stack(amaxes)
     if reduce_max is not None:
         reduced = reduce_max(step_amax)
@@ -298,9 +320,9 @@ def update_histories(modules: Iterable[nn.Module],
     for (_, compute, fmt, margin), group in groups.items():
         a = step_amax[start:start + len(group)]
         start += len(group)
-        hists = [getattr(m, f"{op}_amax_history") for m, op in group]
-        scales = [getattr(m, f"{op}_scale") for m, op in group]
-        inits = [getattr(m, f"{op}_initialized") for m, op in group]
+        hists = [_local(getattr(m, f"{op}_amax_history")) for m, op in group]
+        scales = [_local(getattr(m, f"{op}_scale")) for m, op in group]
+        inits = [_local(getattr(m, f"{op}_initialized")) for m, op in group]
         hist = torch.cat([a[:, None], torch.stack(hists)[:, :-1]], dim=1)
         A = hist.amax(dim=1) if compute == "max" else hist[:, 0]
         # A zero A (nothing recorded) or a non-finite one (an overflowed step) keeps the old scale.

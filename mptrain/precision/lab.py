@@ -52,7 +52,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -269,23 +269,49 @@ def _scaled(blocks: torch.Tensor, amax: torch.Tensor, op: Operand, per_tensor):
     return mult, decode, blocks * mult
 
 
+@dataclass(frozen=True)
+class Split:
+    """An operand that is one rank's part of a tensor split over tensor-parallel
+    ranks: along its rows (``dim`` 0) or its contraction dimension (``dim`` 1).
+    ``reduce_max`` all-reduces a tensor with MAX over those ranks."""
+
+    dim: int
+    reduce_max: Callable[[torch.Tensor], torch.Tensor]
+
+
 def cast(x: torch.Tensor, op: Operand, *, per_tensor: Optional[torch.Tensor] = None,
-         signs: Optional[torch.Tensor] = None, error: str = "mse") -> LabCast:
+         signs: Optional[torch.Tensor] = None, error: str = "mse", split: Optional[Split] = None) -> LabCast:
     """``x`` (its last dimension the contraction dimension; leading ones flattened
     into rows) cast as ``op`` says, in pieces. ``signs``: the Hadamard sign vector
     when ``op`` has a transform (the caller draws it, so both operands of a matmul
     share one). ``per_tensor``: a two-level scale's fp32 per-tensor scale instead
-    of the tensor's own. ``error``: 4over6's measure."""
+    of the tensor's own. ``error``: 4over6's measure. ``split``: ``x`` is a part
+    of the tensor one process would cast; its scales are then the whole tensor's
+    (blocks must not straddle the parts: the config checks refuse those)."""
     x2 = x.detach().float().reshape(-1, x.shape[-1]) if x.dim() else x.detach().float().reshape(1, 1)
     if op.transform:
         x2 = hadamard(x2, transform_signs(op, x2.device) if signs is None else signs)
     blocks = _grouped(x2, op)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    if split is not None:
+        amax, per_tensor = _whole(amax, op, per_tensor, split)
     mult, decode, scaled = _scaled(blocks, amax, op, per_tensor)
     q = op.element.round(scaled, op.stochastic)
     if op.scale.rule == "4over6":
         mult, decode, scaled, q = _four_over_six(blocks, amax, op, per_tensor, error, (mult, decode, scaled, q))
     return LabCast(blocks, amax, scaled, q, mult, decode)
+
+
+def _whole(amax: torch.Tensor, op: Operand, per_tensor: Optional[torch.Tensor], split: Split):
+    """The block amaxes and the per-tensor scale of a split tensor's part made the
+    whole tensor's: a block that spans the split dimension (a tensor, row or
+    column scale) takes the MAX over the parts, and so does the amax a two-level
+    per-tensor scale is taken from. Blocks within a part are already whole."""
+    if op.block[split.dim] == 0:
+        amax = split.reduce_max(amax)
+    if per_tensor is None and op.scale.kind not in ("fp32", "pow2"):
+        per_tensor = split.reduce_max(amax.max()) / (op.scale.fmt.max * op.element.max)
+    return amax, per_tensor
 
 
 def _four_over_six(blocks, amax, op: Operand, per_tensor, error: str, six):
@@ -309,11 +335,12 @@ def _four_over_six(blocks, amax, op: Operand, per_tensor, error: str, six):
 
 
 def fake_quantize(x: torch.Tensor, op: Operand, *, per_tensor: Optional[torch.Tensor] = None,
-                  signs: Optional[torch.Tensor] = None, error: str = "mse") -> torch.Tensor:
+                  signs: Optional[torch.Tensor] = None, error: str = "mse", split: Optional[Split] = None
+                  ) -> torch.Tensor:
     """The round trip of :func:`cast` (values in the element format times their
     scales) as fp32 of ``x``'s shape; with a transform, still in the transformed
     basis (the matmul contracts it there)."""
-    c = cast(x, op, per_tensor=per_tensor, signs=signs, error=error)
+    c = cast(x, op, per_tensor=per_tensor, signs=signs, error=error, split=split)
     return round_trip(c, op).reshape(x.shape)
 
 

@@ -30,7 +30,8 @@ inputs and the (cast) weight are saved for the backward pass: the quantized
 copies are made again there, so a bf16 run's memory estimate holds.
 Stochastic rounding draws from torch's default generator (checkpoints save
 its state: a resumed run repeats the draws), the input gradient's operands
-before the weight gradient's.
+before the weight gradient's; a tensor-parallel part from a stream of its own
+seeded from it (``_TP.own_stream``).
 
 ``precision=nvfp4`` and ``precision=mxfp4`` are the named recipes ``nvfp4``
 and ``mxfp4`` with ``precision.fp4``'s switches applied (:func:`fp4_recipe`):
@@ -38,12 +39,15 @@ one implementation of 4-bit training.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from mptrain.core.errors import ConfigError
 from mptrain.precision import lab
@@ -231,20 +235,83 @@ def shape_problem(r: LabRecipe, fqn: str, in_f: int, out_f: int, tokens: Optiona
     return None
 
 
-def _q(x: torch.Tensor, op: Optional[lab.Operand], r: LabRecipe, signs=None) -> torch.Tensor:
-    """``x`` (contraction last) as the matmul multiplies it: quantized and back, or as it is."""
+def _q(x: torch.Tensor, op: Optional[lab.Operand], r: LabRecipe, signs=None, tp=None, role: str = "",
+       transposed: bool = False) -> torch.Tensor:
+    """``x`` (contraction last) as the matmul multiplies it: quantized and back, or as it is.
+    ``tp``: the layer's :class:`_TP` when ``x`` is one rank's part of ``role``'s operand
+    (``transposed``: laid out as the other matmul's operand, so split along the other dimension)."""
     if op is None:
         return x.float()
+    split = tp.split(role, transposed) if tp is not None else None
     # lab.round_trip divides fp32 scales out as torchao's float8 dequantization does, so
     # precision=lab's fp8_tensorwise trains bit for bit as precision=fp8 matmul=emulated.
-    return lab.fake_quantize(x, op, signs=signs, error=r.error)
+    with tp.own_stream(x.device) if tp is not None and op.stochastic else contextlib.nullcontext():
+        return lab.fake_quantize(x, op, signs=signs, error=r.error, split=split)
 
 
-def _signs(r: LabRecipe, gemm: str, device) -> Optional[torch.Tensor]:
+def _signs(r: LabRecipe, gemm: str, device, tp=None) -> Optional[torch.Tensor]:
     """The sign vector of one matmul's transform, drawn once for both its operands
-    (``hadamard-random`` draws anew at every call), or None without a transform."""
+    (``hadamard-random`` draws anew at every call), or None without a transform.
+    Under tensor parallelism every rank of the group multiplies with the first
+    rank's draw: a transform is exact only with one vector for the whole matmul."""
     op = r.op(GEMMS[gemm][0])
-    return lab.transform_signs(op, device) if op is not None and op.transform else None
+    if op is None or not op.transform:
+        return None
+    signs = lab.transform_signs(op, device)
+    return tp.same_signs(signs) if tp is not None and op.transform == "hadamard-random" else signs
+
+
+_TP_AMAX = True
+"""Scales of a tensor-parallel part over the whole tensor (tests switch it off to show why)."""
+_TP_SIGNS = True
+"""One Hadamard sign vector per tensor-parallel group (tests switch it off to show why)."""
+# The operands that are one rank's part of a split tensor, and the dimension of that part
+# (0: rows, 1: contraction) in the layout the table of the module docstring gives each role
+# (dgrad_weight as W^T). Colwise (W split by output rows): every operand made of the weight
+# or the output gradient; rowwise (W split by input columns): of the weight or the input.
+_SPLIT_ROLES = {
+    "colwise": {"fwd_weight": 0, "dgrad_weight": 1, "dgrad_grad_output": 1, "wgrad_grad_output": 0},
+    "rowwise": {"fwd_input": 1, "fwd_weight": 1, "dgrad_weight": 0, "wgrad_input": 0},
+}
+
+
+@dataclass(frozen=True)
+class _TP:
+    """A LabLinear's place in a tensor-parallel split: the ranks' group and which
+    side of Megatron's split the layer is on (``colwise`` or ``rowwise``)."""
+
+    group: object
+    side: str
+
+    def _max(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
+    def split(self, role: str, transposed: bool) -> Optional[lab.Split]:
+        """How ``role``'s operand is split here, or None when every rank holds it whole."""
+        dim = _SPLIT_ROLES[self.side].get(role)
+        if dim is None or not _TP_AMAX:
+            return None
+        return lab.Split(1 - dim if transposed else dim, self._max)
+
+    @contextlib.contextmanager
+    def own_stream(self, device: torch.device):
+        """Stochastic rounding on this rank's part draws from a stream of its own:
+        the parts of one tensor get independent noise, as one process's draws over
+        the whole tensor are. The default generator moves on by one draw on every
+        rank alike (the seed), so what else draws from it (dropout, random
+        Hadamard signs) stays in step across the group, and a resumed run, whose
+        checkpoint holds that generator, repeats the same streams."""
+        seed = int(torch.randint(0, 2 ** 62, (), device=device))
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed + dist.get_rank(self.group))
+            yield
+
+    def same_signs(self, signs: torch.Tensor) -> torch.Tensor:
+        if _TP_SIGNS:
+            dist.broadcast(signs, group_src=0, group=self.group)
+        return signs
 
 
 def _square(op: Optional[lab.Operand]) -> bool:
@@ -257,12 +324,13 @@ class _LabMatmul(torch.autograd.Function):
     """``x W^T + b`` on lab-quantized operands, for 2-D ``x`` (tokens x in features)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], r: LabRecipe):
-        ctx.r, ctx.has_bias = r, bias is not None
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], r: LabRecipe,
+                tp: Optional[_TP] = None):
+        ctx.r, ctx.has_bias, ctx.tp = r, bias is not None, tp
         ctx.save_for_backward(x, w)
         with torch.autocast(x.device.type, enabled=False):  # the products are fp32's, not autocast's
-            s = _signs(r, "forward", x.device)
-            y = _q(x, r.op("fwd_input"), r, s) @ _q(w, r.op("fwd_weight"), r, s).t()
+            s = _signs(r, "forward", x.device, tp)
+            y = _q(x, r.op("fwd_input"), r, s, tp, "fwd_input") @ _q(w, r.op("fwd_weight"), r, s, tp, "fwd_weight").t()
             if bias is not None:
                 y = y + bias.float()
         return y.to(x.dtype)
@@ -271,17 +339,22 @@ class _LabMatmul(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy: torch.Tensor):
         x, w = ctx.saved_tensors
-        r = ctx.r
+        r, tp = ctx.r, ctx.tp
         with torch.autocast(gy.device.type, enabled=False):
             g = gy.float()
-            s, wop = _signs(r, "input gradient", g.device), r.op("dgrad_weight")
-            wq = _q(w, wop, r) if _square(wop) or wop is None else _q(w.t().contiguous(), wop, r, s).t()
-            dx = _q(g, r.op("dgrad_grad_output"), r, s) @ wq
+            s, wop = _signs(r, "input gradient", g.device, tp), r.op("dgrad_weight")
+            if _square(wop) or wop is None:  # the forward's layout: split along the other dimension
+                wq = _q(w, wop, r, None, tp, "dgrad_weight", transposed=True)
+            else:
+                wq = _q(w.t().contiguous(), wop, r, s, tp, "dgrad_weight").t()
+            dx = _q(g, r.op("dgrad_grad_output"), r, s, tp, "dgrad_grad_output") @ wq
             # Weight gradient: both operands with the tokens as their last (contraction) dimension.
-            s, a_op, b_op = _signs(r, "weight gradient", g.device), r.op("wgrad_grad_output"), r.op("wgrad_input")
-            dw = _q(g.t().contiguous(), a_op, r, s) @ _q(x.float().t().contiguous(), b_op, r, s).t()
+            s, a_op, b_op = (_signs(r, "weight gradient", g.device, tp), r.op("wgrad_grad_output"),
+                             r.op("wgrad_input"))
+            dw = (_q(g.t().contiguous(), a_op, r, s, tp, "wgrad_grad_output")
+                  @ _q(x.float().t().contiguous(), b_op, r, s, tp, "wgrad_input").t())
             db = g.sum(0) if ctx.has_bias else None
-        return dx.to(x.dtype), dw.to(w.dtype), db, None
+        return dx.to(x.dtype), dw.to(w.dtype), db, None, None
 
 
 class LabLinear(nn.Linear):
@@ -315,8 +388,37 @@ class LabLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, w = self.cast_operands(x)
+        if isinstance(w, DTensor):
+            return self._split_forward(x, w)
         y = _LabMatmul.apply(x.reshape(-1, self.in_features), w, self.bias, self.recipe)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _split_forward(self, x: torch.Tensor, w: DTensor) -> DTensor:
+        """The forward of a layer torch's ``ColwiseParallel``/``RowwiseParallel`` split
+        (the weight a DTensor sharded by output rows or input columns).
+
+        The casts run on this rank's parts, as plain tensors, with the all-reduces a
+        scale over the whole tensor needs made explicit (``_TP``), rather than as
+        DTensor ops: the casts reshape into blocks, read float bits and round by
+        hand, which DTensor's sharding rules do not cover, and an explicit MAX
+        over the group is one visible, testable step. The result goes back as the
+        DTensor the style expects: split by output column (colwise), or a partial
+        sum the style all-reduces or reduce-scatters (rowwise)."""
+        mesh = w.device_mesh
+        side = "colwise" if w.placements[0] == Shard(0) else "rowwise"
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate() if side == "colwise" else Shard(-1)], run_check=False)
+        # A replicated input's gradient is this rank's share of a sum over the group.
+        xl = x.to_local(grad_placements=[Partial()]) if side == "colwise" else x.to_local()
+        wl = w.to_local()
+        bias = self.bias.to_local() if side == "colwise" and self.bias is not None else None
+        tp = _TP(mesh.get_group(), side)
+        y = _LabMatmul.apply(xl.reshape(-1, wl.shape[1]), wl, bias, self.recipe, tp)
+        y = y.reshape(*xl.shape[:-1], wl.shape[0])
+        if side == "colwise":
+            return DTensor.from_local(y, mesh, [Shard(-1)], run_check=False)
+        y = DTensor.from_local(y, mesh, [Partial()], run_check=False)
+        return y if self.bias is None else y + self.bias.to(y.dtype)  # the bias once, not once per rank
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lab={self.recipe.name}"

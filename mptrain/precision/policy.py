@@ -41,6 +41,8 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 from mptrain.config.schema import DType, ScaleMode
 from mptrain.core.errors import ConfigError
@@ -90,9 +92,7 @@ class LossScaler:
             enabled=self.enabled,
         )
         if distributed:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.scaler = ShardedGradScaler(device.type, **kwargs)  # the default group: every rank
+            self.scaler = _MeshGradScaler(device.type, **kwargs)  # the default group: every rank
         else:
             self.scaler = torch.amp.GradScaler(device.type, **kwargs)
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)
@@ -145,6 +145,30 @@ class LossScaler:
         if sd["scaler"]:
             self.scaler.load_state_dict(sd["scaler"])
         self.skipped.fill_(sd["skipped"])
+
+
+class _MeshGradScaler(ShardedGradScaler):
+    """``ShardedGradScaler`` for gradients that are DTensors on any mesh (FSDP2's,
+    tensor parallelism's, both) or plain tensors, side by side.
+
+    Its own unscale hands every gradient of a dtype to one foreach call, which
+    DTensors refuse when they are mixed with plain tensors (a TP model's
+    unsplit norms) or live on different meshes. Each rank's gradient values are
+    its local tensors, and the inf/nan flag is a per-rank fact that ``unscale_``
+    then all-reduces over every rank (data-parallel and TP alike): so this
+    unscales and checks the local tensors, in place."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    by_dtype.setdefault(g.dtype, []).append(g)
+        with torch.no_grad():
+            for grads in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return {found_inf.device: found_inf}
 
 
 class Fp8Linears:

@@ -167,7 +167,9 @@ class CastWatch:
 
     def _hook(self, layer: str):
         def hook(mod, args, out):
-            x, w = _operands(mod, args[0].detach())
+            # Under TP an operand may arrive as a DTensor: its statistics are taken on this
+            # rank's part (what this rank casts), summed over the ranks like any shard's.
+            x, w = _operands(mod, local_shard(args[0].detach()))
             self._add(layer, "input", x, _own_scale(mod, "input", x))
             if layer not in self._weighed:  # once per step: the weight does not change within one
                 self._weighed.add(layer)
@@ -184,7 +186,8 @@ class CastWatch:
                     self._add(layer, "weight", local_shard(w), _own_scale(mod, "weight", w))
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 # The output's gradient is the layer's grad_output (a bias adds after the matmul).
-                out.register_hook(lambda g: self._add(layer, "grad_output", g, _own_scale(mod, "grad_output", g)))
+                out.register_hook(lambda g: self._add(layer, "grad_output", local_shard(g),
+                                                      _own_scale(mod, "grad_output", g)))
         return hook
 
     def _add(self, layer: str, op: str, t: torch.Tensor, own_scale: Optional[torch.Tensor]) -> None:

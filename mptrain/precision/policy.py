@@ -187,7 +187,7 @@ class Fp8Linears:
 
     MX = ("mxfp8", "nvfp4")  # block-scaled recipes: mptrain/precision/fp8mx.py, not torchao's Float8Linear
 
-    def __init__(self, fcfg, fsdp2: bool, device: torch.device = torch.device("cpu")):
+    def __init__(self, fcfg, fsdp2: bool, device: torch.device = torch.device("cpu"), float8_gather: str = ""):
 
         problem = fp8_software_problem()
         if problem:
@@ -222,6 +222,9 @@ class Fp8Linears:
                 base.cast_config_grad_output_for_grad_weight, target_dtype=grad),
         }
         self.all_gather = bool(fsdp2 and self.recipe == "tensorwise" and fcfg.fsdp_float8_all_gather)
+        # float8_gather: why this launch's collectives cannot gather float8 tensors ("" when they can)
+        self.all_gather_off = float8_gather if self.all_gather and float8_gather else ""
+        self.all_gather = self.all_gather and not float8_gather
         changes["enable_fsdp_float8_all_gather"] = self.all_gather
         changes["emulate"] = self.matmul == "emulated"  # torchao then multiplies the float8 values in fp32
         self.float8_config = dataclasses.replace(base, **changes)
@@ -267,6 +270,7 @@ class Fp8Linears:
                        f"({f.cast_config_input.scaling_granularity.value} scales from amax)",
             "backward": f"grad_output {dtype_name(f.cast_config_grad_output.target_dtype)}",
             "fsdp_float8_all_gather": self.all_gather,
+            **({"fsdp_float8_all_gather_off": self.all_gather_off} if self.all_gather_off else {}),
             "torchao": torchao_version(),
             "matmul": self.matmul, "matmul_why": self.matmul_why,
         })
@@ -371,12 +375,12 @@ def _cast_input_to_autocast(mod, args):
 class PrecisionPolicy:
     """The dtypes of one run, built from ``cfg.precision`` and the device."""
 
-    def __init__(self, pcfg, device: torch.device, fsdp2: bool = False):
+    def __init__(self, pcfg, device: torch.device, fsdp2: bool = False, float8_gather: str = ""):
         self.cfg = pcfg
         self.fp8_enabled = bool(pcfg.fp8.enabled)
         # Float8 linears, or nothing: the model is converted and stepped through
         # the same two calls either way.
-        self.fp8 = Fp8Linears(pcfg.fp8, fsdp2, device) if self.fp8_enabled else None
+        self.fp8 = Fp8Linears(pcfg.fp8, fsdp2, device, float8_gather) if self.fp8_enabled else None
         # The lab's linears: precision=nvfp4 and mxfp4 (named lab recipes, precision.fp4's
         # switches applied) or precision=lab (any recipe). One implementation of the emulation.
         self.fp4: Optional[LabLinears] = None

@@ -26,7 +26,7 @@ from mptrain.data.batches import Batches, Windows, padded_vocab
 from mptrain.data.store import TokenData, prepare
 from mptrain.distributed.parallel import DistContext, wrap
 from mptrain.model.families import build as build_family
-from mptrain.model.families import pretrained_weights
+from mptrain.model.families import family_of, pretrained_weights
 from mptrain.observe.memory import fit_check
 from mptrain.precision.mesh_rules import vocab_problem
 from mptrain.precision.optimizers import Choice, choose
@@ -153,5 +153,18 @@ def build_policy(cfg: DictConfig, ctx: DistContext) -> tuple[PrecisionPolicy, li
     """The precision policy and this machine's warnings about it; what the
     machine cannot do at all (fp8 without fp8 hardware or software) is refused
     here, before any work."""
-    policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=ctx.uses_mesh)
+    policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=ctx.uses_mesh, float8_gather=_no_float8_gather(cfg, ctx))
     return policy, check_precision(policy, ctx.device)
+
+
+def _no_float8_gather(cfg: DictConfig, ctx: DistContext) -> str:
+    """Why FSDP2 cannot all-gather this run's weights in float8, or "". gloo refuses
+    float8 tensors; FSDP2 still gathers a unit whose shards mix dtypes (GPT's
+    float8 weights beside its bf16 biases) as one buffer of bytes, which gloo
+    moves, but a unit of float8 weights alone (a Llama block, a GPT without
+    biases, or weights split by TP) in their own dtype, which it does not."""
+    if ctx.backend != "gloo":
+        return ""
+    if family_of(cfg.model) == "gpt" and cfg.model.bias and ctx.shape.tp == 1:
+        return ""
+    return "gloo cannot all-gather a unit of float8 weights alone; NCCL can"

@@ -248,7 +248,8 @@ def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run
     if "fp8" in info:
         r = info["fp8"]
         lines.append(f"  fp8: {len(r['converted'])} linears converted ({r['forward']}; {r['backward']}; "
-                     f"float8 all-gather {'on' if r['fsdp_float8_all_gather'] else 'off'}; "
+                     f"float8 all-gather {'on' if r['fsdp_float8_all_gather'] else 'off'}"
+                     f"{' (' + r['fsdp_float8_all_gather_off'] + ')' if r.get('fsdp_float8_all_gather_off') else ''}; "
                      f"torchao {r.get('torchao', '?')})")
         if "matmul" in r:
             lines.append(f"    matmul {r['matmul']} ({r['matmul_why']})")

@@ -571,24 +571,28 @@ def test_tensor_parallel_traffic_by_hand(sp):
     """llama-nano bf16 on tp=2, two micro-batches of 2 x 64 tokens: u = 2 x 64 x 64
     elements per activation and micro-batch. With SP per block: 2 all-gathers
     of norm outputs (fp32) and 2 of output gradients (bf16), 2 reduce-scatters
-    of the halves' outputs (bf16); without it 2 bf16 all-reduces; either way
-    5 fp32 all-reduces (q, k, v, gate, up each reduce their input gradient).
-    Plus the embedding's all-reduce, the logits' gather (2 x 64 x 4096 bf16),
-    the head's input gradient and, under SP, the final norm's gather, the
-    embedding gradient's gather and the 5 norm weights' gradients (64 fp32).
-    monitor.comm counted the same calls and bytes on 2 gloo ranks."""
+    of the halves' outputs (bf16) and 2 of their input gradients (fp32: q, k, v
+    share one input, gate and up another); without it 2 bf16 all-reduces of
+    the outputs and 2 fp32 ones of the input gradients. Plus the embedding's
+    all-reduce, the logits' gather (2 x 64 x 4096 bf16), the head's input
+    gradient and, under SP, the final norm's gather, the embedding gradient's
+    gather and the 5 norm weights' gradients (64 values, in the reduce dtype
+    fp32, each micro-batch). monitor.comm counted the same calls and bytes on 2
+    gloo ranks."""
     mesh, flows = _flows(make_cfg(*cfg_args(sp), tiny=False), 2)
     assert (mesh.dp_shard, mesh.tp) == (1, 2)  # nothing to shard: FSDP2 issues nothing on a 1-rank dimension
     mb, u, L = 2, 2 * 64 * 64, 2
     logits = (mb, mb * 2 * 64 * 4096 * 2)
-    fan_out = 5 * L * mb
-    want = {("tp", "all_reduce", "fp32"): (fan_out + mb + (5 if sp else mb), (fan_out + mb) * u * 4
-                                          + (5 * 64 * 4 if sp else mb * u * 4))}
+    halves_in = 2 * L * mb  # each half's input gradient, per micro-batch
+    if sp:
+        want = {("tp", "all_reduce", "fp32"): (mb + 5 * mb, mb * u * 4 + 5 * mb * 64 * 4),
+                ("tp", "reduce_scatter", "fp32"): (mb + halves_in, (mb + halves_in) * u * 4)}
+    else:
+        want = {("tp", "all_reduce", "fp32"): (2 * mb + halves_in, (2 * mb + halves_in) * u * 4)}
     if sp:
         want[("tp", "all_gather", "fp32")] = ((2 * L + 2) * mb, (2 * L + 2) * mb * u * 4)
         want[("tp", "all_gather", "bf16")] = (2 * L * mb + logits[0], 2 * L * mb * u * 2 + logits[1])
         want[("tp", "reduce_scatter", "bf16")] = (2 * L * mb, 2 * L * mb * u * 2)
-        want[("tp", "reduce_scatter", "fp32")] = (mb, mb * u * 4)
     else:
         want[("tp", "all_gather", "bf16")] = logits
         want[("tp", "all_reduce", "bf16")] = (2 * L * mb, 2 * L * mb * u * 2)

@@ -128,11 +128,15 @@ def block_plan(family: str, sequence_parallel: bool, colwise=None, rowwise=None,
 
     plan: dict = {name: style(name, 0)() for name in fan_out}
     plan.update({name: style(name, 1)(output_layouts=between) for name in fan_in})
-    if sequence_parallel:
-        for norm, half in (("ln_1", "attn"), ("ln_2", "mlp")):
+    # Each half takes its input as one replicated DTensor that its fan-out linears
+    # share: their input gradients (partial sums) add up on the rank and cross the TP
+    # ranks once per half (a reduce-scatter with SP, an all-reduce without) instead of
+    # once per linear, as when each linear wraps a plain tensor of its own.
+    for norm, half in (("ln_1", "attn"), ("ln_2", "mlp")):
+        if sequence_parallel:
             plan[norm] = SequenceParallel()
-            plan[half] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                            use_local_output=True)
+        plan[half] = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+                                        use_local_output=False)
     return plan
 
 

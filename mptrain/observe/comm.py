@@ -55,6 +55,15 @@ except ImportError:  # a torch build without distributed
     _DTensor = None
 
 
+def _gathered(func, args) -> int:
+    """The group size of a functional all-gather (whose output, the gathered
+    payload, is not among its arguments: DTensor's and compiled code's), else 1."""
+    name = func.overloadpacket.__name__
+    if func.namespace == "_c10d_functional" and name.startswith("all_gather_into_tensor") and len(args) > 1:
+        return int(args[1])
+    return 1
+
+
 def _arg_bytes(arg) -> tuple[int, set]:
     ts = [t for t in tree_leaves(arg) if isinstance(t, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in ts), {t.dtype for t in ts}
@@ -154,12 +163,14 @@ class CommCounter(TorchDispatchMode):
         if func.namespace in _NAMESPACES:
             kind = KINDS.get(func.overloadpacket.__name__)
             if kind is not None and not _uncounted:
-                self._count(kind, args)
+                self._count(kind, args, _gathered(func, args))
         return func(*args, **(kwargs or {}))
 
-    def _count(self, kind: str, args) -> None:
-        # The full-size side is the largest tensor argument (group) of the call.
+    def _count(self, kind: str, args, times: int = 1) -> None:
+        # The full-size side is the largest tensor argument (group) of the call; a functional
+        # all-gather takes only its input (this rank's part): ``times`` the group's size.
         size, dtypes = max((_arg_bytes(a) for a in args), key=lambda r: r[0], default=(0, set()))
+        size *= times
         dt = ",".join(sorted(dtype_name(d) for d in dtypes)) or "none"
         self.bytes[(kind, dt)] += size
         self.calls[(kind, dt)] += 1

@@ -29,14 +29,14 @@ parallelism; docs/distributed.md):
   with sequence parallelism, before each half of a block an all-gather of the
   norm's output (the residual stream's dtype) and after it a reduce-scatter
   of the half's output (the compute dtype), the backward pass the mirror
-  image, except that each fan-out linear all-reduces its own input gradient
-  (torch's ColwiseParallel takes its input as a replicated tensor of its own);
-  without it an all-reduce after each half and one per fan-out linear in the
-  backward. The embedding output is all-reduced (vocabulary-split table), the
-  logits all-gathered (``B x T x vocab``, compute dtype), GPT's fused qkv
-  output gathered to whole heads and its gradient reduce-scattered back; under
-  sequence parallelism the norms' weight gradients (partial sums over the
-  sequence) are all-reduced once per step. Checkpointed blocks
+  image (the fan-out linears of a half share one input, so their input
+  gradients cross once per half); without it an all-reduce after each half
+  and one of each half's input gradient in the backward. The embedding
+  output is all-reduced (vocabulary-split table), the logits all-gathered
+  (``B x T x vocab``, compute dtype), GPT's fused qkv output gathered to whole
+  heads and its gradient reduce-scattered back; under sequence parallelism
+  the norms' weight gradients (partial sums over the sequence) are
+  all-reduced in ``reduce_dtype`` once per micro-batch. Checkpointed blocks
   (``train.activation_checkpointing=block``) run their forward collectives
   again when the backward pass recomputes them, all but the last (torch's
   non-reentrant checkpoint stops recomputing at the last tensor the backward
@@ -53,10 +53,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch.nn as nn
-from torch.distributed.tensor.parallel import ColwiseParallel
 
 from mptrain.config.mesh import MESH_MODES, MeshShape
-from mptrain.distributed.tensor_parallel import block_plan, family_of_model
+from mptrain.distributed.tensor_parallel import family_of_model
 from mptrain.observe.memory import BYTES, layout, meta_model, micro_batch_of, shard_numel, tp_dims, tp_shape
 from mptrain.precision.optimizers import choose
 
@@ -180,7 +179,6 @@ def _tensor_parallel(cfg, mesh: MeshShape, parts: _Parts, store: str, tokens: in
     m, L = cfg.model, cfg.model.n_layer
     c, r = cfg.precision.compute_dtype.name, store  # the halves' outputs; the residual stream and norms
     u = tokens * m.d_model  # one B x T x d_model activation per micro-batch, summed over the step
-    fan_out = sum(isinstance(s, ColwiseParallel) for s in block_plan(family_of_model(model), False).values())
     fused = family_of_model(model) == "gpt"  # qkv gathered to whole heads, its gradient scattered back
     sp = bool(cfg.parallel.sequence_parallel)
     bc, br = BYTES[c], BYTES[r]
@@ -194,8 +192,10 @@ def _tensor_parallel(cfg, mesh: MeshShape, parts: _Parts, store: str, tokens: in
     if fused:
         ag_c.append((f"GPT's fused qkv output, to whole heads{again}", fwd * L * accum, fwd * L * 3 * u * bc))
         rs_c.append(("GPT's fused qkv gradient", L * accum, L * 3 * u * bc))
-    ar_r = [("each fan-out linear's input gradient (backward)", fan_out * L * accum, fan_out * L * u * br),
-            ("embedding output (vocabulary-split table)", accum, u * br)]
+    # a half's fan-out linears share one input: their gradients cross once per half
+    half_in = ("each half's input gradient (backward)", 2 * L * accum, 2 * L * u * br)
+    ar_r = [("embedding output (vocabulary-split table)", accum, u * br)]
+    rd = cfg.precision.reduce_dtype.name
     rows = []
     if sp:
         rows += [("all_gather", r, f"norm outputs before each half (forward){again}", fwd * 2 * L * accum,
@@ -205,12 +205,13 @@ def _tensor_parallel(cfg, mesh: MeshShape, parts: _Parts, store: str, tokens: in
                  ("reduce_scatter", c, f"each half's output (forward){redo}", halves * L * accum,
                   halves * L * u * bc),
                  ("reduce_scatter", r, "the head's input gradient", accum, u * br),
-                 ("all_reduce", r, "norm weight gradients (partial over the sequence), once per step",
-                  parts.n_norm_params, parts.replicated * br)]
+                 ("reduce_scatter", r, *half_in),
+                 ("all_reduce", rd, "norm weight gradients (partial over the sequence), in the reduce dtype, "
+                  "once per micro-batch", parts.n_norm_params * accum, parts.replicated * BYTES[rd] * accum)]
     else:
         rows += [("all_reduce", c, f"each half's output (forward){redo}", halves * L * accum,
                   halves * L * u * bc)]
-        ar_r.append(("the head's input gradient", accum, u * br))
+        ar_r += [("the head's input gradient", accum, u * br), half_in]
     rows += [("all_gather", c, *x) for x in ag_c] + [("reduce_scatter", c, *x) for x in rs_c]
     rows += [("all_reduce", r, *x) for x in ar_r]
     return [Flow("tp", kind, dt, what, calls, payload) for kind, dt, what, calls, payload in rows]

@@ -68,11 +68,14 @@ def one_run(model: str, layout: str, a, extra: list[str], where: Path) -> dict:
 
 
 def comm_text(comm: dict) -> str:
-    """``dp_shard all_gather fp32 1.8 MiB, ...`` (the keys as the run wrote them)."""
-    parts = []
+    """``dp_shard: all_gather fp32 8.11 MiB, reduce_scatter fp32 5.09 MiB; tp: ...``: the
+    run's per-dimension figures (``<dim>/<kind>/<dtype>_bytes``), scalars (under 1 KiB) left out."""
+    by_dim: dict[str, list[str]] = {}
     for key, value in sorted(comm.items()):
-        parts.append(f"{key.removesuffix('_bytes').replace('/', ' ')} {value / 2**20:.2f} MiB")
-    return ", ".join(parts)
+        parts = key.removesuffix("_bytes").split("/")
+        if len(parts) == 3 and value >= 1024:
+            by_dim.setdefault(parts[0], []).append(f"{parts[1]} {parts[2]} {value / 2**20:.2f} MiB")
+    return "; ".join(f"{dim}: {', '.join(items)}" for dim, items in by_dim.items())
 
 
 def main() -> None:

@@ -112,3 +112,18 @@ def two_rank_jobs(tmp_path_factory):
         return launch[0][wrapper]
 
     return jobs
+
+
+@pytest.fixture(scope="session")
+def four_rank_jobs(tmp_path_factory):
+    """{case: job directory} of every 4-rank case of ``test_mesh.CASES`` and
+    ``test_mesh_observe.CASES`` (the latter prefixed ``obs-``), as jobs of ONE
+    torchrun launch shared by both files: 4 processes importing torch and
+    joining a group cost more than most of the tiny runs. A failed launch fails
+    every test that reads it (pytest keeps a fixture's error), without relaunching."""
+    from .test_distributed import sweep
+    from .test_mesh import CASES as MESH
+    from .test_mesh_observe import CASES as OBSERVE
+
+    cases = {**MESH, **{f"obs-{k}": v for k, v in OBSERVE.items()}}
+    return sweep(tmp_path_factory.mktemp("four-ranks"), cases, nproc=4)

@@ -150,7 +150,7 @@ def test_lab_candidates_are_measured_ranked_and_given_as_a_command_line(planted)
     (["--budget-gib", "0.000001"], "no precision and optimizer state fits 1e-06 GiB per rank"),
     (["--budget-gib", "lots"], "--budget-gib needs a positive number (got 'lots')"),
     (["--world", "3"], "world size"),
-    (["parallel=fsdp_tp", "--world", "6", "--tp", "4"], "does not fit 6 rank(s)"),
+    (["parallel=fsdp_tp", "--world", "6", "--tp", "4"], "does not divide the world size 6"),
     (["--frobnicate"], "unknown flag --frobnicate"),
     (["--lab", "mxfp6,nvfp4"], "--lab 'mxfp6,nvfp4': mxfp6 is not a named lab recipe; give one or more of fp8_"),
     (["train.max_stepz=3"], "train.max_stepz"),

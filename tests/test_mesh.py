@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from .conftest import ROOT, TINY, read_rows, train
-from .test_distributed import sweep
 
 STEPS = 4
 # gpt-nano has 2 heads and llama-nano 2 key/value heads: 4 of each, so that tp=4 divides them.
@@ -49,7 +48,9 @@ def _case(family: str, layout: str, precision: str) -> list[str]:
     return [*COMMON, *FAMILIES[family], *LAYOUTS[layout][0], f"precision={precision}"]
 
 
-CASES = {f"{f}-{l}-{p}": _case(f, l, p) for f in FAMILIES for l in LAYOUTS for p in PRECISIONS}
+# 4-way FSDP (today's layout) in fp32 only: its bf16 is test_distributed.py's on 2 ranks.
+CASES = {f"{f}-{l}-{p}": _case(f, l, p) for f in FAMILIES for l in LAYOUTS for p in PRECISIONS
+         if (l, p) != ("fsdp", "bf16")}
 # The low-precision presets as shipped, through the trainer (its monitors, what-ifs and
 # FSDP's float8 all-gather included) on 2 x 2 FSDP x TP. That each recipe's scales are
 # the logical tensor's, and what breaks without it, tests/test_tp_precision.py shows
@@ -81,9 +82,9 @@ def launch(cwd: Path, *args: str, agent: tuple = ("--standalone", "--nproc_per_n
 
 
 @pytest.fixture(scope="module")
-def mesh_jobs(tmp_path_factory):
-    """{case: job directory} of the one 4-rank launch."""
-    return sweep(tmp_path_factory.mktemp("mesh"), CASES, nproc=4)
+def mesh_jobs(four_rank_jobs):
+    """{case: job directory} of this file's cases in the shared 4-rank launch (conftest.py)."""
+    return four_rank_jobs
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +115,9 @@ def losses(run_dir: Path) -> list[float]:
     return [r["train/loss"] for r in read_rows(run_dir) if "train/loss" in r]
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_layout_equals_one_process(mesh_jobs, references, family, layout, precision):
+@pytest.mark.parametrize("case", [c for c in CASES if c.count("-") == 2 and not c.endswith(LOWP)])
+def test_layout_equals_one_process(mesh_jobs, references, case):
+    family, layout, precision = case.split("-")
     run = mesh_jobs[f"{family}-{layout}-{precision}"]
     got, ref = losses(run), references[family, precision, LAYOUTS[layout][1]]
     assert len(got) == len(ref) == STEPS

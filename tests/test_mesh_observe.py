@@ -26,7 +26,6 @@ import yaml
 from mptrain.model.gpt import GPT, GPTShape
 
 from .conftest import TINY, read_rows, train
-from .test_distributed import sweep
 
 # monitor.every=1: step 1 is audited (its attention probes are paused for the audit), step 2 probed
 COMMON = [*TINY, "train.max_steps=3", "train.audit=true", "monitor.every=1"]
@@ -55,10 +54,12 @@ TP_SPLIT = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias", 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """name -> (step-1 metrics row, run_info, audit.json, train.log, job directory) of every case."""
+def runs(four_rank_jobs) -> dict:
+    """name -> (step-1 metrics row, run_info, audit.json, train.log, job directory) of every
+    case, from the 4-rank launch this file shares with test_mesh.py (conftest.py)."""
     out = {}
-    for name, job in sweep(tmp_path_factory.mktemp("mesh-observe"), CASES, timeout=600, nproc=4).items():
+    for name in CASES:
+        job = four_rank_jobs[f"obs-{name}"]
         info = yaml.safe_load((job / "config.yaml").read_text())["run_info"]
         out[name] = (read_rows(job)[0], info, json.loads((job / "audit.json").read_text()),
                      (job / "train.log").read_text(), job)

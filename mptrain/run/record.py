@@ -189,10 +189,12 @@ def _steps_text(tc) -> str:
     return f"{tc.max_steps} steps"
 
 
-def mesh_info(shape, sequence_parallel: bool) -> dict:
+def mesh_info(shape, sequence_parallel: bool, tp_float8: bool = False) -> dict:
     """run_info's ``mesh``: the sizes of the device mesh, whether sequence
     parallelism is on, and which collectives run on each dimension of more
-    than one rank (what ``comm/<dim>/*`` then measures)."""
+    than one rank (what ``comm/<dim>/*`` then measures). ``tp_float8``: the
+    float8 linears' output gradients cross the TP ranks in float8
+    (``tensor_parallel.float8_gathers``)."""
     runs = {}
     if shape.dp_shard > 1:
         runs["dp_shard"] = "FSDP all-gather (parameters) and reduce-scatter (gradients)"
@@ -203,9 +205,10 @@ def mesh_info(shape, sequence_parallel: bool) -> dict:
                       "of the replicated norms' gradients" if sequence_parallel else
                       "TP all-reduce after each row-split layer (forward) and column-split layer (backward)")
         runs["tp"] += ("; the embedding's all-reduce and the head's all-gather. Activations travel in their "
-                       "own dtype; the whole parameters' gradients in theirs, which precision.reduce_dtype does "
-                       "not set (the dtype audit flags it where they differ)")
-    return {**shape.as_dict(), "text": shape.text(), "sequence_parallel": bool(sequence_parallel), "collectives": runs}
+                       "own dtype" + (" (the float8 linears' output gradients in float8)" if tp_float8 else "")
+                       + "; the norms' partial gradients in precision.reduce_dtype")
+    return {**shape.as_dict(), "text": shape.text(), "sequence_parallel": bool(sequence_parallel),
+            "tp_float8_gather": bool(tp_float8), "collectives": runs}
 
 
 def mesh_lines(mesh: dict) -> list[str]:

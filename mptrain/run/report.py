@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from mptrain.core.shards import local_shard
 from mptrain.core.text import fmt
 from mptrain.distributed.parallel import DistContext, wrapper_dtypes
+from mptrain.distributed.tensor_parallel import float8_gathers
 from mptrain.model.common import gelu_kernel_text
 from mptrain.model.generate import generate
 from mptrain.observe.memory import Estimate, measured_line, summary_figures
@@ -139,7 +140,8 @@ def describe(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, data: R
         "fused_adamw": any(g.get("fused") for g in built.optimizer.param_groups),
         "optimizer": choice.describe()})
     if ctx.uses_mesh:
-        info["mesh"] = mesh_info(ctx.shape, ctx.sequence_parallel)
+        tp_float8 = ctx.shape.tp > 1 and float8_gathers(model, ctx.mesh["tp"], ctx.sequence_parallel)
+        info["mesh"] = mesh_info(ctx.shape, ctx.sequence_parallel, tp_float8)
     # fp4 for precision=nvfp4/mxfp4 (the key runs have always had), lab for precision=lab
     lowp_key = policy.fp4.key.rpartition(".")[2] if policy.fp4 else "fp8"
     lowp = policy.lowp.report if policy.lowp else None

@@ -19,7 +19,6 @@ are both families' and live in ``mptrain/model/common.py``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 

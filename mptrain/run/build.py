@@ -19,7 +19,6 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from mptrain.config.checks import micro_steps
-from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError, NotEnoughMemory
 from mptrain.core.text import quiet
 from mptrain.data.batches import Batches, Windows, padded_vocab

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import ROOT, TINY, read_rows, train
+from .test_distributed import torchrun
 
 STEPS = 4
 # gpt-nano has 2 heads and llama-nano 2 key/value heads: 4 of each, so that tp=4 divides them.
@@ -69,16 +70,6 @@ LOWP_TOL = 1e-2
 CHAIN = [*TINY, "model=llama-nano", "train.max_steps=8", "train.log_every=1", "monitor.every=100",
          "checkpoint.every=2", "checkpoint.keep_last=0", "precision=fp32"]
 CASES["chain"] = [*CHAIN, "parallel=fsdp_tp", "parallel.tp=2", "train.stop_after=2"]
-
-
-def launch(cwd: Path, *args: str, agent: tuple = ("--standalone", "--nproc_per_node=4"),
-           timeout: int = 900) -> subprocess.CompletedProcess:
-    """``torchrun <agent> train.py <args>`` in ``cwd``; asserts it exits 0."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", *agent, str(ROOT / "train.py"), *args]
-    cwd.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return r
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +127,9 @@ def test_checkpoint_reshards_across_layouts(mesh_jobs, tmp_path):
     run = tmp_path / "chain"
     (mesh_jobs["chain"]).rename(run)  # the shared launch's first leg, moved to a path of its own
     resume = [*CHAIN, f"resume={run}", f"hydra.run.dir={run}"]
-    launch(tmp_path, *resume, "parallel=fsdp", "train.stop_after=4")
+    torchrun(tmp_path, *resume, "parallel=fsdp", "train.stop_after=4", nproc=4)
     train(run, *CHAIN, "train.stop_after=6", f"resume={run}")
-    launch(tmp_path, *resume, "parallel=fsdp_tp", "parallel.tp=2")
+    torchrun(tmp_path, *resume, "parallel=fsdp_tp", "parallel.tp=2", nproc=4)
     _, straight = train(tmp_path / "straight", *CHAIN)
     want = [r["train/loss"] for r in straight if "train/loss" in r]
     got = losses(run)

@@ -77,6 +77,12 @@ class DistContext:
         return self.rank // self.shape.tp
 
     @property
+    def dp_ranks(self) -> list[int]:
+        """The ranks that share this rank's tp coordinate: those that see different
+        data (``dp_group``'s ranks; every rank without TP)."""
+        return list(range(self.rank % self.shape.tp, self.world, self.shape.tp))
+
+    @property
     def dp_world(self) -> int:
         return self.world // self.shape.tp
 
@@ -374,9 +380,10 @@ def _build_mesh(ctx: DistContext) -> None:
     s = ctx.shape
     ctx.mesh = init_device_mesh(ctx.device.type, (s.dp_replicate, s.dp_shard, s.tp), mesh_dim_names=DIMS)
     if s.tp > 1:
+        mine = ctx.dp_ranks
         for t in range(s.tp):
             group = dist.new_group(list(range(t, ctx.world, s.tp)))
-            if ctx.rank % s.tp == t:
+            if mine[0] == t:
                 ctx.dp_group = group
 
 
@@ -445,7 +452,7 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
         return _wrap_ddp(model, policy, ctx)
     if ctx.uses_mesh:
         model = _wrap_fsdp2(model, policy, ctx)
-        if ctx.shape.tp > 1 and "tp_reduce_dtype" not in unguarded:
+        if ctx.sequence_parallel and "tp_reduce_dtype" not in unguarded:
             reduce_tp_partials_in(model, policy.reduce_dtype)
         if on_meta:
             materialize(model, ctx.device, init_seed, initial_weights)
@@ -614,7 +621,9 @@ def _wrap_fsdp2(model, policy, ctx):
 
 def reduce_tp_partials_in(model: nn.Module, dtype: torch.dtype) -> None:
     """Make the tensor-parallel gradient all-reduce run in ``dtype`` (the
-    configured reduce dtype), as FSDP's own reduce-scatter does.
+    configured reduce dtype), as FSDP's own reduce-scatter does. Only sequence
+    parallelism makes such partial gradients (without it every TP rank sees the
+    whole input of what it holds whole), so only then are the hooks installed.
 
     A weight held whole on every TP rank but fed a split input (the norms
     under sequence parallelism) gets a partial-sum gradient on each rank.

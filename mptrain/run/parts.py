@@ -276,8 +276,7 @@ def mesh_groups(ctx: DistContext) -> Optional[MeshGroups]:
     collectives' accounting and the audit); None otherwise."""
     if ctx.mesh is None:
         return None
-    dp = list(range(ctx.rank % ctx.shape.tp, ctx.world, ctx.shape.tp))  # ctx.dp_group's ranks (this tp coordinate)
-    return MeshGroups(ctx.mesh, ctx.world, dp)
+    return MeshGroups(ctx.mesh, ctx.world, ctx.dp_ranks)
 
 
 @dataclass

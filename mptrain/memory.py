@@ -3,7 +3,8 @@
     python -m mptrain.memory [train.py's overrides...] [--world N] [--tp T] [--replicate R]
                              [--per-node P] [--vocab V] [--comm]
     python -m mptrain.memory model=gpt-6.7b precision=bf16 parallel=fsdp --world 8
-    python -m mptrain.memory model=llama-8b precision=bf16 parallel=fsdp_tp --world 64 --tp 2 --replicate 8 --comm
+    python -m mptrain.memory model=llama-8b precision=bf16 parallel=fsdp_tp train.global_batch_size=64 \
+        --world 64 --tp 2 --replicate 8 --comm
 
 Prints, per rank, the bytes (GiB and bytes per parameter) of the weights,
 gradients, Adam moments, Kahan buffers, gathered copies and activations of a
@@ -18,20 +19,23 @@ the mesh's tensor-parallel and replicate sizes (``parallel.tp``,
 ``--per-node``: ranks per node, for the sizes 0 means (default: the whole
 world on one node); ``--comm``: also the communication volume of one step
 per mesh dimension, on paper (``mptrain/observe/traffic.py``); ``--vocab``:
-the embedding rows when ``model.vocab_size`` is unset (default 4096).
-Nothing is built or allocated.
+the embedding rows when ``model.vocab_size`` is unset (default 4096). The configuration is planned as ``train.py`` plans it
+(``mptrain/plan/build.py``): what a run on that many ranks would refuse (a
+global batch the data-parallel ranks do not divide, ...) is refused here too,
+in one line. Nothing is built or allocated.
 """
 from __future__ import annotations
 
 import sys
 
 from mptrain.config.checks import compose_checked
-from mptrain.config.mesh import MESH_MODES, mesh_shape
+from mptrain.config.mesh import MESH_MODES
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import wants_help
-from mptrain.model.families import adopt_init_from
-from mptrain.observe.memory import estimate, format_table, left_out, mesh_overrides, micro_batch_of
+from mptrain.observe.memory import estimate, format_table, left_out, mesh_overrides
+from mptrain.plan.build import build_plan
+from mptrain.plan.plan import Launch
 from mptrain.observe.traffic import format_traffic, traffic
 
 
@@ -72,27 +76,24 @@ def main(argv: list[str]) -> None:
         flags, comm, rest = _parse_args(argv)
         world = flags.get("world", 1)
         cfg = compose_checked([*rest, *mesh_overrides(flags.get("tp"), flags.get("replicate"))])
-        adopt_init_from(cfg.model)  # the model a run from model.init_from would build
-        vocab = flags.get("vocab") or cfg.model.vocab_size or 4096
-        mesh = mesh_shape(cfg.parallel, world, flags.get("per_node", world))
-        e = estimate(cfg, vocab, world, mesh=mesh)
-        flows = traffic(cfg, vocab, world, mesh=mesh) if comm else []
+        plan = build_plan(cfg, Launch(world=world, per_node=flags.get("per_node", world)))
+        vocab = flags.get("vocab") or plan.vocab.given or 4096
+        e = estimate(plan, vocab)
+        flows = traffic(plan, vocab) if comm else []
     except UserError as err:
         print(f"mptrain: {err.one_line()}", file=sys.stderr)
         sys.exit(2)
-    state = cfg.optim.state_dtype
-    micro = micro_batch_of(cfg, world, mesh)
-    mode = cfg.parallel.name.value
-    on = f" mesh={mesh.text()}" + (" sequence_parallel" if mesh.tp > 1 and cfg.parallel.sequence_parallel else "") \
+    state, mesh, mode, m = plan.optim.state_dtype, plan.parallel.mesh, plan.parallel.name, plan.model
+    micro = plan.batches.micro_batch
+    on = f" mesh={mesh.text()}" + (" sequence_parallel" if plan.parallel.sequence_parallel else "") \
         if mode in MESH_MODES else ""
-    print(f"memory per rank: model={cfg.model.name} precision={cfg.precision.name} "
+    print(f"memory per rank: model={m.name} precision={plan.precision.name} "
           f"optim.state_dtype={getattr(state, 'value', state) or 'null'} "
           f"parallel={mode} world={world}{on} vocab={vocab} "
-          f"micro_batch={micro}x{cfg.model.block_size} tokens")
-    print("\n".join(format_table(e) + left_out(e, micro, cfg.model.block_size, vocab)))
+          f"micro_batch={micro}x{m.block_size} tokens")
+    print("\n".join(format_table(e) + left_out(e, micro, m.block_size, vocab)))
     if comm:
         print("\n".join(format_traffic(flows, mesh)))
-
 
 if __name__ == "__main__":
     run_then_leave(main, sys.argv[1:])

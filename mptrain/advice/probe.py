@@ -34,14 +34,13 @@ from mptrain.advice.rules import (
     Target,
 )
 from mptrain.config.checks import compose_checked
-from mptrain.config.mesh import MESH_MODES, mesh_shape
 from mptrain.core.errors import ConfigError
-from mptrain.model.families import build as build_family
 from mptrain.model.names import layer_name
 from mptrain.observe.memory import estimate, meta_model, tp_dims
 from mptrain.observe.traffic import by_dim, traffic
 from mptrain.observe.perf import PEAK_TFLOPS
-from mptrain.precision.rules import validate
+from mptrain.plan.build import build_plan
+from mptrain.plan.plan import Launch, Plan
 from mptrain.precision.support import (
     choose_fp8_matmul,
     cpu_name,
@@ -174,6 +173,7 @@ class Candidate:
     overrides: tuple[str, ...]
     rounds_updates: bool
     cfg: object
+    """The composed config (a plan is made of it per world size: :func:`state_options`)."""
 
 
 def candidates(overrides: list[str]) -> list[Candidate]:
@@ -201,14 +201,13 @@ def candidates(overrides: list[str]) -> list[Candidate]:
 
 
 def state_options(cands: list[Candidate], world: int, vocab: int) -> dict[str, tuple[StateOption, ...]]:
-    """Each candidate's memory estimate per rank (the estimator's), by precision
-    preset; a combination the checks refuse carries the refusal as its problem."""
+    """Each candidate's memory estimate per rank (the estimator's, on its plan for ``world``
+    ranks), by precision preset; a combination the plan refuses carries the refusal as its problem."""
     out: dict[str, list[StateOption]] = {}
     for c in cands:
         problem = None
         try:
-            validate(c.cfg, world)
-            e = estimate(c.cfg, vocab, world)
+            e = estimate(build_plan(c.cfg, Launch.planned(world)), vocab)
             gib, bpp = e.total / 2**30, e.state / max(e.n_params, 1)
         except ConfigError as err:
             problem, gib, bpp = err.one_line(), math.inf, math.inf
@@ -216,15 +215,14 @@ def state_options(cands: list[Candidate], world: int, vocab: int) -> dict[str, t
     return {k: tuple(v) for k, v in out.items()}
 
 
-def layout_facts(cfg, cands: list[Candidate], world: int, vocab: int) -> Optional[Layout]:
-    """The mesh ``cfg.parallel`` makes of ``world`` ranks, the TP split of every
-    linear, and each precision preset's bytes per step per mesh dimension (its
-    first runnable candidate's, on paper: ``observe/traffic.py``); None on one
-    rank or without an FSDP2 mesh."""
-    if world <= 1 or cfg.parallel.name.value not in MESH_MODES:
+def layout_facts(plan: Plan, cands: list[Candidate], vocab: int) -> Optional[Layout]:
+    """The plan's mesh, the TP split of every linear, and each precision preset's bytes
+    per step per mesh dimension (its first runnable candidate's, on paper:
+    ``observe/traffic.py``); None on one rank or without an FSDP2 mesh."""
+    if plan.world <= 1 or not plan.parallel.uses_mesh:
         return None
-    mesh = mesh_shape(cfg.parallel, world)
-    model = meta_model(cfg.model, vocab)
+    mesh = plan.parallel.mesh
+    model = meta_model(plan.model, vocab)
     dims = tp_dims(model)
     split = {n: dims.get(f"{n}.weight") for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
     comm: dict[str, dict[str, float]] = {}
@@ -232,20 +230,19 @@ def layout_facts(cfg, cands: list[Candidate], world: int, vocab: int) -> Optiona
         if c.preset in comm:
             continue
         try:
-            comm[c.preset] = {d: pay for d, (pay, _) in by_dim(traffic(c.cfg, vocab, world, mesh=mesh), mesh).items()}
-        except ConfigError:  # a combination the checks refuse: its state option says why
+            flows = traffic(build_plan(c.cfg, plan.launch), vocab)
+        except ConfigError:  # a combination the plan refuses: its state option says why
             continue
-    return Layout(mesh.as_dict(), mesh.tp > 1 and bool(cfg.parallel.sequence_parallel), split, comm)
+        comm[c.preset] = {d: pay for d, (pay, _) in by_dim(flows, mesh).items()}
+    return Layout(mesh.as_dict(), plan.parallel.sequence_parallel, split, comm)
 
 
 # ------------------------------------------------------------------ reading the probe
 
 
-def linear_shapes(cfg, vocab: int) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of every linear of the model ``cfg`` builds, by module name."""
-    m = cfg.model
-    with torch.device("meta"):
-        model = build_family(m, vocab)
+def linear_shapes(plan: Plan, vocab: int) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every linear of the plan's model, by module name."""
+    model = meta_model(plan.model, vocab)
     return {n: (mod.in_features, mod.out_features) for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
 
 
@@ -284,10 +281,10 @@ def _by_group(rows: list[dict], prefix: str) -> dict[str, list[float]]:
     return out
 
 
-def read_facts(run_dir: Path, cfg, world: int, options: dict[str, tuple[StateOption, ...]],
+def read_facts(run_dir: Path, plan: Plan, options: dict[str, tuple[StateOption, ...]],
                lab: tuple[str, ...] = ()) -> Facts:
-    """The probe's run directory as :class:`Facts` (``cfg``: the user's composed
-    config; ``lab``: the named lab recipes it measured as what-ifs)."""
+    """The probe's run directory as :class:`Facts` (``plan``: the user's configuration's,
+    on the world the advice is for; ``lab``: the named lab recipes it measured as what-ifs)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [r for r in read_rows(run_dir) if "numerics/grad_log2_hist" in r]
     if len(rows) < 3:
@@ -310,7 +307,7 @@ def read_facts(run_dir: Path, cfg, world: int, options: dict[str, tuple[StateOpt
     excluded = fp8.get("excluded", {})
     flops_tok = summary["flops_per_token"]
     linears = []
-    for name, (fin, fout) in linear_shapes(cfg, vocab).items():
+    for name, (fin, fout) in linear_shapes(plan, vocab).items():
         casts = {}
         if name in fp8.get("converted", []):
             for recipe in FP8_CANDIDATES:
@@ -326,8 +323,9 @@ def read_facts(run_dir: Path, cfg, world: int, options: dict[str, tuple[StateOpt
     # until it has seen a few dozen gradients): the median over the probe's second half.
     late = [r for r in rows if r["step"] > int(summary["steps"]) // 2]
     adam = {g: statistics.median(v) for g, v in _by_group(late, "stability/adam_g2_over_v/").items()}
-    ls = cfg.precision.loss_scale
-    return Facts(model=str(cfg.model.name), params=int(summary["params"]), world=world, steps=int(summary["steps"]),
+    ls = plan.parts.loss_scale
+    return Facts(model=str(plan.model.name), params=int(summary["params"]), world=plan.world,
+                 steps=int(summary["steps"]),
                  monitored_steps=len(rows), grad_hist_lo=lo, grad_hist=tuple(hist), grad_top_log2=tuple(tops),
                  act_over_fp16_max=over_fp16,
                  update_lost_bf16=max([0.0, *_series(rows, "numerics/update_underflow/bf16")]),

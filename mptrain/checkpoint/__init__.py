@@ -1,1 +1,1 @@
-"""Layer 7, checkpoint: a run's checkpoints on disk (save and load, integrity, safe loading, the optimizer-state layout), which one to resume from, and the readers that sample and export use; knows nothing of the loop."""
+"""Layer 8, checkpoint: a run's checkpoints on disk (save and load, integrity, safe loading, the optimizer-state layout), which one to resume from, and the readers that sample and export use; knows nothing of the loop."""

@@ -61,7 +61,6 @@ from typing import Callable, Iterable, Optional, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
-from omegaconf import OmegaConf
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -90,7 +89,7 @@ from mptrain.checkpoint.safeload import (
     load_plain,
 )
 from mptrain.core.errors import NO_ROOM_FIXES
-from mptrain.precision.optimizers import choose
+from mptrain.plan.plan import Plan, plain
 
 # Shape fields a checkpoint must agree on with the run that loads it.
 _SHAPE_KEYS = ("n_layer", "n_head", "d_model", "block_size")
@@ -167,12 +166,12 @@ class Best:
 class Checkpointer:
     """Saves and loads the whole training state of one run."""
 
-    def __init__(self, ccfg, run_dir: Path, ctx, cfg, meta_extra: Optional[dict] = None,
+    def __init__(self, plan: Plan, run_dir: Path, ctx, meta_extra: Optional[dict] = None,
                  hooks: Iterable[SaveHook] = ()):
-        self.cfg = ccfg
+        self.plan = plan
+        self.cfg = plan.checkpoint
         self.root = run_dir / "checkpoints"
         self.ctx = ctx
-        self.run_cfg = cfg
         self.meta_extra = meta_extra or {}
         self.hooks = tuple(hooks)
         self.best = Best()  # only with checkpoint.keep_best: what prune() never deletes
@@ -227,8 +226,7 @@ class Checkpointer:
     def _seal(self, tmp: Path, step: int, files: dict, model_sd: dict, progress: Progress, optimizer) -> None:
         """manifest.json, then meta.json: its presence marks the content complete."""
         record = write_manifest(tmp, files)
-        m = self.run_cfg.model
-        choice = choose(self.run_cfg)  # the AdamW this config runs (build_model built it from the same)
+        m, choice = self.plan.model, self.plan.optimizer  # the AdamW this run steps with
         meta = {
             "format": FORMAT,
             "step": step,
@@ -236,12 +234,12 @@ class Checkpointer:
             "world_size": self.ctx.world,
             "parallel": self.ctx.mode.value,
             "mesh": self.ctx.shape.as_dict(),  # how the tensors were split (per-rank quantized moments follow it)
-            "precision": self.run_cfg.precision.name,
-            "model": {k: int(m[k]) for k in _SHAPE_KEYS},
+            "precision": self.plan.precision.name,
+            "model": {k: int(getattr(m, k)) for k in _SHAPE_KEYS},
             "vocab_size": int(model_sd["wte.weight"].shape[0]),
             # which AdamW wrote the optimizer state (resume.py refuses another one)
             "optimizer": {"impl": choice.impl, "state": choice.state, "rounding": choice.rounding},
-            "config": OmegaConf.to_container(self.run_cfg, resolve=True, enum_to_str=True),
+            "config": plain(self.plan.resolved),
             **self.meta_extra,
             "manifest": record,
         }
@@ -316,9 +314,9 @@ class Checkpointer:
     def load(self, path: Path, model, optimizer, states: dict[str, Stateful], policy) -> None:
         """Restore everything saved at ``path`` into ``model``, ``optimizer`` and ``states``."""
         meta = read_meta(path)
-        m = self.run_cfg.model
-        diffs = [f"model.{k}: checkpoint {meta['model'][k]}, this run {m[k]}"
-                 for k in _SHAPE_KEYS if meta["model"][k] != m[k]]
+        m = self.plan.model
+        diffs = [f"model.{k}: checkpoint {meta['model'][k]}, this run {getattr(m, k)}"
+                 for k in _SHAPE_KEYS if meta["model"][k] != getattr(m, k)]
         model_sd, optim_sd = get_state_dict(model, optimizer)  # also creates the optimizer's state tensors
         vocab = int(model_sd["wte.weight"].shape[0])
         if meta["vocab_size"] != vocab:
@@ -326,7 +324,7 @@ class Checkpointer:
         if diffs:
             raise CheckpointError(f"checkpoint {path} does not fit this model ({'; '.join(diffs)}). "
                                   "Resume with the model and data settings it was saved with, or resume=none.")
-        refused = quantized_layout_refusal(path, meta, self.run_cfg, self.ctx.world)
+        refused = quantized_layout_refusal(path, meta, self.plan)
         if refused:  # resume.py refuses it before anything is built; this guards other callers
             raise CheckpointError(refused)
         optim_sd, quantized = plain_optim_state(optim_sd)

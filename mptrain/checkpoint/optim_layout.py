@@ -19,8 +19,9 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from mptrain.config.mesh import MESH_MODES, MeshShape, mesh_shape
+from mptrain.config.mesh import MESH_MODES, MeshShape
 from mptrain.core.shards import local_shard
+from mptrain.plan.plan import Plan
 from mptrain.precision.optimizers import QUANTIZED, state_parts, stored_as
 
 
@@ -82,9 +83,8 @@ def _quantized_layout(state_dtype, parallel: str, world: int) -> Optional[str]:
     return "per-rank" if parallel in MESH_MODES and world > 1 else "whole"
 
 
-def quantized_layout_refusal(path: Path, meta: dict, cfg, world: int) -> Optional[str]:
-    """Why checkpoint ``path`` (its ``meta``) cannot be loaded by ``cfg`` on ``world``
-    ranks, or None. Quantized moments saved per rank under FSDP2 load only under
+def quantized_layout_refusal(path: Path, meta: dict, plan: Plan) -> Optional[str]:
+    """Why checkpoint ``path`` (its ``meta``) cannot be loaded by the run of ``plan``, or None. Quantized moments saved per rank under FSDP2 load only under
     the same wrapper and world size: their blocks and scales were taken over
     each rank's shard, and another split of the tensor needs other blocks."""
     saved_state = meta.get("config", {}).get("optim", {}).get("state_dtype")
@@ -92,11 +92,11 @@ def quantized_layout_refusal(path: Path, meta: dict, cfg, world: int) -> Optiona
     # A checkpoint from before the mesh: FSDP split over every rank, as dp_shard = world does.
     saved_mesh = meta.get("mesh") or MeshShape(1, saved_world or 1, 1).as_dict()
     saved = _quantized_layout(saved_state, saved_parallel, saved_world)
-    now_parallel = getattr(cfg.parallel.name, "value", cfg.parallel.name)
-    now = _quantized_layout(cfg.optim.state_dtype, now_parallel, world)
+    now_parallel, world = plan.parallel.name, plan.world
+    now = _quantized_layout(plan.optim.state_dtype, now_parallel, world)
     if saved is None or now is None or (saved, now) == ("whole", "whole"):
         return None
-    now_mesh = mesh_shape(cfg.parallel, world).as_dict()
+    now_mesh = plan.parallel.mesh.as_dict()
     if (saved_parallel in MESH_MODES) == (now_parallel in MESH_MODES) and (saved_world, saved_mesh) == (world, now_mesh):
         return None
     how = (f"within each of its {saved_world} ranks' FSDP shards" if saved == "per-rank"

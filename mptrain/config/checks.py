@@ -5,10 +5,10 @@
   line, before Hydra composes anything (``train.py`` and ``python -m
   mptrain.memory`` call it first); :func:`composition_error` puts whatever
   Hydra still refuses into the same form.
-- :func:`validate`: every numeric key in its range (:func:`check_ranges`), then
-  the rules that span fields (heads that divide the width, batch sizes that
-  divide over ranks and micro-batches, ...); called when the run starts and
-  again once the world size is known.
+- :func:`check_ranges`: every numeric key in its range; :func:`micro_steps`: the
+  batch over the data-parallel ranks and micro-batches; :func:`validate`: the
+  rules that span fields (heads that divide the width, ...). The plan's builder
+  (``mptrain/plan/build.py``) runs them once, with the launch's world size.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from omegaconf import ListConfig, OmegaConf
 
-from mptrain.config.mesh import check_unguarded, data_world
+from mptrain.config.mesh import check_unguarded
 from mptrain.config.schema import Config, DType, Fp8Config, ModelConfig
 from mptrain.core.errors import ConfigError, require_extra
 
@@ -525,21 +525,21 @@ def check_ranges(cfg: Any) -> None:
 
 
 # ---------------------------------------------------------------- cross-field rules
-def validate(cfg: Any, world_size: int = 1) -> None:
-    """Every value in its range (:func:`check_ranges`), then the rules that span
-    fields, then the packages of the optional parts asked for (:func:`_extras`).
-    Raises :class:`ConfigError` (or ``MissingPackage``) naming the key and the fix. The rules
-    that need what the layers above know (what each model family can take,
-    which optimizer can run, which float8 recipes the cast statistics know) are
-    added on top by :func:`mptrain.precision.rules.validate`, which is what a run calls."""
-    check_ranges(cfg)  # first: the rules below divide by some of these values
+def validate(cfg: Any, batches: Any) -> None:
+    """The rules that span fields, then the packages of the optional parts asked for
+    (:func:`_extras`), for a config whose values are in range (:func:`check_ranges`) and
+    whose ``batches`` (``mptrain.plan.plan.Batches``: :func:`micro_steps` on the mesh)
+    divide. Raises :class:`ConfigError` (or ``MissingPackage``) naming the key and the
+    fix. The plan's builder (``mptrain/plan/build.py``) runs these with the rules that
+    need the layers above (what each model family can take, the precision's own rules,
+    what tensor parallelism asks, which optimizer can run)."""
     m, p = cfg.model, cfg.precision
     if m.d_model % m.n_head:
         raise ConfigError(
             f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}; "
             "pick a head count that divides the width."
         )
-    mbs, _ = micro_steps(cfg, world_size)  # raises on batch sizes that do not divide
+    mbs = batches.micro_batch
     check_unguarded(cfg.debug.unguarded)
     _delayed_knobs(p.fp8)
     if p.fp8.enabled and p.fp8.recipe.value == "mxfp8" and (mbs * m.block_size) % 32:
@@ -598,13 +598,11 @@ def _delayed_knobs(f: Any) -> None:
                 "use precision=fp8-delayed, or leave it at its default.")
 
 
-def micro_steps(cfg: Any, world_size: int) -> tuple[int, int]:
-    """(micro_batch_size, accumulation steps) for this world size, or ConfigError.
-    The batch is split over the data-parallel ranks only: the ``parallel.tp``
-    ranks of a TP group share theirs."""
-    t = cfg.train
+def micro_steps(t: Any, dp: int, world_size: int) -> tuple[int, int]:
+    """(micro_batch_size, accumulation steps) of the ``train`` section ``t`` over ``dp``
+    data-parallel ranks of ``world_size``, or ConfigError. The batch is split over the
+    data-parallel ranks only: the ``parallel.tp`` ranks of a TP group share theirs."""
     gbs = t.global_batch_size
-    dp = data_world(cfg, world_size)
     over = f"the world size {world_size}" if dp == world_size else \
         f"the {dp} data-parallel ranks (world size {world_size} / parallel.tp)"
     if gbs % dp:

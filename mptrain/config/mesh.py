@@ -122,7 +122,3 @@ def check_unguarded(names: Any) -> None:
         raise ConfigError(f"debug.unguarded names {', '.join(map(str, unknown))}, which is not a guard of the mesh; "
                           f"the guards are {', '.join(GUARDS)}.")
 
-
-def data_world(cfg: Any, world: int) -> int:
-    """Ranks that see different batches (TP ranks share theirs)."""
-    return mesh_shape(cfg.parallel, world).dp

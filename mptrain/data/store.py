@@ -613,7 +613,7 @@ def prepare(data_cfg, log=print) -> TokenData:
                               "or data.tokenizer=byte; the corpus BPE is trained only for data=embedded/text.")
 
         fields = ("path", "name", "split", "val_split", "text_field", "tokenizer", "max_documents", "val_fraction")
-        key = hashlib.sha256("|".join(str(data_cfg[f]) for f in fields).encode()).hexdigest()[:20]
+        key = hashlib.sha256("|".join(str(getattr(data_cfg, f)) for f in fields).encode()).hexdigest()[:20]
         source = f"{data_cfg.path}" + (f" ({data_cfg.name})" if data_cfg.name else "")
         return _cached(cache / "hf" / key, lambda d: prepare_hf(data_cfg, d, log),
                        lambda d: _open_shards(d, source), log, source, cache)

@@ -24,12 +24,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Replicate
 
-from mptrain.config.mesh import DIMS, MESH_MODES, MeshShape, mesh_shape
+from mptrain.config.mesh import DIMS, MESH_MODES, MeshShape
 from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError
 from mptrain.core.shards import local_shard
 from mptrain.distributed import tensor_parallel
 from mptrain.model.common import Block, write_weights
+from mptrain.plan.plan import Plan
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.policy import PrecisionPolicy
 
@@ -309,28 +310,18 @@ def export_submitit_env() -> None:
         env.export(set_cuda_visible_devices=False)
 
 
-def setup(pcfg, device_spec: str) -> DistContext:
-    """Join (or create) the process group, pick this rank's device and, for the
-    FSDP2 wrappers, build the device mesh ``dp_replicate x dp_shard x tp``."""
-    mode = pcfg.name
-    export_submitit_env()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world > 1 and mode == ParallelMode.none:
-        raise ConfigError(
-            f"launched with {world} processes but parallel=none: every rank would train its own copy. "
-            "Use parallel=ddp, parallel=fsdp or parallel=fsdp1 under torchrun."
-        )
-    shape = mesh_shape(pcfg, world)  # before any device or group: a bad mesh is a config error
-    device = _pick_device(device_spec, local_rank)
-    ctx = DistContext(mode=mode, rank=rank, world=world, local_rank=local_rank, device=device, shape=shape,
-                      sequence_parallel=shape.tp > 1 and bool(pcfg.sequence_parallel))
-    if mode == ParallelMode.none:
+def setup(plan: Plan) -> DistContext:
+    """Join (or create) the process group of ``plan``'s launch, pick this rank's device
+    and, for the FSDP2 wrappers, build the plan's device mesh ``dp_replicate x dp_shard x tp``."""
+    par, launch = plan.parallel, plan.launch
+    device = _pick_device(plan.device, launch.local_rank)
+    ctx = DistContext(mode=par.mode, rank=launch.rank, world=launch.world, local_rank=launch.local_rank,
+                      device=device, shape=par.mesh, sequence_parallel=par.sequence_parallel)
+    if par.mode == ParallelMode.none:
         return ctx
     if not dist.is_available():
-        raise ConfigError(f"parallel={mode.value} needs torch.distributed, which this torch build lacks.")
-    ctx.backend = _backend(pcfg.backend, device)
+        raise ConfigError(f"parallel={par.name} needs torch.distributed, which this torch build lacks.")
+    ctx.backend = _backend(par.backend, device)
     _join(ctx)
     if ctx.uses_mesh:
         _build_mesh(ctx)

@@ -1,1 +1,1 @@
-"""Layer 6, observe: what the numbers look like (numerics, stability, float8 cast statistics, dtype audit, alerts, throughput, collective bytes, memory estimates); reads the model and optimizer, changes nothing."""
+"""Layer 7, observe: what the numbers look like (numerics, stability, float8 cast statistics, dtype audit, alerts, throughput, collective bytes, memory estimates); reads the model and optimizer, changes nothing."""

@@ -14,7 +14,7 @@ in the process; allocator slack; transient buffers; the data) is
 :func:`left_out`, and the run's closing line beside its peak :func:`measured_line`.
 
 Under a device mesh (``parallel=fsdp|hsdp|fsdp_tp``, ``dp_replicate x
-dp_shard x tp``, read from ``cfg.parallel`` by ``config.mesh.mesh_shape``)
+dp_shard x tp``, the plan's mesh)
 each parameter is first split as tensor parallelism splits it (the plan of
 ``distributed/tensor_parallel.py``: fan-out linears by row, fan-in ones by
 column, embedding and head by vocabulary row; norms whole), then its dim-0
@@ -38,15 +38,15 @@ from typing import Optional, Sequence
 
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from mptrain.config.mesh import MESH_MODES, MeshShape, mesh_shape
+from mptrain.config.mesh import MESH_MODES, MeshShape
 from mptrain.distributed.tensor_parallel import block_plan, family_of_model
 from mptrain.model.families import build as build_family
-from mptrain.model.families import family_of, ffn_hidden
+from mptrain.model.families import ffn_hidden
+from mptrain.plan.plan import Plan
 from mptrain.precision.optimizers import (
     BLOCK,
     MIN_QUANTIZED,
     QUANTIZED,
-    choose,
     moment_bytes,
 )
 
@@ -122,11 +122,11 @@ def meta_model(m, vocab: int):
         return build_family(m, vocab)
 
 
-def shapes(cfg, vocab: int) -> tuple[list[tuple[int, ...]], int]:
+def shapes(m, vocab: int) -> tuple[list[tuple[int, ...]], int]:
     """(shape of every parameter, elements of one transformer block) of the
-    model ``cfg`` builds with ``vocab`` rows (:func:`meta_model`); the tied
+    model section ``m`` with ``vocab`` rows (:func:`meta_model`); the tied
     head appears once, as in ``model.parameters()``."""
-    return _shapes(meta_model(cfg.model, vocab))
+    return _shapes(meta_model(m, vocab))
 
 
 def _shapes(model) -> tuple[list[tuple[int, ...]], int]:
@@ -322,13 +322,6 @@ own, not a field of the family's spec: what autograd keeps is counted on real
 steps here (``tests/test_memory.py``), and the model layer knows nothing of it."""
 
 
-def layout(cfg, world: int, mesh: Optional[MeshShape] = None) -> MeshShape:
-    """The mesh ``cfg.parallel`` makes of ``world`` ranks (``mesh`` when given,
-    e.g. resolved for another node size); the whole world as one data-parallel
-    dimension under ``none``/``ddp``/``fsdp1``. A mismatch is a ConfigError."""
-    return mesh or mesh_shape(cfg.parallel, world)
-
-
 def mesh_overrides(tp: Optional[int], replicate: Optional[int]) -> list[str]:
     """The ``parallel.*`` overrides the commands' ``--tp`` and ``--replicate``
     stand for (either may be None: not given); ``dp_shard`` then takes the rest."""
@@ -337,24 +330,12 @@ def mesh_overrides(tp: Optional[int], replicate: Optional[int]) -> list[str]:
     return out + (["parallel.dp_shard=-1"] if out else [])
 
 
-def micro_batch_of(cfg, world: int, mesh: Optional[MeshShape] = None) -> int:
-    """Sequences per forward on each rank: ``train.micro_batch_size``, else the
-    rank's share of the global batch (no accumulation) over the data-parallel
-    ranks (the TP ranks of a group share one batch)."""
-    return cfg.train.micro_batch_size or max(1, cfg.train.global_batch_size // layout(cfg, world, mesh).dp)
-
-
-def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None,
-             mesh: Optional[MeshShape] = None) -> Estimate:
-    """Bytes per rank for ``cfg`` (a composed mptrain config) with ``vocab``
-    rows, on ``world`` ranks laid out as ``cfg.parallel`` says (``mesh``: that
-    layout resolved already, :func:`layout`); ``micro_batch`` sequences per
-    forward (default: the config's). An optimizer combination that cannot run,
-    or a mesh that does not fit ``world``, is a ConfigError."""
-    m, p = cfg.model, cfg.precision
-    choice = choose(cfg)
-    mode = cfg.parallel.name.value
-    mesh = layout(cfg, world, mesh)
+def estimate(plan: Plan, vocab: int, micro_batch: Optional[int] = None) -> Estimate:
+    """Bytes per rank of the run ``plan`` (``mptrain/plan/``: its launch's world and mesh,
+    its optimizer, precision and batches) with ``vocab`` rows; ``micro_batch`` sequences
+    per forward instead of the plan's (what-ifs)."""
+    m, p, choice, mesh, world = plan.model, plan.precision, plan.optimizer, plan.parallel.mesh, plan.world
+    mode = plan.parallel.name
     compute = p.compute_dtype.name
     store = choice.param_dtype  # the dtype the weights (and so their grads) are stored in
     pb = BYTES[store]
@@ -374,8 +355,8 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None,
         # one block gathered for compute, one prefetched, in the gather dtype (a TP rank's part of each)
         gathered = 2 * (block_tp_numel(model, mesh.tp) if on_mesh else block_numel) \
             * BYTES[(p.param_dtype or p.compute_dtype).name]
-    b = micro_batch or micro_batch_of(cfg, world, mesh)
-    checkpointed = cfg.train.activation_checkpointing.value == "block"
+    b = micro_batch or plan.batches.micro_batch
+    checkpointed = plan.train.activation_checkpointing.value == "block"
     copies = 0
     if not (mode == "fsdp1" or on_mesh) and BYTES[compute] < pb and not p.fp8.enabled:
         # Autocast casts each linear's weight once per forward and the backward keeps
@@ -383,8 +364,8 @@ def estimate(cfg, vocab: int, world: int = 1, micro_batch: int | None = None,
         # a checkpointed block keeps none of its own, only the one being recomputed.
         per_block, head = linear_weights(model)
         copies = BYTES[compute] * ((1 if checkpointed else m.n_layer) * per_block + head)
-    sp = on_mesh and mesh.tp > 1 and bool(cfg.parallel.sequence_parallel)
-    activations = ACTIVATIONS[family_of(m)](m, b, vocab, compute, copies, checkpointed, mesh.tp, sp)
+    sp = on_mesh and plan.parallel.sequence_parallel
+    activations = ACTIVATIONS[plan.family.name](m, b, vocab, compute, copies, checkpointed, mesh.tp, sp)
 
     act = (", block checkpointing" if checkpointed else "") + (
         f", 1/{mesh.tp} of the split parts" + (" and the residual stream" if sp else "")
@@ -530,48 +511,46 @@ def fit_problem(needed: int, available: Optional[int], what: str, where: str, fi
             f"Fixes: {', '.join(fixes)}; train.memory_check=false skips this check.")
 
 
-def fit_fixes(cfg, micro_batch: int, mesh: Optional[MeshShape] = None) -> list[str]:
-    """What would bring the estimate of ``cfg`` down, leaving out what it already
-    does (``mesh``: the layout it runs on, when known)."""
-    mode = cfg.parallel.name.value
+def fit_fixes(plan: Plan) -> list[str]:
+    """What would bring the estimate of ``plan`` down, leaving out what it already does."""
+    mode, mesh, micro_batch = plan.parallel.name, plan.parallel.mesh, plan.batches.micro_batch
     fixes = ["more ranks (torchrun --nproc_per_node, --nnodes)" if mode in ("fsdp1", *MESH_MODES)
              else "more ranks with parallel=fsdp"]
-    if mesh is not None and mesh.dp_replicate > 1:
+    if mesh.dp_replicate > 1:
         fixes.append(f"more sharding (a larger parallel.dp_shard, a smaller parallel.dp_replicate={mesh.dp_replicate})")
-    if cfg.train.activation_checkpointing.value != "block":
+    if plan.train.activation_checkpointing.value != "block":
         fixes.append("train.activation_checkpointing=block")
     if micro_batch > 1:
         fixes.append(f"a smaller micro-batch (train.micro_batch_size={micro_batch // 2})")
     return fixes + ["a smaller model"]
 
 
-def fit_check(cfg, vocab: int, world: int, local_world: int, micro_batch: int, device) -> Optional[str]:
-    """Why one rank of ``cfg`` cannot start on ``device``, or None.
+def fit_check(plan: Plan, vocab: int, device) -> Optional[str]:
+    """Why one rank of the run ``plan`` cannot start on ``device``, or None.
 
     The estimate per rank against the memory that will hold it: a CUDA
     device's free memory; for any other device the host's available memory,
-    shared by the ``local_world`` ranks of this node. A CUDA run keeps no
+    shared by the ranks of this node (the launch's ``per_node``). A CUDA run keeps no
     copy of the model on the host, but initialisation draws each weight whole
     in fp32 on the CPU (``GPT.reset_parameters``), which is also the most a
     checkpoint write stages there at once: the largest weight must fit in the
     host's share of each local rank."""
-    mesh = layout(cfg, world)
-    e = estimate(cfg, vocab, world, micro_batch, mesh)
-    mode = cfg.parallel.name.value
+    mesh, world, mode, m = plan.parallel.mesh, plan.world, plan.parallel.name, plan.model
+    e = estimate(plan, vocab)
     on = f"mesh {mesh.text()}" if mode in MESH_MODES and world > 1 else f"{world} rank{'s' if world > 1 else ''}"
-    what = (f"model={cfg.model.name} (parallel={mode}, {on}, "
-            f"micro-batch {micro_batch} x {cfg.model.block_size}; estimate: python -m mptrain.memory)")
+    what = (f"model={m.name} (parallel={mode}, {on}, "
+            f"micro-batch {plan.batches.micro_batch} x {m.block_size}; estimate: python -m mptrain.memory)")
     host = host_available()
-    local_world = max(1, local_world)
+    local_world = max(1, plan.launch.per_node)
     share = None if host is None else host // local_world  # the ranks of one node share its memory
     among = f" per rank ({_gib(host)} shared by {local_world} ranks)" if host is not None and local_world > 1 else ""
     if device.type != "cuda":
-        return fit_problem(e.total, share, what, "this host has", fit_fixes(cfg, micro_batch, mesh), among)
-    problem = fit_problem(e.total, device_free(device), what, f"{device} has", fit_fixes(cfg, micro_batch, mesh))
+        return fit_problem(e.total, share, what, "this host has", fit_fixes(plan), among)
+    problem = fit_problem(e.total, device_free(device), what, f"{device} has", fit_fixes(plan))
     if problem:
         return problem
-    largest = 4 * max((math.prod(s) for s in shapes(cfg, vocab)[0]), default=0)
-    return fit_problem(largest, share, f"initialising model={cfg.model.name} (its largest weight, whole, in fp32 "
+    largest = 4 * max((math.prod(s) for s in shapes(m, vocab)[0]), default=0)
+    return fit_problem(largest, share, f"initialising model={m.name} (its largest weight, whole, in fp32 "
                        "on the CPU)", "this host has", ["fewer ranks per node", "a host with more memory"], among)
 
 

@@ -56,8 +56,8 @@ import torch.nn as nn
 
 from mptrain.config.mesh import MESH_MODES, MeshShape
 from mptrain.distributed.tensor_parallel import family_of_model
-from mptrain.observe.memory import BYTES, layout, meta_model, micro_batch_of, shard_numel, tp_dims, tp_shape
-from mptrain.precision.optimizers import choose
+from mptrain.observe.memory import BYTES, meta_model, shard_numel, tp_dims, tp_shape
+from mptrain.plan.plan import Plan
 
 FP8_ALL_GATHER = "float8_e4m3"
 """The dtype tensorwise float8 weights are all-gathered in (1 byte)."""
@@ -112,20 +112,18 @@ def _parts(model, tp: int) -> _Parts:
                   sum(v for n, v in size.items() if n not in blocks), sum(size[n] for n in norms), len(norms))
 
 
-def traffic(cfg, vocab: int, world: int, micro_batch: Optional[int] = None,
-            mesh: Optional[MeshShape] = None) -> list[Flow]:
-    """Every collective of one optimizer step on one rank of ``cfg`` on ``world``
-    ranks (``mesh``: the layout resolved already), on paper; see the module's
+def traffic(plan: Plan, vocab: int, micro_batch: Optional[int] = None) -> list[Flow]:
+    """Every collective of one optimizer step on one rank of the run ``plan``, on paper
+    (``micro_batch``: sequences per forward instead of the plan's); see the module's
     docstring for what each wrapper issues. Empty on one rank."""
-    mode = cfg.parallel.name.value
-    mesh = layout(cfg, world, mesh)
+    mode, mesh, world = plan.parallel.name, plan.parallel.mesh, plan.world
     if world <= 1 or mode == "none":
         return []
-    model = meta_model(cfg.model, vocab)
-    mbs = micro_batch or micro_batch_of(cfg, world, mesh)
-    accum = max(1, cfg.train.global_batch_size // mesh.dp // mbs)
-    p = cfg.precision
-    store = choose(cfg).param_dtype
+    model = meta_model(plan.model, vocab)
+    mbs = micro_batch or plan.batches.micro_batch
+    accum = max(1, plan.batches.global_batch // mesh.dp // mbs)
+    p = plan.precision
+    store = plan.optimizer.param_dtype
     reduce = p.reduce_dtype.name
     if mode == "ddp":
         n = sum(math.prod(tuple(t.shape)) for t in model.parameters())
@@ -133,15 +131,15 @@ def traffic(cfg, vocab: int, world: int, micro_batch: Optional[int] = None,
     if mode not in MESH_MODES:  # fsdp1: flat shards over the whole world, about FSDP2's volumes
         mesh = MeshShape(1, world, 1)
     parts = _parts(model, mesh.tp)
-    flows = _fsdp(cfg, mesh, parts, store, accum, model)
+    flows = _fsdp(plan, mesh, parts, store, accum, model)
     if mesh.tp > 1:
-        flows += _tensor_parallel(cfg, mesh, parts, store, mbs * cfg.model.block_size * accum, accum, vocab, model)
+        flows += _tensor_parallel(plan, mesh, parts, store, mbs * plan.model.block_size * accum, accum, vocab, model)
     return [f for f in flows if f.calls]
 
 
-def _fsdp(cfg, mesh: MeshShape, parts: _Parts, store: str, accum: int, model) -> list[Flow]:
+def _fsdp(plan: Plan, mesh: MeshShape, parts: _Parts, store: str, accum: int, model) -> list[Flow]:
     """FSDP's gathers and reduce-scatters on ``dp_shard``, HSDP's all-reduce on ``dp_replicate``."""
-    p, L = cfg.precision, cfg.model.n_layer
+    p, L = plan.precision, plan.model.n_layer
     gather = (p.param_dtype or p.compute_dtype).name
     f8 = p.fp8
     if f8.enabled and getattr(f8.recipe, "value", f8.recipe) == "tensorwise" and f8.fsdp_float8_all_gather:
@@ -173,18 +171,18 @@ def _fsdp(cfg, mesh: MeshShape, parts: _Parts, store: str, accum: int, model) ->
     return out
 
 
-def _tensor_parallel(cfg, mesh: MeshShape, parts: _Parts, store: str, tokens: int, accum: int, vocab: int,
+def _tensor_parallel(plan: Plan, mesh: MeshShape, parts: _Parts, store: str, tokens: int, accum: int, vocab: int,
                      model) -> list[Flow]:
     """Tensor parallelism's activation collectives on ``tp``; ``tokens``: the step's, per rank."""
-    m, L = cfg.model, cfg.model.n_layer
-    c, r = cfg.precision.compute_dtype.name, store  # the halves' outputs; the residual stream and norms
+    m, L = plan.model, plan.model.n_layer
+    c, r = plan.precision.compute_dtype.name, store  # the halves' outputs; the residual stream and norms
     u = tokens * m.d_model  # one B x T x d_model activation per micro-batch, summed over the step
     fused = family_of_model(model) == "gpt"  # qkv gathered to whole heads, its gradient scattered back
-    sp = bool(cfg.parallel.sequence_parallel)
+    sp = plan.parallel.sequence_parallel
     bc, br = BYTES[c], BYTES[r]
     # A checkpointed block runs its forward again in the backward pass, collectives included,
     # up to the last tensor the backward needs: the MLP's output reduction is not rerun.
-    ckpt = cfg.train.activation_checkpointing.value == "block"
+    ckpt = plan.train.activation_checkpointing.value == "block"
     fwd, halves = (2, 3) if ckpt else (1, 2)
     again = " (again in the recompute of checkpointed blocks)" if ckpt else ""
     redo = " (the attention half's again in the recompute)" if ckpt else ""
@@ -195,7 +193,7 @@ def _tensor_parallel(cfg, mesh: MeshShape, parts: _Parts, store: str, tokens: in
     # a half's fan-out linears share one input: their gradients cross once per half
     half_in = ("each half's input gradient (backward)", 2 * L * accum, 2 * L * u * br)
     ar_r = [("embedding output (vocabulary-split table)", accum, u * br)]
-    rd = cfg.precision.reduce_dtype.name
+    rd = plan.precision.reduce_dtype.name
     rows = []
     if sp:
         rows += [("all_gather", r, f"norm outputs before each half (forward){again}", fwd * 2 * L * accum,

@@ -212,7 +212,7 @@ def fp4_recipe(fcfg) -> LabRecipe:
 
 def lab_recipe(lcfg) -> LabRecipe:
     """``precision.lab`` as a recipe: the named one with the six keys on top."""
-    overrides = {r: lcfg[r] for r in ROLES}
+    overrides = {r: getattr(lcfg, r) for r in ROLES}
     return build_recipe(str(lcfg.recipe), overrides, error=str(lcfg.fourover6_error),
                         allow_forward_stochastic=bool(lcfg.allow_forward_stochastic))
 

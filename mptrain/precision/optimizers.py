@@ -84,10 +84,11 @@ def _enum_value(v: Any) -> Optional[str]:
     return None if v is None else getattr(v, "value", v)
 
 
-def choose(cfg) -> Choice:
-    """The optimizer for ``cfg``, or one :class:`ConfigError` naming the
-    combination that cannot run and the fix."""
-    p, o = cfg.precision, cfg.optim
+def choose(p: Any, o: Any, parallel: str) -> Choice:
+    """The optimizer for the ``precision`` section ``p`` and the ``optim`` section ``o``
+    under wrapper ``parallel`` (``parallel.name``), or one :class:`ConfigError` naming
+    the combination that cannot run and the fix. The plan's builder calls it once; the
+    run reads the choice from the plan."""
     param = "fp32" if p.master_weights else p.compute_dtype.name
     rounding = _enum_value(p.update_rounding) or "nearest"
     state = _enum_value(o.state_dtype) or param
@@ -114,12 +115,12 @@ def choose(cfg) -> Choice:
             raise ConfigError(f"optim.fused=true selects torch's fused AdamW, but {why} runs "
                               f"{'torch-optimi' if impl == 'optimi' else 'torchao'}'s own kernels; "
                               "leave optim.fused unset.")
-        if cfg.parallel.name.value == "fsdp1":
+        if parallel == "fsdp1":
             raise ConfigError(
                 f"{why} is not supported under parallel=fsdp1: FSDP1 hands the optimizer flattened shards that "
                 "span several tensors, and its optimizer checkpointing gathers plain tensors only, not "
                 "quantized moments or compensation buffers; use parallel=fsdp (FSDP2), ddp or none.")
-    if state in QUANTIZED and param != "fp32" and cfg.parallel.name.value in MESH_MODES:
+    if state in QUANTIZED and param != "fp32" and parallel in MESH_MODES:
         # torchao 0.18's step fails on such a shard (its fp32 upcast of a bf16-typed
         # quantized DTensor meets fp32 operands in lerp); fp32 weights work.
         raise ConfigError(
@@ -166,7 +167,7 @@ def make(groups: list[dict], ocfg, choice: Choice, device: torch.device) -> torc
     needs to know which AdamW runs (the monitor, a checkpoint's meta.json) is handed it."""
     betas, kw = (ocfg.beta1, ocfg.beta2), dict(lr=ocfg.lr, eps=ocfg.eps)
     if choice.impl == "torch":
-        fused = ocfg.fused if ocfg.get("fused") is not None else device.type == "cuda"
+        fused = ocfg.fused if getattr(ocfg, "fused", None) is not None else device.type == "cuda"
         kernel = {"fused": True} if fused else {"foreach": device.type == "cuda" or None}
         opt = torch.optim.AdamW(groups, betas=betas, **kw, **kernel)
     elif choice.impl == "optimi":
@@ -178,7 +179,7 @@ def make(groups: list[dict], ocfg, choice: Choice, device: torch.device) -> torc
         opt = OptimiAdamW(groups, betas=betas, kahan_sum=True, **kw)
     else:
         check_installed(choice)
-        compiled = ocfg.compile_step if ocfg.get("compile_step") is not None else device.type == "cuda"
+        compiled = ocfg.compile_step if getattr(ocfg, "compile_step", None) is not None else device.type == "cuda"
         opt = _torchao_class(choice.state)(groups, betas=betas, **kw,
                                            bf16_stochastic_round=choice.rounding == "stochastic")
         opt.compile_step = compiled

@@ -1,49 +1,41 @@
-"""The config rules that need the model and precision layers' knowledge, on top
-of the schema's own (:func:`mptrain.config.checks.validate`): what the model
-family can take (its spec's ``check``), which optimizer a combination of keys
-can run, and which recipes the cast statistics know (float8, 4-bit, the lab's named ones).
-A run checks them all at start-up, before anything is built."""
+"""The config rules that need the precision layer's knowledge, on top of the
+schema's own (:mod:`mptrain.config.checks`): which recipes the cast statistics
+know (float8, 4-bit, the lab's named ones), a Llama width the low-precision
+kernels can take, and the lab's blocks against the model's matmuls. The plan's
+builder (``mptrain/plan/build.py``) runs them at start-up, before anything is built."""
 from __future__ import annotations
 
 from typing import Any
 
-from mptrain.config import checks
 from mptrain.core.errors import ConfigError
-from mptrain.model.families import family_of, family_spec, ffn_hidden
-from mptrain.precision import mesh_rules
+from mptrain.model.families import family_of, ffn_hidden
 from mptrain.precision.fp8casts import LAB_RECIPES, RECIPES, STAT_ROLES, WHATIFS, lab_operand
 from mptrain.precision.labtrain import lab_recipe, shape_problem
-from mptrain.precision.optimizers import choose
 
 
-def validate(cfg: Any, world_size: int = 1) -> None:
-    """Every rule of :func:`mptrain.config.checks.validate`, then this layer's;
+def validate(m: Any, p: Any, whatif: Any, batches: Any) -> None:
+    """This layer's rules for the ``model`` section ``m``, the ``precision`` section ``p``,
+    the what-if recipes ``whatif`` (``monitor.fp8_whatif``) and the plan's ``batches``;
     the first broken one raises :class:`ConfigError` naming the key and the fix."""
-    checks.validate(cfg, world_size)
-    # The model family's own rules (model.init_from's config.json among them: read before any data is prepared)
-    family_spec(cfg.model).check(cfg.model)
-    unknown = [r for r in cfg.monitor.fp8_whatif if r not in WHATIFS]
+    unknown = [r for r in whatif if r not in WHATIFS]
     if unknown:
         raise ConfigError(f"monitor.fp8_whatif has unknown recipe(s) {', '.join(map(str, unknown))}; choose "
                           f"from the statistics' {', '.join(RECIPES)} or the lab's named recipes "
                           f"{', '.join(LAB_RECIPES)}, or [] for none.")
-    for r in cfg.monitor.fp8_whatif:
+    for r in whatif:
         try:
             if r in LAB_RECIPES:
                 [lab_operand(r, op) for op in STAT_ROLES]
         except ValueError as e:  # a named recipe whose spec the lab cannot cast: refused here, not mid-run
             raise ConfigError(f"monitor.fp8_whatif: the lab recipe {r} cannot be measured ({e}); leave it out.") from None
-    _lowp_hidden(cfg)
-    _lab_shapes(cfg, world_size)
-    mesh_rules.validate(cfg, world_size)  # what tensor parallelism asks of the model and the blocks
-    choose(cfg)  # optimizer combinations that cannot run
+    _lowp_hidden(m, p)
+    _lab_shapes(m, p, batches.tokens_per_micro)
 
 
-def _lowp_hidden(cfg: Any) -> None:
+def _lowp_hidden(m: Any, p: Any) -> None:
     """A Llama-family SwiGLU width that float8's or 4-bit's kernels cannot take
     is refused here rather than quietly left in bf16: the gate, up and down
     projections are most of the model's matmuls."""
-    m, p = cfg.model, cfg.precision
     if family_of(m) != "llama" or not (p.fp8.enabled or p.fp4.enabled):
         return
     hidden = ffn_hidden(m)
@@ -61,18 +53,15 @@ def _lowp_hidden(cfg: Any) -> None:
                           f"model.ffn_hidden to a multiple of {multiple} or model.ffn_multiple_of={multiple}.")
 
 
-def _lab_shapes(cfg: Any, world_size: int) -> None:
+def _lab_shapes(m: Any, p: Any, tokens: int) -> None:
     """``precision=lab``: every operand spec parsed and the recipe's own rules
     (``labtrain.build_recipe``), then its blocks against the matmuls the model
     makes: the width (attention and MLP inputs), the MLP's hidden width and the
     tokens of a micro-batch (the weight gradient's contraction dimension). A
     block that does not divide one is refused here, in one line, before any work."""
-    p, m = cfg.precision, cfg.model
     if not p.lab.enabled:
         return
     recipe = lab_recipe(p.lab)
-    mbs, _ = checks.micro_steps(cfg, world_size)
-    tokens = mbs * int(m.block_size)
     d = int(m.d_model)
     hidden = ffn_hidden(m) if family_of(m) == "llama" else 4 * d
     for what, n_in, n_out in (("the attention projections (model.d_model)", d, d),

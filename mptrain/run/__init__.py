@@ -1,1 +1,1 @@
-"""Layer 8, run: the process's start-up and launch (run directory agreed between ranks, stop before training), the loop (trainer, step math and its components, resume decisions, run record and directory, faults, console, metric sinks)."""
+"""Layer 9, run: the process's start-up and launch (run directory agreed between ranks, stop before training), the loop (trainer, step math and its components, resume decisions, run record and directory, faults, console, metric sinks)."""

@@ -2,33 +2,29 @@
 policy, the data, then the model (made on the meta device, wrapped for its parallelism and precision)
 with its optimizer and loss scaler.
 
-Each builder takes the config and the process group's context and returns a
-small dataclass of what the loop needs; the Trainer keeps those parts and the
-order, nothing else. Keeping the construction here is what lets ``trainer.py``
+Each builder takes the run's plan (``mptrain/plan/``) and the process group's context
+and returns a small dataclass of what the loop needs; the Trainer keeps those parts and
+the order, nothing else. Keeping the construction here is what lets ``trainer.py``
 read as a table of contents.
 """
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
 
-from mptrain.config.checks import micro_steps
-from mptrain.core.errors import ConfigError, NotEnoughMemory
+from mptrain.core.errors import NotEnoughMemory
 from mptrain.core.text import quiet
-from mptrain.data.batches import Batches, Windows, padded_vocab
+from mptrain.data.batches import Batches, Windows
 from mptrain.data.store import TokenData, prepare
 from mptrain.distributed.parallel import DistContext, wrap
-from mptrain.model.families import build as build_family
-from mptrain.model.families import family_of, pretrained_weights
+from mptrain.model.families import pretrained_weights
 from mptrain.observe.memory import fit_check
-from mptrain.precision.mesh_rules import vocab_problem
-from mptrain.precision.optimizers import Choice, choose
+from mptrain.plan.plan import Plan
+from mptrain.precision.optimizers import Choice
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
 from mptrain.precision.support import check_precision
 from mptrain.run.step import build_optimizer, decay_names
@@ -51,40 +47,24 @@ class RunData:
     """Tokens of one optimizer step over all ranks."""
 
 
-def build_data(cfg: DictConfig, ctx: DistContext, say: Callable[[str], None]) -> RunData:
+def build_data(plan: Plan, ctx: DistContext, say: Callable[[str], None]) -> RunData:
     """Tokenize (once; cached) and lay out the batches of this rank."""
-    tc = cfg.train
-    mbs, accum = micro_steps(cfg, ctx.world)
     # The first rank of each node builds the caches (they live on node-local
     # disk); the others wait, then read them.
     if ctx.local_rank == 0:
-        tokens = prepare(cfg.data, log=say)
+        tokens = prepare(plan.data, log=say)
     ctx.barrier()
     if ctx.local_rank != 0:
-        tokens = prepare(cfg.data, log=quiet)
-    vocab = cfg.model.vocab_size or padded_vocab(tokens.vocab_size)
-    if vocab < tokens.vocab_size and cfg.model.init_from:  # the rows are the checkpoint's (adopt_init_from)
-        raise ConfigError(
-            f"model.init_from={cfg.model.init_from} has {vocab} embedding rows, fewer than the tokenizer's "
-            f"{tokens.vocab_size} ids: train with the tokenizer that checkpoint was trained with "
-            "(data.tokenizer=<its directory or hub name>).")
-    if vocab < tokens.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary "
-            f"({tokens.vocab_size}); leave model.vocab_size=null to take it from the tokenizer.")
-    # The tokenizer's rows are known only now: tensor parallelism splits them (a set model.vocab_size was checked
-    # at start-up, precision/mesh_rules.py); refused before the model is built.
-    problem = vocab_problem(vocab, ctx.shape.tp, None if cfg.model.vocab_size else tokens.vocab_size)
-    if problem:
-        raise ConfigError(problem)
-    block = cfg.model.block_size
+        tokens = prepare(plan.data, log=quiet)
+    vocab = plan.vocab.rows(tokens.vocab_size)  # the plan's rule, with its checks, now that the tokenizer is known
+    block, b = plan.model.block_size, plan.batches
     # Every window read is checked against the tokenizer's vocabulary (not the padded one).
     train_windows, val_windows = (
         Windows(ids, block, tokens.vocab_size, functools.partial(tokens.out_of_range, split))
         for split, ids in (("train", tokens.train), ("val", tokens.val)))
-    return RunData(tokens, vocab, mbs, accum, train_windows, val_windows,
-                   Batches(train_windows, tc.global_batch_size, mbs, ctx.dp_rank, ctx.dp_world, tc.seed),
-                   tc.global_batch_size * block)
+    return RunData(tokens, vocab, b.micro_batch, b.accum, train_windows, val_windows,
+                   Batches(train_windows, b.global_batch, b.micro_batch, ctx.dp_rank, ctx.dp_world, plan.train.seed),
+                   b.tokens_per_step)
 
 
 @dataclass
@@ -100,36 +80,34 @@ class RunModel:
     scaler: LossScaler
 
 
-def check_memory(cfg: DictConfig, ctx: DistContext, vocab: int) -> None:
+def check_memory(plan: Plan, ctx: DistContext, vocab: int) -> None:
     """Refuse a run that cannot fit in memory, before anything is allocated:
     the memory estimate of one rank against its device's free memory (a CPU
     run's device is the host, shared by the ranks of this node). Off with
     ``train.memory_check=false``."""
-    if not cfg.train.memory_check:
+    if not plan.train.memory_check:
         return
-    # torchrun and submitit say how many ranks share this node; a single process is alone
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    problem = fit_check(cfg, vocab, ctx.world, local_world, micro_steps(cfg, ctx.world)[0], ctx.device)
+    problem = fit_check(plan, vocab, ctx.device)
     if problem:
         raise NotEnoughMemory(problem)
 
 
-def build_model(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, vocab: int,
+def build_model(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, vocab: int,
                 tokenizer_vocab: int = 0) -> RunModel:
-    """The model (``model.family``) on the meta device, wrapped (``wrap``:
+    """The model (its family's) on the meta device, wrapped (``wrap``:
     storage, initial weights, precision, parallelism, compile), then its
     optimizer and loss scaler; a run that cannot fit in memory is refused
     first (:func:`check_memory`). With ``model.init_from`` the initial weights
     are the checkpoint's (``tokenizer_vocab``: the ids they must cover)."""
-    check_memory(cfg, ctx, vocab)  # before wrap() gives the model storage: nothing big exists yet
-    tc, m = cfg.train, cfg.model
+    check_memory(plan, ctx, vocab)  # before wrap() gives the model storage: nothing big exists yet
+    tc, m = plan.train, plan.model
     torch.manual_seed(tc.seed)  # dropout's stream: the same on every rank
     # Built on the meta device (no memory, no random draws); wrap() gives it storage
     # and its initial weights from a generator seeded with train.seed: after sharding
     # under FSDP2, so a large model never exists whole on one rank, and the same
     # values whatever the world size or device (GPT.reset_parameters says how).
     with torch.device("meta"):
-        model = build_family(m, vocab)
+        model = plan.family.build(m, vocab)
     n_params = model.num_params()
     decay = decay_names(model)  # before wrapping: FSDP1 flattens shapes
     if ctx.device.type == "cuda":
@@ -139,24 +117,23 @@ def build_model(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, voca
     # model.init_from's weights: read whole on every rank, each rank's part written by wrap();
     # passed, not kept in a local, so the copy (32 GB for an 8B model) is freed once wrap returns
     model = wrap(model, policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
-                 compile_blocks=compile_blocks, init_seed=tc.seed, unguarded=frozenset(cfg.debug.unguarded),
+                 compile_blocks=compile_blocks, init_seed=tc.seed, unguarded=plan.parallel.unguarded,
                  initial_weights=pretrained_weights(m, vocab, tokenizer_vocab) if m.init_from else None)
-    choice = choose(cfg)
-    optimizer = build_optimizer(model, decay, cfg.optim, ctx.device, choice)
+    optimizer = build_optimizer(model, decay, plan.optim, ctx.device, plan.optimizer)
     policy.attach_optimizer(optimizer, model)  # float8 scales follow every optimizer step
     scaler = policy.make_scaler(distributed=ctx.has_group and ctx.world > 1)
-    return RunModel(model, n_params, compile_blocks, choice, optimizer, scaler)
+    return RunModel(model, n_params, compile_blocks, plan.optimizer, optimizer, scaler)
 
 
-def build_policy(cfg: DictConfig, ctx: DistContext) -> tuple[PrecisionPolicy, list[str]]:
+def build_policy(plan: Plan, ctx: DistContext) -> tuple[PrecisionPolicy, list[str]]:
     """The precision policy and this machine's warnings about it; what the
     machine cannot do at all (fp8 without fp8 hardware or software) is refused
     here, before any work."""
-    policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=ctx.uses_mesh, float8_gather=_no_float8_gather(cfg, ctx))
+    policy = PrecisionPolicy(plan.precision, ctx.device, fsdp2=ctx.uses_mesh, float8_gather=_no_float8_gather(plan, ctx))
     return policy, check_precision(policy, ctx.device)
 
 
-def _no_float8_gather(cfg: DictConfig, ctx: DistContext) -> str:
+def _no_float8_gather(plan: Plan, ctx: DistContext) -> str:
     """Why FSDP2 cannot all-gather this run's weights in float8, or "". gloo refuses
     float8 tensors; FSDP2 still gathers a unit whose shards mix dtypes (GPT's
     float8 weights beside its bf16 biases) as one buffer of bytes, which gloo
@@ -164,6 +141,6 @@ def _no_float8_gather(cfg: DictConfig, ctx: DistContext) -> str:
     biases, or weights split by TP) in their own dtype, which it does not."""
     if ctx.backend != "gloo":
         return ""
-    if family_of(cfg.model) == "gpt" and cfg.model.bias and ctx.shape.tp == 1:
+    if plan.family.name == "gpt" and plan.model.bias and plan.parallel.mesh.tp == 1:
         return ""
     return "gloo cannot all-gather a unit of float8 weights alone; NCCL can"

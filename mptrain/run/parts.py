@@ -26,9 +26,6 @@ from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
-
-from mptrain.config.schema import ParallelMode, debug_set
 from mptrain.observe.comm import CommCounter, MeshGroups
 from mptrain.distributed.parallel import DistContext
 from mptrain.observe import fp8watch
@@ -36,6 +33,7 @@ from mptrain.observe.alerts import SkipRateWarning, SpikeDetector
 from mptrain.observe.audit import DtypeAudit
 from mptrain.observe.numerics import NumericsMonitor
 from mptrain.observe.stability import StabilityWarnings, outlier_table, outlier_table_when
+from mptrain.plan.plan import Parts, Plan
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.policy import PrecisionPolicy
 from mptrain.run.build import RunModel
@@ -110,12 +108,12 @@ class NumericsPart(Component):
         return {"fp8_casts": self.fp8_casts} if self.fp8_casts else {}
 
 
-def numerics_monitor(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.Optimizer, choice,
+def numerics_monitor(parts: Parts, model: nn.Module, optimizer: torch.optim.Optimizer, choice,
                      policy: PrecisionPolicy, ctx: DistContext) -> NumericsMonitor:
     """The numerics monitor of the run (``monitor.*``), with the float8 cast
     watch when the run casts to float8 and ``monitor.fp8_casts`` is on."""
-    fp8_watch = (fp8watch.CastWatch.of_run(policy.lowp, model, cfg.monitor.fp8_whatif)
-                 if policy.lowp and cfg.monitor.fp8_casts else None)
+    fp8_watch = (fp8watch.CastWatch.of_run(policy.lowp, model, list(parts.whatif))
+                 if policy.lowp and parts.casts else None)
     # owned_shard: the part of each parameter this rank sums, so that replicas (HSDP's
     # replicate groups, the TP ranks' copies of what TP does not split) count once.
     # Sums of what each rank sees are over every rank under TP: the TP ranks of a data-parallel
@@ -123,7 +121,7 @@ def numerics_monitor(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
     # parallelism, different positions. These sums feed means (a sum over its count), which
     # the ranks that hold copies change in neither; one shard_sum is then over the world.
     sum_seen = ctx.shard_sum if ctx.shape.tp > 1 else ctx.all_reduce_sum
-    monitor = NumericsMonitor(cfg.monitor, model, reduce_sum=ctx.shard_sum, reduce_max=ctx.shard_max,
+    monitor = NumericsMonitor(parts.monitor, model, reduce_sum=ctx.shard_sum, reduce_max=ctx.shard_max,
                               reduce_max_all=ctx.all_reduce_max, reduce_sum_all=sum_seen,
                               fp8_watch=fp8_watch, owned=ctx.owned_shard)
     monitor.attach_optimizer(optimizer, choice)  # Adam's health on monitored steps (stability.py)
@@ -287,30 +285,30 @@ class RunParts:
     guard: Guard
 
 
-def build_parts(cfg: DictConfig, ctx: DistContext, built: RunModel, policy: PrecisionPolicy, batches,
+def build_parts(plan: Plan, ctx: DistContext, built: RunModel, policy: PrecisionPolicy, batches,
                 write_json: Callable[[str, dict], object]) -> RunParts:
-    """Every part that is on, in the order its hooks must run: the injector first
-    (its inf goes in before the monitor reads the gradients), the non-finite
+    """Every part that is on (``plan.parts``), in the order its hooks must run: the injector
+    first (its inf goes in before the monitor reads the gradients), the non-finite
     handler next (its context is the outermost: a bad step is replayed once the
     others have closed), the alerts of the logged row, then what a monitored step
     measures, in the order of its lines: monitor, collectives, audit, and the
     stability warnings on the monitor's figures."""
-    tc, mcfg, model = cfg.train, cfg.monitor, built.model
-    injector = [FaultInjector(cfg.debug, model, ctx.rank)] if debug_set(cfg.debug) else []  # a test aid: debug.* only
-    handler = NonFiniteHandler(tc.on_nonfinite.value, built.optimizer, built.scaler, model, policy, ctx, batches,
-                               injector[0] if injector else NO_FAULTS, cfg.precision.loss_scale.min_loss_scale)
-    members: list[Component] = [*injector, handler, SkipRatePart(cfg.precision.loss_scale), SpikePart(mcfg)]
+    on, model = plan.parts, built.model
+    injector = [FaultInjector(plan.debug, model, ctx.rank)] if on.faults else []  # a test aid: debug.* only
+    handler = NonFiniteHandler(on.on_nonfinite, built.optimizer, built.scaler, model, policy, ctx, batches,
+                               injector[0] if injector else NO_FAULTS, on.loss_scale.min_loss_scale)
+    members: list[Component] = [*injector, handler, SkipRatePart(on.loss_scale), SpikePart(on.monitor)]
     comm: Optional[CommPart] = None
     groups = mesh_groups(ctx)
-    if mcfg.enabled:
-        monitor = numerics_monitor(cfg, model, built.optimizer, built.opt_choice, policy, ctx)
+    if on.numerics:
+        monitor = numerics_monitor(on, model, built.optimizer, built.opt_choice, policy, ctx)
         members.append(NumericsPart(monitor, built.compile_blocks, policy.lowp.recipe if policy.lowp else None,
-                                    audit_first=tc.audit))
-        if mcfg.comm and ctx.mode != ParallelMode.none:
+                                    audit_first=on.audit))
+        if on.comm:
             comm = CommPart(monitor.active, groups)
             members.append(comm)
-    if tc.audit or tc.audit_only:
-        members.append(AuditPart(model, built.optimizer, policy, write_json, tc.audit, tc.audit_only,
+    if on.audit or on.audit_only:
+        members.append(AuditPart(model, built.optimizer, policy, write_json, on.audit, on.audit_only,
                                  comm.step_figures if comm is not None else dict, groups))
-    members.append(StabilityPart(mcfg, dtype_name(policy.compute_dtype)))
+    members.append(StabilityPart(on.monitor, dtype_name(policy.compute_dtype)))
     return RunParts(Components(members), handler.step_guard)

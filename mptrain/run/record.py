@@ -17,12 +17,13 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from mptrain.core import files
 from mptrain.data.store import cache_dir
-from mptrain.model.families import family_spec, init_from_banner
+from mptrain.model.families import init_from_banner
 from mptrain.observe.memory import process_kib
+from mptrain.plan.plan import Plan, plain
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.optimizers import stored_as
 from mptrain.run.rundir import writing
@@ -121,49 +122,29 @@ def observed_dtypes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return {"parameters": ",".join(pd), "gradients": ",".join(gd) or "none", "optimizer_state": ",".join(od) or "none"}
 
 
-def sweep_identity() -> tuple[Optional[str], Optional[str]]:
-    """(W&B group, job name) for a Hydra multirun job: the sweep directory and
-    the job's overrides; (None, None) otherwise."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized():
-        return None, None
-    hc = HydraConfig.get()
-    if hc.mode != RunMode.MULTIRUN:
-        return None, None
-    group = "sweep-" + Path(hc.sweep.dir).as_posix().strip("/").replace("/", "_")
-    return group, hc.job.override_dirname or f"job{hc.job.num}"
-
-
 class RunRecord:
     """``run_info`` and the files that describe the run, written by rank 0 only."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, is_main: bool):
-        self.cfg, self.run_dir, self.is_main = cfg, run_dir, is_main
+    def __init__(self, plan: Plan, run_dir: Path, is_main: bool):
+        self.plan, self.run_dir, self.is_main = plan, run_dir, is_main
         self.info: dict = {"git_commit": git_commit(), "versions": versions(), "argv": sys.argv}
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
 
     def names(self) -> tuple[str, list[str]]:
-        """(run name, tags) for W&B; a sweep job is named by its overrides, and the
-        sweep becomes the W&B group unless one is configured."""
-        cfg = self.cfg
-        name = f"{cfg.model.name}-{cfg.precision.name}-{cfg.parallel.name.value}"
-        group, job = sweep_identity()
-        if group and not cfg.log.wandb.group:
-            cfg.log.wandb.group = group
-            name = job or name
-        self.info["run_name"] = cfg.log.wandb.name or name
-        tags = [f"precision:{cfg.precision.name}", f"parallel:{cfg.parallel.name.value}", f"model:{cfg.model.name}"]
-        return name, tags
+        """(run name, tags) for W&B: the plan's name (a sweep job's is its overrides, and
+        the sweep is its W&B group unless one is configured)."""
+        plan = self.plan
+        self.info["run_name"] = plan.log.wandb.name or plan.run_name
+        tags = [f"precision:{plan.precision.name}", f"parallel:{plan.parallel.name}", f"model:{plan.model.name}"]
+        return plan.run_name, tags
 
     def resolved(self) -> dict:
         """The resolved config with ``run_info``, as config.yaml and W&B hold it.
         ``data.cache_dir`` is the cache the run used: ``MPTRAIN_CACHE`` when set
         (which overrides the key), ``~`` expanded."""
-        out = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
-        out["data"]["cache_dir"] = str(cache_dir(self.cfg.data))
+        out = plain(self.plan.resolved)
+        out["data"]["cache_dir"] = str(cache_dir(self.plan.data))
         return out | {"run_info": self.info}
 
     def write_config(self) -> None:
@@ -218,23 +199,23 @@ def mesh_lines(mesh: dict) -> list[str]:
     return lines
 
 
-def banner(cfg, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run_dir: Path) -> str:
+def banner(plan: Plan, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: int, run_dir: Path) -> str:
     """The start-up lines: model, device, data, batch, and every dtype in use."""
-    m = cfg.model
+    m, t, o = plan.model, plan.train, plan.optim
     lines = [
         f"mptrain | {m.name} ({info['params'] / 1e6:.2f}M params, "
         f"{m.n_layer}x{m.d_model}, {m.n_head} heads, block {m.block_size}, vocab {info['vocab_size']})"
-        + family_spec(m).banner(m) + init_from_banner(info.get("init_from")),
-        f"  device {ctx.device} | world size {ctx.world} | parallel={cfg.parallel.name.value}"
+        + plan.family.banner(m) + init_from_banner(info.get("init_from")),
+        f"  device {ctx.device} | world size {ctx.world} | parallel={plan.parallel.name}"
         + (f" ({ctx.backend})" if ctx.backend else ""),
         f"  data {info['corpus']} | tokenizer {tokens.tokenizer.name} | {info['train_tokens']:,} train / "
         f"{info['val_tokens']:,} val tokens | unigram baseline {tokens.unigram_nats:.4f} nats/token",
-        f"  batch {cfg.train.global_batch_size} seqs = {tokens_per_step:,} tokens/step | micro-batch "
-        f"{info['micro_batch_size']} x {info['grad_accum_steps']} accumulation | " + _steps_text(cfg.train),
-        f"  AdamW lr {cfg.optim.lr:.1e} | {describe_schedule(cfg.optim, cfg.train.max_steps)}",
+        f"  batch {t.global_batch_size} seqs = {tokens_per_step:,} tokens/step | micro-batch "
+        f"{info['micro_batch_size']} x {info['grad_accum_steps']} accumulation | " + _steps_text(t),
+        f"  AdamW lr {o.lr:.1e} | {describe_schedule(o, t.max_steps)}",
         f"  optimizer {info['optimizer']}",
         "  stability switches: " + ", ".join(f"{k}={_switch(v)}" for k, v in info["stability"].items()),
-        f"  precision={cfg.precision.name}:",
+        f"  precision={plan.precision.name}:",
     ]
     if "mesh" in info:
         lines[2:2] = mesh_lines(info["mesh"])  # after the device line

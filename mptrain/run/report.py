@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from mptrain.core.shards import local_shard
 from mptrain.core.text import fmt
@@ -39,6 +39,7 @@ from mptrain.model.common import gelu_kernel_text
 from mptrain.model.generate import generate
 from mptrain.observe.memory import Estimate, measured_line, summary_figures
 from mptrain.observe.memory import estimate as memory_estimate
+from mptrain.plan.plan import Plan, plain
 from mptrain.observe.perf import SLOW_AT, Pace, Throughput, flops_per_token, matmul_kind, mfu, peak_flops, predict_pace
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
@@ -123,10 +124,10 @@ class Latest:
     copy_s: float = 0.0
 
 
-def describe(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, data: RunData, built: RunModel,
+def describe(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, data: RunData, built: RunModel,
              info: dict) -> RunFacts:
     """run_info (into ``info``) and the run's facts: what the banner prints and config.yaml records."""
-    tc, choice, model = cfg.train, built.opt_choice, built.model
+    tc, choice, model = plan.train, plan.optimizer, built.model
     dtypes = {**policy.describe(), **wrapper_dtypes(policy, ctx.mode, ctx.shape if ctx.uses_mesh else None)}
     # the moments as configured; after step 1, as observed
     dtypes["optimizer_state"] = choice.state + (f" + Kahan compensation {choice.param_dtype}" if choice.kahan else "")
@@ -138,7 +139,9 @@ def describe(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, data: R
         "train_tokens": int(len(tokens.train)), "val_tokens": int(len(tokens.val)), "params": built.n_params,
         "compile": built.compile_blocks, "activation_checkpointing": tc.activation_checkpointing.value,
         "fused_adamw": any(g.get("fused") for g in built.optimizer.param_groups),
-        "optimizer": choice.describe()})
+        "optimizer": choice.describe(), "plan": plan.describe()})
+    if plan.adopted:  # what model.init_from's config.json fixed (adopt_init_from), for the banner
+        info["init_from"] = plain(plan.adopted)
     if ctx.uses_mesh:
         tp_float8 = ctx.shape.tp > 1 and float8_gathers(model, ctx.mesh["tp"], ctx.sequence_parallel)
         info["mesh"] = mesh_info(ctx.shape, ctx.sequence_parallel, tp_float8)
@@ -152,28 +155,28 @@ def describe(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, data: R
     gelu = gelu_kernel_text(model, ctx.device)  # chosen per CPU kind: two kinds' runs told apart
     if gelu:
         info["gelu"] = gelu
-    m = cfg.model
+    m = plan.model
     flops_tok = flops_per_token(built.n_params, m.n_layer, m.d_model, m.block_size)
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     kind = matmul_kind(dtype_name(policy.compute_dtype), policy.fp8_enabled,
                        ctx.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
-    mem_est = memory_estimate(cfg, data.vocab, ctx.world, data.micro_batch)
+    mem_est = memory_estimate(plan, data.vocab)
     info["flops_per_token"] = flops_tok
     info["stability"] = {"model.qk_norm": m.qk_norm, "train.z_loss": tc.z_loss,
-                         "optim.update_clip": cfg.optim.update_clip}
+                         "optim.update_clip": plan.optim.update_clip}
     info["memory_estimate_gib"] = {k: round(v / 2**30, 4) for k, v in mem_est.parts().items()}
     return RunFacts(built.n_params, dtypes, lowp, lowp_key, flops_tok, peak_flops(device_name, kind, tc.peak_tflops),
-                    mem_est, _predict_pace(cfg, ctx, policy, model, flops_tok, data.micro_batch))
+                    mem_est, _predict_pace(plan, ctx, policy, model, flops_tok))
 
 
-def _predict_pace(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, model: nn.Module, flops_tok: float,
-                  mbs: int) -> Optional[Pace]:
+def _predict_pace(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, model: nn.Module, flops_tok: float
+                  ) -> Optional[Pace]:
     """How much slower than fp32 this CPU run's matmuls will be (``perf.Pace``),
     or None where that is not predicted: on a GPU, and in fp32."""
     compute = dtype_name(policy.compute_dtype)
     if ctx.device.type != "cpu" or not (policy.lowp or compute in ("bf16", "fp16")):
         return None
-    m = cfg.model
+    m = plan.model
     by_dtype = {compute: flops_tok}
     if policy.lowp:
         # The converted linears' share (6 FLOPs per weight per token) in their matmul path:
@@ -184,7 +187,7 @@ def _predict_pace(cfg: DictConfig, ctx: DistContext, policy: PrecisionPolicy, mo
         path = f"fp8_{policy.fp8.matmul}" if policy.fp8 else "fp32"
         by_dtype = {compute: flops_tok - low}
         by_dtype[path] = by_dtype.get(path, 0.0) + low
-    return predict_pace(str(ctx.device), by_dtype, mbs * m.block_size, m.d_model)
+    return predict_pace(str(ctx.device), by_dtype, plan.batches.tokens_per_micro, m.d_model)
 
 
 class Reporter:
@@ -192,16 +195,16 @@ class Reporter:
     :meth:`open`) and the figures that go into them. Built once the data, the
     model, its optimizer and loss scaler exist; every attribute is set here."""
 
-    def __init__(self, cfg: DictConfig, ctx: DistContext, run_dir: Path, t_start: float, runlog: RunLog,
+    def __init__(self, plan: Plan, ctx: DistContext, run_dir: Path, t_start: float, runlog: RunLog,
                  policy: PrecisionPolicy, data: RunData, built: RunModel, mem_start: Optional[dict] = None):
-        self.cfg, self.ctx, self.run_dir, self.t_start = cfg, ctx, run_dir, t_start
+        self.plan, self.ctx, self.run_dir, self.t_start = plan, ctx, run_dir, t_start
         self.mem_start = mem_start or {}  # what the process held before the run built anything
         self.runlog = runlog
         self.scaler, self.tokens, self.tokens_per_step = built.scaler, data.tokens, data.tokens_per_step
-        self.record = RunRecord(cfg, run_dir, ctx.is_main)
+        self.record = RunRecord(plan, run_dir, ctx.is_main)
         self.clock = Throughput(data.tokens_per_step)  # training time: eval and checkpoints pause it
         self.compute_probe = ComputeDtypeProbe(built.model)  # the dtype the first forward computes in
-        self.facts = describe(cfg, ctx, policy, data, built, self.record.info)
+        self.facts = describe(plan, ctx, policy, data, built, self.record.info)
         self.latest = Latest()
         self.metrics: Optional[Metrics] = None  # opened by open(), once the run starts writing
         self.resumed_from: Optional[Path] = None
@@ -236,14 +239,14 @@ class Reporter:
     # --------------------------------------------------------------- outputs
     def open(self, start: int, warnings: list[str], tokens_seen: int) -> Metrics:
         """config.yaml, the metric sinks and the banner, from step ``start`` on."""
-        cfg, tc, run_dir = self.cfg, self.cfg.train, self.run_dir
+        plan, tc, run_dir = self.plan, self.plan.train, self.run_dir
         name, tags = self.record.names()
         self.record.write_config()
         total = start + 1 if tc.audit_only else tc.max_steps  # the audit stops after one step
-        self.metrics = Metrics(run_dir, cfg.log, total, self.ctx.is_main, self.record.resolved(), name, tags,
+        self.metrics = Metrics(run_dir, plan.log, total, self.ctx.is_main, self.record.resolved(), name, tags,
                                start_step=start, runlog=self.runlog,
-                               plain_every=plain_cadence(cfg.log.plain_every, tc.log_every, tc.max_steps))
-        self.runlog.say(banner(cfg, self.ctx, self.record.info, self.facts.dtypes, self.tokens, self.tokens_per_step,
+                               plain_every=plain_cadence(plan.log.plain_every, tc.log_every, tc.max_steps))
+        self.runlog.say(banner(plan, self.ctx, self.record.info, self.facts.dtypes, self.tokens, self.tokens_per_step,
                         run_dir))
         pace = self._pace_warning(total - start)
         for w in warnings + ([pace] if pace else []):
@@ -253,7 +256,7 @@ class Reporter:
         if tc.audit:
             self.runlog.say(f"dtype audit of step {start + 1}: every operator's dtypes into {run_dir / 'audit.json'}"
                      + ("; the run stops after it (train.audit_only)" if tc.audit_only else ""))
-        self.metrics.text("config", "```\n" + OmegaConf.to_yaml(cfg) + "\n```", wandb=False)  # W&B has it
+        self.metrics.text("config", "```\n" + OmegaConf.to_yaml(plain(plan.resolved)) + "\n```", wandb=False)
         return self.metrics
 
     # ------------------------------------------------------------- log rows
@@ -316,7 +319,7 @@ class Reporter:
         """Continue the fixed prompt (greedy, in the run's precision) so the model's
         progress can be read, not only its loss. Every rank runs it: under FSDP each
         forward gathers weights from all of them."""
-        tc, tok = self.cfg.train, self.tokens.tokenizer
+        tc, tok = self.plan.train, self.tokens.tokenizer
         if not tc.sample_tokens or not hasattr(tok, "encode_batch"):
             return  # token shards carry only the tokenizer's name: nothing to decode with
         ids = tok.encode_batch([tc.sample_prompt])[0] or [tok.eos_id]  # no prompt: a new document
@@ -357,7 +360,7 @@ class Reporter:
         return summary
 
     def _summary(self, model: nn.Module, progress, stopped_by: Optional[str], figures: dict) -> dict:
-        cfg, ctx, p, f, last = self.cfg, self.ctx, progress, self.facts, self.latest
+        plan, ctx, p, f, last = self.plan, self.ctx, progress, self.facts, self.latest
         tps = self.clock.tokens_per_s()
         summary = {
             "steps": p.step, "tokens": p.tokens,
@@ -368,7 +371,7 @@ class Reporter:
             "params": f.n_params,  # excluding position embeddings: the N of 6N
             "flops_per_token": f.flops_tok, "mem/estimate_gib": f.mem_est.total / 2**30,
             **summary_figures(f.mem_est),  # bytes per parameter of weights, gradients, moments
-            "precision": cfg.precision.name, "parallel": cfg.parallel.name.value, "model": cfg.model.name,
+            "precision": plan.precision.name, "parallel": plan.parallel.name, "model": plan.model.name,
             "world_size": ctx.world, "dtypes": f.dtypes, **self._measured_memory(),
             **self._dist_summary(model),
             **({f.lowp_key: f.lowp} if f.lowp else {}),
@@ -404,7 +407,7 @@ class Reporter:
         """The final line's skip counts, each with its cause; empty when nothing can be skipped."""
         if "amp/skipped_steps" in summary:
             # Under skip a non-finite forward also reaches the scaler (its gradients are inf/nan too).
-            cause = ("loss-scale overflow" if self.cfg.train.on_nonfinite.value == "abort"
+            cause = ("loss-scale overflow" if self.plan.parts.on_nonfinite == "abort"
                      else "loss-scale overflow or non-finite loss, train.on_nonfinite=skip")
             return f" | skipped steps {summary['amp/skipped_steps']} ({cause})"
         if "train/nonfinite_skipped" in summary:

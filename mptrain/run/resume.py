@@ -1,9 +1,10 @@
 """Whether, and from where, a run continues: decided before anything is built or written.
 
-:func:`plan` picks the checkpoint (``resume.source``, through
+:func:`decide` picks the checkpoint (``resume.source``, through
 :func:`mptrain.checkpoint.resolve.resolve_resume`: the newest intact one, a
 damaged one passed over with one line saying so), compares the config it was saved with against this
-launch's, and tells the trainer one of three things:
+launch's, and gives the run's plan its resume decision (``mptrain.plan.plan.Resume``),
+one of three things:
 
 - start fresh (no checkpoint; ``resume=none`` is refused in a directory that
   holds checkpoints, which a new run would interleave with);
@@ -27,7 +28,7 @@ a harmless one's is neither refused nor recorded.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -37,9 +38,9 @@ from mptrain.checkpoint.checkpointer import flatten
 from mptrain.checkpoint.integrity import complete_checkpoints, read_meta
 from mptrain.checkpoint.optim_layout import quantized_layout_refusal
 from mptrain.checkpoint.resolve import resolve_resume
-from mptrain.config.schema import GUARDED, RECORDED, on_resume
+from mptrain.config.schema import GUARDED, RECORDED, OptimConfig, on_resume
 from mptrain.core.errors import ConfigError, UserError
-from mptrain.precision import optimizers
+from mptrain.plan.plan import FRESH, Plan, Resume, plain
 from mptrain.run.step import describe_schedule, lr_at
 
 # Facts of a launch compared as if they were keys, with their marker: another
@@ -66,25 +67,13 @@ class ResumeRefused(UserError):
     kind = "resume refused"
 
 
-@dataclass
-class ResumePlan:
-    path: Optional[Path] = None  # checkpoint to load; None: start from step 0
-    step: int = 0
-    history: list = field(default_factory=list)  # [{"from_step": N, "changes": {key: [before, after]}}]
-    finished: Optional[str] = None  # set when there is nothing to train: the message to print
-    # Set when the run reached train.max_steps but the launch that saved its final
-    # checkpoint (``path``) ended before writing summary.json: the message to print
-    # before the trainer loads it and writes the records, without training.
-    closing: Optional[str] = None
-
-
-def plan(cfg, run_dir: Path, ctx, say: Callable[[str], None]) -> ResumePlan:
+def decide(plan: Plan, run_dir: Path, ctx, say: Callable[[str], None]) -> Resume:
     """Rank 0 decides (one listing of the directory, one verification of the
-    checkpoint) and every rank gets the same plan, or the same error."""
+    checkpoint) and every rank gets the same decision, or the same error."""
     decided: tuple = (None, None)
     if ctx.is_main:
         try:
-            decided = (_decide(cfg, Path(run_dir), ctx.world, say), None)
+            decided = (_decide(plan, Path(run_dir), say), None)
         except UserError as e:
             decided = (None, e)
     result, error = ctx.broadcast_object(decided)
@@ -93,17 +82,16 @@ def plan(cfg, run_dir: Path, ctx, say: Callable[[str], None]) -> ResumePlan:
     return result
 
 
-def _decide(cfg, run_dir: Path, world: int, say) -> ResumePlan:
-    source = cfg.resume.source
+def _decide(plan: Plan, run_dir: Path, say) -> Resume:
+    source = plan.resume_from
     path = resolve_resume(source, run_dir, log=say)
     if path is None:
-        return _fresh(cfg, run_dir, source)
+        return _fresh(plan, run_dir, source)
     meta = read_meta(path)
     saved = meta.get("config", {})
-    now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     changes, refused = compare({**saved, "world_size": meta.get("world_size")},
-                               {**now, "world_size": world}, list(cfg.resume.allow_changes))
-    _check_optimizer(cfg, path, meta, world)
+                               {**plain(plan.resolved), "world_size": plan.world}, list(plan.allow_changes))
+    _check_optimizer(plan, path, meta)
     step = int(meta["step"])
     if refused:
         raise ResumeRefused(
@@ -114,28 +102,29 @@ def _decide(cfg, run_dir: Path, world: int, say) -> ResumePlan:
     history = list(meta.get("history", []))
     if changes:
         history.append({"from_step": step, "changes": changes})
-    plan = ResumePlan(path=path, step=step, history=history)
-    max_steps, stop_after = cfg.train.max_steps, cfg.train.stop_after
+    decided = Resume(path=path, step=step, history=tuple(history))
+    max_steps, stop_after = plan.train.max_steps, plan.train.stop_after
     saved_max = saved.get("train", {}).get("max_steps", max_steps)
     if step >= max_steps:
         if _records_missing(run_dir, path, step):
-            plan.closing = (f"{path} is the run's final checkpoint (step {step}), but the launch that saved it "
-                            "ended before writing summary.json: loading it to write the run's records, "
-                            "without training.")
-        else:
-            lowered = (f" (lowered from {saved_max}; steps already trained are not undone)"
-                       if saved_max > max_steps else "")
-            plan.finished = (f"{path} is at step {step} and train.max_steps={max_steps}{lowered}: nothing to "
-                             "train; the run's records are left as they are. Raise train.max_steps above "
-                             f"{step} to continue it.")
-    elif stop_after is not None and step >= stop_after:
+            return replace(decided, closing=(
+                f"{path} is the run's final checkpoint (step {step}), but the launch that saved it "
+                "ended before writing summary.json: loading it to write the run's records, without training."))
+        lowered = (f" (lowered from {saved_max}; steps already trained are not undone)"
+                   if saved_max > max_steps else "")
+        return replace(decided, finished=(
+            f"{path} is at step {step} and train.max_steps={max_steps}{lowered}: nothing to "
+            "train; the run's records are left as they are. Raise train.max_steps above "
+            f"{step} to continue it."))
+    if stop_after is not None and step >= stop_after:
         # stop_after counts from step 0: this slice of the run is done already
-        plan.finished = (f"{path} is at step {step} and train.stop_after={stop_after}: nothing to train in "
-                         "this launch; the run's records are left as they are. Raise train.stop_after above "
-                         f"{step}, or drop it, to continue.")
-    elif "train.max_steps" in changes:
-        say(schedule_change(cfg, saved.get("optim", {}), changes["train.max_steps"][0], step))
-    return plan
+        return replace(decided, finished=(
+            f"{path} is at step {step} and train.stop_after={stop_after}: nothing to train in "
+            "this launch; the run's records are left as they are. Raise train.stop_after above "
+            f"{step}, or drop it, to continue."))
+    if "train.max_steps" in changes:
+        say(schedule_change(plan, saved.get("optim", {}), changes["train.max_steps"][0], step))
+    return decided
 
 
 def _records_missing(run_dir: Path, path: Path, step: int) -> bool:
@@ -148,37 +137,33 @@ def _records_missing(run_dir: Path, path: Path, step: int) -> bool:
     return _read_summary(run_dir).get("steps", -1) < step
 
 
-def _check_optimizer(cfg, path: Path, meta: dict, world: int) -> None:
+def _check_optimizer(plan: Plan, path: Path, meta: dict) -> None:
     """ResumeRefused when this launch's optimizer cannot load the checkpoint's state:
     another implementation (a change of precision can switch it even where
     neither structural key changed: ``optim.state_dtype=bf16`` is torch's AdamW
     under ``bf16-pure`` and torchao's under ``bf16``), or quantized moments saved
     per rank on another world size."""
     saved = meta.get("optimizer")  # recorded since the optimizer could be other than torch's
-    if saved:
-        try:
-            impl = optimizers.choose(cfg).impl
-        except ConfigError:
-            impl = None  # a config that cannot run at all: the trainer says why, in its own words
-        if impl is not None and impl != saved["impl"]:
-            names = {"torch": "torch's AdamW", "torchao": "torchao's AdamW", "optimi": "torch-optimi's AdamW"}
-            raise ResumeRefused(
-                f"resume from {path}: its optimizer state was written by {names[saved['impl']]} and this "
-                f"launch's precision={cfg.precision.name} with optim.state_dtype="
-                f"{getattr(cfg.optim.state_dtype, 'value', None) or 'null'} runs {names[impl]}, whose state has "
-                "another layout (even with resume.allow_changes); resume with the precision and "
-                "optim.state_dtype it was saved with, or start a new run.")
-    refused = quantized_layout_refusal(path, meta, cfg, world)
+    impl = plan.optimizer.impl
+    if saved and impl != saved["impl"]:
+        names = {"torch": "torch's AdamW", "torchao": "torchao's AdamW", "optimi": "torch-optimi's AdamW"}
+        raise ResumeRefused(
+            f"resume from {path}: its optimizer state was written by {names[saved['impl']]} and this "
+            f"launch's precision={plan.precision.name} with optim.state_dtype="
+            f"{getattr(plan.optim.state_dtype, 'value', None) or 'null'} runs {names[impl]}, whose state has "
+            "another layout (even with resume.allow_changes); resume with the precision and "
+            "optim.state_dtype it was saved with, or start a new run.")
+    refused = quantized_layout_refusal(path, meta, plan)
     if refused:
         raise ResumeRefused(refused)
 
 
-def schedule_change(cfg, saved_optim: dict, old_max: int, step: int) -> str:
+def schedule_change(plan: Plan, saved_optim: dict, old_max: int, step: int) -> str:
     """What a new ``train.max_steps`` does to the learning-rate schedule from
     ``step`` on: warmup and decay lengths follow the run's length."""
-    schema = OmegaConf.structured(OmegaConf.get_type(cfg.optim))
+    schema = OmegaConf.structured(OptimConfig)
     old = OmegaConf.merge(schema, {k: v for k, v in saved_optim.items() if k in schema})  # keys it knew
-    new, new_max = cfg.optim, cfg.train.max_steps
+    new, new_max = plan.optim, plan.train.max_steps
     before, after = lr_at(step, old, old_max), lr_at(step, new, new_max)
     how = "stretches" if new_max > old_max else "shortens"
     return (f"train.max_steps {old_max} -> {new_max} {how} the learning-rate schedule: it was "
@@ -186,7 +171,7 @@ def schedule_change(cfg, saved_optim: dict, old_max: int, step: int) -> str:
             f"The learning rate at step {step + 1} is {after:.2e} (the saved run would have used {before:.2e}).")
 
 
-def _fresh(cfg, run_dir: Path, source: str) -> ResumePlan:
+def _fresh(plan: Plan, run_dir: Path, source: str) -> Resume:
     """Start from step 0, unless that would mix with or replace a run already here."""
     found = complete_checkpoints(run_dir / "checkpoints")
     if source == "none" and found:
@@ -194,18 +179,19 @@ def _fresh(cfg, run_dir: Path, source: str) -> ResumePlan:
             f"resume=none, but {run_dir} holds checkpoints of a run (newest {found[-1].name}) that a new run "
             "would be mixed with. Pick a new hydra.run.dir, or delete its checkpoints/ to start over here.")
     summary = _read_summary(run_dir)
+    max_steps = plan.train.max_steps
     if source == "auto" and summary and "stopped_early" not in summary:
         steps = summary.get("steps", 0)
-        if steps >= cfg.train.max_steps:
-            return ResumePlan(finished=(
+        if steps >= max_steps:
+            return Resume(finished=(
                 f"{run_dir} holds a finished run ({steps} steps, summary.json): nothing to train; its records "
                 "are left as they are."))
         raise ResumeRefused(
             f"{run_dir} holds a finished run of {steps} steps that saved no checkpoint "
             "(checkpoint.at_end=false, checkpoint.every=0), so it cannot continue to "
-            f"train.max_steps={cfg.train.max_steps}. Pick a new hydra.run.dir, or pass resume=none to train "
+            f"train.max_steps={max_steps}. Pick a new hydra.run.dir, or pass resume=none to train "
             "again from scratch here (replacing its records).")
-    return ResumePlan()
+    return FRESH
 
 
 def _read_summary(run_dir: Path) -> dict:

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from mptrain.distributed.parallel import DistContext
 from mptrain.model.names import canonical_name
+from mptrain.plan.plan import Plan
 from mptrain.precision import optimizers
 from mptrain.precision.optimizers import Choice, bias_correction
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
@@ -94,7 +95,7 @@ def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.devic
     """AdamW over two groups: ``decay`` (by canonical name) with ``weight_decay``, the
     rest without; with update clipping, one group per parameter instead.
 
-    ``choice`` (``optimizers.choose(cfg)``) says which AdamW: torch's (the
+    ``choice`` (the plan's ``optimizer``, ``optimizers.choose``) says which AdamW: torch's (the
     default; moments in the parameters' dtype, fused on CUDA, so a step needs
     no host sync, see :class:`NonFiniteGuard`), torchao's (stochastic rounding,
     moments in another dtype or quantized) or torch-optimi's (Kahan summation).
@@ -109,7 +110,7 @@ def build_optimizer(model: nn.Module, decay: set[str], ocfg, device: torch.devic
     every checkpoint, so one saved with the switch off does not load with it
     on, nor the other way round.
     """
-    clip = float(ocfg.get("update_clip") or 0.0)
+    clip = float(getattr(ocfg, "update_clip", 0.0) or 0.0)
     params = [(canonical_name(n) in decay, p) for n, p in model.named_parameters() if p.requires_grad]
     if clip > 0:
         groups = [{"params": [p], "weight_decay": ocfg.weight_decay if d else 0.0} for d, p in params]
@@ -199,12 +200,12 @@ class StepState:
     :class:`NonFiniteGuard`); :data:`NO_GUARD` leaves it to the loss scaler."""
 
 
-def step_state(cfg, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler, policy: PrecisionPolicy,
-               ctx: DistContext, guard: Guard = NO_GUARD) -> StepState:
-    """The :class:`StepState` a run of ``cfg`` steps with (``train.grad_clip``,
+def step_state(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler,
+               policy: PrecisionPolicy, ctx: DistContext, guard: Guard = NO_GUARD) -> StepState:
+    """The :class:`StepState` the run of ``plan`` steps with (``train.grad_clip``,
     ``train.z_loss``, ``optim.update_clip``)."""
-    return StepState(model, optimizer, scaler, policy, ctx, cfg.train.grad_clip, ZLoss(cfg.train.z_loss),
-                     UpdateClip(float(cfg.optim.get("update_clip") or 0.0)), guard)
+    return StepState(model, optimizer, scaler, policy, ctx, plan.train.grad_clip, ZLoss(plan.train.z_loss),
+                     UpdateClip(float(plan.optim.update_clip or 0.0)), guard)
 
 
 @dataclass

@@ -32,15 +32,14 @@ from omegaconf import DictConfig
 from mptrain.core.errors import ConfigError
 from mptrain.data.batches import Prefetcher, ValSet
 from mptrain.distributed.parallel import DistContext, export_submitit_env, setup
-from mptrain.model.families import adopt_init_from
-from mptrain.precision.rules import validate
+from mptrain.plan.build import build_plan
+from mptrain.plan.plan import Plan
 from mptrain.run.build import build_data, build_model, build_policy
 from mptrain.checkpoint.checkpointer import Checkpointer, Progress
 from mptrain.run.console import LOG_NAME, RunLog
 from mptrain.run.parts import build_parts
 from mptrain.run.report import LoopStep, Reporter, read_back, start_clock
-from mptrain.run.resume import ResumePlan, finished_summary
-from mptrain.run.resume import plan as resume_plan
+from mptrain.run.resume import decide, finished_summary
 from mptrain.run.rundir import Claim, check_present, held
 from mptrain.run.step import evaluate, set_lr_at, step_state, train_step
 from mptrain.run.validation import ValFigures, text_bytes
@@ -57,20 +56,18 @@ def run(cfg: DictConfig, run_dir: Optional[str | Path] = None) -> dict:
     run_dir = Path(run_dir) if run_dir else _hydra_run_dir()
     export_submitit_env()  # a submitit task learns its rank here; only rank 0 locks the directory
     with held(run_dir) as claim:
-        # model.init_from's architecture replaces the preset's (a value the run set itself that differs is refused)
-        adopted = adopt_init_from(cfg.model)
-        validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the launch's world: a mesh's sizes must fit it
-        ctx = setup(cfg.parallel, cfg.train.device)
+        plan = build_plan(cfg)  # every check, once, before any process group or data work
+        ctx = setup(plan)
         log = RunLog(run_dir / LOG_NAME, enabled=ctx.is_main)  # the console, kept in <run>/train.log
         try:
             with log.capturing():
-                plan = resume_plan(cfg, run_dir, ctx, log.say)
-                if plan.finished:
-                    log.say(plan.finished)
+                plan = plan.decided(decide(plan, run_dir, ctx, log.say))  # rank 0 decides, every rank agrees
+                if plan.resume.finished:
+                    log.say(plan.resume.finished)
                     return finished_summary(run_dir)
-                if plan.closing:
-                    log.say(plan.closing)
-                return Trainer(cfg, ctx, run_dir, plan, claim, log, adopted).train()
+                if plan.resume.closing:
+                    log.say(plan.resume.closing)
+                return Trainer(plan, ctx, run_dir, claim, log).train()
         except BaseException as e:
             log.failure(e)
             raise
@@ -88,23 +85,19 @@ def _hydra_run_dir() -> Path:
 
 
 class Trainer:
-    """One run: built in ``__init__``, trained by :meth:`train`."""
+    """One run of ``plan``: built in ``__init__``, trained by :meth:`train`."""
 
     # ------------------------------------------------------------------ build
-    def __init__(self, cfg: DictConfig, ctx: DistContext, run_dir: Path, plan: Optional[ResumePlan] = None,
-                 claim: Optional[Claim] = None, log: Optional[RunLog] = None, adopted: Optional[dict] = None):
+    def __init__(self, plan: Plan, ctx: DistContext, run_dir: Path, claim: Optional[Claim] = None,
+                 log: Optional[RunLog] = None):
         t_start, mem_start = start_clock(ctx.device)  # wall time and peak memory count from here
-        validate(cfg, ctx.world)
-        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
-        self.plan, self.claim = plan or ResumePlan(), claim
+        self.plan, self.ctx, self.run_dir, self.claim = plan, ctx, run_dir, claim
         self.runlog = log or RunLog(None, enabled=ctx.is_main)
-        policy, hw_warnings = build_policy(cfg, ctx)  # refuses the impossible before any work
-        self.data = build_data(cfg, ctx, self.runlog.say)  # tokens, windows, this rank's batches
-        self.built = build_model(cfg, ctx, policy, self.data.vocab, self.data.tokens.vocab_size)
+        policy, hw_warnings = build_policy(plan, ctx)  # refuses the impossible before any work
+        self.data = build_data(plan, ctx, self.runlog.say)  # tokens, windows, this rank's batches
+        self.built = build_model(plan, ctx, policy, self.data.vocab, self.data.tokens.vocab_size)
         # run_info and the dtype table: what the banner prints and config.yaml records
-        self.report = Reporter(cfg, ctx, run_dir, t_start, self.runlog, policy, self.data, self.built, mem_start)
-        if adopted:  # what model.init_from's config.json fixed (adopt_init_from), for run_info and the banner
-            self.report.record.info["init_from"] = adopted
+        self.report = Reporter(plan, ctx, run_dir, t_start, self.runlog, policy, self.data, self.built, mem_start)
         self._build_parts(policy)
         self._build_state()
         self._resume()
@@ -113,7 +106,7 @@ class Trainer:
 
     @property
     def tc(self):
-        return self.cfg.train
+        return self.plan.train
 
     @property
     def model(self) -> nn.Module:
@@ -126,29 +119,28 @@ class Trainer:
     @property
     def resumed_from(self) -> Optional[Path]:
         """The checkpoint this launch resumed from; None on a fresh start."""
-        return self.plan.path
+        return self.plan.resume.path
 
     def _build_parts(self, policy) -> None:
         """The run's optional parts (``parts.py``: each from its config section,
         only those that are on) and the state each step works on."""
-        built = build_parts(self.cfg, self.ctx, self.built, policy, self.data.batches, self.report.record.write_json)
+        built = build_parts(self.plan, self.ctx, self.built, policy, self.data.batches, self.report.record.write_json)
         self.parts = built.parts
-        self.state = step_state(self.cfg, self.built.model, self.built.optimizer, self.built.scaler, policy, self.ctx,
+        self.state = step_state(self.plan, self.built.model, self.built.optimizer, self.built.scaler, policy, self.ctx,
                                 built.guard)
 
     def _build_state(self) -> None:
         """The loop's state. Everything in ``self.states`` survives a resume: the
         checkpointer saves and restores each through state_dict/load_state_dict,
         under the names train_state.pt has always used."""
-        cfg = self.cfg
         self.progress = Progress()
         self.states = {"scaler": self.built.scaler, "progress": self.progress, **self.parts.states()}
         tok = self.data.tokens.tokenizer
-        self.ckpt = Checkpointer(cfg.checkpoint, self.run_dir, self.ctx, cfg,
+        self.ckpt = Checkpointer(self.plan, self.run_dir, self.ctx,
                                  meta_extra={"tokenizer": {"name": tok.name, "path": tok.path},
-                                             "history": self.plan.history},
+                                             "history": list(self.plan.resume.history)},
                                  hooks=(self.parts,))  # during and after each save (debug.* kills)
-        if cfg.checkpoint.keep_best:  # its best so far, resumed with the rest; train_state.pt's keys stay
+        if self.plan.checkpoint.keep_best:  # its best so far, resumed with the rest; train_state.pt's keys stay
             self.states["best"] = self.ckpt.best  # those of older checkpoints when it is off
         self.last_saved: Optional[int] = None
         self._val_bytes: Optional[list] = None  # [the validation set's text bytes], counted at the first evaluation
@@ -157,11 +149,12 @@ class Trainer:
     def _resume(self) -> None:
         """Load the checkpoint the plan picked (``resume.py``: chosen, verified and
         compared with this config by rank 0 before anything was built)."""
-        if self.plan.path is not None:
-            self.ckpt.load(self.plan.path, self.model, self.optimizer, self.states, self.state.policy)
-        self.report.resumed(self.plan.path, self.plan.history)
+        r = self.plan.resume
+        if r.path is not None:
+            self.ckpt.load(r.path, self.model, self.optimizer, self.states, self.state.policy)
+        self.report.resumed(r.path, list(r.history))
         self.start = self.progress.step
-        if self.plan.closing:
+        if r.closing:
             self.last_saved = self.start  # the final checkpoint is the one just loaded: not saved again
 
     def _open_outputs(self, warnings: list[str]) -> None:
@@ -178,7 +171,7 @@ class Trainer:
     # ------------------------------------------------------------------- loop
     def train(self) -> dict:
         """Run the remaining steps, then :meth:`summarize`."""
-        stop = StopSignal(self.cfg.checkpoint.on_signal)
+        stop = StopSignal(self.plan.checkpoint.on_signal)
         self.model.train()
         self.metrics.console.start(initial=self.start)
         try:
@@ -209,7 +202,7 @@ class Trainer:
             self.stopped_by = ended
             return True
         self.stopped_by = self.stop_reason(done, log_now, stop)
-        every = self.cfg.checkpoint.every
+        every = self.plan.checkpoint.every
         best = self.ckpt.new_best(done, row.get("val/loss"))  # checkpoint.keep_best: saved at once
         if self.stopped_by or best or (every and (done % every == 0 or done == self.tc.max_steps)):
             self.checkpoint(done, best)
@@ -221,7 +214,7 @@ class Trainer:
     def train_step(self, step: int, micro: list) -> LoopStep:
         """Set the learning rate, run the step's math (``step.train_step``) inside
         what the parts wrap it in, count it."""
-        lr = set_lr_at(self.optimizer, step, self.cfg.optim, self.tc.max_steps)
+        lr = set_lr_at(self.optimizer, step, self.plan.optim, self.tc.max_steps)
         self.parts.begin_step(step)
         with self.parts.around_step(step):
             result = train_step(self.state, micro, self.parts, step)
@@ -299,10 +292,10 @@ class Trainer:
         prune, and take the final figures from metrics.jsonl."""
         self.metrics.console.close()
         step = self.progress.step
-        ck = self.cfg.checkpoint
+        ck = self.plan.checkpoint
         if (ck.every or ck.at_end) and self.last_saved != step and step == self.tc.max_steps:
             self.checkpoint(step)
-        if self.plan.closing:  # the lost launch's unfinished business: its pruning, its final figures
+        if self.plan.resume.closing:  # the lost launch's unfinished business: its pruning, its final figures
             self.ckpt.prune()
             self.report.logged_up_to(step, self.val_figures)
         figures = self.parts.summarize(self.metrics.write)  # the parts' closing tables and figures

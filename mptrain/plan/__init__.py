@@ -1,0 +1,1 @@
+"""Layer 5, plan: the frozen plan of a run (the launch, the mesh, the batches, the model's shape, the optimizer, the precision recipe, what each optional part does, the resume decision), built once from the config and the launch with every check run while it is built; every layer above takes the plan or its part of it."""

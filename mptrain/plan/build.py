@@ -1,0 +1,102 @@
+"""``build_plan(cfg, launch)``: the one function that turns a composed config into the run's plan.
+
+Every check of the config runs here, once, in the order a user would fix them:
+the value ranges first (later rules divide by some of them), then the mesh's
+sizes against the launch, the batches against the mesh, the rules that span
+fields, the model family's own (``model.init_from``'s config.json among them,
+read before any data is prepared), the precision's, what tensor parallelism asks
+of the model and the recipe, and the optimizer the combination runs. The first
+broken rule raises one ConfigError sentence naming the key and the fix: before
+any process group, data or model exists, so a refused launch loses nothing.
+
+Each derived fact is computed here and nowhere else: the mesh (``mesh_shape``),
+the micro-batches (``micro_steps``), the optimizer (``choose``), the model's
+shape after ``model.init_from``, the precision recipe, what each optional part
+does. The layers above read them from the plan.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from mptrain.config import checks
+from mptrain.config.mesh import mesh_shape
+from mptrain.config.schema import ParallelMode, debug_set
+from mptrain.core.errors import ConfigError
+from mptrain.data.tokenizers import ByteTokenizer
+from mptrain.model.families import adopt_init_from, family_spec
+from mptrain.plan.plan import Batches, Launch, Parallel, Parts, Plan, Vocab, frozen
+from mptrain.precision import mesh_rules, rules
+from mptrain.precision.optimizers import choose
+
+
+def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
+    """The plan of the run ``cfg`` (a composed config; left unchanged) describes on ``launch``
+    (this process's, from torchrun's environment, by default), or the first ConfigError."""
+    launch = launch or Launch.from_env()
+    cfg = copy.deepcopy(cfg)
+    # model.init_from's architecture replaces the preset's (a value the run set itself that differs is refused)
+    adopted = adopt_init_from(cfg.model)
+    run_name = _sweep_names(cfg)
+    checks.check_ranges(cfg)  # first: the rules below divide by some of these values
+    if launch.world > 1 and cfg.parallel.name == ParallelMode.none:
+        raise ConfigError(f"launched with {launch.world} processes but parallel=none: every rank would train its "
+                          "own copy. Use parallel=ddp, parallel=fsdp or parallel=fsdp1 under torchrun.")
+    mesh = mesh_shape(cfg.parallel, launch.world, launch.per_node)
+    t, m = cfg.train, cfg.model
+    mbs, accum = checks.micro_steps(t, mesh.dp, launch.world)
+    batches = Batches(int(t.global_batch_size), mbs, accum, mesh.dp, int(m.block_size))
+    checks.validate(cfg, batches)
+    spec = family_spec(m)
+    spec.check(m)
+    rules.validate(m, cfg.precision, cfg.monitor.fp8_whatif, batches)
+    mesh_rules.validate(cfg, launch.world)  # what tensor parallelism asks of the model and the blocks
+    s = OmegaConf.to_object(cfg)  # the typed sections, of which the plan keeps frozen copies
+    tp_said = mesh_rules.tp_said(int(cfg.parallel.tp), mesh.tp)
+    parallel = Parallel(s.parallel.name, str(s.parallel.backend), mesh,
+                        mesh.tp > 1 and bool(s.parallel.sequence_parallel), tp_said, frozenset(s.debug.unguarded))
+    return Plan(
+        launch=launch, device=str(s.train.device), model=frozen(s.model), family=spec, adopted=frozen(adopted),
+        vocab=Vocab(s.model.vocab_size, _tokenizer_size(s.data), mesh.tp, tp_said, s.model.init_from),
+        batches=batches, parallel=parallel, precision=frozen(s.precision), optimizer=choose(cfg.precision, cfg.optim, parallel.name),
+        optim=frozen(s.optim), train=frozen(s.train), data=frozen(s.data), log=frozen(s.log),
+        checkpoint=frozen(s.checkpoint), parts=_parts(s, parallel), debug=frozen(s.debug),
+        resume_from=str(s.resume.source), allow_changes=tuple(s.resume.allow_changes),
+        run_name=run_name, resolved=frozen(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
+
+
+def _sweep_names(cfg: Any) -> str:
+    """The run's name in W&B: ``<model>-<precision>-<parallel>``, or for a job of a Hydra
+    multirun its overrides; the sweep (its directory) becomes ``log.wandb.group`` unless
+    one is configured, so the config records the group its curves are drawn in."""
+    name = f"{cfg.model.name}-{cfg.precision.name}-{cfg.parallel.name.value}"
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return name
+    hc = HydraConfig.get()
+    if cfg.log.wandb.group:
+        return name
+    cfg.log.wandb.group = "sweep-" + Path(hc.sweep.dir).as_posix().strip("/").replace("/", "_")
+    return hc.job.override_dirname or f"job{hc.job.num}"
+
+
+def _tokenizer_size(d: Any) -> Optional[int]:
+    """The tokenizer's vocabulary where the config alone tells it (``Vocab.tokenizer``)."""
+    if d.tokenizer == "byte":
+        return ByteTokenizer.vocab_size
+    return int(d.bpe_vocab_size) if d.tokenizer == "bpe" else None
+
+
+def _parts(s: Any, parallel: Parallel) -> Parts:
+    """What each optional part of the run does, from its sections."""
+    mon, p, t = s.monitor, s.precision, s.train
+    lowp = p.fp8.enabled or p.fp4.enabled or p.lab.enabled
+    return Parts(monitor=frozen(mon), numerics=bool(mon.enabled),
+                 comm=bool(mon.enabled and mon.comm and parallel.mode != ParallelMode.none),
+                 casts=bool(mon.enabled and mon.fp8_casts and lowp), whatif=tuple(mon.fp8_whatif),
+                 audit=bool(t.audit), audit_only=bool(t.audit_only), faults=debug_set(s.debug),
+                 on_nonfinite=t.on_nonfinite.value, loss_scale=frozen(p.loss_scale))

@@ -51,6 +51,14 @@ def make_cfg(*overrides: str, tiny: bool = True):
         return compose(config_name="config", overrides=expand_shorthands([*(TINY if tiny else []), *overrides]))
 
 
+def make_plan(*overrides: str, tiny: bool = True, world: int = 1):
+    """The plan (``mptrain/plan/``) of a composed config, as a run on ``world`` ranks would make it."""
+    from mptrain.plan.build import build_plan
+    from mptrain.plan.plan import Launch
+
+    return build_plan(make_cfg(*overrides, tiny=tiny), Launch.planned(world))
+
+
 def read_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

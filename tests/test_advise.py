@@ -32,7 +32,7 @@ from mptrain.advice.rules import Thresholds, speed_words
 from mptrain.advise import main as advise_main
 from mptrain.model.families import build as build_family
 from mptrain.observe.memory import estimate
-from mptrain.precision.rules import validate
+from mptrain.plan.build import build_plan
 from mptrain.precision.support import verdicts
 
 from .conftest import ROOT, TINY, make_cfg
@@ -141,7 +141,7 @@ def test_lab_candidates_are_measured_ranked_and_given_as_a_command_line(planted)
     assert lab["overrides"] == ["precision=lab", "precision.lab.recipe=mxfp6_e2m3"]
     assert "lab" not in doc["override_line"]  # the lab is a study beside the advice, not part of it
     assert "precision=lab precision.lab.recipe=mxfp6_e2m3" in (run_dir / "advice.md").read_text()
-    validate(make_cfg(*lab["overrides"]))
+    build_plan(make_cfg(*lab["overrides"]))
 
 
 @pytest.mark.parametrize("args,said", [

@@ -9,9 +9,11 @@ from omegaconf import OmegaConf
 
 from mptrain.config.schema import Config, DType
 from mptrain.core.errors import ConfigError
-from mptrain.config.checks import check_override_keys, check_overrides, micro_steps, validate
+from mptrain.config.checks import check_override_keys, check_overrides, micro_steps
+from mptrain.plan.build import build_plan
+from mptrain.plan.plan import Launch
 
-from .conftest import CONFIGS, ROOT, make_cfg, run_cli
+from .conftest import CONFIGS, ROOT, make_cfg, make_plan, run_cli
 
 GROUP_OPTIONS = [(g.name, f.stem) for g in sorted(CONFIGS.iterdir()) if g.is_dir()
                  for f in sorted(g.glob("*.yaml"))]
@@ -34,7 +36,7 @@ def test_every_option_composes_with_schema(group, option):
     cfg = make_cfg(*study, f"{group}={option}", tiny=False)
     assert OmegaConf.get_type(cfg) is Config  # typed by the dataclass schema, not a loose dict
     if group in ("experiment", "optimizer_row", "llama_row"):  # `# @package _global_` files: they set keys all over
-        validate(cfg)
+        build_plan(cfg)
         return
     section = cfg[group]
     if group == "parallel":
@@ -43,7 +45,7 @@ def test_every_option_composes_with_schema(group, option):
         assert section.kind == option
     else:
         assert section.name == option
-    validate(cfg)
+    build_plan(cfg)
 
 
 def test_precision_presets_match_design_table():
@@ -169,12 +171,13 @@ def test_wrong_type_and_bad_choice_rejected_by_schema():
 
 def test_cross_field_rules():
     with pytest.raises(ConfigError, match="train.global_batch_size=8 does not divide by the world size 3"):
-        validate(make_cfg(), world_size=3)
+        build_plan(make_cfg("parallel=ddp"), Launch.planned(3))
     with pytest.raises(ConfigError, match="micro_batch_size=3"):
-        validate(make_cfg("train.micro_batch_size=3"))
+        build_plan(make_cfg("train.micro_batch_size=3"))
     with pytest.raises(ConfigError, match="n_head"):
-        validate(make_cfg("model.n_head=3"))
-    assert micro_steps(make_cfg("train.micro_batch_size=2"), 2) == (2, 2)
+        build_plan(make_cfg("model.n_head=3"))
+    assert micro_steps(make_cfg("train.micro_batch_size=2").train, 2, 2) == (2, 2)
+    assert make_plan("train.micro_batch_size=2", "parallel=ddp", world=2).batches.accum == 2  # the plan holds it
 
 
 # --- numeric ranges -------------------------------------------------------------------
@@ -214,20 +217,20 @@ OUT_OF_RANGE = [
 def test_value_out_of_range_is_one_sentence_naming_key_value_and_range(fp16_cfg, key, value, valid):
     cfg = _with(fp16_cfg, train__eval_every=1) if key == "train.eval_tokens" else fp16_cfg
     with pytest.raises(ConfigError) as e:
-        validate(_with(cfg, **{key.replace(".", "__"): value}))
+        build_plan(_with(cfg, **{key.replace(".", "__"): value}))
     msg = str(e.value)
     assert msg.startswith(f"{key}={value}") and valid in msg, msg
     assert "\n" not in msg and msg.endswith(".") and msg.count(". ") == 0, msg
 
 
 def test_values_on_the_edge_of_their_range_are_accepted(fp16_cfg):
-    validate(_with(fp16_cfg, optim__lr=0.0, optim__warmup_steps=0, optim__min_lr_ratio=1.0, optim__beta1=0.0,
+    build_plan(_with(fp16_cfg, optim__lr=0.0, optim__warmup_steps=0, optim__min_lr_ratio=1.0, optim__beta1=0.0,
                    optim__weight_decay=0.0, train__grad_clip=0.0, train__eval_every=0, train__eval_tokens=0,
                    train__seed=0, train__micro_batch_size=None, model__dropout=0.0, data__num_proc=0,
                    data__bpe_vocab_size=257, precision__loss_scale__warn_skip_rate=0.0, checkpoint__keep_last=0,
                    debug__nan_rank=-1, debug__nan_at_steps=[0]))
     # rules for a feature that is off do not apply: no loss scaling, a byte tokenizer
-    validate(_with(fp16_cfg, precision__loss_scale__enabled=False, precision__loss_scale__min_loss_scale=0.0,
+    build_plan(_with(fp16_cfg, precision__loss_scale__enabled=False, precision__loss_scale__min_loss_scale=0.0,
                    data__tokenizer="byte", data__bpe_vocab_size=0))
 
 

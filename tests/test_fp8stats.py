@@ -249,14 +249,14 @@ def test_fp4_whatifs_draw_no_random_numbers_and_pair_with_e2m1():
 
 def test_a_float8_run_can_ask_for_the_4bit_whatifs():
     from mptrain.core.errors import ConfigError
-    from mptrain.precision.rules import validate
+    from mptrain.plan.build import build_plan
 
     from .conftest import make_cfg
 
     assert set(FP4_RECIPES) <= set(RECIPES)
-    validate(make_cfg("precision=fp8", "monitor.fp8_whatif=[rowwise,nvfp4,nvfp4_rht,mxfp4]"))
+    build_plan(make_cfg("precision=fp8", "monitor.fp8_whatif=[rowwise,nvfp4,nvfp4_rht,mxfp4]"))
     with pytest.raises(ConfigError, match="nvfp5"):
-        validate(make_cfg("precision=fp8", "monitor.fp8_whatif=[nvfp5]"))
+        build_plan(make_cfg("precision=fp8", "monitor.fp8_whatif=[nvfp5]"))
 
 
 def _watch_one_linear(recipe: str, formats: dict[str, str], whatif: list[str]):

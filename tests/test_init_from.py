@@ -121,12 +121,12 @@ def _refusal(*overrides: str) -> str:
     """The one ConfigError adopting (then checking) the config raises, as the run's first steps do."""
     from mptrain.config.checks import given_model_keys
     from mptrain.model.families import adopt_init_from
-    from mptrain.precision.rules import validate
+    from mptrain.plan.build import build_plan
 
     cfg = make_cfg(*BASE, *overrides, tiny=False)
     with pytest.raises(ConfigError) as e:
         adopt_init_from(cfg.model, given_model_keys(cfg.model))
-        validate(cfg)
+        build_plan(cfg)
     assert "\n" not in str(e.value)
     return str(e.value)
 

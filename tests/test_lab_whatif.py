@@ -25,7 +25,7 @@ from mptrain.precision.fp8casts import (
     lab_operand,
     summarize,
 )
-from mptrain.precision.rules import validate
+from mptrain.plan.build import build_plan
 
 from .conftest import make_cfg, train
 
@@ -113,10 +113,10 @@ def test_watch_of_a_run_whose_own_casts_are_a_lab_recipe():
 
 def test_whatif_names_the_config_takes():
     for preset in ("precision=fp8", "precision=bf16", "precision=nvfp4"):
-        validate(make_cfg(preset, f"monitor.fp8_whatif=[{','.join(WHATIF)}]"))
+        build_plan(make_cfg(preset, f"monitor.fp8_whatif=[{','.join(WHATIF)}]"))
     assert set(RECIPES) & set(LAB_RECIPES) == set() and {"nvfp4", "mxfp4"} <= set(labtrain.NAMED)
     with pytest.raises(ConfigError) as e:
-        validate(make_cfg("precision=fp8", "monitor.fp8_whatif=[rowwise,mxfp7]"))
+        build_plan(make_cfg("precision=fp8", "monitor.fp8_whatif=[rowwise,mxfp7]"))
     msg = str(e.value)
     assert "mxfp7" in msg and all(n in msg for n in LAB_RECIPES) and msg.count(". ") == 0
 

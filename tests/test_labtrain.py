@@ -23,7 +23,7 @@ from mptrain.model.families import build
 from mptrain.precision import lab
 from mptrain.precision.labtrain import (NAMED, LabLinear, LabLinears, build_recipe, fp4_recipe, lab_recipe,
                                         with_specs)
-from mptrain.precision.rules import validate
+from mptrain.plan.build import build_plan
 
 from .aids import without_wall_clock
 from .conftest import make_cfg, run_cli, train
@@ -288,13 +288,13 @@ BAD = [
 @pytest.mark.parametrize("overrides,match", BAD)
 def test_bad_specs_are_one_sentence(overrides, match):
     with pytest.raises(ConfigError, match=match) as e:
-        validate(make_cfg("precision=lab", *overrides))
+        build_plan(make_cfg("precision=lab", *overrides))
     msg = str(e.value)
     assert "\n" not in msg and msg.endswith((".", ")")), msg
 
 
 def test_stochastic_forward_is_allowed_when_asked():
-    validate(make_cfg("precision=lab", f"{L}fwd_input=e2m1/1x16/e4m3/stochastic", f"{L}allow_forward_stochastic=true"))
+    build_plan(make_cfg("precision=lab", f"{L}fwd_input=e2m1/1x16/e4m3/stochastic", f"{L}allow_forward_stochastic=true"))
 
 
 def test_a_bad_spec_exits_2_before_any_work(tmp_path):

@@ -214,10 +214,10 @@ BAD = [
 @pytest.mark.parametrize("overrides,said", BAD)
 def test_bad_llama_settings_are_refused_by_the_start_up_checks(overrides, said):
     from mptrain.core.errors import ConfigError
-    from mptrain.precision.rules import validate
+    from mptrain.plan.build import build_plan
 
     with pytest.raises(ConfigError) as e:
-        validate(make_cfg(*LLAMA, *overrides))
+        build_plan(make_cfg(*LLAMA, *overrides))
     assert said in str(e.value) and "\n" not in str(e.value)
 
 

@@ -67,12 +67,12 @@ def init_run(checkpoints):
     its data (``build_data``) and its model (``build_model``, parallel=none).
     Returns (data, model)."""
     from mptrain.distributed.parallel import DistContext, ParallelMode
-    from mptrain.precision.rules import validate
+    from mptrain.plan.build import build_plan
     from mptrain.run.build import build_data, build_model, build_policy
 
     paths, _ = checkpoints
     cfg = make_cfg(*LLAMA, f"model.init_from={paths['llama']}", "train.max_steps=1", tiny=False)
-    validate(cfg)  # as the trainer starts: the init_from config is checked here
+    build_plan(cfg)  # as the trainer starts: the init_from config is checked here
     ctx = DistContext(mode=ParallelMode.none)
     policy, _ = build_policy(cfg, ctx)
     data = build_data(cfg, ctx, lambda line: None)

@@ -152,10 +152,10 @@ def test_lr_follows_set_lr_in_every_optimizer():
     (["precision=bf16-pure-sr", "optim.state_dtype=8bit", "parallel=fsdp"], "keep fp32 master weights"),
 ])
 def test_impossible_combinations_are_refused_in_one_sentence(overrides, words):
-    from mptrain.precision.rules import validate
+    from mptrain.plan.build import build_plan
 
     with pytest.raises(ConfigError) as e:
-        validate(make_cfg(*overrides))
+        build_plan(make_cfg(*overrides))
     msg = str(e.value)
     assert words in msg and msg.count(". ") == 0 and msg.endswith(".")
 

@@ -28,7 +28,9 @@ manifest before anything reads it; which checkpoint a run resumes from is
 chosen by :func:`mptrain.checkpoint.resolve.resolve_resume`.
 
 Save hooks: the checkpointer knows nothing of what else a run does. Whoever
-builds it may pass ``hooks``, objects with ``during_save(step)`` (called once
+builds it may pass ``hooks``, objects with ``before_save(step)`` (called first,
+on every rank; it may raise to refuse the save: the run's non-finite handler
+does for a bad step not looked at yet), ``during_save(step)`` (called once
 the files are written and sealed, before the checkpoint is made visible) and
 ``after_save(step)`` (called once it is visible, before older ones are
 pruned); the test-only fault injector is one, which rehearses a process killed
@@ -104,8 +106,12 @@ class Stateful(Protocol):
 
 
 class SaveHook(Protocol):
-    """What ``Checkpointer`` calls at the two points of a save where a process
-    can be lost with different outcomes (see the module docstring)."""
+    """What ``Checkpointer`` tells a run's parts of a save: that one is about to be
+    written (a part may raise to refuse it: the run's non-finite handler, so that
+    nothing after a bad step is saved), and the two points where a process can be
+    lost with different outcomes (see the module docstring)."""
+
+    def before_save(self, step: int) -> None: ...
 
     def during_save(self, step: int) -> None: ...
 
@@ -190,6 +196,8 @@ class Checkpointer:
         """Write ``step-N`` (a collective: every rank must call it). ``states``
         names the loop's resumable objects; it must hold ``scaler`` and ``progress``.
         Raises :class:`CheckpointSaveError` on every rank when the OS refused a write."""
+        for h in self.hooks:  # a part may refuse the save (a bad step not looked at yet)
+            h.before_save(step)
         ctx, main = self.ctx, self.ctx.is_main
         final = self.root / f"step-{step}"
         tmp = self.root / f"step-{step}.tmp"

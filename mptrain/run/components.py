@@ -12,33 +12,31 @@ unconditionally.
 
 The hooks, in the order a step meets them:
 
-- ``begin_step(step)``: the step about to run (0-based);
-- ``around_step(step)``: a context around the step's math (a dispatch mode that
-  counts or records its operators, a stance, an error turned into another);
-- ``backward_loss(loss)``: the loss each backward pass sees (composed over the
-  members);
+- ``around_step(step)``: a context around step ``step`` (0-based): what a part
+  does as the step begins (a monitored step's hooks, a counter, the audit's
+  dispatch mode) and around its math (a stance, an error turned into another);
 - ``after_backward(model, scale, step)``: gradients complete, as held (still
   scaled by ``scale``, the loss scale tensor or None);
-- ``before_optimizer(model)`` / ``after_optimizer(model, skipped)``: around
-  the optimizer's step (not called for a step the guard skipped on the host);
-- ``after_step(step, result)``: the step's result, still on the device;
+- ``before_optimizer(model)``: gradients unscaled and clipped, the optimizer
+  about to step (not called for a step the guard skipped on the host);
+- ``after_step(step, result)``: the step's result, still on the device; returns
+  0-d device tensors to read back with the logged loss, in the logging
+  cadence's one host sync;
 
 and of the loop:
 
-- ``to_read()``: 0-d device tensors to read back with the logged loss, in the
-  logging cadence's one host sync;
-- ``check(done, reading)``: what was read back; may raise to stop the run (the
-  non-finite checks);
-- ``on_log(done, row, write)``: figures and alerts added to the training row of
-  a logged step; ``write`` prints a console line;
+- ``on_log(done, reading, row, write)``: a logged step's read-back
+  (``reading``; a part may raise to stop the run: the non-finite checks), then
+  figures and alerts added to its training ``row``; ``write`` prints a console line;
 - ``observe(done, row, write)``: what step ``done`` adds to its row after
   evaluation (a monitored step's figures); returns histograms;
-- ``ends_run(done)``: a reason to end the run right after this step, without a
-  checkpoint (the audit of ``train.audit_only``), or None;
-- ``before_save(step)`` (may raise: nothing bad is saved), ``during_save(step)``
-  and ``after_save(step)``: around a checkpoint (the last two are called by
-  the checkpointer, which takes the container as a save hook);
 - ``summarize(write)``: closing tables; returns figures for summary.json.
+
+What a part does at a checkpoint (``before_save``, ``during_save``,
+``after_save``) is the checkpointer's own protocol (``checkpoint/checkpointer.py``
+``SaveHook``), given the parts that have something to do then; what the ``debug.*``
+injector does to the loss before backward is the step's (``StepState.backward_loss``);
+that a run ends after its audited step (``train.audit_only``) the plan says.
 
 A resumable part names itself with ``state_key`` (its key in the
 checkpoint's ``train_state.pt``) and has ``state_dict``/``load_state_dict``.
@@ -64,55 +62,28 @@ class Component:
 
     state_key: Optional[str] = None
 
-    def begin_step(self, step: int) -> None:
-        """Step ``step`` (0-based) is about to run."""
-
     def around_step(self, step: int) -> ContextManager:
-        """A context around the step's math; none by default."""
+        """A context around step ``step`` (0-based); none by default."""
         return contextlib.nullcontext()
-
-    def backward_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss the backward pass sees; the loss itself by default."""
-        return loss
 
     def after_backward(self, model: nn.Module, scale: Optional[torch.Tensor], step: int) -> None:
         """Gradients are complete (still scaled by ``scale``, None without loss scaling)."""
 
     def before_optimizer(self, model: nn.Module) -> None:
-        """The optimizer is about to step."""
+        """Gradients are unscaled and clipped; the optimizer is about to step."""
 
-    def after_optimizer(self, model: nn.Module, skipped: torch.Tensor) -> None:
-        """The optimizer stepped (``skipped``: the 0-d flag, 1 when it did not apply)."""
-
-    def after_step(self, step: int, result) -> None:
-        """Step ``step`` returned ``result`` (a ``StepResult``, on the device)."""
-
-    def to_read(self) -> dict[str, torch.Tensor]:
-        """0-d device tensors to read back with the logged loss (mean over ranks)."""
+    def after_step(self, step: int, result) -> dict[str, torch.Tensor]:
+        """Step ``step`` returned ``result`` (a ``StepResult``, on the device); returns 0-d
+        device tensors to read back with the next logged loss (mean over ranks), by name."""
         return {}
 
-    def check(self, done: int, reading) -> None:
-        """After a logged step's read-back (``report.Reading``); raise to stop the run."""
-
-    def on_log(self, done: int, row: dict, write: Write) -> None:
-        """Add figures or alerts to the training row of logged step ``done``."""
+    def on_log(self, done: int, reading, row: dict, write: Write) -> None:
+        """Logged step ``done``: what was read back (``report.Reading``; raise to stop the
+        run), then figures or alerts added to its training ``row``."""
 
     def observe(self, done: int, row: dict, write: Write) -> dict:
         """Add what step ``done`` measured to its row; returns histograms by name."""
         return {}
-
-    def ends_run(self, done: int) -> Optional[str]:
-        """Why the run ends right after step ``done`` (no checkpoint), or None."""
-        return None
-
-    def before_save(self, step: int) -> None:
-        """A checkpoint of step ``step`` is about to be written; raise to refuse it."""
-
-    def during_save(self, step: int) -> None:
-        """The checkpoint's shards are written; it is not yet visible."""
-
-    def after_save(self, step: int) -> None:
-        """The checkpoint is visible; older ones are not yet pruned."""
 
     def summarize(self, write: Write) -> dict:
         """At the end: closing lines written, figures for summary.json returned."""
@@ -139,10 +110,6 @@ class Components(Component):
         """The resumable members by their ``train_state.pt`` key."""
         return {m.state_key: m for m in self.members if m.state_key is not None}
 
-    def begin_step(self, step: int) -> None:
-        for m in self.members:
-            m.begin_step(step)
-
     @contextlib.contextmanager
     def around_step(self, step: int) -> Iterator[None]:
         # The first member's context is the outermost: it sees what the others raise, after they exit.
@@ -150,11 +117,6 @@ class Components(Component):
             for m in self.members:
                 stack.enter_context(m.around_step(step))
             yield
-
-    def backward_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        for m in self.members:
-            loss = m.backward_loss(loss)
-        return loss
 
     def after_backward(self, model: nn.Module, scale: Optional[torch.Tensor], step: int) -> None:
         for m in self.members:
@@ -164,45 +126,18 @@ class Components(Component):
         for m in self.members:
             m.before_optimizer(model)
 
-    def after_optimizer(self, model: nn.Module, skipped: torch.Tensor) -> None:
-        for m in self.members:
-            m.after_optimizer(model, skipped)
+    def after_step(self, step: int, result) -> dict[str, torch.Tensor]:
+        return {k: v for m in self.members for k, v in m.after_step(step, result).items()}
 
-    def after_step(self, step: int, result) -> None:
+    def on_log(self, done: int, reading, row: dict, write: Write) -> None:
         for m in self.members:
-            m.after_step(step, result)
-
-    def to_read(self) -> dict[str, torch.Tensor]:
-        return {k: v for m in self.members for k, v in m.to_read().items()}
-
-    def check(self, done: int, reading) -> None:
-        for m in self.members:
-            m.check(done, reading)
-
-    def on_log(self, done: int, row: dict, write: Write) -> None:
-        for m in self.members:
-            m.on_log(done, row, write)
+            m.on_log(done, reading, row, write)
 
     def observe(self, done: int, row: dict, write: Write) -> dict:
         hists: dict = {}
         for m in self.members:
             hists.update(m.observe(done, row, write))
         return hists
-
-    def ends_run(self, done: int) -> Optional[str]:
-        return next((why for why in (m.ends_run(done) for m in self.members) if why), None)
-
-    def before_save(self, step: int) -> None:
-        for m in self.members:
-            m.before_save(step)
-
-    def during_save(self, step: int) -> None:
-        for m in self.members:
-            m.during_save(step)
-
-    def after_save(self, step: int) -> None:
-        for m in self.members:
-            m.after_save(step)
 
     def summarize(self, write: Write) -> dict:
         return {k: v for m in self.members for k, v in m.summarize(write).items()}

@@ -5,17 +5,18 @@ key is set (a run without one holds no injector; :data:`NO_FAULTS` stands in
 where something must be handed on): NaN planted in a module's output, an
 outlier channel planted in a linear's input, an inf written into a gradient
 (:meth:`FaultInjector.after_backward`), the loss multiplied before backward
-(:meth:`FaultInjector.backward_loss`), a kill in the middle of a save or right
+(:meth:`FaultInjector.backward_loss`, the step's), a kill in the middle of a save or right
 after one (:meth:`FaultInjector.during_save`, :meth:`FaultInjector.after_save`,
 called by the checkpointer through its save hooks). What the run does about
 the non-finite numbers these provoke is in ``nonfinite.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
-from typing import Optional
+from typing import ContextManager, Optional
 
 import torch
 import torch.nn as nn
@@ -42,8 +43,8 @@ class FaultInjector(Component):
     """The ``debug.*`` faults of one run, as a run component (built only when a
     ``debug.*`` key is set: :func:`mptrain.config.schema.debug_set`).
 
-    The loop tells it the step about to run (:meth:`begin_step`); a replay of
-    a bad step sets the same step again, so a planted NaN reappears exactly.
+    The loop tells it the step about to run (:meth:`around_step`); a replay of
+    a bad step sets the same step again (:meth:`at_step`), so a planted NaN reappears exactly.
     Planted faults (a NaN output, an outlier input channel) are module hooks
     installed here, so an unknown module name fails before training. ``model``
     may be None when nothing is planted (a test that injects into gradients).
@@ -99,12 +100,17 @@ class FaultInjector(Component):
         mods[name].register_forward_pre_hook(hook, prepend=True)
 
     def backward_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss the backward pass sees: ``loss * debug.loss_multiplier``, or
-        ``loss`` itself, untouched, when the multiplier is 1 (off)."""
+        """The loss the backward pass sees (the step's ``StepState.backward_loss``): ``loss *
+        debug.loss_multiplier``, or ``loss`` itself, untouched, when the multiplier is 1 (off)."""
         return loss if self.loss_multiplier == 1.0 else loss * self.loss_multiplier
 
-    def begin_step(self, step: int) -> None:
+    def at_step(self, step: int) -> None:
+        """Step ``step`` runs (or is replayed): the planted faults act by it."""
         self.step = step
+
+    def around_step(self, step: int) -> ContextManager:
+        self.at_step(step)
+        return contextlib.nullcontext()
 
     def inject_inf(self, step: int) -> bool:
         """Whether this rank writes an inf into a gradient at ``step``."""
@@ -117,6 +123,9 @@ class FaultInjector(Component):
         if self.inject_inf(step):
             inject_inf_grad(model, self.grad_value)
 
+    def before_save(self, step: int) -> None:
+        """(The checkpointer's save hooks, this and the two below.) Nothing before a save."""
+
     def during_save(self, step: int) -> None:
         """Called with the shards written and the checkpoint not yet visible."""
         if self.kill_at == step:
@@ -128,6 +137,20 @@ class FaultInjector(Component):
             os.kill(os.getpid(), signal.SIGKILL)  # rehearses a node lost before the run wrote its records
 
 
-NO_FAULTS = Component()
-"""What stands for the injector in a run without ``debug.*`` keys (the handler's
-replays repeat it): a component that does nothing, not an injector."""
+class NoFaults:
+    """What stands for the injector in a run without ``debug.*`` keys, where the step
+    and the handler's replays ask it: the loss as it is, no step to note, no fault."""
+
+    @staticmethod
+    def backward_loss(loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def at_step(self, step: int) -> None:
+        pass
+
+    def after_backward(self, model: nn.Module, scale: Optional[torch.Tensor], step: int) -> None:
+        pass
+
+
+NO_FAULTS = NoFaults()
+"""The injector of a run without ``debug.*`` keys: not a component, and nothing is injected."""

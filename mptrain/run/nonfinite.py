@@ -250,14 +250,15 @@ class NonFiniteHandler(Component):
     sync, and seen at the logging cadence) and a scale that collapsed.
 
     As a run component it looks when the loop reads the loss back
-    (:meth:`check`) and before every checkpoint (:meth:`before_save`), turns a
-    bad step the guard raised on into its error (:meth:`around_step`), and
-    resumes the guard's count of skipped steps (``nonfinite_guard``).
-    ``faults`` is the run's ``debug.*`` injector (any component): a replay
-    repeats its faults, so a planted NaN reappears exactly.
+    (:meth:`on_log`), turns a bad step the guard raised on into its error
+    (:meth:`around_step`), and resumes the guard's count of skipped steps
+    (``nonfinite_guard``); as the checkpointer's save hook it looks before every
+    checkpoint (:meth:`before_save`). ``faults`` is the run's ``debug.*`` injector
+    (``faults.NO_FAULTS`` without one): a replay repeats its faults, so a planted
+    NaN reappears exactly.
     """
 
-    def __init__(self, mode: str, optimizer, scaler, model, policy, ctx, batches, faults: Component,
+    def __init__(self, mode: str, optimizer, scaler, model, policy, ctx, batches, faults,
                  min_loss_scale: float):
         self.mode = mode
         self.guard = None if scaler.enabled else NonFiniteGuard(mode, optimizer, ctx.device)
@@ -284,7 +285,7 @@ class NonFiniteHandler(Component):
     def _replay(self, step: int, scale: float = 1.0) -> Replay:
         """Replay 0-based ``step`` exactly: the same batch (a function of the step)
         and the same faults, planted or injected."""
-        self.faults.begin_step(step)
+        self.faults.at_step(step)
         return replay_step(self.model, self.policy, self.ctx, self.batches.batch(step), scale=scale,
                            after_backward=lambda: self.faults.after_backward(self.model, None, step),
                            backward_loss=self.faults.backward_loss)
@@ -389,27 +390,31 @@ class NonFiniteHandler(Component):
         except NonFiniteStep:
             raise self.error(step) from None
 
-    def after_step(self, step: int, result) -> None:
+    def after_step(self, step: int, result) -> dict[str, torch.Tensor]:
         self.watch_loss(result.loss, step)  # on the device: read back with the loss when logging
-
-    def to_read(self) -> dict[str, torch.Tensor]:
         flag = self.loss_flag()  # fp16 under abort: was any loss since the last look non-finite?
         return {} if flag is None else {LOSS_FLAG: flag}
 
-    def check(self, done: int, reading) -> None:
+    def on_log(self, done: int, reading, row: dict, write) -> None:
         """At a logging step: the guard's deferred flag, then the loss read back (before
-        the scale: the cause), then a loss scale that collapsed."""
+        the scale: the cause), then a loss scale that collapsed; then the skip count."""
         self.check_guard(done)
         self.check_loss(done, reading.loss, reading.flags.get(LOSS_FLAG, 0.0) > 0)
         if reading.loss_scale is not None:
             self.check_loss_scale(done, reading.loss_scale)
-
-    def on_log(self, done: int, row: dict, write) -> None:
         if self.skipped is not None:
             row["train/nonfinite_skipped"] = int(self.skipped)
 
     def before_save(self, step: int) -> None:
+        """(The checkpointer's save hook.) A bad step not looked at yet stops the run here:
+        nothing after it is saved."""
         self.check_deferred(step)
+
+    def during_save(self, step: int) -> None:
+        """(A save hook.) Nothing to do while the shards are sealed."""
+
+    def after_save(self, step: int) -> None:
+        """(A save hook.) Nothing to do once the checkpoint is visible."""
 
     def summarize(self, write) -> dict:
         return {} if self.skipped is None else {"train/nonfinite_skipped": int(self.skipped)}

@@ -49,22 +49,21 @@ class NumericsPart(Component):
     step, whose attention probe (fp32 logits: monitoring) must stay out of the
     operators the audit records."""
 
-    def __init__(self, monitor: NumericsMonitor, compile_blocks: bool, fp8_recipe: Optional[str],
+    def __init__(self, monitor: NumericsMonitor, model: nn.Module, compile_blocks: bool, fp8_recipe: Optional[str],
                  audit_first: bool):
-        self.monitor, self.compile_blocks, self.fp8_recipe = monitor, compile_blocks, fp8_recipe
+        self.monitor, self.model, self.compile_blocks, self.fp8_recipe = monitor, model, compile_blocks, fp8_recipe
         self.audit_first = audit_first
         self.started = False
+        self.stepping = False  # the optimizer is stepping this step (the guard did not skip it on the host)
         self.fp8_casts: Optional[dict] = None  # the last monitored step's float8 cast figures (fp8watch.report)
         self.outliers: Optional[tuple[int, dict]] = None  # (step, the last monitored step's figures)
         self.last = 0  # the last step this launch ran, which the closing table is measured against
 
-    def begin_step(self, step: int) -> None:
+    def around_step(self, step: int) -> ContextManager:
         self.monitor.start_step(step)
         if self.audit_first and not self.started:
             self.monitor.pause_probes()
         self.started = True
-
-    def around_step(self, step: int) -> ContextManager:
         # Compiled blocks run eagerly on a monitored step. The monitor hooks every
         # block with its own closure for that step only; traced, each hook would
         # recompile every block on and off the monitored steps, past dynamo's
@@ -78,12 +77,14 @@ class NumericsPart(Component):
 
     def before_optimizer(self, model: nn.Module) -> None:
         self.monitor.before_optimizer(model)
+        self.stepping = True
 
-    def after_optimizer(self, model: nn.Module, skipped: torch.Tensor) -> None:
-        self.monitor.after_optimizer(model, skipped)
-
-    def after_step(self, step: int, result) -> None:
+    def after_step(self, step: int, result) -> dict:
+        if self.stepping:  # what the optimizer changed, or nothing when the loss scaler skipped it (result.skipped)
+            self.monitor.after_optimizer(self.model, result.skipped)
+            self.stepping = False
         self.last = step + 1
+        return {}
 
     def observe(self, done: int, row: dict, write: Write) -> dict:
         if not self.monitor.active(done - 1):
@@ -140,11 +141,9 @@ class CommPart(Component):
         self.counter: Optional[CommCounter] = None  # this step's, when it is counted
         self.last: dict = {}  # the last counted step's figures, for the summary
 
-    def begin_step(self, step: int) -> None:
+    def around_step(self, step: int) -> ContextManager:
         self.first = step if self.first is None else self.first
         self.counter = CommCounter(self.groups) if self.when(step) else None
-
-    def around_step(self, step: int) -> ContextManager:
         return self.counter if self.counter is not None else contextlib.nullcontext()
 
     def step_figures(self) -> dict:
@@ -165,25 +164,22 @@ class CommPart(Component):
 
 class AuditPart(Component):
     """``train.audit``: the dtype audit (``observe/audit.py``) of the first step of
-    this launch: audit.json, its table and flags. ``train.audit_only``: the run ends
-    right after that step, without a checkpoint (the audit was the point).
+    this launch: audit.json, its table and flags (with ``train.audit_only`` the run
+    ends after that step: the trainer reads it from the plan).
     ``comm_figures``: the audited step's collectives (empty when not counted)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
-                 write_json: Callable[[str, dict], object], audit: bool, only: bool,
+                 write_json: Callable[[str, dict], object],
                  comm_figures: Callable[[], dict] = dict, groups: Optional[MeshGroups] = None):
         self.model, self.optimizer, self.policy, self.groups = model, optimizer, policy, groups
         self.write_json, self.comm_figures = write_json, comm_figures
-        self.audit, self.only = audit, only
         self.first: Optional[int] = None  # the first step this launch runs: the audited one
         self.recorded: Optional[DtypeAudit] = None
 
-    def begin_step(self, step: int) -> None:
-        self.first = step if self.first is None else self.first
-
     @contextlib.contextmanager
     def around_step(self, step: int) -> Iterator[None]:
-        if not (self.audit and step == self.first):
+        self.first = step if self.first is None else self.first
+        if step != self.first:
             yield
             return
         # Compiled blocks run eagerly for it: a dispatch mode cannot look inside a graph.
@@ -202,9 +198,6 @@ class AuditPart(Component):
             write(f"step {done:>6} | dtype audit written to {path}")
             row["audit/flags"] = len(report["flags"])
         return {}
-
-    def ends_run(self, done: int) -> Optional[str]:
-        return "train.audit_only" if self.only and done - 1 == self.first else None
 
 
 def _alert(row: dict, figures: dict, message: Optional[str], write: Write) -> None:
@@ -238,7 +231,7 @@ class SkipRatePart(_AlertPart):
     def __init__(self, ls_cfg):
         super().__init__(SkipRateWarning(ls_cfg))
 
-    def on_log(self, done: int, row: dict, write: Write) -> None:
+    def on_log(self, done: int, reading, row: dict, write: Write) -> None:
         if "amp/skipped_steps" in row:  # a run with fp16 loss scaling
             _alert(row, *self.alert.check(done, row["amp/skipped_steps"]), write)
 
@@ -251,7 +244,7 @@ class SpikePart(_AlertPart):
     def __init__(self, mcfg):
         super().__init__(SpikeDetector(mcfg.spike_factor, mcfg.spike_window))
 
-    def on_log(self, done: int, row: dict, write: Write) -> None:
+    def on_log(self, done: int, reading, row: dict, write: Write) -> None:
         _alert(row, *self.alert.check(done, row["train/loss"]), write)
 
 
@@ -279,10 +272,14 @@ def mesh_groups(ctx: DistContext) -> Optional[MeshGroups]:
 
 @dataclass
 class RunParts:
-    """The run's components in order, and the guard its step asks (the non-finite handler's)."""
+    """The run's components in order, the guard its step asks (the non-finite handler's),
+    the ``debug.*`` injector (or :data:`~mptrain.run.faults.NO_FAULTS`: the step asks it
+    for the loss its backward sees) and the parts the checkpointer tells of each save."""
 
     parts: Components
     guard: Guard
+    faults: object
+    save_hooks: tuple
 
 
 def build_parts(plan: Plan, ctx: DistContext, built: RunModel, policy: PrecisionPolicy, batches,
@@ -295,20 +292,21 @@ def build_parts(plan: Plan, ctx: DistContext, built: RunModel, policy: Precision
     stability warnings on the monitor's figures."""
     on, model = plan.parts, built.model
     injector = [FaultInjector(plan.debug, model, ctx.rank)] if on.faults else []  # a test aid: debug.* only
+    faults = injector[0] if injector else NO_FAULTS
     handler = NonFiniteHandler(on.on_nonfinite, built.optimizer, built.scaler, model, policy, ctx, batches,
-                               injector[0] if injector else NO_FAULTS, on.loss_scale.min_loss_scale)
+                               faults, on.loss_scale.min_loss_scale)
     members: list[Component] = [*injector, handler, SkipRatePart(on.loss_scale), SpikePart(on.monitor)]
     comm: Optional[CommPart] = None
     groups = mesh_groups(ctx)
     if on.numerics:
         monitor = numerics_monitor(on, model, built.optimizer, built.opt_choice, policy, ctx)
-        members.append(NumericsPart(monitor, built.compile_blocks, policy.lowp.recipe if policy.lowp else None,
-                                    audit_first=on.audit))
+        members.append(NumericsPart(monitor, model, built.compile_blocks,
+                                    policy.lowp.recipe if policy.lowp else None, audit_first=on.audit))
         if on.comm:
             comm = CommPart(monitor.active, groups)
             members.append(comm)
-    if on.audit or on.audit_only:
-        members.append(AuditPart(model, built.optimizer, policy, write_json, on.audit, on.audit_only,
+    if on.audit:
+        members.append(AuditPart(model, built.optimizer, policy, write_json,
                                  comm.step_figures if comm is not None else dict, groups))
     members.append(StabilityPart(on.monitor, dtype_name(policy.compute_dtype)))
-    return RunParts(Components(members), handler.step_guard)
+    return RunParts(Components(members), handler.step_guard, faults, (handler, *injector))

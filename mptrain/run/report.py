@@ -61,11 +61,13 @@ def start_clock(device: torch.device) -> tuple[float, dict]:
 
 @dataclass
 class LoopStep:
-    """One step as the loop hands it to the reporter: the math's result and the
-    learning rate the loop set for it."""
+    """One step as the loop hands it to the reporter: the math's result, the
+    learning rate the loop set for it, and what the parts ask to read back with it."""
 
     result: StepResult
     lr: float
+    reads: dict = field(default_factory=dict)
+    """0-d device tensors the components want read along (``Component.after_step``), by name."""
 
 
 @dataclass
@@ -77,7 +79,7 @@ class Reading:
     figures: dict[str, float]
     """The switches' own figures (``z_loss``, ``update_clip_max``), those that are on."""
     flags: dict[str, float]
-    """What the components asked to read along (``Component.to_read``), by name."""
+    """What the components asked to read along (``Component.after_step``), by name."""
     loss_scale: Optional[float]
     """fp16 loss scaling's current scale; None without loss scaling."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,7 @@ from mptrain.precision import optimizers
 from mptrain.precision.optimizers import Choice, bias_correction
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
 from mptrain.run.components import NO_PARTS, Component
+from mptrain.run.faults import NO_FAULTS
 from mptrain.run.nonfinite import NO_GUARD, NonFiniteGuard, Unguarded
 
 Guard = Union[NonFiniteGuard, Unguarded]
@@ -198,14 +199,17 @@ class StepState:
     guard: Guard = NO_GUARD
     """Whether a step with inf/nan gradients is applied (runs without a loss scaler,
     :class:`NonFiniteGuard`); :data:`NO_GUARD` leaves it to the loss scaler."""
+    backward_loss: Callable[[torch.Tensor], torch.Tensor] = NO_FAULTS.backward_loss
+    """The loss each backward pass sees: the loss itself, unless the ``debug.*`` injector
+    multiplies it (``debug.loss_multiplier``, ``FaultInjector.backward_loss``)."""
 
 
 def step_state(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler,
-               policy: PrecisionPolicy, ctx: DistContext, guard: Guard = NO_GUARD) -> StepState:
+               policy: PrecisionPolicy, ctx: DistContext, guard: Guard = NO_GUARD, faults=NO_FAULTS) -> StepState:
     """The :class:`StepState` the run of ``plan`` steps with (``train.grad_clip``,
-    ``train.z_loss``, ``optim.update_clip``)."""
+    ``train.z_loss``, ``optim.update_clip``; ``faults``: the ``debug.*`` injector)."""
     return StepState(model, optimizer, scaler, policy, ctx, plan.train.grad_clip, ZLoss(plan.train.z_loss),
-                     UpdateClip(float(plan.optim.update_clip or 0.0)), guard)
+                     UpdateClip(float(plan.optim.update_clip or 0.0)), guard, faults.backward_loss)
 
 
 @dataclass
@@ -234,15 +238,15 @@ def train_step(state: StepState, micro_batches: list, parts: Component = NO_PART
     the guard (inf/nan check without a scaler), and one more with update
     clipping (the learning rates, see :func:`update_clipping`).
 
-    ``state.guard`` decides whether a step with inf/nan gradients is applied.
-    ``parts`` are the run's optional parts (``components.py``): the numerics
-    monitor (its calls return at once on unmonitored steps) and the ``debug.*``
-    injector, which hands each backward its loss and is told when the backward
+    ``state.guard`` decides whether a step with inf/nan gradients is applied, and
+    ``state.backward_loss`` what loss each backward sees. ``parts`` are the run's
+    optional parts (``components.py``): the numerics monitor (its calls return at
+    once on unmonitored steps) and the ``debug.*`` injector, told when the backward
     is done; :data:`NO_PARTS` does nothing.
     """
     model, optimizer, scaler, ctx = state.model, state.optimizer, state.scaler, state.ctx
     optimizer.zero_grad(set_to_none=True)
-    loss, z = _forward_backward(state, micro_batches, parts)
+    loss, z = _forward_backward(state, micro_batches)
     state.policy.end_backward(ctx.all_reduce_max)  # delayed float8 scaling: the step's amaxes into the histories
     parts.after_backward(model, scaler.scale_tensor(), step)  # gradients as held: still scaled
     scaler.unscale_(optimizer)  # clipping and the norm must see true gradients
@@ -255,12 +259,10 @@ def train_step(state: StepState, micro_batches: list, parts: Component = NO_PART
     parts.before_optimizer(model)
     with state.update_clip.around(optimizer, ctx) as clip_max:
         skipped = _apply(optimizer, scaler, found_inf)
-    parts.after_optimizer(model, skipped)
     return StepResult(loss, grad_norm, skipped, z, clip_max)
 
 
-def _forward_backward(state: StepState, micro_batches: list,
-                      parts: Component) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _forward_backward(state: StepState, micro_batches: list) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Forward and backward over the micro-batches, gradients accumulated in
     ``.grad``; returns (loss, z_loss): the cross-entropy and, with a z-loss,
     its term (else None), each the mean over micro-batches, on the device
@@ -277,8 +279,8 @@ def _forward_backward(state: StepState, micro_batches: list,
                 logits, loss = model(x, y)
             total = z.add(logits, loss)
             # Dividing by n makes K micro-batches sum to the mean over the whole batch.
-            # parts.backward_loss: total itself unless debug.loss_multiplier is set.
-            state.scaler.scale(parts.backward_loss(total) / n).backward()
+            # state.backward_loss: total itself unless debug.loss_multiplier is set.
+            state.scaler.scale(state.backward_loss(total) / n).backward()
         loss_sum += loss.detach()
     return loss_sum / n, z.mean(n)
 

@@ -125,9 +125,9 @@ class Trainer:
         """The run's optional parts (``parts.py``: each from its config section,
         only those that are on) and the state each step works on."""
         built = build_parts(self.plan, self.ctx, self.built, policy, self.data.batches, self.report.record.write_json)
-        self.parts = built.parts
+        self.parts, self.save_hooks = built.parts, built.save_hooks
         self.state = step_state(self.plan, self.built.model, self.built.optimizer, self.built.scaler, policy, self.ctx,
-                                built.guard)
+                                built.guard, built.faults)
 
     def _build_state(self) -> None:
         """The loop's state. Everything in ``self.states`` survives a resume: the
@@ -139,7 +139,7 @@ class Trainer:
         self.ckpt = Checkpointer(self.plan, self.run_dir, self.ctx,
                                  meta_extra={"tokenizer": {"name": tok.name, "path": tok.path},
                                              "history": list(self.plan.resume.history)},
-                                 hooks=(self.parts,))  # during and after each save (debug.* kills)
+                                 hooks=self.save_hooks)  # before (bad steps), during and after (debug.* kills)
         if self.plan.checkpoint.keep_best:  # its best so far, resumed with the rest; train_state.pt's keys stay
             self.states["best"] = self.ckpt.best  # those of older checkpoints when it is off
         self.last_saved: Optional[int] = None
@@ -197,9 +197,8 @@ class Trainer:
         hists = self.observe(done, row)
         if row:
             self.metrics.log(done, row, hists)
-        ended = self.parts.ends_run(done)  # train.audit_only: the audit was the point, no checkpoint of it
-        if ended:
-            self.stopped_by = ended
+        if self.plan.parts.audit_only and done == self.start + 1:
+            self.stopped_by = "train.audit_only"  # the audit was the point: no checkpoint of it
             return True
         self.stopped_by = self.stop_reason(done, log_now, stop)
         every = self.plan.checkpoint.every
@@ -215,25 +214,24 @@ class Trainer:
         """Set the learning rate, run the step's math (``step.train_step``) inside
         what the parts wrap it in, count it."""
         lr = set_lr_at(self.optimizer, step, self.plan.optim, self.tc.max_steps)
-        self.parts.begin_step(step)
         with self.parts.around_step(step):
             result = train_step(self.state, micro, self.parts, step)
-        self.parts.after_step(step, result)
+        reads = self.parts.after_step(step, result)
         self.progress.step = step + 1
         self.progress.tokens += self.data.tokens_per_step
         self.report.clock.step()
         self.metrics.console.advance()
         if step == self.start:
             self.report.after_first_step(self.model, self.optimizer)
-        return LoopStep(result, lr)
+        return LoopStep(result, lr, reads)
 
     def log(self, done: int, out: LoopStep) -> dict:
-        """The training metrics of step ``done``: one read-back (the logging
-        cadence's host sync), the non-finite check on it, then the row and its alerts."""
-        seen = read_back(self.ctx, out.result, self.parts.to_read(), self.state.scaler)
-        self.parts.check(done, seen)  # may stop the run: a non-finite loss or step, a collapsed loss scale
+        """The training metrics of step ``done``: one read-back (the logging cadence's host
+        sync), the row, then the parts on it: the non-finite check (a non-finite loss or step,
+        a collapsed loss scale stop the run) and the alerts (skip rate, loss spike)."""
+        seen = read_back(self.ctx, out.result, out.reads, self.state.scaler)
         row = self.report.row(done, out, seen, self.progress.tokens, self.feed)
-        self.parts.on_log(done, row, self.metrics.write)  # the alerts: skip rate, loss spike
+        self.parts.on_log(done, seen, row, self.metrics.write)
         return row
 
     def evaluate(self, done: int) -> dict:
@@ -277,7 +275,6 @@ class Trainer:
     def checkpoint(self, done: int, best: bool = False) -> None:
         """Save step ``done`` (``best``: its validation loss is the lowest so far); never
         after a bad step, and not counted as training time."""
-        self.parts.before_save(done)  # the non-finite handler looks first: a bad step stops the run here
         check_present(self.run_dir)  # a save into a removed run directory would make it again, for itself alone
         with self.report.clock.paused():
             self.ckpt.save(done, self.model, self.optimizer, self.states)

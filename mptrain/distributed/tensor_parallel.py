@@ -82,10 +82,6 @@ def float8_styles(linear: nn.Module) -> Optional[tuple[type, type]]:
     return None
 
 
-STYLES = {"float8": True}
-"""``STYLES["float8"]``: give tensorwise float8 linears torchao's styles (tests turn it off to compare)."""
-
-
 def moves_float8(mesh: DeviceMesh) -> bool:
     """Whether the mesh's collectives can carry float8 tensors: NCCL can, gloo
     cannot (it refuses the dtype), so a CPU run keeps its collectives in high precision."""
@@ -99,7 +95,7 @@ def float8_gathers(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) 
     styles cast to float8 first. The forward's activation all-gather before each
     half stays in high precision (the blocks' plain input preparation). For the
     banner and ``run_info``."""
-    return (sequence_parallel and STYLES["float8"] and moves_float8(mesh)
+    return (sequence_parallel and moves_float8(mesh)
             and any(float8_styles(m) is not None for m in model.modules()))
 
 
@@ -109,7 +105,7 @@ def _styles(block: nn.Module, name: str, colwise, rowwise, float8_ok: bool) -> t
     where ``float8_ok``."""
     if colwise is not None and rowwise is not None:
         return colwise, rowwise
-    mine = float8_styles(block.get_submodule(name)) if float8_ok and STYLES["float8"] else None
+    mine = float8_styles(block.get_submodule(name)) if float8_ok else None
     return mine or (colwise or ColwiseParallel, rowwise or RowwiseParallel)
 
 

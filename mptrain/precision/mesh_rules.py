@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from mptrain.config.mesh import MeshShape, mesh_shape
+from mptrain.config.mesh import mesh_shape
 from mptrain.core.errors import ConfigError
 from mptrain.model.families import family_of, ffn_hidden
 from mptrain.precision.labtrain import LabRecipe, build_recipe, fp4_recipe, kept_last_blocks, lab_recipe, shape_problem
@@ -75,12 +75,11 @@ def validate(cfg: Any, world_size: int) -> None:
     """Every rule of this module for ``cfg`` on ``world_size`` ranks (the mesh's
     own sizes are checked by :func:`mptrain.config.mesh.mesh_shape`)."""
     shape = mesh_shape(cfg.parallel, world_size)
-    problem = layout_limit_problem(cfg.precision, shape)
-    if not problem and shape.tp > 1:
+    if shape.tp > 1:
         said = tp_said(int(cfg.parallel.tp), shape.tp)
         problem = divisibility_problem(cfg, shape.tp, said) or _blocks_refusal(cfg, shape.tp, world_size, said)
-    if problem:
-        raise ConfigError(problem)
+        if problem:
+            raise ConfigError(problem)
 
 
 def tp_said(given: int, tp: int) -> str:
@@ -193,36 +192,3 @@ def _blocks_refusal(cfg: Any, tp: int, world_size: int, said: str) -> Optional[s
             f"{'output' if s.colwise else 'input'} features) as a {n_in} -> {n_out} linear, where {problem}, so the "
             f"recipe's blocks would straddle the tensor-parallel shards; use parallel.tp={fits[0]}, or a recipe "
             "with smaller blocks.")
-
-
-@dataclass(frozen=True)
-class LayoutLimit:
-    """A float8 recipe one mesh dimension cannot carry."""
-
-    recipe: str
-    """``precision.fp8.recipe``."""
-    dim: str
-    """The mesh dimension (``dp_replicate``, ``dp_shard`` or ``tp``) that must be 1 for it."""
-    why: str
-    fix: str
-
-
-LAYOUT_LIMITS: tuple[LayoutLimit, ...] = ()
-"""The float8 recipes a layout cannot run, each refused by :func:`layout_limit_problem`
-when its dimension is larger than 1. Empty: the block rules above are the only
-layout limits known; an entry goes here when a recipe is found that a mesh
-dimension cannot carry and that cannot be made to (the precision work of #41 decides)."""
-
-
-def layout_limit_problem(p: Any, shape: MeshShape,
-                         limits: Optional[tuple[LayoutLimit, ...]] = None) -> Optional[str]:
-    """Why precision section ``p``'s float8 recipe cannot run on mesh ``shape``
-    (the first of ``limits``, default :data:`LAYOUT_LIMITS`, that applies), or None."""
-    if not p.fp8.enabled:
-        return None
-    recipe = p.fp8.recipe.value
-    for lim in LAYOUT_LIMITS if limits is None else limits:
-        size = getattr(shape, lim.dim)
-        if lim.recipe == recipe and size > 1:
-            return f"precision.fp8.recipe={recipe} cannot run with parallel.{lim.dim}={size}: {lim.why}; {lim.fix}."
-    return None

@@ -18,11 +18,8 @@ from mptrain.config.mesh import MeshShape
 from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError
 from mptrain.distributed.parallel import DistContext
-from mptrain.distributed.tensor_parallel import block_plan
-from mptrain.precision.mesh_rules import split_linears
 from mptrain.precision.rules import validate
 from mptrain.run.build import build_data
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from .conftest import ROOT, make_cfg
 
@@ -187,16 +184,6 @@ def test_blocks_that_would_straddle_a_tp_shard_are_refused(overrides, world, sai
 ], ids=["nvfp4-whole", "fp8-tensorwise", "fp8-rowwise", "lab-rowwise", "mxfp8-attn-excluded"])
 def test_recipes_whose_blocks_stay_inside_a_shard_are_accepted(overrides):
     validate(make_cfg(*overrides), 4)
-
-
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_the_checks_know_the_linears_tensor_parallelism_splits(family):
-    """The rules' table of split linears is the one ``tensor_parallel`` applies (by name and direction)."""
-    m = make_cfg(f"model={family}-nano").model
-    plan = block_plan(family, sequence_parallel=False)
-    linears = {name: style for name, style in plan.items() if isinstance(style, (ColwiseParallel, RowwiseParallel))}
-    assert {s.path: s.colwise for s in split_linears(m)} == {
-        name: isinstance(style, ColwiseParallel) for name, style in linears.items()}
 
 
 # ------------------------------------------------------------------ train.py as a user types it

@@ -55,7 +55,7 @@ from typing import Optional
 import torch.nn as nn
 
 from mptrain.config.mesh import MESH_MODES, MeshShape
-from mptrain.distributed.tensor_parallel import family_of_model
+from mptrain.model.families import model_spec
 from mptrain.observe.memory import BYTES, layout, meta_model, micro_batch_of, shard_numel, tp_dims, tp_shape
 from mptrain.precision.optimizers import choose
 
@@ -179,7 +179,7 @@ def _tensor_parallel(cfg, mesh: MeshShape, parts: _Parts, store: str, tokens: in
     m, L = cfg.model, cfg.model.n_layer
     c, r = cfg.precision.compute_dtype.name, store  # the halves' outputs; the residual stream and norms
     u = tokens * m.d_model  # one B x T x d_model activation per micro-batch, summed over the step
-    fused = family_of_model(model) == "gpt"  # qkv gathered to whole heads, its gradient scattered back
+    fused = model_spec(model).split.fused_qkv is not None  # gathered to whole heads, its gradient scattered back
     sp = bool(cfg.parallel.sequence_parallel)
     bc, br = BYTES[c], BYTES[r]
     # A checkpointed block runs its forward again in the backward pass, collectives included,

@@ -1,74 +1,35 @@
 """What a tensor-parallel mesh (``parallel.tp > 1``) asks of the model and the
 precision, checked from the config and the world size before anything runs.
 
-Tensor parallelism (``mptrain/distributed/tensor_parallel.py``) gives each of
-the ``tp`` ranks whole attention heads, whole key/value heads, a ``1/tp`` share
-of the MLP width and of the vocabulary, and with sequence parallelism a
-``1/tp`` share of each training window: ``tp`` must divide each of them.
-
-A block-scaled recipe (MXFP8, NVFP4, MXFP4, a lab recipe with blocks) then
-casts each rank's part of a split linear on its own: a fan-out linear's
-weight ``(out, in)`` is held as ``(out/tp, in)`` with output ``(tokens, out/tp)``,
-a fan-in linear's as ``(out, in/tp)`` with input ``(tokens, in/tp)``. Where that
-per-rank width is not a whole number of blocks, a block would straddle two
-ranks' shards and cast values one process would group differently: refused.
-Scales over a whole dimension or tensor (float8 tensorwise and rowwise, a lab
-``row``/``tensor`` block) have no block to straddle; they are taken over the
-logical tensor by the float8 linears' TP styles and need no refusal here.
+First the model: ``tp`` must divide what tensor parallelism deals out (heads,
+key/value heads, MLP width, vocabulary, the window under sequence
+parallelism). Then the recipe: a block-scaled recipe (MXFP8, NVFP4, MXFP4, a lab recipe with
+blocks) casts each rank's part of a split linear on its own: a fan-out
+linear's weight ``(out, in)`` is held as ``(out/tp, in)`` with output
+``(tokens, out/tp)``, a fan-in linear's as ``(out, in/tp)`` with input
+``(tokens, in/tp)``. Where that per-rank width is not a whole number of
+blocks, a block would straddle two ranks' shards and cast values one process
+would group differently: refused. Scales over a whole dimension or tensor
+(float8 tensorwise and rowwise, a lab ``row``/``tensor`` block) have no block
+to straddle; they are taken over the logical tensor by the float8 linears' TP
+styles and need no refusal here. The split linears and their shapes are the
+family spec's table (:class:`mptrain.model.spec.TensorSplit`).
 
 Each rule raises one :class:`ConfigError` sentence naming the sizes and the fix.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch.nn as nn
 
 from mptrain.config.mesh import mesh_shape
 from mptrain.core.errors import ConfigError
-from mptrain.model.families import family_of, ffn_hidden
+from mptrain.model.families import family_of, family_spec, ffn_hidden
+from mptrain.model.spec import SplitLinear
 from mptrain.precision.labtrain import LabRecipe, build_recipe, fp4_recipe, kept_last_blocks, lab_recipe, shape_problem
 from mptrain.precision.selection import LinearRules, excluded_because
-
-
-@dataclass(frozen=True)
-class SplitLinear:
-    """One kind of linear in a block, as tensor parallelism splits it."""
-
-    path: str
-    """Attribute path in a block (``attn.q``), as ``tensor_parallel`` names it."""
-    what: str
-    """The layer in words, for the refusal."""
-    n_in: int
-    n_out: int
-    colwise: bool
-    """Split by output features (fan-out); else by input features (fan-in)."""
-
-    def per_rank(self, tp: int) -> tuple[int, int]:
-        """``(in, out)`` features of one rank's part."""
-        return (self.n_in, self.n_out // tp) if self.colwise else (self.n_in // tp, self.n_out)
-
-
-def split_linears(m: Any) -> list[SplitLinear]:
-    """The linears of one block of model section ``m`` that tensor parallelism
-    splits, with their whole shapes (both families)."""
-    d = int(m.d_model)
-    if family_of(m) == "llama":
-        kv, hidden = int(m.n_kv_head or m.n_head) * (d // int(m.n_head)), ffn_hidden(m)
-        return [SplitLinear("attn.q", "the attention's query projection", d, d, True),
-                SplitLinear("attn.k", "the attention's key projection", d, kv, True),
-                SplitLinear("attn.v", "the attention's value projection", d, kv, True),
-                SplitLinear("attn.o", "the attention's output projection", d, d, False),
-                SplitLinear("mlp.gate", "the SwiGLU gate projection", d, hidden, True),
-                SplitLinear("mlp.up", "the SwiGLU up projection", d, hidden, True),
-                SplitLinear("mlp.down", "the SwiGLU down projection", hidden, d, False)]
-    # GPT's fused qkv: a rank's rows are a contiguous 3 d/tp of [q; k; v] (the forward hook regroups the heads)
-    return [SplitLinear("attn.qkv", "the attention's fused qkv projection", d, 3 * d, True),
-            SplitLinear("attn.proj", "the attention's output projection", d, d, False),
-            SplitLinear("mlp.fc", "the MLP's first linear", d, 4 * d, True),
-            SplitLinear("mlp.proj", "the MLP's last linear", 4 * d, d, False)]
 
 
 def validate(cfg: Any, world_size: int) -> None:
@@ -154,28 +115,33 @@ def _block_recipe(cfg: Any) -> Optional[tuple[str, LabRecipe, LinearRules]]:
     return None
 
 
-def _converted(s: SplitLinear, recipe: LabRecipe, rules: LinearRules, n_blocks: int) -> bool:
-    """Whether some block's ``s`` is converted to the recipe: its name and
-    position let through by the rules, and its whole shape fits the blocks
-    (a linear that does not fit stays in bf16, nothing to straddle)."""
-    if shape_problem(recipe, s.path, s.n_in, s.n_out, None):
+def _converted(s: SplitLinear, whole: tuple[int, int], recipe: LabRecipe, rules: LinearRules,
+               n_blocks: int) -> bool:
+    """Whether some block's ``s`` (of ``whole`` (in, out) features) is converted
+    to the recipe: its name and position let through by the rules, and its whole
+    shape fits the blocks (a linear that does not fit stays in bf16, nothing to straddle)."""
+    if shape_problem(recipe, s.path, *whole, None):
         return False
-    layer = nn.Linear(s.n_in, s.n_out, bias=False, device="meta")
+    layer = nn.Linear(*whole, bias=False, device="meta")
     return any(excluded_because(rules, layer, f"blocks.{i}.{s.path}", n_blocks) is None for i in range(n_blocks))
 
 
-def blocks_problem(cfg: Any, tp: int) -> Optional[tuple[str, SplitLinear, str]]:
+def blocks_problem(cfg: Any, tp: int) -> Optional[tuple[str, SplitLinear, tuple[int, int], str]]:
     """The first converted split linear whose per-rank part is not whole in the
-    recipe's blocks under ``tp``: (the recipe's key, the linear, why), or None."""
+    recipe's blocks under ``tp``: (the recipe's key, the linear, its per-rank
+    (in, out), why), or None."""
     found = _block_recipe(cfg)
     if found is None:
         return None
     key, recipe, rules = found
-    for s in split_linears(cfg.model):
-        if _converted(s, recipe, rules, int(cfg.model.n_layer)):
-            problem = shape_problem(recipe, s.path, *s.per_rank(tp), None)
+    spec = family_spec(cfg.model)
+    shape = spec.shape(cfg.model, 0)
+    for s in spec.split.linears:
+        if _converted(s, s.whole(shape), recipe, rules, int(cfg.model.n_layer)):
+            part = s.per_rank(shape, tp)
+            problem = shape_problem(recipe, s.path, *part, None)
             if problem:
-                return key, s, problem
+                return key, s, part, problem
     return None
 
 
@@ -184,8 +150,7 @@ def _blocks_refusal(cfg: Any, tp: int, world_size: int, said: str) -> Optional[s
     found = blocks_problem(cfg, tp)
     if found is None:
         return None
-    key, s, problem = found
-    n_in, n_out = s.per_rank(tp)
+    key, s, (n_in, n_out), problem = found
     fits = [t for t in range(tp - 1, 0, -1)
             if world_size % t == 0 and not divisibility_problem(cfg, t) and not blocks_problem(cfg, t)]
     return (f"{key} under {said}: a rank holds {s.path} ({s.what}, split by "

@@ -25,7 +25,7 @@ from mptrain.model import hf_gpt2, hf_llama, hf_read
 from mptrain.model.hf_read import same, show
 from mptrain.model.gpt import GPT, GPTShape, LayerNorm
 from mptrain.model.llama import Llama, LlamaShape, RMSNorm, swiglu_hidden
-from mptrain.model.spec import FamilySpec, SplitLinear, TensorSplit
+from mptrain.model.spec import FamilySpec, Share, SplitLinear, TensorSplit
 
 
 def _value(x: Any) -> Any:
@@ -132,6 +132,22 @@ def llama_init_weights(path: Any, block_size: int) -> dict:
 # ------------------------------------------------------------------ how tensor parallelism splits each family
 
 
+def gpt_shares(s: GPTShape) -> list[Share]:
+    """What a GPT block deals out beyond its heads: the MLP width (4 d_model, whole
+    when the heads are; kept so the rule does not rest on that)."""
+    return [Share(4 * s.d_model, f"the MLP width {4 * s.d_model} (4 x model.d_model)",
+                  "each rank holds an equal share of it", "set model.d_model to a multiple of {tp}")]
+
+
+def llama_shares(s: LlamaShape) -> list[Share]:
+    """What a Llama block deals out beyond its query heads: its key/value heads
+    (with none set they are the query heads, already whole) and the SwiGLU width."""
+    return [Share(s.n_kv_head, f"model.n_kv_head={s.n_kv_head}", "each rank holds whole key/value heads",
+                  "set model.n_kv_head to a multiple of {tp}"),
+            Share(s.ffn_hidden, f"the SwiGLU hidden size {s.ffn_hidden} (model.ffn_hidden, or Llama's rule)",
+                  "each rank holds an equal share of the MLP width", "set model.ffn_hidden to a multiple of {tp}")]
+
+
 # A rank's rows of GPT's fused qkv are a contiguous 3 d/tp of [q; k; v]: regrouped to whole heads.
 GPT_SPLIT = TensorSplit(
     linears=(SplitLinear("attn.qkv", "the attention's fused qkv projection", True,
@@ -139,7 +155,7 @@ GPT_SPLIT = TensorSplit(
              SplitLinear("attn.proj", "the attention's output projection", False, lambda s: (s.d_model, s.d_model)),
              SplitLinear("mlp.fc", "the MLP's first linear", True, lambda s: (s.d_model, 4 * s.d_model)),
              SplitLinear("mlp.proj", "the MLP's last linear", False, lambda s: (4 * s.d_model, s.d_model))),
-    fused_qkv="attn.qkv")
+    shares=gpt_shares, fused_qkv="attn.qkv")
 LLAMA_SPLIT = TensorSplit(
     linears=(SplitLinear("attn.q", "the attention's query projection", True,
                          lambda s: (s.d_model, s.n_head * s.head_dim)),
@@ -151,7 +167,8 @@ LLAMA_SPLIT = TensorSplit(
                          lambda s: (s.n_head * s.head_dim, s.d_model)),
              SplitLinear("mlp.gate", "the SwiGLU gate projection", True, lambda s: (s.d_model, s.ffn_hidden)),
              SplitLinear("mlp.up", "the SwiGLU up projection", True, lambda s: (s.d_model, s.ffn_hidden)),
-             SplitLinear("mlp.down", "the SwiGLU down projection", False, lambda s: (s.ffn_hidden, s.d_model))))
+             SplitLinear("mlp.down", "the SwiGLU down projection", False, lambda s: (s.ffn_hidden, s.d_model))),
+    shares=llama_shares)
 
 
 # ------------------------------------------------------------------ the specs

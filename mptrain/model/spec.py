@@ -9,7 +9,7 @@ nothing else has to learn its name.
 
 How tensor parallelism splits a family is part of its spec
 (:class:`TensorSplit`): ``distributed/tensor_parallel.py`` applies that table,
-the start-up rules (``precision/mesh_rules.py``) and the
+the start-up rules (``model/tp_rules.py``, ``precision/mesh_rules.py``) and the
 memory and traffic estimators read the same one.
 """
 from __future__ import annotations
@@ -41,6 +41,20 @@ class SplitLinear:
 
 
 @dataclass(frozen=True)
+class Share:
+    """A size of a block that tensor parallelism deals out to its ranks in
+    equal whole parts, so ``tp`` must divide it; said as a refusal says it."""
+
+    size: int
+    label: str
+    """The size as a refusal names it (``model.n_kv_head=2``)."""
+    why: str
+    """Why tp must divide it."""
+    fix: str
+    """The fix beside a smaller tp, with ``{tp}`` where the tp goes."""
+
+
+@dataclass(frozen=True)
 class TensorSplit:
     """How tensor parallelism splits a family's model over ``tp`` ranks:
     Megatron's layout, each fan-out linear of a block by output feature and
@@ -50,6 +64,9 @@ class TensorSplit:
 
     linears: tuple[SplitLinear, ...]
     """Every linear of a block, in the order the refusals look at them."""
+    shares: Callable[[Any], list[Share]]
+    """The family's shape -> the sizes of a block it deals out beyond the attention heads
+    (which every family deals out whole)."""
     fused_qkv: Optional[str] = None
     """A fan-out linear whose output is ``[q; k; v]`` over all heads (GPT's ``attn.qkv``): a rank's
     contiguous slice of it holds no whole heads, so its output is regrouped to the rank's heads."""

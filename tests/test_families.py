@@ -1,17 +1,19 @@
 """mptrain/model/common.py and the family specs (mptrain/model/spec.py, families.py):
 both families build their blocks from the one shared class, keep their parameter
-names, and each spec's Hugging Face config mapping goes there and back."""
+names, each spec's Hugging Face config mapping goes there and back, and each
+spec's tensor-parallel table is the model's own linears."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 import yaml
 from omegaconf import OmegaConf
 
 from mptrain.config.schema import ModelConfig
 from mptrain.core.errors import ConfigError
 from mptrain.model import common, gpt, llama
-from mptrain.model.families import NORMS, SPECS, family_spec
+from mptrain.model.families import NORMS, SPECS, family_spec, model_spec
 
 from .conftest import ROOT
 
@@ -51,6 +53,36 @@ def test_both_families_build_their_blocks_from_the_one_shared_class(family):
     assert [n for n, _ in model.blocks[0].named_parameters()] == BLOCK0[family]
     assert isinstance(model.blocks[0].ln_1, spec.norm) and spec.norm in NORMS
     assert isinstance(model.loss_fn, common.LossFn) and model.loss_fn._fn is common.cross_entropy_fp32
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("gpt", {}), ("gpt", {"bias": False, "n_head": 4, "d_model": 96}),
+    ("llama", {}), ("llama", {"n_kv_head": 4, "ffn_hidden": 96, "tie_embeddings": True}),
+], ids=["gpt-nano", "gpt-wider", "llama-nano", "llama-mha"])
+def test_the_tensor_split_table_is_the_models_own_linears(family, extra):
+    """The one table tensor parallelism, the mesh rules and the estimators read
+    (``spec.split``) against a built model: every linear of a block is in it, by
+    its path, with the (in, out) features the module really has; a fused qkv is
+    one of its fan-out linears; the embedding and the head it splits by vocabulary
+    row hold the vocabulary's rows. The built model finds that spec from its
+    class (:func:`model_spec`); a module of no family is refused."""
+    m = section(PRESETS[family], **extra)
+    spec = family_spec(m)
+    shape = spec.shape(m, VOCAB)
+    with torch.device("meta"):
+        model = spec.build(m, VOCAB)
+    assert model_spec(model) is spec
+    split = spec.split
+    for block in model.blocks:
+        linears = {n: (mod.in_features, mod.out_features) for n, mod in block.named_modules()
+                   if isinstance(mod, nn.Linear)}
+        assert {s.path: s.whole(shape) for s in split.linears} == linears
+    assert split.fused_qkv in (None, *(s.path for s in split.side(colwise=True)))
+    assert (split.fused_qkv is not None) == (family == "gpt")
+    for name in (split.embedding, split.head):
+        assert model.get_submodule(name).weight.shape[0] == VOCAB
+    with pytest.raises(TypeError, match="is no family's model"):
+        model_spec(model.blocks[0])
 
 
 @pytest.mark.parametrize("family", sorted(SPECS))

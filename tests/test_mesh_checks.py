@@ -18,11 +18,8 @@ from mptrain.config.mesh import MeshShape
 from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError
 from mptrain.distributed.parallel import DistContext
-from mptrain.distributed.tensor_parallel import block_plan
-from mptrain.precision.mesh_rules import LAYOUT_LIMITS, LayoutLimit, layout_limit_problem, split_linears
 from mptrain.precision.rules import validate
 from mptrain.run.build import build_data
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from .conftest import ROOT, make_cfg
 
@@ -187,33 +184,6 @@ def test_blocks_that_would_straddle_a_tp_shard_are_refused(overrides, world, sai
 ], ids=["nvfp4-whole", "fp8-tensorwise", "fp8-rowwise", "lab-rowwise", "mxfp8-attn-excluded"])
 def test_recipes_whose_blocks_stay_inside_a_shard_are_accepted(overrides):
     validate(make_cfg(*overrides), 4)
-
-
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_the_checks_know_the_linears_tensor_parallelism_splits(family):
-    """The rules' table of split linears is the one ``tensor_parallel`` applies (by name and direction)."""
-    m = make_cfg(f"model={family}-nano").model
-    plan = block_plan(family, sequence_parallel=False)
-    linears = {name: style for name, style in plan.items() if isinstance(style, (ColwiseParallel, RowwiseParallel))}
-    assert {s.path: s.colwise for s in split_linears(m)} == {
-        name: isinstance(style, ColwiseParallel) for name, style in linears.items()}
-
-
-def test_a_layout_limit_refuses_its_recipe_on_its_dimension_only():
-    """The table of float8 recipes a layout cannot run (``LAYOUT_LIMITS``; the precision
-    work of #41 fills it) refuses a recipe where its dimension is split, in one sentence."""
-    lim = (LayoutLimit("delayed", "tp", "its amax histories are kept per rank", "use precision=fp8"),)
-    delayed = make_cfg("precision=fp8-delayed").precision
-    said = layout_limit_problem(delayed, MeshShape(1, 2, 2), lim)
-    assert said == ("precision.fp8.recipe=delayed cannot run with parallel.tp=2: its amax histories are kept per "
-                    "rank; use precision=fp8.") and one_sentence(said)
-    assert layout_limit_problem(delayed, MeshShape(2, 2, 1), lim) is None
-    assert layout_limit_problem(make_cfg("precision=fp8").precision, MeshShape(1, 2, 2), lim) is None
-    every_dim = ["parallel=fsdp_tp", "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.tp=2",
-                 "model.n_head=4", "precision=fp8"]  # 2 x 2 x 2 on 8 ranks: each entry's dimension is split
-    for entry in LAYOUT_LIMITS:  # each entry the project keeps refuses through the start-up check
-        said = refusal(*every_dim, f"precision.fp8.recipe={entry.recipe}", world=8)
-        assert said.startswith(f"precision.fp8.recipe={entry.recipe} cannot run with parallel."), said
 
 
 # ------------------------------------------------------------------ train.py as a user types it

@@ -115,6 +115,14 @@ def mesh_shape(pcfg: Any, world: int, per_node: int | None = None) -> MeshShape:
     return shape
 
 
+def tp_said(given: int, tp: int) -> str:
+    """``parallel.tp`` as a refusal names it: with the size it stands for when
+    the config says 0 (the ranks of a node) or -1 (the rest of the world)."""
+    if given == tp:
+        return f"parallel.tp={tp}"
+    return f"parallel.tp={given} ({'the ranks of one node' if given == 0 else 'the rest of the world'}: {tp})"
+
+
 def check_unguarded(names: Any) -> None:
     """``debug.unguarded`` names only known guards (a misspelt one would leave the guard on unnoticed)."""
     unknown = [n for n in names if n not in GUARDS]

@@ -6,7 +6,9 @@ up/gate/fc) are split by output column, the ones that fan in (attention's
 output, the MLP's down/proj) by input row, so a block costs one gather before
 and one reduction after each half, and a rank holds ``1/tp`` of the heads and
 of the MLP width. The token embedding and the head are split over the
-vocabulary (a tied head shares the embedding's split matrix).
+vocabulary (a tied head shares the embedding's split matrix). Which linears
+those are, and GPT's fused qkv, is the family spec's table
+(:class:`mptrain.model.spec.TensorSplit`), found from the model's class.
 
 With ``parallel.sequence_parallel`` the residual stream between the halves
 is split over the sequence instead of repeated on every TP rank: the norms
@@ -48,16 +50,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-# Per family: (the fan-out projections, the fan-in ones), by attribute path in a block.
-_SPLITS = {
-    "gpt": (("attn.qkv", "mlp.fc"), ("attn.proj", "mlp.proj")),
-    "llama": (("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up"), ("attn.o", "mlp.down")),
-}
-
-
-def family_of_model(model: nn.Module) -> str:
-    """``gpt`` or ``llama``, from the block's attention (no config needed)."""
-    return "gpt" if hasattr(model.blocks[0].attn, "qkv") else "llama"
+from mptrain.model.families import model_spec
+from mptrain.model.spec import TensorSplit
 
 
 def float8_styles(linear: nn.Module) -> Optional[tuple[type, type]]:
@@ -82,10 +76,6 @@ def float8_styles(linear: nn.Module) -> Optional[tuple[type, type]]:
     return None
 
 
-STYLES = {"float8": True}
-"""``STYLES["float8"]``: give tensorwise float8 linears torchao's styles (tests turn it off to compare)."""
-
-
 def moves_float8(mesh: DeviceMesh) -> bool:
     """Whether the mesh's collectives can carry float8 tensors: NCCL can, gloo
     cannot (it refuses the dtype), so a CPU run keeps its collectives in high precision."""
@@ -99,7 +89,7 @@ def float8_gathers(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) 
     styles cast to float8 first. The forward's activation all-gather before each
     half stays in high precision (the blocks' plain input preparation). For the
     banner and ``run_info``."""
-    return (sequence_parallel and STYLES["float8"] and moves_float8(mesh)
+    return (sequence_parallel and moves_float8(mesh)
             and any(float8_styles(m) is not None for m in model.modules()))
 
 
@@ -109,16 +99,16 @@ def _styles(block: nn.Module, name: str, colwise, rowwise, float8_ok: bool) -> t
     where ``float8_ok``."""
     if colwise is not None and rowwise is not None:
         return colwise, rowwise
-    mine = float8_styles(block.get_submodule(name)) if float8_ok and STYLES["float8"] else None
+    mine = float8_styles(block.get_submodule(name)) if float8_ok else None
     return mine or (colwise or ColwiseParallel, rowwise or RowwiseParallel)
 
 
-def block_plan(family: str, sequence_parallel: bool, colwise=None, rowwise=None,
+def block_plan(split: TensorSplit, sequence_parallel: bool, colwise=None, rowwise=None,
                block: Optional[nn.Module] = None, float8_ok: bool = True) -> dict:
-    """The ``parallelize_module`` plan of one block. ``colwise``/``rowwise``
-    are the styles of the linears; None: chosen per linear of ``block``
-    (torchao's float8 ones for tensorwise float8 linears, torch's otherwise)."""
-    fan_out, fan_in = _SPLITS[family]
+    """The ``parallelize_module`` plan of one block of a family that ``split``
+    describes. ``colwise``/``rowwise`` are the styles of the linears; None: chosen
+    per linear of ``block`` (torchao's float8 ones for tensorwise float8 linears,
+    torch's otherwise)."""
     between = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
 
     def style(name: str, side: int):
@@ -126,8 +116,8 @@ def block_plan(family: str, sequence_parallel: bool, colwise=None, rowwise=None,
             return (colwise or ColwiseParallel, rowwise or RowwiseParallel)[side]
         return _styles(block, name, colwise, rowwise, float8_ok)[side]
 
-    plan: dict = {name: style(name, 0)() for name in fan_out}
-    plan.update({name: style(name, 1)(output_layouts=between) for name in fan_in})
+    plan: dict = {s.path: style(s.path, 0)() for s in split.side(colwise=True)}
+    plan.update({s.path: style(s.path, 1)(output_layouts=between) for s in split.side(colwise=False)})
     # Each half takes its input as one replicated DTensor that its fan-out linears
     # share: their input gradients (partial sums) add up on the rank and cross the TP
     # ranks once per half (a reduce-scatter with SP, an all-reduce without) instead of
@@ -159,7 +149,8 @@ def apply(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, colwise=N
     """Split ``model`` (either family, unwrapped, converted to its precision's
     linears) over the 1-D ``mesh``, in place. ``colwise``/``rowwise``: the
     linears' styles; None picks them per linear (:func:`block_plan`)."""
-    family = family_of_model(model)
+    split = model_spec(model).split
+    fused = split.fused_qkv
     # The head's gathered logits come back as a view of the collective's buffer, and
     # FSDP2 warns, on every rank, that an in-place op on a view its root returns would
     # skip its backward hook. Nothing writes into the logits in place (the loss reads
@@ -169,20 +160,20 @@ def apply(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, colwise=N
     # all-gather of it: only a backend that moves float8 can run them there.
     float8_ok = not sequence_parallel or moves_float8(mesh)
     for i, block in enumerate(model.blocks):
-        plan = block_plan(family, sequence_parallel, colwise, rowwise, block, float8_ok)
-        if family == "gpt":
-            plan["attn.qkv"] = _styles(block, "attn.qkv", colwise, rowwise, float8_ok)[0](use_local_output=False)
+        plan = block_plan(split, sequence_parallel, colwise, rowwise, block, float8_ok)
+        if fused:  # kept a DTensor, for the hook below to gather
+            plan[fused] = _styles(block, fused, colwise, rowwise, float8_ok)[0](use_local_output=False)
         parallelize_module(block, mesh, plan)
         if sequence_parallel and i == 0:  # the embeddings hand over the whole sequence: keep this rank's part
             parallelize_module(block, mesh, PrepareModuleInput(input_layouts=(Replicate(),),
                                                                desired_input_layouts=(Shard(1),),
                                                                use_local_output=True))
-        if family == "gpt":
-            block.attn.qkv.register_forward_hook(_gather_fused_qkv)
+        if fused:
+            block.get_submodule(fused).register_forward_hook(_gather_fused_qkv)
     between = Shard(1) if sequence_parallel else Replicate()
     top = {
-        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
+        split.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        split.head: ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
     }
     if sequence_parallel:
         top["ln_f"] = SequenceParallel()

@@ -2,7 +2,9 @@
 each: the trainer, the start-up checks, the memory estimator, the advisor,
 ``mptrain.sample`` and the export all read :func:`family_spec` (or :func:`build`,
 its factory), so they construct the same module the same way and none of them
-branches on the family's name.
+branches on the family's name. A built model's spec is found from its class
+(:func:`model_spec`), so tensor parallelism and the estimators need no config
+and no guessing to know how to split it.
 
 Also here: ``model.init_from`` for both families (a ``transformers``
 ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` to start from): its architecture
@@ -23,7 +25,7 @@ from mptrain.model import hf_gpt2, hf_llama, hf_read
 from mptrain.model.hf_read import same, show
 from mptrain.model.gpt import GPT, GPTShape, LayerNorm
 from mptrain.model.llama import Llama, LlamaShape, RMSNorm, swiglu_hidden
-from mptrain.model.spec import FamilySpec
+from mptrain.model.spec import FamilySpec, Share, SplitLinear, TensorSplit
 
 
 def _value(x: Any) -> Any:
@@ -127,16 +129,58 @@ def llama_init_weights(path: Any, block_size: int) -> dict:
     return hf_llama.read_weights(path)
 
 
+# ------------------------------------------------------------------ how tensor parallelism splits each family
+
+
+def gpt_shares(s: GPTShape) -> list[Share]:
+    """What a GPT block deals out beyond its heads: the MLP width (4 d_model, whole
+    when the heads are; kept so the rule does not rest on that)."""
+    return [Share(4 * s.d_model, f"the MLP width {4 * s.d_model} (4 x model.d_model)",
+                  "each rank holds an equal share of it", "set model.d_model to a multiple of {tp}")]
+
+
+def llama_shares(s: LlamaShape) -> list[Share]:
+    """What a Llama block deals out beyond its query heads: its key/value heads
+    (with none set they are the query heads, already whole) and the SwiGLU width."""
+    return [Share(s.n_kv_head, f"model.n_kv_head={s.n_kv_head}", "each rank holds whole key/value heads",
+                  "set model.n_kv_head to a multiple of {tp}"),
+            Share(s.ffn_hidden, f"the SwiGLU hidden size {s.ffn_hidden} (model.ffn_hidden, or Llama's rule)",
+                  "each rank holds an equal share of the MLP width", "set model.ffn_hidden to a multiple of {tp}")]
+
+
+# A rank's rows of GPT's fused qkv are a contiguous 3 d/tp of [q; k; v]: regrouped to whole heads.
+GPT_SPLIT = TensorSplit(
+    linears=(SplitLinear("attn.qkv", "the attention's fused qkv projection", True,
+                         lambda s: (s.d_model, 3 * s.d_model)),
+             SplitLinear("attn.proj", "the attention's output projection", False, lambda s: (s.d_model, s.d_model)),
+             SplitLinear("mlp.fc", "the MLP's first linear", True, lambda s: (s.d_model, 4 * s.d_model)),
+             SplitLinear("mlp.proj", "the MLP's last linear", False, lambda s: (4 * s.d_model, s.d_model))),
+    shares=gpt_shares, fused_qkv="attn.qkv")
+LLAMA_SPLIT = TensorSplit(
+    linears=(SplitLinear("attn.q", "the attention's query projection", True,
+                         lambda s: (s.d_model, s.n_head * s.head_dim)),
+             SplitLinear("attn.k", "the attention's key projection", True,
+                         lambda s: (s.d_model, s.n_kv_head * s.head_dim)),
+             SplitLinear("attn.v", "the attention's value projection", True,
+                         lambda s: (s.d_model, s.n_kv_head * s.head_dim)),
+             SplitLinear("attn.o", "the attention's output projection", False,
+                         lambda s: (s.n_head * s.head_dim, s.d_model)),
+             SplitLinear("mlp.gate", "the SwiGLU gate projection", True, lambda s: (s.d_model, s.ffn_hidden)),
+             SplitLinear("mlp.up", "the SwiGLU up projection", True, lambda s: (s.d_model, s.ffn_hidden)),
+             SplitLinear("mlp.down", "the SwiGLU down projection", False, lambda s: (s.ffn_hidden, s.d_model))),
+    shares=llama_shares)
+
+
 # ------------------------------------------------------------------ the specs
 
 GPT_SPEC = FamilySpec(name="gpt", model_class=GPT, norm=LayerNorm, shape=gpt_shape, check=check_gpt,
                       banner=no_banner, hf_config=hf_gpt2.hf_config, model_fields=hf_gpt2.model_fields,
                       hf_state_dict=hf_gpt2.to_hf_state_dict, init_fields=hf_gpt2.init_fields,
-                      hf_field=hf_gpt2.HF_FIELD, init_weights=hf_gpt2.read_weights)
+                      hf_field=hf_gpt2.HF_FIELD, init_weights=hf_gpt2.read_weights, split=GPT_SPLIT)
 LLAMA_SPEC = FamilySpec(name="llama", model_class=Llama, norm=RMSNorm, shape=llama_shape, check=check_llama,
                         banner=llama_banner, hf_config=hf_llama.hf_config, model_fields=hf_llama.model_fields,
                         hf_state_dict=llama_hf_state_dict, init_fields=hf_llama.init_fields,
-                        hf_field=hf_llama.HF_FIELD, init_weights=llama_init_weights)
+                        hf_field=hf_llama.HF_FIELD, init_weights=llama_init_weights, split=LLAMA_SPLIT)
 SPECS = {s.name: s for s in (GPT_SPEC, LLAMA_SPEC)}
 """Every family by its ``model.family`` value."""
 FAMILIES = tuple(SPECS)
@@ -147,6 +191,15 @@ NORMS = tuple(s.norm for s in SPECS.values())
 def family_spec(m: Any) -> FamilySpec:
     """The spec of the family a ``model`` section names."""
     return SPECS[family_of(m)]
+
+
+def model_spec(model: nn.Module) -> FamilySpec:
+    """The spec of a built model's family (unwrapped; its linears may be converted
+    to a precision's), found from the class its spec builds."""
+    for spec in SPECS.values():
+        if isinstance(model, spec.model_class):
+            return spec
+    raise TypeError(f"{type(model).__name__} is no family's model (the families: {', '.join(FAMILIES)})")
 
 
 def build(m: Any, vocab: int) -> nn.Module:

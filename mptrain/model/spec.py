@@ -1,18 +1,83 @@
 """What a model family is, as one object: :class:`FamilySpec`.
 
 Every place that must know which family it holds (building the model, the
-start-up checks, the banner, the memory estimate, the export to Hugging Face)
-reads the family's spec instead of branching on ``model.family``. Adding a
-family is writing its module and one spec (``mptrain/model/families.py`` holds
-both of today's); nothing else has to learn its name.
+start-up checks, the banner, the memory estimate, the export to Hugging Face,
+tensor parallelism and what it asks of the model) reads the family's spec
+instead of branching on ``model.family``. Adding a family is writing its
+module and one spec (``mptrain/model/families.py`` holds both of today's);
+nothing else has to learn its name.
+
+How tensor parallelism splits a family is part of its spec
+(:class:`TensorSplit`): ``distributed/tensor_parallel.py`` applies that table,
+the start-up rules (``model/tp_rules.py``, ``precision/mesh_rules.py``) and the
+memory and traffic estimators read the same one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class SplitLinear:
+    """One linear of a block as tensor parallelism splits it."""
+
+    path: str
+    """Attribute path in a block (``attn.q``)."""
+    what: str
+    """The layer in words, for refusals."""
+    colwise: bool
+    """Split by output features (fan-out: its weight's rows); else by input features (fan-in: its columns)."""
+    whole: Callable[[Any], tuple[int, int]]
+    """The family's shape -> the linear's whole ``(in, out)`` features."""
+
+    def per_rank(self, shape: Any, tp: int) -> tuple[int, int]:
+        """``(in, out)`` features of one of ``tp`` ranks' part, in a model of ``shape``."""
+        n_in, n_out = self.whole(shape)
+        return (n_in, n_out // tp) if self.colwise else (n_in // tp, n_out)
+
+
+@dataclass(frozen=True)
+class Share:
+    """A size of a block that tensor parallelism deals out to its ranks in
+    equal whole parts, so ``tp`` must divide it; said as a refusal says it."""
+
+    size: int
+    label: str
+    """The size as a refusal names it (``model.n_kv_head=2``)."""
+    why: str
+    """Why tp must divide it."""
+    fix: str
+    """The fix beside a smaller tp, with ``{tp}`` where the tp goes."""
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """How tensor parallelism splits a family's model over ``tp`` ranks:
+    Megatron's layout, each fan-out linear of a block by output feature and
+    each fan-in one by input feature, the token embedding and the head by
+    vocabulary row; everything else (norms, a position table, a fan-in
+    linear's bias) whole on every rank."""
+
+    linears: tuple[SplitLinear, ...]
+    """Every linear of a block, in the order the refusals look at them."""
+    shares: Callable[[Any], list[Share]]
+    """The family's shape -> the sizes of a block it deals out beyond the attention heads
+    (which every family deals out whole)."""
+    fused_qkv: Optional[str] = None
+    """A fan-out linear whose output is ``[q; k; v]`` over all heads (GPT's ``attn.qkv``): a rank's
+    contiguous slice of it holds no whole heads, so its output is regrouped to the rank's heads."""
+    embedding: str = "wte"
+    """The token embedding, split over its vocabulary rows."""
+    head: str = "lm_head"
+    """The output head, split over its vocabulary rows (a tied one shares the embedding's matrix)."""
+
+    def side(self, colwise: bool) -> tuple[SplitLinear, ...]:
+        """The fan-out linears (``colwise``) or the fan-in ones, in table order."""
+        return tuple(s for s in self.linears if s.colwise == colwise)
 
 
 @dataclass(frozen=True)
@@ -52,6 +117,8 @@ class FamilySpec:
     init_weights: Callable[[Any, int], dict[str, torch.Tensor]]
     """(``model.init_from``'s directory, ``block_size``) -> its tensors under our names
     (CPU, each checked: names, shapes, finite values)."""
+    split: TensorSplit
+    """How tensor parallelism splits the family's model."""
 
     def build(self, m: Any, vocab: int) -> nn.Module:
         """The model ``m`` describes with ``vocab`` embedding rows, on the

@@ -15,9 +15,10 @@ in the process; allocator slack; transient buffers; the data) is
 
 Under a device mesh (``parallel=fsdp|hsdp|fsdp_tp``, ``dp_replicate x
 dp_shard x tp``, the plan's mesh)
-each parameter is first split as tensor parallelism splits it (the plan of
-``distributed/tensor_parallel.py``: fan-out linears by row, fan-in ones by
-column, embedding and head by vocabulary row; norms whole), then its dim-0
+each parameter is first split as tensor parallelism splits it (the family
+spec's table that ``distributed/tensor_parallel.py`` applies: fan-out linears
+by row, fan-in ones by column, embedding and head by vocabulary row; norms
+whole), then its dim-0
 rows over ``dp_shard``; the ``dp_replicate`` groups hold the same shard, so
 they divide nothing. Activations inside the split halves (q/k/v, attention,
 the MLP's hidden width) are divided by ``tp``, the residual stream and the
@@ -36,12 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
 from mptrain.config.mesh import MESH_MODES, MeshShape
-from mptrain.distributed.tensor_parallel import block_plan, family_of_model
 from mptrain.model.families import build as build_family
-from mptrain.model.families import ffn_hidden
+from mptrain.model.families import ffn_hidden, model_spec
 from mptrain.plan.plan import Plan
 from mptrain.precision.optimizers import (
     BLOCK,
@@ -155,20 +153,18 @@ def tp_dims(model) -> dict[str, Optional[int]]:
     """Per parameter name of ``model`` (either family, unwrapped), the dimension
     tensor parallelism splits it along, or None where every TP rank holds it
     whole (norms, GPT's position embedding, a fan-in linear's bias). Read off
-    the block plan ``distributed/tensor_parallel.py`` applies, so the two agree:
-    a fan-out (colwise) linear splits its output rows (weight and bias dim 0),
-    a fan-in (rowwise) one its input columns (weight dim 1); the token
-    embedding and the head split the vocabulary (dim 0)."""
-    split: dict[str, Optional[int]] = {"wte.weight": 0, "lm_head.weight": 0}
-    plan = block_plan(family_of_model(model), sequence_parallel=False)
+    the family spec's table that ``distributed/tensor_parallel.py`` applies, so
+    the two agree: a fan-out (colwise) linear splits its output rows (weight and
+    bias dim 0), a fan-in (rowwise) one its input columns (weight dim 1); the
+    token embedding and the head split the vocabulary (dim 0)."""
+    split = model_spec(model).split
+    dims: dict[str, Optional[int]] = {f"{split.embedding}.weight": 0, f"{split.head}.weight": 0}
     for i in range(len(model.blocks)):
-        for path, style in plan.items():
-            if isinstance(style, ColwiseParallel):
-                split.update({f"blocks.{i}.{path}.weight": 0, f"blocks.{i}.{path}.bias": 0})
-            elif isinstance(style, RowwiseParallel):
-                split[f"blocks.{i}.{path}.weight"] = 1
+        for s in split.linears:
+            at = f"blocks.{i}.{s.path}"
+            dims.update({f"{at}.weight": 0, f"{at}.bias": 0} if s.colwise else {f"{at}.weight": 1})
     # every name, a tied head's too (named_parameters() lists a shared tensor once)
-    return {name: split.get(name) for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {name: dims.get(name) for name, _ in model.named_parameters(remove_duplicate=False)}
 
 
 def tp_shape(shape: tuple[int, ...], dim: Optional[int], tp: int) -> tuple[int, ...]:

@@ -55,7 +55,6 @@ from typing import Optional
 import torch.nn as nn
 
 from mptrain.config.mesh import MESH_MODES, MeshShape
-from mptrain.distributed.tensor_parallel import family_of_model
 from mptrain.observe.memory import BYTES, meta_model, shard_numel, tp_dims, tp_shape
 from mptrain.plan.plan import Plan
 
@@ -177,7 +176,7 @@ def _tensor_parallel(plan: Plan, mesh: MeshShape, parts: _Parts, store: str, tok
     m, L = plan.model, plan.model.n_layer
     c, r = plan.precision.compute_dtype.name, store  # the halves' outputs; the residual stream and norms
     u = tokens * m.d_model  # one B x T x d_model activation per micro-batch, summed over the step
-    fused = family_of_model(model) == "gpt"  # qkv gathered to whole heads, its gradient scattered back
+    fused = plan.family.split.fused_qkv is not None  # gathered to whole heads, its gradient scattered back
     sp = plan.parallel.sequence_parallel
     bc, br = BYTES[c], BYTES[r]
     # A checkpointed block runs its forward again in the backward pass, collectives included,

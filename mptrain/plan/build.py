@@ -25,13 +25,15 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from mptrain.config import checks
-from mptrain.config.mesh import mesh_shape
+from mptrain.config.mesh import mesh_shape, tp_said
 from mptrain.config.schema import ParallelMode, debug_set
 from mptrain.core.errors import ConfigError
 from mptrain.data.tokenizers import ByteTokenizer
 from mptrain.model.families import adopt_init_from, family_spec
+from mptrain.model.tp_rules import tp_problem
 from mptrain.plan.plan import Batches, Launch, Parallel, Parts, Plan, Vocab, frozen
-from mptrain.precision import mesh_rules, rules
+from mptrain.precision import rules
+from mptrain.precision.mesh_rules import blocks_refusal
 from mptrain.precision.optimizers import choose
 
 
@@ -55,14 +57,17 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
     spec = family_spec(m)
     spec.check(m)
     rules.validate(m, cfg.precision, cfg.monitor.fp8_whatif, batches)
-    mesh_rules.validate(cfg, launch.world)  # what tensor parallelism asks of the model and the blocks
+    said, sp = tp_said(int(cfg.parallel.tp), mesh.tp), bool(cfg.parallel.sequence_parallel)
+    if mesh.tp > 1:  # what tensor parallelism asks of the model, then of the recipe's blocks
+        problem = tp_problem(m, mesh.tp, sp, said) or blocks_refusal(m, cfg.precision, mesh.tp, sp, launch.world, said)
+        if problem:
+            raise ConfigError(problem)
     s = OmegaConf.to_object(cfg)  # the typed sections, of which the plan keeps frozen copies
-    tp_said = mesh_rules.tp_said(int(cfg.parallel.tp), mesh.tp)
-    parallel = Parallel(s.parallel.name, str(s.parallel.backend), mesh,
-                        mesh.tp > 1 and bool(s.parallel.sequence_parallel), tp_said, frozenset(s.debug.unguarded))
+    parallel = Parallel(s.parallel.name, str(s.parallel.backend), mesh, mesh.tp > 1 and sp, said,
+                        frozenset(s.debug.unguarded))
     return Plan(
         launch=launch, device=str(s.train.device), model=frozen(s.model), family=spec, adopted=frozen(adopted),
-        vocab=Vocab(s.model.vocab_size, _tokenizer_size(s.data), mesh.tp, tp_said, s.model.init_from),
+        vocab=Vocab(s.model.vocab_size, _tokenizer_size(s.data), mesh.tp, said, s.model.init_from),
         batches=batches, parallel=parallel, precision=frozen(s.precision), optimizer=choose(cfg.precision, cfg.optim, parallel.name),
         optim=frozen(s.optim), train=frozen(s.train), data=frozen(s.data), log=frozen(s.log),
         checkpoint=frozen(s.checkpoint), parts=_parts(s, parallel), debug=frozen(s.debug),

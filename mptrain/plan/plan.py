@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from mptrain.config.mesh import MESH_MODES, MeshShape, ranks_per_node
-from mptrain.core.errors import ConfigError
-from mptrain.data.batches import padded_vocab
 from mptrain.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -38,8 +36,10 @@ from mptrain.config.schema import (
     ParallelMode,
     TrainConfig,
 )
+from mptrain.core.errors import ConfigError
+from mptrain.data.batches import padded_vocab
 from mptrain.model.spec import FamilySpec
-from mptrain.precision.mesh_rules import vocab_problem
+from mptrain.model.tp_rules import vocab_problem
 from mptrain.precision.optimizers import Choice
 
 

@@ -34,6 +34,7 @@ sys.path.insert(0, ROOT)
 import mptrain.config.schema  # noqa: E402,F401
 from mptrain.model.gpt import GPT, GPTShape, LayerNorm  # noqa: E402
 from mptrain.distributed.parallel import setup, wrap, wrapper_dtypes  # noqa: E402
+from mptrain.plan.build import build_plan  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
 from mptrain.precision.formats import dtype_name
 
@@ -62,7 +63,7 @@ def probe(mode: str, case: str, overrides: list[str]) -> dict:
     # each case and each wrapper is composed once, not once per (wrapper, case) pair:
     # composing costs more than the probe itself.
     precision = _compose(*overrides).precision
-    ctx = setup(_compose(f"parallel={mode}").parallel, "cpu")
+    ctx = setup(build_plan(_compose(f"parallel={mode}")))
     try:
         return _probe_wrapped(mode, case, precision, ctx)
     finally:
@@ -134,7 +135,7 @@ def init_digest(mode: str, precision: str) -> str:
     ``wrap``: after sharding under FSDP2) and digest its full initial weights."""
     policy = PrecisionPolicy(_compose(f"precision={precision}").precision, torch.device("cpu"),
                              fsdp2=mode == "fsdp")
-    ctx = setup(_compose(f"parallel={mode}").parallel, "cpu")
+    ctx = setup(build_plan(_compose(f"parallel={mode}")))
     try:
         with torch.device("meta"):
             model = GPT(INIT_SHAPE)

@@ -35,7 +35,7 @@ from mptrain.observe.memory import estimate
 from mptrain.plan.build import build_plan
 from mptrain.precision.support import verdicts
 
-from .conftest import ROOT, TINY, make_cfg
+from .conftest import ROOT, TINY, make_cfg, make_plan
 
 PLANTED = "blocks.1.mlp.proj"
 STEPS = str(MIN_STEPS)
@@ -57,7 +57,7 @@ def _decision(doc: dict, topic: str) -> dict:
 def planted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("advise") / "planted"
     vocab = 320  # the byte tokenizer's (the probe's run_info says so; checked below)
-    fp32_moments = estimate(make_cfg("precision=bf16"), vocab).total / 2**30
+    fp32_moments = estimate(make_plan("precision=bf16"), vocab).total / 2**30
     budget = fp32_moments * 0.99  # too small for fp32 moments by 1%: bf16 moments (-4 bytes/param) fit
     code = _advise(f"debug.outlier_module={PLANTED}", "debug.loss_multiplier=1e-6", "--target", "h100",
                    "--steps", STEPS, "--budget-gib", f"{budget:.9f}", "--lab", "nvfp4_4over6,mxfp6_e2m3",
@@ -101,7 +101,7 @@ def test_a_budget_too_small_for_fp32_moments_picks_a_low_bit_state_that_fits(pla
     # its advice: the fp32-moment estimate less 2 bytes saved on each of the two
     # moments of every parameter of the model itself (tied weights counted once).
     n_params = sum(p.numel() for p in build_family(make_cfg().model, vocab).parameters())
-    fp32_moments = estimate(make_cfg("precision=bf16"), vocab).total / 2**30
+    fp32_moments = estimate(make_plan("precision=bf16"), vocab).total / 2**30
     assert doc["expected"]["gib_per_rank"] == pytest.approx(fp32_moments - 2 * 2 * n_params / 2**30, rel=1e-12)
     assert doc["expected"]["gib_per_rank"] <= doc["budget_gib"]
     assert "fp32 moments" in state["evidence"]  # ruled out, with its figure

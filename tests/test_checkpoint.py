@@ -18,7 +18,7 @@ from mptrain.checkpoint.integrity import CheckpointError, complete_checkpoints, 
 from mptrain.checkpoint.resolve import resolve_resume
 
 from .aids import without_wall_clock
-from .conftest import ROOT, TINY, make_cfg, read_rows, run_cli, train
+from .conftest import ROOT, TINY, make_cfg, make_plan, read_rows, run_cli, train
 
 BASE = [*TINY, "train.max_steps=20", "train.eval_every=5", "train.eval_tokens=1024"]
 _values = without_wall_clock
@@ -134,13 +134,13 @@ def test_reshard_fsdp_two_ranks_to_one(tmp_path):
     # (A run resumed at its last step has nothing to train, so the Trainer is built
     # and saved directly: the same load and save a resumed run goes through.)
     from mptrain.distributed.parallel import setup
-    from mptrain.run.resume import ResumePlan
+    from mptrain.plan.plan import Resume
     from mptrain.run.trainer import Trainer
 
-    cfg = make_cfg(*BASE, "parallel=none")
-    ctx = setup(cfg.parallel, cfg.train.device)
+    plan = make_plan(*BASE, "parallel=none")
+    ctx = setup(plan)
     try:
-        t = Trainer(cfg, ctx, dst, ResumePlan(path=ckpt, step=10))
+        t = Trainer(plan.decided(Resume(path=ckpt, step=10)), ctx, dst)
         assert t.start == 10 and t.resumed_from == ckpt
         t.ckpt.save(10, t.model, t.optimizer, t.states)
         t.metrics.close()

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from mptrain.advice.answer import experiment_yaml
+from mptrain.plan.build import build_plan
 
 from .conftest import ROOT, TINY, read_rows, train
 from .test_data import SAME_WEIGHTS_VAL
@@ -517,7 +518,7 @@ def test_fsdp1_grad_norm_is_fp32_with_half_precision_grads():
     from .conftest import make_cfg
 
     cfg = make_cfg("parallel=fsdp1", "precision=bf16-pure")
-    ctx = setup(cfg.parallel, "cpu")  # a one-rank group, made and destroyed here
+    ctx = setup(build_plan(cfg))  # a one-rank group, made and destroyed here
     try:
         policy = PrecisionPolicy(cfg.precision, ctx.device)
         torch.manual_seed(0)

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from mptrain.core.errors import ConfigError
+from mptrain.plan.build import build_plan
 from mptrain.precision.support import fp8_software_problem
 
 from .conftest import ROOT, make_cfg, read_rows, train
@@ -313,7 +314,7 @@ def test_fsdp2_float8_scales_follow_every_optimizer_step():
     from mptrain.precision.policy import PrecisionPolicy
 
     cfg = make_cfg("parallel=fsdp", "precision=fp8")
-    ctx = setup(cfg.parallel, "cpu")
+    ctx = setup(build_plan(cfg))
     try:
         policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=True)
         assert policy.fp8.all_gather

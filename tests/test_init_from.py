@@ -91,9 +91,10 @@ def test_llama_preset_takes_the_checkpoints_architecture(ckpts, tmp_path):
 def _hf_loss(hf, cfg) -> float:
     """transformers' cross-entropy on the run's first batch (the data as the trainer builds it)."""
     from mptrain.distributed.parallel import DistContext, ParallelMode
+    from mptrain.plan.build import build_plan
     from mptrain.run.build import build_data
 
-    batch = build_data(cfg, DistContext(mode=ParallelMode.none), lambda line: None).batches.batch(0)
+    batch = build_data(build_plan(cfg), DistContext(mode=ParallelMode.none), lambda line: None).batches.batch(0)
     x, y = torch.cat([b[0] for b in batch]), torch.cat([b[1] for b in batch])
     with torch.no_grad():
         return torch.nn.functional.cross_entropy(hf.eval()(x).logits.flatten(0, 1), y.flatten()).item()

@@ -72,11 +72,11 @@ def init_run(checkpoints):
 
     paths, _ = checkpoints
     cfg = make_cfg(*LLAMA, f"model.init_from={paths['llama']}", "train.max_steps=1", tiny=False)
-    build_plan(cfg)  # as the trainer starts: the init_from config is checked here
+    plan = build_plan(cfg)  # as the trainer starts: the init_from config is checked here
     ctx = DistContext(mode=ParallelMode.none)
-    policy, _ = build_policy(cfg, ctx)
-    data = build_data(cfg, ctx, lambda line: None)
-    model = build_model(cfg, ctx, policy, data.vocab, data.tokens.vocab_size).model
+    policy, _ = build_policy(plan, ctx)
+    data = build_data(plan, ctx, lambda line: None)
+    model = build_model(plan, ctx, policy, data.vocab, data.tokens.vocab_size).model
     return data, model
 
 

@@ -25,14 +25,16 @@ from mptrain.observe.memory import (
     estimate,
     local_numels,
     measured_line,
-    micro_batch_of,
     shapes,
     summary_figures,
 )
 from mptrain.precision import optimizers
 
 from .aids import state_bytes
-from .conftest import make_cfg
+from mptrain.plan.build import build_plan
+from mptrain.plan.plan import Launch
+
+from .conftest import make_cfg, make_plan
 
 VOCAB = 322
 
@@ -80,7 +82,7 @@ def step_once(cfg, vocab: int, ctx):
     model = build_family(m, vocab)
     decay = decay_names(model)
     model = wrap(model, policy, ctx)
-    opt = build_optimizer(model, decay, cfg.optim, cpu, optimizers.choose(cfg))
+    opt = build_optimizer(model, decay, cfg.optim, cpu, build_plan(cfg, Launch.planned(ctx.world)).optimizer)
     x = torch.randint(0, vocab, (2, m.block_size + 1), generator=torch.Generator().manual_seed(ctx.rank))
     train_step(StepState(model, opt, policy.make_scaler(distributed=ctx.world > 1), policy, ctx, 1.0),
                [(x[:, :-1], x[:, 1:])])
@@ -102,7 +104,7 @@ def one_step(case: str):
 @pytest.fixture(scope="module")
 def estimates() -> dict:
     """Every case's estimate (world 1, micro-batch 2), computed once for the module."""
-    return {name: estimate(make_cfg(*o, f"model.vocab_size={VOCAB}"), VOCAB, world=1, micro_batch=2)
+    return {name: estimate(make_plan(*o, f"model.vocab_size={VOCAB}"), VOCAB, micro_batch=2)
             for name, o in CASES.items()}
 
 
@@ -127,7 +129,7 @@ def test_every_row_is_exact_against_a_real_step(case, estimates):
     assert e.activations > 0 and e.gathered == 0
     assert e.total == e.state + e.activations == sum(v for k, v in e.parts().items() if k != "total")
     # and moment_bytes, tensor by tensor, is what torchao (or torch, or optimi) allocated
-    choice = optimizers.choose(cfg)
+    choice = build_plan(cfg).optimizer
     for p in params:
         want = optimizers.moment_bytes(p.numel(), choice.state, p.element_size())
         st = opt.state[p]
@@ -183,14 +185,14 @@ def test_fsdp_shards_each_tensor_by_rows():
     """FSDP2 cuts dim 0 like torch.chunk (rank 0 holds the most rows); FSDP1
     one flat shard; the estimate counts rank 0's shard of each tensor."""
     cfg = make_cfg("model.vocab_size=322")
-    shape_list, _ = shapes(cfg, 322)
+    shape_list, _ = shapes(cfg.model, 322)
     for world in (2, 3, 8):
         want = [torch.chunk(torch.empty(s, device="meta"), world)[0].numel() for s in shape_list]
         assert local_numels(shape_list, "fsdp", world) == want
         assert local_numels(shape_list, "fsdp1", world) == [math.ceil(sum(map(math.prod, shape_list)) / world)]
         assert local_numels(shape_list, "ddp", world) == [math.prod(s) for s in shape_list]
-    one = estimate(make_cfg("parallel=fsdp", "precision=bf16"), 4096, world=1)
-    eight = estimate(make_cfg("parallel=fsdp", "precision=bf16"), 4096, world=8)
+    one = estimate(make_plan("parallel=fsdp", "precision=bf16"), 4096)
+    eight = estimate(make_plan("parallel=fsdp", "precision=bf16", world=8), 4096)
     assert eight.params * 8 == pytest.approx(one.params, rel=1e-3) and eight.gathered > 0
     assert eight.bytes_per_param()["state"] == 16.0
 
@@ -259,7 +261,7 @@ def test_activations_against_what_a_real_forward_keeps(precision, model):
         est, real = {}, {}
         for layers in (2, 3):
             cfg.model.n_layer = layers
-            e = estimate(cfg, VOCAB, world=1, micro_batch=b)
+            e = estimate(build_plan(cfg), VOCAB, micro_batch=b)
             real[layers], names = kept_for_backward(cfg, VOCAB, b)
             est[layers] = e.activations
             assert "no T x T" in e.labels["activations"]
@@ -282,9 +284,9 @@ def test_checkpointed_activations_against_what_a_real_forward_keeps():
     est, real = {}, {}
     for layers in (2, 3):
         cfg.model.n_layer = plain.model.n_layer = layers
-        e = estimate(cfg, VOCAB, world=1, micro_batch=b)
+        e = estimate(build_plan(cfg), VOCAB, micro_batch=b)
         est[layers], (real[layers], _) = e.activations, kept_for_backward(cfg, VOCAB, b, checkpointed=True)
-        assert real[layers] <= est[layers] < estimate(plain, VOCAB, world=1, micro_batch=b).activations
+        assert real[layers] <= est[layers] < estimate(build_plan(plain), VOCAB, micro_batch=b).activations
         assert "block checkpointing" in e.labels["activations"]
     assert est[3] - est[2] == real[3] - real[2] == b * cfg.model.block_size * 4 * cfg.model.d_model
 
@@ -312,7 +314,7 @@ def test_cli_says_what_the_estimate_leaves_out(capsys):
     below = "\n".join(lines[start:])
     framework = next(line for line in lines[start:] if "the framework:" in line)
     assert float(framework.split(" GiB resident")[0].split()[-1]) > 0.05, framework  # torch alone is more
-    micro = micro_batch_of(make_cfg("model=gpt-nano", tiny=False), 1)
+    micro = make_plan("model=gpt-nano", tiny=False).batches.micro_batch
     assert f"{micro} x 64 x 322 x 4 bytes" in below  # the logits' gradient, for this config
     for part in ("allocator slack", "the data:", "mem/peak_rss_gib", "mem/peak_reserved_gib"):
         assert part in below, part
@@ -359,7 +361,7 @@ def fsdp_worker(out_dir: str) -> None:
     out = {}
     for case in FSDP_CASES:
         cfg = make_cfg(*CASES[case], "parallel=fsdp", f"model.vocab_size={FSDP_VOCAB}")
-        ctx = setup(cfg.parallel, "cpu")
+        ctx = setup(build_plan(cfg))
         out[case] = rank_bytes(*step_once(cfg, FSDP_VOCAB, ctx))
     with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
         json.dump(out, f)
@@ -386,8 +388,8 @@ def test_fsdp_rows_are_rank_zeros_shard_exactly(tmp_path):
     assert r.returncode == 0, r.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for case in FSDP_CASES:
-        e = estimate(make_cfg(*CASES[case], "parallel=fsdp", f"model.vocab_size={FSDP_VOCAB}"),
-                     FSDP_VOCAB, world=2, micro_batch=2)
+        e = estimate(make_plan(*CASES[case], "parallel=fsdp", f"model.vocab_size={FSDP_VOCAB}", world=2),
+                     FSDP_VOCAB, micro_batch=2)
         want = {**{k: v for k, v in e.parts().items() if k in STATE_ROWS}, "n_params": e.n_params}
         assert ranks[0][case] == {**want, "gradients": e.grads}, case
     eight = [ranks[i]["bf16+8bit"]["exp_avg"] for i in range(2)]
@@ -424,16 +426,16 @@ def test_the_fit_check_gives_both_figures_and_can_be_switched_off():
 
     ctx = DistContext(mode=ParallelMode.none)
     with pytest.raises(NotEnoughMemory) as e:
-        check_memory(make_cfg(*TOO_BIG), ctx, 4096)
+        check_memory(make_plan(*TOO_BIG), ctx, 4096)
     line = e.value.one_line()
     assert line.startswith("not enough memory: model=gpt-6.7b (parallel=none, 1 rank, micro-batch 8 x 2048")
     for fix in ("more ranks with parallel=fsdp", "train.activation_checkpointing=block",
                 "train.micro_batch_size=4", "a smaller model", "train.memory_check=false"):
         assert fix in line, fix
-    check_memory(make_cfg(*TOO_BIG, "train.memory_check=false"), ctx, 4096)  # switched off: no refusal
-    check_memory(make_cfg(), ctx, 4096)  # gpt-nano fits
+    check_memory(make_plan(*TOO_BIG, "train.memory_check=false"), ctx, 4096)  # switched off: no refusal
+    check_memory(make_plan(), ctx, 4096)  # gpt-nano fits
     # two ranks on one host share it; under FSDP "more ranks" is the advice left
-    shared = fit_check(make_cfg(*TOO_BIG, "parallel=fsdp"), 4096, 2, 2, 4, torch.device("cpu"))
+    shared = fit_check(make_plan(*TOO_BIG, "parallel=fsdp", world=2), 4096, torch.device("cpu"))
     assert "per rank (" in shared and "shared by 2 ranks)" in shared and "more ranks (torchrun" in shared
 
 
@@ -467,8 +469,8 @@ def test_a_run_that_cannot_fit_is_refused_before_it_allocates(tmp_path):
 
 
 # ------------------------------------------------------------ the device mesh
-def _mesh_cfg(*overrides: str):
-    return make_cfg("model=llama-nano", "precision=fp32", *overrides)
+def _mesh_plan(*overrides: str, world: int = 1):
+    return make_plan("model=llama-nano", "precision=fp32", *overrides, world=world)
 
 
 def test_the_mesh_splits_each_tensor_as_tp_then_shards_its_rows_over_dp_shard():
@@ -480,12 +482,12 @@ def test_the_mesh_splits_each_tensor_as_tp_then_shards_its_rows_over_dp_shard():
     per_block = (32 + 16 * 64 + 8 * 64 + 8 * 64 + 32 * 32  # ln_1, q, k, v, o (64 x 32 of it)
                  + 32 + 48 * 64 + 48 * 64 + 32 * 96)  # ln_2, gate, up, down (64 x 96 of it)
     by_hand = 81 * 64 + 2 * per_block + 32 + 81 * 64  # wte 161 rows -> 81, blocks, ln_f, lm_head
-    e = estimate(_mesh_cfg("parallel=fsdp_tp", "parallel.tp=2", "parallel.dp_shard=-1"), VOCAB, world=4)
+    e = estimate(_mesh_plan("parallel=fsdp_tp", "parallel.tp=2", "parallel.dp_shard=-1", world=4), VOCAB)
     assert e.n_params == by_hand == 35104 and e.weights == e.grads == e.exp_avg == 4 * by_hand
-    hsdp = estimate(_mesh_cfg("parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"), VOCAB, world=4)
-    fsdp = estimate(_mesh_cfg("parallel=fsdp"), VOCAB, world=2)
+    hsdp = estimate(_mesh_plan("parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2", world=4), VOCAB)
+    fsdp = estimate(_mesh_plan("parallel=fsdp", world=2), VOCAB)
     assert hsdp.n_params == fsdp.n_params  # the two replicas hold the same shards
-    assert fsdp.n_params == sum(local_numels(shapes(_mesh_cfg(), VOCAB)[0], "fsdp", 2))  # as before the mesh
+    assert fsdp.n_params == sum(local_numels(shapes(_mesh_plan().model, VOCAB)[0], "fsdp", 2))  # as before the mesh
 
 
 @pytest.mark.parametrize("model", ["gpt-nano", "llama-nano"])
@@ -517,23 +519,23 @@ def test_the_run_checks_memory_on_its_mesh():
     whole model; on 2 replicas the fixes add more sharding."""
     from mptrain.observe.memory import fit_check
 
-    cfg = make_cfg(*TOO_BIG, "parallel=fsdp_tp", "parallel.tp=2", "parallel.dp_shard=-1")
-    said = fit_check(cfg, 4096, 4, 4, 4, torch.device("cpu"))
-    need = estimate(cfg, 4096, 4, 4).total
-    assert need < estimate(make_cfg(*TOO_BIG, "parallel=fsdp"), 4096, 4, 4).total  # TP splits activations too
+    plan = make_plan(*TOO_BIG, "parallel=fsdp_tp", "parallel.tp=2", "parallel.dp_shard=-1", world=4)
+    said = fit_check(plan, 4096, torch.device("cpu"))
+    need = estimate(plan, 4096).total
+    assert plan.batches.micro_batch == 4  # 8 sequences over 2 data-parallel ranks
+    assert need < estimate(make_plan(*TOO_BIG, "parallel=fsdp", world=4), 4096, micro_batch=4).total  # TP splits activations too
     assert f"needs about {need / 2**30:.1f} GiB per rank" in said and "mesh 1 x 2 x 2" in said
-    hsdp = make_cfg(*TOO_BIG, "parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2")
-    assert "a smaller parallel.dp_replicate=2" in fit_check(hsdp, 4096, 4, 4, 4, torch.device("cpu"))
+    hsdp = make_plan(*TOO_BIG, "parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2", world=4)
+    assert "a smaller parallel.dp_replicate=2" in fit_check(hsdp, 4096, torch.device("cpu"))
 
 
 # ---------------------------------------------------- communication, on paper
-def _flows(cfg, world: int, per_node: int | None = None):
-    from mptrain.config.mesh import mesh_shape
+def _flows(cfg, world: int):
     from mptrain.observe.traffic import traffic
 
-    mesh = mesh_shape(cfg.parallel, world, per_node or world)
-    return mesh, {(f.dim, f.kind, f.dtype, f.what.split(",")[0]): (f.calls, f.payload)
-                  for f in traffic(cfg, 4096, world, mesh=mesh)}
+    plan = build_plan(cfg, Launch.planned(world))
+    return plan.parallel.mesh, {(f.dim, f.kind, f.dtype, f.what.split(",")[0]): (f.calls, f.payload)
+                                for f in traffic(plan, 4096)}
 
 
 def _totals(flows: dict) -> dict:
@@ -613,13 +615,14 @@ def test_hsdp_ddp_and_ring_traffic():
     sends (n-1)/n of a gather's payload and twice that of an all-reduce."""
     from mptrain.observe.traffic import Flow
 
+    # (8 sequences: 4 would not give each of the 4 data-parallel ranks a micro-batch of 2)
     cfg = make_cfg("model=gpt-nano", "parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2", *BATCH,
-                   tiny=False)
+                   "train.global_batch_size=8", tiny=False)
     _, flows = _flows(cfg, 4)
-    shard = estimate(cfg, 4096, 4).n_params
+    shard = estimate(build_plan(cfg, Launch.planned(4)), 4096).n_params
     assert _totals(flows)[("dp_replicate", "all_reduce", "fp32")] == (2 * 2 + 1, shard * 4)
     _, ddp = _flows(make_cfg("model=gpt-nano", "parallel=ddp", *BATCH, tiny=False), 2)
-    assert list(ddp.values()) == [(1, estimate(make_cfg("model=gpt-nano", tiny=False), 4096).n_params * 4)]
+    assert list(ddp.values()) == [(1, estimate(make_plan("model=gpt-nano", tiny=False), 4096).n_params * 4)]
     assert Flow("tp", "all_gather", "bf16", "", 1, 800).wire(4) == 600
     assert Flow("tp", "all_reduce", "bf16", "", 1, 800).wire(4) == 1200
     assert Flow("tp", "all_reduce", "bf16", "", 1, 800).wire(1) == 0

@@ -18,7 +18,8 @@ from mptrain.config.mesh import MeshShape
 from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError
 from mptrain.distributed.parallel import DistContext
-from mptrain.precision.rules import validate
+from mptrain.plan.build import build_plan
+from mptrain.plan.plan import Launch
 from mptrain.run.build import build_data
 
 from .conftest import ROOT, make_cfg
@@ -33,7 +34,7 @@ def one_sentence(text: str) -> bool:
 
 def refusal(*overrides: str, world: int = 4) -> str:
     with pytest.raises(ConfigError) as e:
-        validate(make_cfg(*overrides), world)
+        build_plan(make_cfg(*overrides), Launch.planned(world))
     text = str(e.value)
     assert one_sentence(text), text
     return text
@@ -79,7 +80,7 @@ def test_mesh_sizes_that_cannot_be_built_are_refused(overrides, said):
 def test_the_fixes_the_mesh_refusals_name_are_accepted():
     for ok in (["parallel=fsdp_tp", "parallel.tp=2"], ["parallel=fsdp_tp", "parallel.tp=2", "parallel.dp_shard=2"],
                ["parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2"], ["parallel=ddp"]):
-        validate(make_cfg(*ok), 4)
+        build_plan(make_cfg(*ok), Launch.planned(4))
 
 
 DIVISIBILITY = [
@@ -113,7 +114,7 @@ def test_the_fixes_the_divisibility_refusals_name_are_accepted():
                ["model=llama-nano", "parallel=fsdp_tp", "model.n_kv_head=4"],
                ["model=llama-nano", "parallel=fsdp_tp", "model.n_kv_head=4", "model.ffn_hidden=192"],
                [*TP4, "model.vocab_size=324"], [*TP4, "model.block_size=66", "parallel.sequence_parallel=false"]):
-        validate(make_cfg(*ok), 4)
+        build_plan(make_cfg(*ok), Launch.planned(4))
 
 
 def test_the_tokenizers_vocabulary_is_checked_when_it_is_known():
@@ -124,16 +125,14 @@ def test_the_tokenizers_vocabulary_is_checked_when_it_is_known():
     tp3 = ["parallel=fsdp_tp", "parallel.tp=3", "model.n_head=3", "model.d_model=96",
            "parallel.sequence_parallel=false"]
     ctx = DistContext(ParallelMode.fsdp_tp, world=3, shape=MeshShape(1, 1, 3))
-    cfg = make_cfg(*tp3)
-    validate(cfg, 3)  # nothing at start-up can know the tokenizer's size
+    plan = build_plan(make_cfg(*tp3), Launch.planned(3))  # nothing at start-up can know the tokenizer's size
     with pytest.raises(ConfigError) as e:
-        build_data(cfg, ctx, say=lambda _: None)
+        build_data(plan, ctx, say=lambda _: None)
     assert str(e.value) == (
         "parallel.tp=3 does not divide the vocabulary's 320 rows (the tokenizer's 257 ids rounded up to 64): the "
         "embedding and the output head split their rows over the tp ranks; set model.vocab_size to a multiple of 3 "
         "of at least 257 (e.g. model.vocab_size=258), or use a parallel.tp that divides 320.")
-    fixed = make_cfg(*tp3, "model.vocab_size=258")
-    validate(fixed, 3)
+    fixed = build_plan(make_cfg(*tp3, "model.vocab_size=258"), Launch.planned(3))
     assert build_data(fixed, ctx, say=lambda _: None).vocab == 258
 
 
@@ -173,7 +172,7 @@ BLOCKS = [
 def test_blocks_that_would_straddle_a_tp_shard_are_refused(overrides, world, said):
     assert refusal(*overrides, world=world) == said
     tp = int(re.search(r"use parallel\.tp=(\d+)", said).group(1))  # the tp the refusal offers fits
-    validate(make_cfg(*overrides, f"parallel.tp={tp}"), world)
+    build_plan(make_cfg(*overrides, f"parallel.tp={tp}"), Launch.planned(world))
 
 
 @pytest.mark.parametrize("overrides", [
@@ -183,7 +182,7 @@ def test_blocks_that_would_straddle_a_tp_shard_are_refused(overrides, world, sai
     [*TP4, "precision=mxfp8", "precision.fp8.exclude=[lm_head,'*.attn.*']"],  # the split that does not fit stays bf16
 ], ids=["nvfp4-whole", "fp8-tensorwise", "fp8-rowwise", "lab-rowwise", "mxfp8-attn-excluded"])
 def test_recipes_whose_blocks_stay_inside_a_shard_are_accepted(overrides):
-    validate(make_cfg(*overrides), 4)
+    build_plan(make_cfg(*overrides), Launch.planned(4))
 
 
 # ------------------------------------------------------------------ train.py as a user types it

@@ -27,10 +27,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from mptrain.checkpoint.checkpointer import flatten, load_full_state
 from mptrain.checkpoint.safeload import load_plain
 from mptrain.distributed.parallel import setup
-from mptrain.run.resume import plan as resume_plan
+from mptrain.run.resume import decide
 from mptrain.run.trainer import Trainer
 
-from .conftest import make_cfg, read_rows, train
+from .conftest import make_plan, read_rows, train
 from .test_golden import _corpus
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -107,12 +107,12 @@ def test_old_checkpoint_loads_bit_for_bit(fixture, tmp_path):
     saved_states = load_plain(ckpt / "train_state.pt")
     saved_rng = load_plain(ckpt / "rng-rank0.pt")["torch"]
 
-    cfg = make_cfg(*args, tiny=False)
-    ctx = setup(cfg.parallel, cfg.train.device)
+    plan = make_plan(*args, tiny=False)
+    ctx = setup(plan)
     try:
-        plan = resume_plan(cfg, run_dir, ctx, print)
-        assert plan.path == ckpt and plan.step == STOP
-        t = Trainer(cfg, ctx, run_dir, plan)
+        plan = plan.decided(decide(plan, run_dir, ctx, print))
+        assert plan.resume.path == ckpt and plan.resume.step == STOP
+        t = Trainer(plan, ctx, run_dir)
         rng = torch.get_rng_state()
         model_sd, optim_sd = get_state_dict(t.model, t.optimizer)
         loaded = flatten({"model": model_sd, "optim": optim_sd})

@@ -16,11 +16,11 @@ from mptrain.checkpoint.integrity import complete_checkpoints, read_meta
 from mptrain.precision.optimizers import state_parts, stored_as
 from mptrain.distributed.parallel import setup
 from mptrain.run.resume import ResumeRefused, compare
-from mptrain.run.resume import plan as resume_plan
+from mptrain.run.resume import decide
 from mptrain.core.shards import local_shard
 from mptrain.run.trainer import Trainer
 
-from .conftest import TINY, make_cfg, read_rows, train
+from .conftest import TINY, make_plan, read_rows, train
 
 STEPS, STOP = 4, 2
 # d_model 32: torchao's eager CPU quantization dominates a quantized run's time, and
@@ -81,10 +81,10 @@ def _trainer_run(run_dir, *overrides: str):
     """A launch as ``trainer.run`` makes it (the resume plan, then the Trainer),
     keeping the optimizer: its state as loaded, and as it was at the end, and which
     AdamW the Trainer built (``optimizers.Choice``)."""
-    cfg = make_cfg(*BASE, *overrides)
-    ctx = setup(cfg.parallel, cfg.train.device)
+    plan = make_plan(*BASE, *overrides)
+    ctx = setup(plan)
     try:
-        t = Trainer(cfg, ctx, run_dir, resume_plan(cfg, run_dir, ctx, print))
+        t = Trainer(plan.decided(decide(plan, run_dir, ctx, print)), ctx, run_dir)
         loaded = _snapshot(t.optimizer)
         t.train()
         return t.optimizer, loaded, _snapshot(t.optimizer), t.built.opt_choice
@@ -217,11 +217,11 @@ def test_whole_quantized_moments_do_not_go_into_fsdp_shards(runs):
     cannot become per-rank blocks of FSDP2 shards; any unsharded world size takes them."""
     ckpt = runs("8bit")["ckpt"]
     meta = read_meta(ckpt)
-    fsdp = make_cfg(*BASE, *OPTIMIZERS["8bit"], "parallel=fsdp")
-    said = quantized_layout_refusal(ckpt, meta, fsdp, 2)
+    fsdp = [*BASE, *OPTIMIZERS["8bit"], "parallel=fsdp"]
+    said = quantized_layout_refusal(ckpt, meta, make_plan(*fsdp, world=2))
     assert _one_sentence(said) and "over whole tensors" in said and "parallel=none on 1 rank," in said, said
-    assert quantized_layout_refusal(ckpt, meta, make_cfg(*BASE, *OPTIMIZERS["8bit"], "parallel=ddp"), 2) is None
-    assert quantized_layout_refusal(ckpt, meta, fsdp, 1) is None  # FSDP2 on one rank holds whole tensors
+    assert quantized_layout_refusal(ckpt, meta, make_plan(*BASE, *OPTIMIZERS["8bit"], "parallel=ddp", world=2)) is None
+    assert quantized_layout_refusal(ckpt, meta, make_plan(*fsdp)) is None  # FSDP2 on one rank holds whole tensors
 
 
 def test_a_checkpoint_from_before_the_keys_had_their_defaults():
@@ -265,19 +265,19 @@ def test_fsdp_quantized_moments_save_and_resume_per_rank(tmp_path):
     assert not torch.equal(state["optim.state.wte.weight.exp_avg.rank0of2.codes"],
                            state["optim.state.wte.weight.exp_avg.rank1of2.codes"])
 
-    cfg = make_cfg(*FSDP_8BIT, "parallel=none", "train.max_steps=8")
-    ctx = setup(cfg.parallel, cfg.train.device)
+    plan = make_plan(*FSDP_8BIT, "parallel=none", "train.max_steps=8")
+    ctx = setup(plan)
     try:
         with pytest.raises(ResumeRefused) as e:
-            resume_plan(cfg, sweep / "0", ctx, print)
+            decide(plan, sweep / "0", ctx, print)
     finally:
         ctx.shutdown()
     said = str(e.value)
     assert _one_sentence(said) and "within each of its 2 ranks' FSDP shards" in said, said
     assert "resume it with parallel=fsdp on 2 ranks" in said
-    ddp = make_cfg(*FSDP_8BIT, "parallel=ddp")
-    assert "parallel=ddp on 2 ranks" in quantized_layout_refusal(ckpt, read_meta(ckpt), ddp, 2)
-    assert quantized_layout_refusal(ckpt, read_meta(ckpt), make_cfg(*FSDP_8BIT), 2) is None
+    ddp = make_plan(*FSDP_8BIT, "parallel=ddp", world=2)
+    assert "parallel=ddp on 2 ranks" in quantized_layout_refusal(ckpt, read_meta(ckpt), ddp)
+    assert quantized_layout_refusal(ckpt, read_meta(ckpt), make_plan(*FSDP_8BIT, world=2)) is None
     saved = [p.name for p in complete_checkpoints(sweep / "0" / "checkpoints")]
     assert saved == [f"step-{STOP}", f"step-{STEPS}"]
 
@@ -289,10 +289,11 @@ def test_per_rank_quantized_moments_follow_the_mesh(tmp_path):
     every rank."""
     meta = {"config": {"optim": {"state_dtype": "8bit"}}, "parallel": "fsdp_tp", "world_size": 4,
             "mesh": {"dp_replicate": 1, "dp_shard": 2, "tp": 2}}
-    same = make_cfg(*BASE, *OPTIMIZERS["8bit"], "parallel=fsdp_tp", "parallel.tp=2")
-    assert quantized_layout_refusal(tmp_path, meta, same, 4) is None
-    said = quantized_layout_refusal(tmp_path, meta, make_cfg(*BASE, *OPTIMIZERS["8bit"], "parallel=fsdp"), 4)
+    same = make_plan(*BASE, *OPTIMIZERS["8bit"], "parallel=fsdp_tp", "parallel.tp=2", world=4)
+    fsdp4 = make_plan(*BASE, *OPTIMIZERS["8bit"], "parallel=fsdp", world=4)
+    assert quantized_layout_refusal(tmp_path, meta, same) is None
+    said = quantized_layout_refusal(tmp_path, meta, fsdp4)
     assert _one_sentence(said) and "mesh 1 x 2 x 2" in said and "mesh 1 x 4 x 1" in said, said
     old = {k: v for k, v in meta.items() if k != "mesh"} | {"parallel": "fsdp"}
-    assert quantized_layout_refusal(tmp_path, old, make_cfg(*BASE, *OPTIMIZERS["8bit"], "parallel=fsdp"), 4) is None
-    assert quantized_layout_refusal(tmp_path, old, same, 4) is not None
+    assert quantized_layout_refusal(tmp_path, old, fsdp4) is None
+    assert quantized_layout_refusal(tmp_path, old, same) is not None

@@ -10,6 +10,8 @@ import torch
 import mptrain.model.common as model_mod  # where the probe and its slice size live
 from mptrain.model.gpt import GPT, CausalSelfAttention, GPTShape
 
+from mptrain.plan.build import build_plan
+
 from .conftest import load_script, make_cfg, train
 
 D, HEADS, T = 8, 2, 6
@@ -177,7 +179,7 @@ def test_qk_norm_model_shape_init_and_memory_estimate():
     train_step(StepState(model, opt, policy.make_scaler(), policy, ctx, 1.0), [(x[:, :-1], x[:, 1:])])
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     params = list(model.parameters())
-    e = estimate(cfg, vocab=64, world=1, micro_batch=2)
+    e = estimate(build_plan(cfg), vocab=64, micro_batch=2)
     assert e.params == nbytes(params) and e.grads == nbytes(p.grad for p in params)
     assert e.optimizer == nbytes(v for st in opt.state.values() for k, v in st.items() if k != "step")
 

@@ -12,6 +12,7 @@ import torch
 from mptrain.precision import optimizers
 from mptrain.core.errors import ConfigError
 from mptrain.observe.numerics import stochastic_stay_probability
+from mptrain.plan.build import build_plan
 
 from .conftest import make_cfg, train
 
@@ -91,7 +92,7 @@ def _steps(preset: str, k: int = 20, lr: float = 1e-3, n: int = 65536) -> torch.
     (m_hat = g, v_hat = g^2), an eighth of a bf16 step."""
     cfg = make_cfg(f"precision={preset}", f"optim.lr={lr}", "optim.weight_decay=0")
     w = torch.nn.Parameter(torch.ones(n, dtype=BF16))
-    opt = optimizers.make([{"params": [w], "weight_decay": 0.0}], cfg.optim, optimizers.choose(cfg),
+    opt = optimizers.make([{"params": [w], "weight_decay": 0.0}], cfg.optim, build_plan(cfg).optimizer,
                           torch.device("cpu"))
     torch.manual_seed(0)
     for _ in range(k):
@@ -136,7 +137,7 @@ def test_lr_follows_set_lr_in_every_optimizer():
     for extra in ([], ["precision=bf16-pure-sr"], ["precision=bf16-pure-kahan"], ["optim.state_dtype=8bit"]):
         cfg = make_cfg(*extra)
         w = torch.nn.Parameter(torch.ones(8))
-        opt = optimizers.make([{"params": [w], "weight_decay": 0.0}], cfg.optim, optimizers.choose(cfg),
+        opt = optimizers.make([{"params": [w], "weight_decay": 0.0}], cfg.optim, build_plan(cfg).optimizer,
                               torch.device("cpu"))
         optimizers.set_lr(opt, 0.25)
         assert [float(g["lr"]) for g in opt.param_groups] == [0.25]

@@ -46,10 +46,10 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
     adopted = adopt_init_from(cfg.model)
     run_name = _sweep_names(cfg)
     checks.check_ranges(cfg)  # first: the rules below divide by some of these values
-    if launch.world > 1 and cfg.parallel.name == ParallelMode.none:
-        raise ConfigError(f"launched with {launch.world} processes but parallel=none: every rank would train its "
-                          "own copy. Use parallel=ddp, parallel=fsdp or parallel=fsdp1 under torchrun.")
     mesh = mesh_shape(cfg.parallel, launch.world, launch.per_node)
+    if launch.world > 1 and cfg.parallel.name == ParallelMode.none:
+        raise ConfigError(f"launched with {launch.world} processes but parallel=none, so every rank would train its "
+                          "own copy; use parallel=ddp, parallel=fsdp or parallel=fsdp1 under torchrun.")
     t, m = cfg.train, cfg.model
     mbs, accum = checks.micro_steps(t, mesh.dp, launch.world)
     batches = Batches(int(t.global_batch_size), mbs, accum, mesh.dp, int(m.block_size))

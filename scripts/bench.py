@@ -48,13 +48,14 @@ from mptrain.core.errors import UserError
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
+from mptrain.data.batches import Batches, Windows  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
-from mptrain.config.checks import compose_checked, micro_steps  # noqa: E402
+from mptrain.config.checks import compose_checked  # noqa: E402
 from mptrain.core.machine import LoadMeter, cpu_name  # noqa: E402
 from mptrain.core.text import duration  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import setup, wrap  # noqa: E402
+from mptrain.plan.build import build_plan  # noqa: E402
 from mptrain.observe.perf import flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
 from mptrain.precision.formats import dtype_name
@@ -230,9 +231,10 @@ def harness(overrides: list[str], steps: int, progress: Progress, show: bool = F
             "data_s": data, "warnings": warnings}
 
 
-def compiled(cfg, device: torch.device) -> bool:
-    """Whether blocks are compiled: ``train.compile``, or by default on CUDA (as the trainer decides)."""
-    return cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
+def compiled(tc, device: torch.device) -> bool:
+    """Whether blocks are compiled: ``train.compile`` (``tc``: the train section), or by default on
+    CUDA (as the trainer decides)."""
+    return tc.compile if tc.compile is not None else device.type == "cuda"
 
 
 def bare(overrides: list[str], steps: int, progress: Progress, tokens=None, warmup: int = 0) -> dict:
@@ -243,16 +245,16 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None, warm
     loaded for this config (else it is loaded here; untimed either way). The
     clock starts after ``warmup`` steps, as the harness's figure does."""
     cfg = compose_cfg([*overrides, f"train.max_steps={steps}"])
-    ctx = setup(cfg.parallel, cfg.train.device)
+    plan = build_plan(cfg)  # the facts the harness's run would plan (batches, vocabulary rule, AdamW)
+    ctx = setup(plan)
     reset_peak_memory(ctx.device)
     try:
-        tc, m = cfg.train, cfg.model
-        mbs, accum = micro_steps(cfg, ctx.world)
+        tc, m = plan.train, plan.model
         if tokens is None:
-            tokens = prepare(cfg.data, log=lambda *a: None)
-        vocab = m.vocab_size or padded_vocab(tokens.vocab_size)
-        batches = Batches(Windows(tokens.train, m.block_size), tc.global_batch_size, mbs,
-                                   ctx.rank, ctx.world, tc.seed)
+            tokens = prepare(plan.data, log=lambda *a: None)
+        vocab = plan.vocab.rows(tokens.vocab_size)
+        batches = Batches(Windows(tokens.train, m.block_size), tc.global_batch_size, plan.batches.micro_batch,
+                          ctx.rank, ctx.world, tc.seed)
         torch.manual_seed(tc.seed)
         with torch.device("meta"):  # built as the trainer builds it: wrap() gives it storage and weights
             model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias))
@@ -265,9 +267,9 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None, warm
         # The same fast-path switches the harness resolves (compiled blocks and TF32
         # by default on CUDA): the comparison is of the loops, not of compile vs eager.
         model = wrap(model, policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
-                     compile_blocks=compiled(cfg, ctx.device), init_seed=tc.seed)
-        opt = build_optimizer(model, decay, cfg.optim, ctx.device, optimizers.choose(cfg))  # the harness's AdamW
-        scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision.loss_scale.enabled)
+                     compile_blocks=compiled(tc, ctx.device), init_seed=tc.seed)
+        opt = build_optimizer(model, decay, plan.optim, ctx.device, plan.optimizer)  # the harness's AdamW
+        scaler = torch.amp.GradScaler(ctx.device.type, enabled=plan.parts.loss_scale.enabled)
         params = [p for p in model.parameters()]
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
@@ -278,7 +280,7 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None, warm
                 if ctx.device.type == "cuda":
                     torch.cuda.synchronize()
                 data_s, t = 0.0, time.perf_counter()
-            optimizers.set_lr(opt, lr_at(step, cfg.optim, steps))
+            optimizers.set_lr(opt, lr_at(step, plan.optim, steps))
             opt.zero_grad(set_to_none=True)
             t_data = time.perf_counter()
             micro = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches.batch(step)]
@@ -321,11 +323,11 @@ def banner(cfg, overrides: list[str], a, device: str, world: int, tokens) -> str
     """One header for every run (the harness's own per-run banner is hidden): the
     command, machine, torch, model, batch and dtypes."""
     m, tc = cfg.model, cfg.train
-    vocab = m.vocab_size or padded_vocab(tokens.vocab_size)
+    vocab = build_plan(cfg).vocab.rows(tokens.vocab_size)
     with torch.device("meta"):  # the shape's parameter count, without memory or initialisation
         params = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias)).num_params()
     dtypes = PrecisionPolicy(cfg.precision, torch.device(device)).describe()
-    mode = "per-block torch.compile" if compiled(cfg, torch.device(device)) else "eager"
+    mode = "per-block torch.compile" if compiled(cfg.train, torch.device(device)) else "eager"
     return "\n".join([
         f"bench: {' '.join(DEFAULTS + overrides)} | {a.steps} steps per run ({a.warmup} untimed), best of "
         f"{a.repeats} | world {world}",

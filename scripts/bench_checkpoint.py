@@ -53,6 +53,7 @@ from mptrain.config.schema import ParallelMode  # noqa: E402
 from mptrain.core.machine import LoadMeter, cpu_flags, cpu_name  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import DistContext  # noqa: E402
+from mptrain.plan.build import build_plan  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names  # noqa: E402
 
@@ -90,7 +91,7 @@ def build(name: str, run_dir: Path):
     policy = PrecisionPolicy(cfg.precision, torch.device("cpu"))
     states = {"scaler": policy.make_scaler(), "progress": Progress()}
     ctx = DistContext(mode=ParallelMode.none)
-    return cfg, model, optimizer, policy, states, Checkpointer(cfg.checkpoint, run_dir, ctx, cfg)
+    return cfg, model, optimizer, policy, states, Checkpointer(build_plan(cfg), run_dir, ctx)
 
 
 def bare_save(path: Path, model, optimizer, states) -> None:

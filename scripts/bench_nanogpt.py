@@ -98,7 +98,7 @@ import torch
 
 import bench  # scripts/bench.py: the harness's config, the bare loop, the quiet wrapper
 
-from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
+from mptrain.data.batches import Batches, Windows  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
 from mptrain.core.machine import LoadMeter, cpu_flags, cpu_name  # noqa: E402
 from mptrain.precision import optimizers  # noqa: E402
@@ -106,6 +106,7 @@ from mptrain.run.nonfinite import NO_GUARD, NonFiniteGuard  # noqa: E402
 from mptrain.model.common import cpu_gelu_kernel  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import setup  # noqa: E402
+from mptrain.plan.build import build_plan  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names, lr_at, step_state, train_step  # noqa: E402
 from mptrain.run.trainer import run  # noqa: E402
@@ -278,21 +279,21 @@ def nanogpt_step(root: Path, cfg, vocab: int, batches):
     return step
 
 
-def harness_step(cfg, vocab: int, batches, ctx):
+def harness_step(plan, vocab: int, batches, ctx):
     """A step of the harness's model through ``mptrain.run.step.train_step``, as the trainer
-    calls it (no monitor); returns ``step(i)``."""
-    m, tc = cfg.model, cfg.train
+    calls it (no monitor) on its ``plan``; returns ``step(i)``."""
+    m, tc = plan.model, plan.train
     torch.manual_seed(tc.seed)
     model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias, qk_norm=m.qk_norm))
     model.train()
-    opt = build_optimizer(model, decay_names(model), cfg.optim, ctx.device, optimizers.choose(cfg))
-    policy = PrecisionPolicy(cfg.precision, ctx.device)
+    opt = build_optimizer(model, decay_names(model), plan.optim, ctx.device, plan.optimizer)
+    policy = PrecisionPolicy(plan.precision, ctx.device)
     scaler = policy.make_scaler()
     guard = NO_GUARD if scaler.enabled else NonFiniteGuard(tc.on_nonfinite.value, opt, ctx.device)
-    state = step_state(cfg, model, opt, scaler, policy, ctx, guard)  # grad_clip, z_loss, update_clip as configured
+    state = step_state(plan, model, opt, scaler, policy, ctx, guard)  # grad_clip, z_loss, update_clip as planned
 
     def step(i: int) -> None:
-        optimizers.set_lr(opt, lr_at(i, cfg.optim, tc.max_steps))
+        optimizers.set_lr(opt, lr_at(i, plan.optim, tc.max_steps))
         train_step(state, batches.batch(i), step=i)
     return step
 
@@ -304,10 +305,11 @@ def both_steps(root: Path, cfg, tokens, warmup: int = 3):
     m, tc = cfg.model, cfg.train
     batches = Batches(Windows(tokens.train, m.block_size), tc.global_batch_size,
                       tc.global_batch_size, 0, 1, tc.seed)
-    ctx = setup(cfg.parallel, "cpu")
+    plan = build_plan(cfg)
+    ctx = setup(plan)
     try:
         sides = {"nanoGPT": nanogpt_step(root, cfg, tokens.vocab_size, batches),
-                 "harness": harness_step(cfg, m.vocab_size or padded_vocab(tokens.vocab_size), batches, ctx)}
+                 "harness": harness_step(plan, plan.vocab.rows(tokens.vocab_size), batches, ctx)}
         for step in sides.values():
             for i in range(warmup):
                 step(i)
@@ -407,7 +409,7 @@ def main() -> None:
         print(f"{PROG} {'--profile' if a.profile else '--cpu-time'}: machine {machine()}\n"
               f"  shape {m.n_layer} layers x {m.d_model}, {m.n_head} heads, block {m.block_size}, batch "
               f"{cfg.train.global_batch_size}, fp32 eager | vocab: nanoGPT {tokens.vocab_size}, harness "
-              f"{m.vocab_size or padded_vocab(tokens.vocab_size)}\n"
+              f"{build_plan(cfg).vocab.rows(tokens.vocab_size)}\n"
               f"  harness GELU kernel (fp32, CPU): {cpu_gelu_kernel().kernel} ({cpu_gelu_kernel().why})", flush=True)
         if a.profile:
             profile(root, cfg, tokens, a.steps or 6, a.repeats)
@@ -422,7 +424,7 @@ def main() -> None:
              f"lap) and below --steps={a.steps}; e.g. --warmup={log_every} --steps={10 * log_every}.")
     tokens = prepare(cfg.data, log=lambda msg: print(f"  data: {msg}", flush=True))
     m, tc = cfg.model, cfg.train
-    vocab = m.vocab_size or padded_vocab(tokens.vocab_size)
+    vocab = build_plan(cfg).vocab.rows(tokens.vocab_size)
     tokens_per_step = tc.global_batch_size * m.block_size
     print(f"{PROG}: {a.steps} steps per run, the first {a.warmup} untimed, best of {a.repeats}, interleaved\n"
           f"  machine  {machine()}\n"

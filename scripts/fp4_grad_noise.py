@@ -33,8 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from mptrain.config.checks import compose_checked  # noqa: E402
-from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
+from mptrain.data.batches import Batches, Windows  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
+from mptrain.plan.build import build_plan  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.precision import optimizers  # noqa: E402
 from mptrain.precision.labtrain import LabLinear  # noqa: E402
@@ -63,10 +64,10 @@ def main() -> None:
     cfg = compose_checked([*DEFAULTS, *user], CONFIGS)
     if not cfg.precision.fp4.enabled:
         sys.exit("fp4_grad_noise: the precision must be a 4-bit one (precision=nvfp4, mxfp4, nvfp4-no-sr, ...).")
-    tc, m = cfg.train, cfg.model
+    tc, m, plan = cfg.train, cfg.model, build_plan(cfg)
     torch.manual_seed(tc.seed)
     tokens = prepare(cfg.data, log=lambda *_: None)
-    vocab = m.vocab_size or padded_vocab(tokens.vocab_size)
+    vocab = plan.vocab.rows(tokens.vocab_size)
     batches = Batches(Windows(tokens.train, m.block_size), tc.global_batch_size, tc.global_batch_size, 0, 1, tc.seed)
     held = Batches(Windows(tokens.val, m.block_size), tc.global_batch_size, tc.global_batch_size, 0, 1, tc.seed + 1)
     hx, hy = held.batch(0)[0]
@@ -77,7 +78,7 @@ def main() -> None:
     exact = copy.deepcopy(model)
     model = policy.convert_model(model)
     names = [f"{n}.weight" for n, mod in model.named_modules() if isinstance(mod, LabLinear)]
-    opt = build_optimizer(model, decay_names(model), cfg.optim, torch.device("cpu"), optimizers.choose(cfg))
+    opt = build_optimizer(model, decay_names(model), cfg.optim, torch.device("cpu"), plan.optimizer)
     print(f"fp4_grad_noise: {' '.join([*DEFAULTS, *user])} | {len(names)} 4-bit linears, {a.draws} draws each "
           f"measurement\n  Python {platform.python_version()}, torch {torch.__version__}, "
           f"{datetime.date.today().isoformat()}")

@@ -70,11 +70,11 @@ sys.path.insert(0, str(ROOT / "scripts"))  # bench.py's config composition and b
 
 import bench  # noqa: E402
 from mptrain.data import store  # noqa: E402
-from mptrain.precision import optimizers  # noqa: E402
 from mptrain.run.nonfinite import NO_GUARD, NonFiniteGuard  # noqa: E402
 from mptrain.observe.memory import estimate  # noqa: E402
 from mptrain.model import families  # noqa: E402
 from mptrain.distributed.parallel import setup, wrap  # noqa: E402
+from mptrain.plan.build import build_plan  # noqa: E402
 from mptrain.observe.perf import HostSyncCounter, flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names, step_state, train_step  # noqa: E402
@@ -304,8 +304,9 @@ class StepLoop:
 
     def __init__(self, overrides: list[str], batch: int, ckpt: bool, compile_blocks: bool):
         cfg = bench.compose_cfg(overrides)
-        self.cfg, m = cfg, cfg.model
-        self.ctx = ctx = setup(cfg.parallel, cfg.train.device)
+        run_plan = build_plan(cfg)  # (mptrain's plan of a run; this script's Plan is its own list of checks)
+        self.cfg, m = cfg, run_plan.model
+        self.ctx = ctx = setup(run_plan)
         try:
             if ctx.device.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
@@ -323,11 +324,11 @@ class StepLoop:
             self.n_params = model.num_params()
             decay = decay_names(model)
             self.model = wrap(model, self.policy, ctx, activation_checkpointing=ckpt, compile_blocks=compile_blocks)
-            self.opt = build_optimizer(self.model, decay, cfg.optim, ctx.device, optimizers.choose(cfg))
+            self.opt = build_optimizer(self.model, decay, run_plan.optim, ctx.device, run_plan.optimizer)
             self.policy.attach_optimizer(self.opt, self.model)
             self.scaler = self.policy.make_scaler()
             guard = NO_GUARD if self.scaler.enabled else NonFiniteGuard("abort", self.opt, ctx.device)
-            self.state = step_state(cfg, self.model, self.opt, self.scaler, self.policy, ctx, guard)
+            self.state = step_state(run_plan, self.model, self.opt, self.scaler, self.policy, ctx, guard)
             x = torch.randint(0, vocab, (batch, m.block_size + 1), device=ctx.device)
             self.micro = [(x[:, :-1], x[:, 1:])]
             self.tokens_per_step = batch * m.block_size
@@ -492,13 +493,14 @@ def fit(cfg, vocab: int, free_bytes: float) -> tuple[Optional[int], bool, float]
     fp32 input, the head's logits and a 16-bit copy of every weight (what
     autocast may hold through an eager forward: conservative when compiled)."""
     m = cfg.model
+    run_plan = build_plan(cfg)
     t = m.block_size
     per_seq = 8.0 * 12 * m.n_layer * m.d_model ** 2 * t  # with recompute: ~8 N FLOPs per token
     need = 0.0
     for ckpt in (False, True):
         b = max(1, min(16, int(FP8_STEP_FLOPS // per_seq)))
         while b >= 1:
-            e = estimate(cfg, vocab, 1, b)
+            e = estimate(run_plan, vocab, micro_batch=b)
             logits_grad = b * t * vocab * 4
             if ckpt:
                 act = (e.activations / m.n_layer + m.n_layer * b * t * m.d_model * 4

@@ -62,8 +62,9 @@ import torch  # noqa: E402
 from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402
 from mptrain.config.checks import compose_checked  # noqa: E402
 from mptrain.core import machine  # noqa: E402
-from mptrain.data.batches import Batches, Windows, padded_vocab  # noqa: E402
+from mptrain.data.batches import Batches, Windows  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
+from mptrain.plan.build import build_plan  # noqa: E402
 from mptrain.model import families  # noqa: E402
 from mptrain.precision import lab, labtrain, optimizers  # noqa: E402
 from mptrain.precision.labtrain import LabLinear  # noqa: E402
@@ -100,10 +101,10 @@ class Run:
         cfg = compose_checked([*BASE, f"train.max_steps={steps}", f"train.seed={seed}",
                                f"train.global_batch_size={batch}", *overrides], CONFIGS)
         self.cfg, self.steps = cfg, steps
-        tc, m = cfg.train, cfg.model
+        tc, m, plan = cfg.train, cfg.model, build_plan(cfg)
         torch.manual_seed(seed)
         tokens = prepare(cfg.data, log=lambda *_: None)
-        vocab = m.vocab_size or padded_vocab(tokens.vocab_size)
+        vocab = plan.vocab.rows(tokens.vocab_size)
         self.batches = Batches(Windows(tokens.train, m.block_size), tc.global_batch_size, tc.global_batch_size,
                                0, 1, seed)
         # The held-out windows are the same for every seed and cell: differences are the runs'.
@@ -116,7 +117,7 @@ class Run:
         self.model = self.policy.convert_model(model)
         self.lab_layers = [n for n, mod in self.model.named_modules() if isinstance(mod, LabLinear)]
         self.opt = build_optimizer(self.model, decay_names(self.model), cfg.optim, torch.device("cpu"),
-                                   optimizers.choose(cfg))
+                                   plan.optimizer)
 
     def step(self, step: int) -> float:
         """One optimizer step on the run's batch ``step``; its training loss."""

@@ -85,6 +85,7 @@ from mptrain.config.checks import compose_checked
 from mptrain.config.mesh import MESH_MODES
 from mptrain.core.errors import ConfigError, DiskError, UserError
 from mptrain.core.process_exit import run_then_leave
+from mptrain.core.signals import SignalHandler
 from mptrain.core.text import duration, wants_help
 from mptrain.data.batches import padded_vocab
 from mptrain.data.tokenizers import ByteTokenizer
@@ -190,7 +191,7 @@ COMMAND_FILE = "command.json"
 
 
 class Interrupted(BaseException):
-    """A SIGTERM or SIGINT stopped the advise: raised by :class:`StopOnSignal`
+    """A SIGTERM or SIGINT stopped the advise: raised by :func:`stop_advising`
     outside a training loop, or when a probe or --confirm run's summary says a
     signal stopped it (``stopped_early``). A BaseException, as KeyboardInterrupt
     is: no ``except Exception`` on the way may take it for an error and go on."""
@@ -200,33 +201,16 @@ class Interrupted(BaseException):
         self.signal_name, self.detail = signal_name, detail
 
 
-class StopOnSignal:
-    """SIGTERM and SIGINT raise :class:`Interrupted` while the advise runs.
+def stop_advising(signum, frame) -> None:
+    """What SIGTERM and SIGINT do while the advise runs (``core/signals.py``'s
+    ``SignalHandler(stop_advising)``): raise :class:`Interrupted`.
 
     Python's own defaults would end the process where it stands (SIGTERM) or
     with a traceback (SIGINT). While a probe or --confirm run trains, the
     loop's handler (``run/stop.py``) takes the signals instead: the run
     finishes its step, saves a checkpoint and records ``stopped_early`` in its
     summary, and gives this handler back."""
-
-    def __enter__(self) -> "StopOnSignal":
-        self.old = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            if signal.getsignal(sig) is signal.SIG_IGN:
-                continue  # ignored on purpose (nohup, a background job): left so
-            try:
-                self.old[sig] = signal.signal(sig, self._raise)
-            except ValueError:  # not the main thread: no handler, Python's defaults stay
-                pass
-        return self
-
-    @staticmethod
-    def _raise(signum, frame) -> None:
-        raise Interrupted(signal.Signals(signum).name)
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self.old.items():
-            signal.signal(sig, old)
+    raise Interrupted(signal.Signals(signum).name)
 
 
 def command_line(args: Args) -> str:
@@ -479,7 +463,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     advisor: Optional[Advisor] = None
     # the launch agreement between torchrun ranks and the claimed run dirs; a signal: Interrupted
-    with Startup.begin() as startup, StopOnSignal():
+    with Startup.begin() as startup, SignalHandler(stop_advising):
         try:
             advisor = Advisor(parse_args(argv), startup.agreement)
             advisor.main()

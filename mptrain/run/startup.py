@@ -44,6 +44,7 @@ from omegaconf import OmegaConf
 from mptrain.config.checks import CONFIG_DIR, check_overrides, expand_shorthands
 from mptrain.core import files
 from mptrain.core.errors import UserError
+from mptrain.core.signals import SignalHandler
 from mptrain.distributed.store import TorchrunStore, rank
 
 LAUNCH_ENV = "MPTRAIN_LAUNCH"
@@ -260,25 +261,22 @@ class StopBeforeTraining:
     (joining the process group waits for every rank, up to its timeout; a peer
     that has just exited never comes). So the signal also wakes a thread of
     ours (``signal.set_wakeup_fd``), the watchdog, which does the same without
-    waiting for the main thread."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    waiting for the main thread. Taking and giving back the signals is
+    ``core/signals.py``'s :class:`~mptrain.core.signals.SignalHandler`, as for
+    the loop and the advisor; the undo, the exit and the watchdog are this
+    class's."""
 
     def __init__(self, claims: Claims, agreement: Agreement):
         self.claims, self.agreement = claims, agreement
-        self.replaced: dict = {}  # signal -> the handler install() replaced
+        self.handler = SignalHandler(self._on_signal)  # leaves a signal ignored on purpose (nohup) ignored
         self.owner = 0  # the process that installed it (a forked child inherits the handlers, not the watchdog)
         self._stopping = threading.Lock()  # the main thread's handler and the watchdog: one of them undoes and exits
-        self._handler = self._on_signal  # one bound method, so that the watchdog can tell ours by identity
         self._pipe: Optional[tuple[int, int]] = None
 
     def install(self) -> None:
         """Take SIGTERM and SIGINT (those not ignored on purpose) until training starts."""
-        for sig in self.SIGNALS:
-            if signal.getsignal(sig) is signal.SIG_IGN:
-                continue  # ignored on purpose (a background job's SIGINT, nohup): leave it so
-            self.replaced[sig] = signal.signal(sig, self._handler)
-        if not self.replaced:
+        self.handler.install()
+        if not self.handler.replaced:
             return
         self.owner = os.getpid()
         os.register_at_fork(after_in_child=self._forget_in_child)
@@ -299,10 +297,7 @@ class StopBeforeTraining:
         in-process); the watchdog ends. Main thread only, as signal handlers are."""
         if self.owner != os.getpid():
             return
-        for sig, previous in self.replaced.items():
-            if signal.getsignal(sig) is self._handler:  # (the loop's handler gives ours back when it ends)
-                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
-        self.replaced = {}
+        self.handler.restore()  # (the loop's handler gives ours back when it ends)
         if self._pipe is not None:
             read_end, write_end = self._pipe
             self._pipe = None
@@ -314,16 +309,15 @@ class StopBeforeTraining:
     def _forget_in_child(self) -> None:
         """A forked child (a pool of tokenizing processes) gets the signals as they
         were: it holds no claim, and its signals must not wake the parent's watchdog."""
-        if not self.replaced:
+        if not self.handler.replaced:
             return
         with contextlib.suppress(ValueError):  # (not the main thread: nothing to restore)
             signal.set_wakeup_fd(-1)
-            for sig, previous in self.replaced.items():
-                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self.handler.forget()
         for fd in self._pipe or ():
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._pipe, self.replaced = None, {}
+        self._pipe = None
 
     def _watch(self, fd: int) -> None:
         """The watchdog: each byte is a signal number the process received."""
@@ -331,7 +325,7 @@ class StopBeforeTraining:
             while data := os.read(fd, 64):
                 for signum in data:
                     # Ours only while our handler is installed: the loop's own replaces it.
-                    if signum in self.replaced and signal.getsignal(signum) is self._handler:
+                    if self.handler.holds(signum):
                         self._stop_if_not_started(signum)
         except OSError:
             pass
@@ -342,7 +336,7 @@ class StopBeforeTraining:
     def _on_signal(self, signum: int, frame) -> None:
         """The Python handler: stop now if training has not begun, else what the signal did before."""
         self._stop_if_not_started(signum)
-        previous = self.replaced.get(signum, signal.SIG_DFL)
+        previous = self.handler.previous(signum)
         if callable(previous):
             previous(signum, frame)  # Python's SIGINT handler: KeyboardInterrupt
             return

@@ -273,9 +273,12 @@ def _run_dir(args: Args, agreement: Agreement) -> Path:
 class Advisor:
     """One ``advise`` invocation: check, plan, probe, answer, confirm."""
 
-    def __init__(self, args: Args, agreement: Agreement):
+    def __init__(self, args: Args, startup: Startup):
         self.args = args
-        self.agreement = agreement  # rank 0's run directory and advice, shared with the other ranks
+        self.agreement = startup.agreement  # rank 0's run directory and advice, shared with the other ranks
+        # the probe's and the confirm runs' hold on their directories: inside the one this advise created, a run
+        # refused before training leaves nothing
+        self.claims = startup.claims
         self.rank = int(os.environ.get("RANK", "0"))
         self.overrides = list(args.overrides)
         self.stage = "before the probe started"  # what a signal interrupts, for the line that says so
@@ -340,7 +343,7 @@ class Advisor:
         if summary is not None:
             self.say(f"advise: {run_dir} finished in an earlier launch of this command: read back, not trained again")
             return summary
-        run(cfg, run_dir=run_dir)
+        run(cfg, run_dir=run_dir, claims=self.claims)
         if self.rank != 0:
             wait_for(run_dir / "summary.json", 600)
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -463,9 +466,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     advisor: Optional[Advisor] = None
     # the launch agreement between torchrun ranks and the claimed run dirs; a signal: Interrupted
-    with Startup.begin() as startup, SignalHandler(stop_advising):
+    with Startup() as startup, SignalHandler(stop_advising):
         try:
-            advisor = Advisor(parse_args(argv), startup.agreement)
+            advisor = Advisor(parse_args(argv), startup)
             advisor.main()
         except UserError as e:
             startup.agreement.say_once(f"mptrain.advise: {e.one_line()}")

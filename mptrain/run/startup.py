@@ -1,9 +1,9 @@
 """What a process does before its run trains, held by one object per process.
 
 An entry point (``train.py``, ``python -m mptrain.audit``, ``python -m
-mptrain.advise``) creates the process's :class:`Startup` with
-:meth:`Startup.begin` and calls, in order, what it needs of it; importing this
-module registers nothing, starts nothing and changes no setting. It holds:
+mptrain.advise``) creates the process's :class:`Startup` and calls, in order,
+what it needs of it; importing this module registers nothing, starts nothing
+and changes no setting. It holds:
 
 - the launch agreement (:class:`Agreement`): rank 0's start time and the run
   directory rank 0 created for this launch, the same in every rank, shared
@@ -22,8 +22,10 @@ module registers nothing, starts nothing and changes no setting. It holds:
 
 Why one object: these used to be module globals of three files, shared by
 aliasing one dict, and the resolvers were registered as a side effect of an
-import. Code that runs a run without an entry point (the tests, the advisor's
-probe) gets an inert start-up object from :func:`current`.
+import. The object is handed to what needs it, never looked up: the launch's
+task passes its claims to ``mptrain.run.trainer.run``, the advisor passes its
+own; a run started without an entry point (a test, a script) holds its
+directory in claims of its own.
 """
 from __future__ import annotations
 
@@ -201,9 +203,16 @@ class Claims(dict):
     ``rundir.Claim`` with ``started`` (the run has begun writing its records) and
     ``undo()``; what a stop before training undoes. Remembers whether a claim
     that is gone had started (a multirun's finished job): this launch has then
-    trained."""
+    trained. ``agreement``: the launch's, whose new directories (``created_dirs``)
+    hold nothing older than the launch, and whose folders made above them
+    (``created_parents``) go with a claim undone; a run without a launch has
+    one of its own, which created nothing."""
 
     trained = False
+
+    def __init__(self, agreement: Optional[Agreement] = None):
+        super().__init__()
+        self.agreement = agreement or Agreement()
 
     def pop(self, key, default=None):
         """Release ``key``'s claim from the set, remembering whether its run had trained."""
@@ -384,24 +393,17 @@ class RunRefused(BaseException):
 class Startup:
     """One process's start-up state: the launch agreement, the claimed run
     directories, Hydra's error mode and the stop before training (see the
-    module's docstring). An entry point creates it with :meth:`begin`."""
+    module's docstring). An entry point creates it and hands it on."""
 
     def __init__(self, agreement: Optional[Agreement] = None):
         self.rank = rank()  # this process's global rank (0 outside torchrun)
         self.agreement = agreement or Agreement()
-        self.claims = Claims()
+        self.claims = Claims(self.agreement)
         self.hydra_errors = HydraErrorMode()
         self.stop = StopBeforeTraining(self.claims, self.agreement)
 
-    @classmethod
-    def begin(cls) -> "Startup":
-        """A new start-up object, made this process's (what :func:`current` returns)."""
-        global _PROCESS
-        _PROCESS = cls()
-        return _PROCESS
-
     def __enter__(self) -> "Startup":
-        """``with Startup.begin() as startup:``, for an entry point that returns rather than exits."""
+        """``with Startup() as startup:``, for an entry point that returns rather than exits."""
         return self
 
     def __exit__(self, *exc) -> None:
@@ -410,11 +412,8 @@ class Startup:
 
     def close(self) -> None:
         """The entry point is done: signals and Hydra's error mode as they were."""
-        global _PROCESS
         self.stop.uninstall()
         self.hydra_errors.give_back()
-        if _PROCESS is self:
-            _PROCESS = None
 
     def register_resolvers(self) -> None:
         """``${mptrain_now:<strftime format>}`` (rank 0's start time) and
@@ -478,17 +477,3 @@ class Startup:
         for claim in claims:
             claim.undo()
         return [c.run_dir for c in claims]
-
-
-_PROCESS: Optional[Startup] = None
-"""The process's start-up object: set by :meth:`Startup.begin`, cleared by :meth:`Startup.close`."""
-
-
-def current() -> Startup:
-    """The process's start-up object. A run started without an entry point (the
-    tests' in-process runs) gets a plain one on first use: it only keeps the
-    claims, as nothing else was started."""
-    global _PROCESS
-    if _PROCESS is None:
-        _PROCESS = Startup()
-    return _PROCESS

@@ -49,14 +49,14 @@ from mptrain.run.stop import StopSignal
 __all__ = ["run", "Trainer"]
 
 
-def run(cfg: DictConfig, run_dir: Optional[str | Path] = None) -> dict:
+def run(cfg: DictConfig, run_dir: Optional[str | Path] = None, claims: Optional[dict] = None) -> dict:
     """Train as configured; returns the summary (also written to summary.json).
 
     The run holds its directory's lock throughout (``rundir.py``); a user error
     raised before training starts leaves the directory as it found it."""
     run_dir = Path(run_dir) if run_dir else _hydra_run_dir()
     export_submitit_env()  # a submitit task learns its rank here; only rank 0 locks the directory
-    with held(run_dir) as claim:
+    with held(run_dir, claims) as claim:  # claims: the launch's (run/startup.Claims); None: the run's own
         # model.init_from's architecture replaces the preset's (a value the run set itself that differs is refused)
         adopted = adopt_init_from(cfg.model)
         validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the launch's world: a mesh's sizes must fit it

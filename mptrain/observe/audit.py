@@ -37,7 +37,6 @@ so the audited step shows the eager ops and dtypes, not the fused kernels.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import re
 from collections import Counter, defaultdict
 from typing import Iterable, Optional
@@ -48,6 +47,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mptrain.core.observer import observer_at_work
+from mptrain.core.observer import observing  # noqa: F401 (observe/fp8watch.py imports it from here, for now)
 from mptrain.core.shards import local_shard
 from mptrain.core.text import text_table
 from mptrain.model.names import canonical_name
@@ -269,22 +270,6 @@ class _Spans:
         return self._cache[seq]
 
 
-_observing = [0]  # depth of observing() blocks: ops run inside them are not the step's
-
-
-@contextlib.contextmanager
-def observing():
-    """Ops run inside are an observer's (the float8 cast statistics' what-ifs, in a
-    layer's forward hook), not the step's: an audit running at the same time does
-    not record them, so that a layer's matmul column shows only what the layer
-    computed (a what-if's transform matmul would otherwise join it)."""
-    _observing[0] += 1
-    try:
-        yield
-    finally:
-        _observing[0] -= 1
-
-
 class _Mode(TorchDispatchMode):
     """Hands every dispatched operator to the audit, then runs it."""
 
@@ -294,7 +279,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _observing[0]:
+        if observer_at_work():  # a monitor's statistics (core/observer.py): not the step's, not recorded
             return func(*args, **kwargs)
         if _FakeTensor is not None and any(issubclass(t, _FakeTensor) for t in types):
             # Shape-only tensors (DTensor's sharding propagation runs ops on them to

@@ -10,7 +10,7 @@ import sys
 from mptrain.run.startup import Startup
 
 if __name__ == "__main__":
-    startup = Startup.begin()  # the process's start-up state (run/startup.py), handed on to the run
+    startup = Startup()  # the process's start-up state (run/startup.py), handed on to the launch and the run
     refused = startup.check_command_line(sys.argv[1:])
     if refused is not None:
         sys.exit(refused)

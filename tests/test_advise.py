@@ -276,7 +276,8 @@ def test_the_layout_shapes_the_advice_not_the_probe():
     per mesh dimension on paper, float8 tensorwise gathering its linears in
     float8 over dp_shard (1 byte to bf16's 2) while TP's activations stay as they are."""
     from mptrain.advice.probe import Candidate, layout_facts, probe_overrides, without_mesh
-    from mptrain.advise import command_line, parse_args
+    from mptrain.advice.command import command_line
+    from mptrain.advise import parse_args
     from mptrain.config.checks import compose_checked
 
     a = parse_args([*TINY, "parallel=fsdp_tp", "--world", "8", "--tp", "2", "--replicate", "2"])

@@ -23,7 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from mptrain.advise import COMMAND_FILE, _refusal, command_line, parse_args
+from mptrain.advice.command import COMMAND_FILE, command_line, refusal
+from mptrain.advise import parse_args
 from mptrain.advise import main as advise_main
 
 from .conftest import ROOT, TINY
@@ -100,16 +101,16 @@ def test_a_directory_takes_the_command_it_records_and_refuses_a_finished_advise(
     same = command_line(parse_args([*TINY, "--steps", "10", f"hydra.run.dir={tmp_path}"]))
     other = command_line(parse_args([*TINY, "--steps", "12", f"hydra.run.dir={tmp_path}"]))
     assert "hydra.run.dir" not in same and same != other
-    assert _refusal(tmp_path, same) == ""  # a new directory
+    assert refusal(tmp_path, same) == ""  # a new directory
     (tmp_path / "probe").mkdir()
-    assert "recorded no command" in _refusal(tmp_path, same)  # an advise of a version that did not record it
+    assert "recorded no command" in refusal(tmp_path, same)  # an advise of a version that did not record it
     (tmp_path / COMMAND_FILE).write_text(json.dumps({"command": same}))
-    assert _refusal(tmp_path, same) == ""  # interrupted: the same command continues
-    assert _refusal(tmp_path, other) == (
+    assert refusal(tmp_path, same) == ""  # interrupted: the same command continues
+    assert refusal(tmp_path, other) == (
         f"{tmp_path} holds an unfinished advise run of another command (python -m mptrain.advise {same}); "
         "rerun that command to continue it, or pick another hydra.run.dir.")
     (tmp_path / "advice.json").write_text("{}")
-    assert "already holds a finished advise run (advice.json)" in _refusal(tmp_path, same)
+    assert "already holds a finished advise run (advice.json)" in refusal(tmp_path, same)
 
 
 def test_a_directory_that_cannot_be_written_is_one_line(tmp_path, capsys):

@@ -8,10 +8,13 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mptrain.core.observer import observing
 from mptrain.observe.audit import UNATTRIBUTED, DtypeAudit
+from mptrain.observe.comm import CommCounter
 from mptrain.config.schema import ParallelMode
 from mptrain.model.gpt import GPT, GPTShape
 from mptrain.distributed.parallel import DistContext, wrap
@@ -350,6 +353,31 @@ def test_exit_removes_every_hook_and_training_goes_on():
                 model(*_batch()[0])
             raise RuntimeError("boom")
     assert _hook_counts(model, opt) == before and _get_current_dispatch_mode() is None
+
+
+def test_an_observers_work_is_left_out_of_the_audit_and_the_counts(tmp_path):
+    """One flag (``core/observer.py``) for both: a matmul and an all-reduce run inside
+    ``observing()`` (a monitor's statistics, its gather) are neither operators of the
+    audited step nor collectives of its counted bytes; the same work outside is both."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        policy = PrecisionPolicy(make_cfg("precision=fp32").precision, CPU)
+        x = torch.randn(4, 4)
+
+        def work():
+            dist.all_reduce(x @ x.t())
+
+        with DtypeAudit(model, opt, policy) as watched, CommCounter() as counted, observing():
+            work()
+        assert watched.report()["n_ops"] == 0 and counted.metrics() == {}
+        with DtypeAudit(model, opt, policy) as audit, CommCounter() as counter:
+            work()
+        assert "mm" in {r["op"] for r in audit.report()["ops"]}
+        assert counter.metrics()["comm/total_bytes"] == 4 * 4 * 4  # one fp32 4x4 all-reduce
+    finally:
+        dist.destroy_process_group()
 
 
 def test_report_is_json():

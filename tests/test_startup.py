@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 
 from mptrain.core.errors import ConfigError
 from mptrain.distributed.store import TorchrunStore
-from mptrain.run.rundir import Claim, RunDirCallback, RunDirError
-from mptrain.run.startup import REFUSAL_WAIT_S, Agreement, HydraErrorMode, RunRefused, Startup, current
+from mptrain.run.rundir import Claim, RunDirCallback, RunDirError, held
+from mptrain.run.startup import REFUSAL_WAIT_S, Agreement, Claims, HydraErrorMode, RunRefused, Startup
 
 from .conftest import ROOT, TINY, run_cli
 
@@ -103,7 +103,7 @@ def test_the_resolvers_travel_to_a_submitit_job_with_their_launchs_values(tmp_pa
 
     monkeypatch.chdir(tmp_path)
     cfg = OmegaConf.create({"dir": "${mptrain_new_dir:multirun/${mptrain_now:%H-%M-%S}}"})
-    with Startup.begin() as launching:
+    with Startup() as launching:
         launching.stop.install()  # a lock and a thread of its own: not part of what the resolvers carry
         launching.register_resolvers()
         made = cfg.dir
@@ -133,8 +133,7 @@ def test_hydra_error_mode_is_set_while_composing_and_a_users_own_is_left_alone(m
 
 def test_the_stop_before_training_is_installed_and_given_back():
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    startup = Startup.begin()
-    assert current() is startup
+    startup = Startup()
     startup.stop.install()
     watchdogs = [t for t in threading.enumerate() if t.name == "mptrain-stop-watch"]
     assert len(watchdogs) == 1 and signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM]
@@ -142,7 +141,6 @@ def test_the_stop_before_training_is_installed_and_given_back():
     assert {sig: signal.getsignal(sig) for sig in before} == before
     watchdogs[0].join(timeout=10)
     assert not watchdogs[0].is_alive() and signal.set_wakeup_fd(-1) == -1
-    assert current() is not startup  # closed: the next run without an entry point gets a fresh one
 
 
 def test_a_refused_directory_is_raised_past_hydras_callback_runner(tmp_path):
@@ -151,14 +149,36 @@ def test_a_refused_directory_is_raised_past_hydras_callback_runner(tmp_path):
     run_dir = tmp_path / "run"
     holder = Claim(run_dir)
     holder.acquire()
+    claims = Claims()
     try:
-        with pytest.raises(RunRefused) as e:
+        with RunDirCallback.lent(claims), pytest.raises(RunRefused) as e:
             RunDirCallback().on_run_start(config=OmegaConf.create({"hydra": {"run": {"dir": str(run_dir)}}}))
     finally:
         holder.release()
     assert not isinstance(e.value, Exception)
     assert isinstance(e.value.error, RunDirError) and "is in use by" in str(e.value.error)
-    assert run_dir.resolve() not in current().claims
+    assert run_dir.resolve() not in claims and RunDirCallback.claims is None
+
+
+def test_the_claims_are_handed_on_not_looked_up(tmp_path):
+    """The claim Hydra's callback takes goes into the claims the launch lent it, and the
+    run finds it there (a second lock would be refused by flock, even in this process);
+    outside a launch the callback takes none, and a run holds its directory in claims of
+    its own."""
+    run_dir = tmp_path / "run"
+    config = OmegaConf.create({"hydra": {"run": {"dir": str(run_dir)}}})
+    RunDirCallback().on_run_start(config=config)  # no launch lent it claims: nothing locked
+    assert not run_dir.exists()
+    claims = Claims()
+    with RunDirCallback.lent(claims):
+        RunDirCallback().on_run_start(config=config)
+    taken = claims[run_dir.resolve()]
+    with held(run_dir, claims) as claim:
+        assert claim is taken
+    assert not claims and not run_dir.exists()  # released, and undone: the run never started
+    with held(run_dir) as claim:  # no launch: claims of its own
+        assert claim is not None and (run_dir / ".lock").is_file()
+    assert not run_dir.exists()
 
 
 def test_a_busy_directory_is_refused_in_one_line_before_hydra_writes(tmp_path):

@@ -1,1 +1,1 @@
-"""Layer 10, advice: from a short probe's measurements to a recommended configuration (the pure rules, the probe that measures, the answer written out)."""
+"""Layer 10, advice: from a short probe's measurements to a recommended configuration (the pure rules, the probe that measures, the answer written out, the advisor that runs them in its command's run directory)."""

@@ -1,1 +1,1 @@
-"""Layer 0, core: leaf helpers every layer may use (the user-error family, atomic files, the machine's name, cache folder and load, a tensor's local shard, fixed-order sums, text formatting, third-party import noise); imports no other layer."""
+"""Layer 0, core: leaf helpers every layer may use (the user-error family, atomic files, the machine's name, cache folder and load, a tensor's local shard, fixed-order sums, text formatting, third-party import noise, the stop signals taken and given back, the flag that marks an observer's work); imports no other layer."""

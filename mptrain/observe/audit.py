@@ -8,7 +8,7 @@ so it sees what autocast actually handed to the kernels, casts included), with:
   (autograd is executing a node), ``optimizer`` (between the optimizer's step
   pre- and post-hook) or ``other`` (loss scaling, unscaling, clipping, ...);
 - the module it ran in (canonical name, wrappers stripped), forward and
-  backward alike (see :class:`_Spans` for how backward ops find theirs);
+  backward alike (see :class:`Spans` for how backward ops find theirs);
 - its input and output dtypes, and whether autocast was on when the module's
   forward was entered.
 
@@ -33,24 +33,38 @@ What it cannot see: work inside a fused kernel (an attention kernel's softmax
 is one ``attention`` op). A ``torch.compile``d module runs eagerly while the
 mode is active (Dynamo does not run compiled code under a user dispatch mode),
 so the audited step shows the eager ops and dtypes, not the fused kernels.
+
+What the audit knows of one operator before recording it (its name and
+category, its tensors, the module of its autograd node, a widened float8
+product) is ``observe/audit_ops.py``'s; this module hooks, records, flags and
+reports.
 """
 from __future__ import annotations
 
-import bisect
-import contextlib
 import re
 from collections import Counter, defaultdict
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
+from mptrain.core.observer import observer_at_work
+from mptrain.core.observer import observing  # noqa: F401 (observe/fp8watch.py imports it from here, for now)
 from mptrain.core.shards import local_shard
 from mptrain.core.text import text_table
 from mptrain.model.names import canonical_name
+from mptrain.observe.audit_ops import (
+    Spans,
+    Widened,
+    categorize,
+    dtype_names,
+    first_float,
+    is_fp8,
+    op_name,
+    storage_ptr,
+    tensors_in,
+)
 from mptrain.observe.comm import KINDS, MeshGroups
 from mptrain.precision.formats import dtype_name
 
@@ -79,210 +93,8 @@ PHASES = ("forward", "backward", "other", "optimizer")
 TABLE_COLUMNS = ("matmul", "attention", "norm", "softmax", "loss", "grad", "update")
 """Per-module categories of :meth:`DtypeAudit.report` ``modules``, in table order."""
 
-_MATMUL = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot", "vdot",
-    "_addmm_activation", "_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm", "_grouped_mm",
-    "_int_mm", "_mixed_mm", "_weight_int8pack_mm", "einsum",
-})
-_NORM = frozenset({
-    "layer_norm", "native_layer_norm", "native_layer_norm_backward",
-    "rms_norm", "_fused_rms_norm", "_fused_rms_norm_backward",
-    "group_norm", "native_group_norm", "native_group_norm_backward", "instance_norm",
-    "batch_norm", "native_batch_norm", "native_batch_norm_backward", "batch_norm_backward",
-    "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
-    "_batch_norm_with_update", "_batch_norm_no_update", "_batch_norm_impl_index",
-    "_batch_norm_impl_index_backward", "cudnn_batch_norm", "cudnn_batch_norm_backward",
-    "miopen_batch_norm", "miopen_batch_norm_backward",
-})
-_SOFTMAX = frozenset({
-    "softmax", "log_softmax", "_softmax", "_log_softmax", "_safe_softmax",
-    "_softmax_backward_data", "_log_softmax_backward_data", "_masked_softmax", "_masked_softmax_backward",
-})
-_LOSS_EXTRA = frozenset({"cross_entropy", "kl_div", "binary_cross_entropy", "binary_cross_entropy_backward",
-                         "binary_cross_entropy_with_logits"})
-_REDUCTION = frozenset({
-    "sum", "nansum", "mean", "nanmean", "var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm",
-    "linalg_norm", "frobenius_norm", "_foreach_norm", "cumsum", "cumprod", "logcumsumexp", "logsumexp", "prod",
-})
-_COMM_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
-
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _WIDE = frozenset({torch.float32, torch.float64})
-
-
-def categorize(op: str) -> str:
-    """Category of an operator named as :func:`op_name` gives it (``update`` is decided
-    by the arguments, not the name, in :class:`DtypeAudit`)."""
-    ns, _, name = op.rpartition(".")
-    if ns in _COMM_NAMESPACES:
-        return "comm"
-    if name in _MATMUL:
-        return "matmul"
-    if "attention" in name:  # _scaled_dot_product_*, _flash_/_efficient_/_cudnn_attention_*
-        return "attention"
-    if name in _NORM:
-        return "norm"
-    if name in _SOFTMAX:
-        return "softmax"
-    if "loss" in name or name in _LOSS_EXTRA:
-        return "loss"
-    if name in _REDUCTION:
-        return "reduction"
-    return "other"
-
-
-def op_name(func) -> str:
-    """``mm`` for ``aten.mm.default``; other namespaces keep theirs (``_c10d_functional.all_reduce``)."""
-    packet = func.overloadpacket.__name__
-    ns = getattr(func, "namespace", "aten")
-    return packet if ns == "aten" else f"{ns}.{packet}"
-
-
-def _storage_ptr(t: torch.Tensor) -> Optional[int]:
-    """Identity of the memory a tensor lives in (views of a parameter share it); None
-    when there is none to compare (empty, meta or fake tensors)."""
-    try:
-        ptr = local_shard(t).untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return None
-    return ptr or None
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
-
-
-def _names(dtypes: Iterable[torch.dtype]) -> tuple[str, ...]:
-    return tuple(sorted({dtype_name(d) for d in dtypes}))
-
-
-def _is_fp8(dt: torch.dtype) -> bool:
-    return "float8" in str(dt)
-
-
-def _first_float(ts: list[torch.Tensor]) -> Optional[torch.dtype]:
-    return next((t.dtype for t in ts if t.is_floating_point()), None)
-
-
-# Element formats whose values an emulation widens (e8m0, the MX block scales' format, is a
-# scale, not an operand's element).
-_FP8_ELEMENTS = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                                       "float8_e5m2fnuz") if hasattr(torch, n))
-_WIDEN = frozenset({"_to_copy", "to"})
-_SAME_VALUES = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute",
-                          "expand", "contiguous", "clone", "alias", "detach", "squeeze", "unsqueeze", "flatten",
-                          "unflatten", "as_strided"})
-_SCALE = frozenset({"mul", "div"})
-# Where the two matrices of a matmul are among its arguments (the rest: bias, accumulator).
-_SECOND_OPERAND = frozenset({"addmm", "baddbmm", "addbmm", "addmv", "_addmm_activation"})
-
-
-class _Widened:
-    """Which tensors hold float8 values widened to a wider float, and from which
-    format: what an emulated float8 matmul multiplies (torchao's ``emulate``, our
-    ``emulated_scaled_mm``, torchao's EMULATED MX kernel). A tensor is marked when
-    a cast makes it from float8 elements, and the mark follows it through what
-    keeps its values (views, reshapes, copies) and through a multiplication or
-    division by a smaller tensor or a number (its dequantizing scales, per tensor,
-    row or block). A matmul whose two operands are both marked is an emulated
-    float8 product; one with any unmarked operand is the plain product it looks
-    like. Marks are held weakly: they go when their tensor does."""
-
-    def __init__(self) -> None:
-        self.marks: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-    def follow(self, name: str, args, out) -> None:
-        """Mark ``out`` of op ``name`` if it holds widened float8 values."""
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-            return
-        first = args[0] if args else None
-        if name in _WIDEN and isinstance(first, torch.Tensor) and first.dtype in _FP8_ELEMENTS:
-            if out.dtype not in _FP8_ELEMENTS and out.numel() == first.numel():
-                self.marks[out] = dtype_name(first.dtype)
-            return
-        if not self.marks:
-            return
-        if name in _SAME_VALUES and isinstance(first, torch.Tensor) and first in self.marks:
-            self.marks[out] = self.marks[first]
-        elif name in _SCALE and len(args) >= 2:
-            marked, other = (args[0], args[1]) if self._marked(args[0]) else (args[1], args[0])
-            if (name == "mul" or marked is args[0]) and self._marked(marked) and marked.numel() == out.numel() \
-                    and not self._marked(other) and (not isinstance(other, torch.Tensor) or other.numel() < out.numel()):
-                self.marks[out] = self.marks[marked]
-
-    def _marked(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and t in self.marks
-
-    def product(self, name: str, args) -> Optional[str]:
-        """The float8 formats of a matmul's operands (``e4m3``, ``e4m3,e5m2``) when
-        both are widened float8 values, else None."""
-        if not self.marks:
-            return None
-        i = 1 if name in _SECOND_OPERAND else 0
-        pair = args[i:i + 2]
-        if len(pair) < 2 or not all(self._marked(t) for t in pair):
-            return None
-        return ",".join(sorted({self.marks[t] for t in pair}))
-
-
-class _Spans:
-    """Which module's forward created an autograd node, looked up by sequence number.
-
-    Every autograd node gets the next number of a per-thread counter when it is
-    created; ``torch.autograd._get_sequence_nr()`` reads the counter without
-    taking a number. The nodes a module's forward created are those numbered
-    between its pre-hook and its post-hook; spans of nested modules nest, so the
-    innermost span holding a node names the module whose backward runs it. This
-    needs no hook on any tensor and sees the nodes of custom autograd Functions
-    and of ops between submodule calls alike.
-    """
-
-    def __init__(self) -> None:
-        self.peek = getattr(torch.autograd, "_get_sequence_nr", None)
-        self._spans: list[tuple[int, int, str]] = []  # (first, -end, module): sorted, outer before inner
-        self._starts: list[int] = []
-        self._cache: dict[int, Optional[str]] = {}
-
-    def now(self) -> int:
-        return self.peek() if self.peek is not None else -1
-
-    def add(self, start: int, name: str) -> None:
-        """Close the span of a forward that began when the counter read ``start``."""
-        end = self.now()
-        if end > start >= 0:  # a forward that made no node has nothing to claim
-            bisect.insort(self._spans, (start, -end, name))
-            bisect.insort(self._starts, start)
-            self._cache.clear()
-
-    def module_of(self, seq: int) -> Optional[str]:
-        if seq not in self._cache:
-            # Spans form a nesting, so the first span holding seq, walking back from the
-            # last one that starts at or before it, is the innermost (of two spans that
-            # start together the inner one, ending first, sorts later).
-            found = None
-            for i in range(bisect.bisect_right(self._starts, seq) - 1, -1, -1):
-                start, neg_end, name = self._spans[i]
-                if seq < -neg_end:
-                    found = name
-                    break
-            self._cache[seq] = found
-        return self._cache[seq]
-
-
-_observing = [0]  # depth of observing() blocks: ops run inside them are not the step's
-
-
-@contextlib.contextmanager
-def observing():
-    """Ops run inside are an observer's (the float8 cast statistics' what-ifs, in a
-    layer's forward hook), not the step's: an audit running at the same time does
-    not record them, so that a layer's matmul column shows only what the layer
-    computed (a what-if's transform matmul would otherwise join it)."""
-    _observing[0] += 1
-    try:
-        yield
-    finally:
-        _observing[0] -= 1
 
 
 class _Mode(TorchDispatchMode):
@@ -294,7 +106,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _observing[0]:
+        if observer_at_work():  # a monitor's statistics (core/observer.py): not the step's, not recorded
             return func(*args, **kwargs)
         if _FakeTensor is not None and any(issubclass(t, _FakeTensor) for t in types):
             # Shape-only tensors (DTensor's sharding propagation runs ops on them to
@@ -346,10 +158,10 @@ class DtypeAudit:
                 fmts = sorted({o.element.name for o in mod.recipe.ops if o is not None})
                 self._fp4[cname] = f"{'/'.join(fmts)} ({mod.lab_recipe}, fp32 products)"
             for p in mod.parameters(recurse=False):
-                ptr = _storage_ptr(p)
+                ptr = storage_ptr(p)
                 if ptr is not None and cname not in self._owners[ptr]:
                     self._owners[ptr].append(cname)
-        self._spans = _Spans()
+        self._spans = Spans()
         self._stack: list[tuple[str, bool, int]] = []  # (module, autocast on at entry, sequence nr at entry)
         self._root_depth = 0
         self._in_optimizer = False
@@ -358,7 +170,7 @@ class DtypeAudit:
         self._seen: dict[str, dict[str, set]] = defaultdict(lambda: defaultdict(set))
         self._flag_hits: dict[tuple, dict[str, None]] = {}
         self._n_ops = 0
-        self._widened = _Widened()
+        self._widened = Widened()
         self._comm: Counter = Counter()  # (dim, kind, phase, dtypes, gradient reduction) -> calls
         # Shapes of the parameters TP holds whole on every TP rank: an all-reduce over tp of
         # a tensor of one of these shapes in backward is that parameter's gradient.
@@ -428,7 +240,7 @@ class DtypeAudit:
                 if p.grad is None:
                     continue
                 gdt = local_shard(p.grad).dtype
-                mods = self._owners.get(_storage_ptr(p), [UNATTRIBUTED])
+                mods = self._owners.get(storage_ptr(p), [UNATTRIBUTED])
                 for m in mods:
                     self._seen[m]["grad"].add(dtype_name(gdt))
                 if gdt != want:
@@ -455,7 +267,7 @@ class DtypeAudit:
                 return "backward", UNATTRIBUTED, None
             var = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
             if isinstance(var, torch.Tensor):
-                return "backward", self._owners.get(_storage_ptr(var), [UNATTRIBUTED])[0], None
+                return "backward", self._owners.get(storage_ptr(var), [UNATTRIBUTED])[0], None
             # Ops the engine runs for a node (its backward formula, and summing the
             # gradients it produced into a tensor used twice) carry the node's module;
             # nodes made outside every module's forward stay unattributed.
@@ -471,16 +283,16 @@ class DtypeAudit:
         """The parameters (or views of them) in an in-place op's first argument."""
         first = args[0] if args else None
         targets = first if isinstance(first, (list, tuple)) else [first]
-        return [t for t in targets if isinstance(t, torch.Tensor) and _storage_ptr(t) in self._owners]
+        return [t for t in targets if isinstance(t, torch.Tensor) and storage_ptr(t) in self._owners]
 
     def _record(self, func, args, kwargs, out) -> None:
         op = op_name(func)
         if op.startswith("profiler."):  # record_function markers, not computation
             return
-        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        ins, outs = tensors_in((args, kwargs)), tensors_in(out)
         inplace = func.overloadpacket.__name__.endswith("_")
         if not outs and inplace and args:  # in-place foreach ops return None: their output is their first argument
-            outs = _tensors(args[0])
+            outs = tensors_in(args[0])
         phase, module, autocast = self._phase_and_module()
         category = categorize(op)
         emulated = self._widened.product(op, args) if category == "matmul" else None
@@ -490,21 +302,21 @@ class DtypeAudit:
             category = "update"
             owners: dict[str, None] = {}
             for t in params:
-                for m in self._owners[_storage_ptr(t)]:
+                for m in self._owners[storage_ptr(t)]:
                     owners[m] = None
                     self._seen[m]["update"].add(dtype_name(t.dtype))
             # A tied weight has several owners: its row goes to the first one.
-            firsts = {self._owners[_storage_ptr(t)][0] for t in params}
+            firsts = {self._owners[storage_ptr(t)][0] for t in params}
             module = firsts.pop() if len(firsts) == 1 else OPTIMIZER
-            half = _names({t.dtype for t in params} & _HALF)
+            half = dtype_names({t.dtype for t in params} & _HALF)
             if half:
                 self._flag_update(list(owners), op, half)
-        in_names, out_names = _names(t.dtype for t in ins), _names(t.dtype for t in outs)
+        in_names, out_names = dtype_names(t.dtype for t in ins), dtype_names(t.dtype for t in outs)
         self._n_ops += 1
         self._phases.add(phase)
         self._rows[(module, phase, op, category, in_names, out_names, autocast, emulated)] += 1
         if phase == "forward" and category in ("matmul", "attention"):
-            fp8 = {dtype_name(t.dtype) for t in ins if _is_fp8(t.dtype)}
+            fp8 = {dtype_name(t.dtype) for t in ins if is_fp8(t.dtype)}
             if category == "matmul" and module in self._fp4:
                 self._seen[module][category].add(self._fp4[module])
             elif emulated and outs:  # float8 values multiplied in a wider format: the format is what they are
@@ -514,7 +326,7 @@ class DtypeAudit:
             elif outs:
                 self._seen[module][category].add(dtype_name(outs[0].dtype))
         elif phase == "forward" and category in ("norm", "softmax", "loss"):
-            computed = _first_float(ins)  # these compute in their input's dtype
+            computed = first_float(ins)  # these compute in their input's dtype
             if computed is not None:
                 self._seen[module][category].add(dtype_name(computed))
         if category == "comm" and self.groups is not None:
@@ -528,9 +340,9 @@ class DtypeAudit:
         fout = [t.dtype for t in outs if t.is_floating_point()]
         compute = self.policy.compute_dtype
         if (category == "matmul" and phase == "forward" and self.policy.autocast_enabled
-                and module not in self._fp4 and compute in _HALF and not any(_is_fp8(d) for d in fin) and set(fin) & _WIDE):
+                and module not in self._fp4 and compute in _HALF and not any(is_fp8(d) for d in fin) and set(fin) & _WIDE):
             cname = dtype_name(compute)
-            dts = _names(fin + fout)
+            dts = dtype_names(fin + fout)
             if autocast:
                 problem = (f"matmul ran in {'/'.join(dts)} inside the {cname} autocast region: "
                            "a kernel autocast did not cast (a custom autograd.Function or an "
@@ -547,7 +359,7 @@ class DtypeAudit:
                    + " (nothing to fix if this matmul is kept in fp32 on purpose)")
             self._flag("autocast", module, phase, op, dts, problem, fix)
         if category in ("softmax", "norm", "loss") and set(fin + fout) & _HALF:
-            dts = _names(fin + fout)
+            dts = dtype_names(fin + fout)
             problem = (f"{category} ran in half precision ({'/'.join(dts)}): exponentials, variances and "
                        "log-probabilities lose digits that fp32 keeps (CUDA autocast runs it in fp32; CPU "
                        "autocast and explicit casts do not)")
@@ -558,8 +370,8 @@ class DtypeAudit:
             # backward, reductions are the gradients of broadcasts (bias and gain
             # gradients summed over the batch), which every mixed-precision recipe
             # takes in the compute dtype: not flagged.
-            dts = _names(fin + fout)
-            problem = (f"reduction returned a {'/'.join(_names(set(fout) & _HALF))} result: the sum/mean/norm "
+            dts = dtype_names(fin + fout)
+            problem = (f"reduction returned a {'/'.join(dtype_names(set(fout) & _HALF))} result: the sum/mean/norm "
                        "is rounded to half precision (8 significant bits in bf16, 11 in fp16, and fp16 "
                        "overflows past 65504)")
             self._flag("fp32-op", module, phase, op, dts, problem, self._fp32_fix(phase))
@@ -571,7 +383,7 @@ class DtypeAudit:
         if kind is None:  # waits and autograd wrappers of the functional collectives
             return
         dim = self.groups.of(args)
-        floats = _names(t.dtype for t in ins if t.is_floating_point())
+        floats = dtype_names(t.dtype for t in ins if t.is_floating_point())
         # A functional collective names its reduction: a max (float8's amax of a weight
         # before its float8 all-gather, in the backward's re-gather too) is no gradient sum.
         summed = not any(isinstance(a, str) and a in ("max", "min", "product") for a in args)

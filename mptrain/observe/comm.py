@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from mptrain.core.observer import observer_at_work, observing
 from mptrain.precision.formats import dtype_name
 
 # c10d operator name (overload packet) -> kind (the dtype audit reads it too). Functional collectives
@@ -123,20 +124,9 @@ def _group_name(arg) -> Optional[str]:
 _REDUCE_OPS = frozenset({"sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"})
 
 
-_uncounted = 0  # > 0 inside uncounted(): collectives the monitor issues to measure, not the step's own
-
-
-@contextlib.contextmanager
-def uncounted():
-    """Collectives issued inside are left out of the counts: the monitor's own
-    (the float8 statistics gather a sharded weight whole), which the step
-    would not issue without it."""
-    global _uncounted
-    _uncounted += 1
-    try:
-        yield
-    finally:
-        _uncounted -= 1
+uncounted = observing
+"""The name ``observe/fp8watch.py`` imports :func:`mptrain.core.observer.observing` by, kept
+until it imports that one: collectives issued inside are an observer's, left out of the counts."""
 
 
 class CommCounter(TorchDispatchMode):
@@ -162,7 +152,7 @@ class CommCounter(TorchDispatchMode):
             return NotImplemented
         if func.namespace in _NAMESPACES:
             kind = KINDS.get(func.overloadpacket.__name__)
-            if kind is not None and not _uncounted:
+            if kind is not None and not observer_at_work():  # a monitor's own collective: not the step's
                 self._count(kind, args, _gathered(func, args))
         return func(*args, **(kwargs or {}))
 

@@ -68,11 +68,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from mptrain.core.observer import observing
 from mptrain.core.shards import local_shard
 from mptrain.core.sums import fixed_sum
 from mptrain.core.text import text_table
 from mptrain.model.names import canonical_name, group_of, layer_groups
-from mptrain.observe.audit import observing
 from mptrain.precision import formats, optimizers
 
 G2_FACTOR = 10.0

@@ -34,6 +34,7 @@ from mptrain.config.checks import CONFIG_DIR, composition_error, expand_shorthan
 from mptrain.core import files
 from mptrain.core.errors import NO_ROOM_FIXES, DiskError, UserError
 from mptrain.core.text import fmt, text_table
+from mptrain.run.rundir import RunDirCallback
 from mptrain.run.startup import PEER_LOST, LauncherReport, RunRefused, Startup
 from mptrain.run.nonfinite import NonFiniteError
 from mptrain.run.trainer import run
@@ -204,7 +205,7 @@ class Task:
         """Run ``cfg``: the exit code, the line said about it, and the signal that stopped
         it early ("" when none did; ``train.stop_after`` is a planned stop, not a signal)."""
         try:
-            summary = run(cfg)
+            summary = run(cfg, claims=self.startup.claims)
         except UserError as e:
             # One clear message, no traceback: the problem is the user's to fix, not
             # the code's; its kind (configuration, run directory, checkpoint, save...)
@@ -246,13 +247,13 @@ class Task:
 
 def _task_in_job() -> Task:
     """The task, unpickled in a submitit job's process: that process's start-up."""
-    return Task(Startup.begin())
+    return Task(Startup())
 
 
 def launch(argv: list[str], startup: Optional[Startup] = None) -> int:
     """Check ``argv`` (``train.py``'s overrides), run Hydra on it, and return the
     exit code; ``startup`` is the process's when the caller began it already."""
-    startup = startup or Startup.begin()
+    startup = startup or Startup()
     try:
         argv = expand_shorthands(argv)
         refused = startup.check_command_line(argv)
@@ -271,7 +272,8 @@ def _run_hydra(startup: Startup) -> int:
     """Hydra's composition and the task; every way out of it as an exit code."""
     task = Task(startup)
     try:
-        hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(task)()
+        with RunDirCallback.lent(startup.claims):  # Hydra makes the callback itself: it cannot be handed them
+            hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(task)()
         return task.sweep.finish(0)
     except SystemExit as e:  # the task (RunExit) and Hydra itself (--help, ...) end through here
         if isinstance(e.code, str):

@@ -57,9 +57,19 @@ from hydra.experimental.callback import Callback
 from mptrain.core import files
 from mptrain.core.errors import NO_ROOM_FIXES, DiskError, UserError
 from mptrain.checkpoint.integrity import complete_checkpoints
-from mptrain.run.startup import RunRefused, current
+from mptrain.run.startup import Claims, RunRefused
 
 LOCK_NAME = ".lock"
+
+_LOCKED: dict[Path, "Claim"] = {}
+"""The run directories this process holds locked, by resolved path (set by
+:meth:`Claim.acquire`, cleared by :meth:`Claim.release`), for :func:`removed` and
+:func:`check_present`. A module's table on purpose: a lock is the process's, as the
+flock itself is, and the writers of a run's records (metrics rows, the console, the
+run record, the trainer's save) ask by path whether the directory they write into
+was removed under it, where handing each of them the claim would thread it through
+every one. The start-up state (which claims a stop before training undoes) is not
+here: it is passed (:func:`acquire`, :func:`held`)."""
 
 
 class RunDirError(UserError):
@@ -128,6 +138,7 @@ class Claim:
             os.close(fd)
             raise
         self._fd = fd
+        _LOCKED[self.run_dir.resolve()] = self
 
     def removed(self) -> bool:
         """Whether ``.lock`` is no longer in the directory: the run directory was removed
@@ -136,7 +147,10 @@ class Claim:
         return self._fd is not None and os.fstat(self._fd).st_nlink == 0
 
     def release(self) -> None:
+        """Give the lock up (the ``.lock`` file stays: holding it is what counts)."""
         if self._fd is not None:
+            if _LOCKED.get(self.run_dir.resolve()) is self:
+                del _LOCKED[self.run_dir.resolve()]
             os.close(self._fd)  # closing the descriptor releases the flock
             self._fd = None
 
@@ -327,7 +341,7 @@ def link_refused(path: Path) -> RunDirError:
 def removed(run_dir: Path) -> bool:
     """Whether ``run_dir`` was removed while this process held it (the claim's
     lock file is gone; without a claim, whether the directory is missing)."""
-    claim = current().claims.get(Path(run_dir).resolve())
+    claim = _LOCKED.get(Path(run_dir).resolve())
     return claim.removed() if claim is not None else not Path(run_dir).is_dir()
 
 
@@ -336,7 +350,7 @@ def check_present(run_dir: Path) -> None:
     where a removal would otherwise pass unseen: before each metrics row (appends to
     an unlinked file succeed) and before each checkpoint (its ``mkdir`` would make the
     directory again). One ``fstat`` of the lock file on rank 0; nothing elsewhere."""
-    claim = current().claims.get(Path(run_dir).resolve())
+    claim = _LOCKED.get(Path(run_dir).resolve())
     if claim is not None and claim.removed():
         raise RunDirGone(run_dir)
 
@@ -393,31 +407,33 @@ def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def acquire(run_dir: Path) -> Optional[Claim]:
-    """Lock ``run_dir`` for this process (rank 0 only; a no-op when already held).
-    Raises :class:`RunDirError` when another run holds it or it is not writable.
-    The claim is kept by the process's start-up object (``run/startup.py``), so
+def acquire(run_dir: Path, claims: Claims) -> Optional[Claim]:
+    """Lock ``run_dir`` for this process (rank 0 only; a no-op when ``claims`` holds it
+    already). Raises :class:`RunDirError` when another run holds it or it is not
+    writable. The claim joins ``claims`` (the start-up's, ``run/startup.py``), so
     that a signal before training can undo it."""
     if not _is_rank0():
         return None
-    startup = current()
     key = Path(run_dir).resolve()
-    if key not in startup.claims:
-        made = [Path(d).resolve() for d in startup.agreement.created_dirs]
-        claim = Claim(key, startup.agreement.created_parents, fresh=any(d == key or d in key.parents for d in made))
+    if key not in claims:
+        made = [Path(d).resolve() for d in claims.agreement.created_dirs]
+        claim = Claim(key, claims.agreement.created_parents, fresh=any(d == key or d in key.parents for d in made))
         claim.acquire()
-        startup.claims[key] = claim
-    return startup.claims[key]
+        claims[key] = claim
+    return claims[key]
 
 
 @contextlib.contextmanager
-def held(run_dir: Path) -> Iterator[Optional[Claim]]:
+def held(run_dir: Path, claims: Optional[Claims] = None) -> Iterator[Optional[Claim]]:
     """The run's hold on its directory, for the length of ``run()``: a user error
     before training started undoes this launch's writes, and so does a launch that
     ends without having started (a finished run resumed: nothing to train), so that
     it leaves no empty run directory, lock or date folder; the lock is released at
-    the end (a multirun runs its jobs one after another in one process)."""
-    claim = acquire(run_dir)
+    the end (a multirun runs its jobs one after another in one process). ``claims``:
+    the launch's (a claim Hydra's callback took is found there); without a launch,
+    claims of this run's own."""
+    claims = Claims() if claims is None else claims
+    claim = acquire(run_dir, claims)
     try:
         yield claim
         if claim is not None:
@@ -429,7 +445,7 @@ def held(run_dir: Path) -> Iterator[Optional[Claim]]:
     finally:
         if claim is not None:
             claim.release()
-            current().claims.pop(claim.run_dir, None)
+            claims.pop(claim.run_dir, None)
 
 
 class RunDirCallback(Callback):
@@ -437,10 +453,32 @@ class RunDirCallback(Callback):
     the run directory in ``on_run_start``, before Hydra writes ``.hydra/`` and its
     log there. A refusal is raised as :class:`~mptrain.run.startup.RunRefused`,
     which Hydra cannot turn into a warning and go on; the entry point prints its
-    one line and exits with code 2."""
+    one line and exits with code 2.
+
+    Hydra makes this object itself, from its name in the config, so nothing can
+    be handed to it: the launch lends it its claims for the length of its Hydra
+    call (:meth:`lent`), the one place where start-up state is reached from
+    outside the call chain. Hydra run without mptrain's launch locks nothing here;
+    ``run()`` then takes the lock itself, after Hydra's own writes."""
+
+    claims: Optional[Claims] = None
+    """The claims of the launch whose Hydra call is running (None outside one)."""
+
+    @classmethod
+    @contextlib.contextmanager
+    def lent(cls, claims: Claims) -> Iterator[None]:
+        """``claims`` are where this callback's claims go while the block runs."""
+        before, cls.claims = cls.claims, claims
+        try:
+            yield
+        finally:
+            cls.claims = before
 
     def on_run_start(self, config, **_kw) -> None:
+        """Lock the run directory Hydra is about to write into, into the launch's claims."""
+        if self.claims is None:
+            return
         try:
-            acquire(Path(str(config.hydra.run.dir)))
+            acquire(Path(str(config.hydra.run.dir)), self.claims)
         except UserError as e:
             raise RunRefused(e) from None

@@ -1,9 +1,9 @@
 """What a process does before its run trains, held by one object per process.
 
 An entry point (``train.py``, ``python -m mptrain.audit``, ``python -m
-mptrain.advise``) creates the process's :class:`Startup` with
-:meth:`Startup.begin` and calls, in order, what it needs of it; importing this
-module registers nothing, starts nothing and changes no setting. It holds:
+mptrain.advise``) creates the process's :class:`Startup` and calls, in order,
+what it needs of it; importing this module registers nothing, starts nothing
+and changes no setting. It holds:
 
 - the launch agreement (:class:`Agreement`): rank 0's start time and the run
   directory rank 0 created for this launch, the same in every rank, shared
@@ -22,8 +22,10 @@ module registers nothing, starts nothing and changes no setting. It holds:
 
 Why one object: these used to be module globals of three files, shared by
 aliasing one dict, and the resolvers were registered as a side effect of an
-import. Code that runs a run without an entry point (the tests, the advisor's
-probe) gets an inert start-up object from :func:`current`.
+import. The object is handed to what needs it, never looked up: the launch's
+task passes its claims to ``mptrain.run.trainer.run``, the advisor passes its
+own; a run started without an entry point (a test, a script) holds its
+directory in claims of its own.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from omegaconf import OmegaConf
 from mptrain.config.checks import CONFIG_DIR, check_overrides, expand_shorthands
 from mptrain.core import files
 from mptrain.core.errors import UserError
+from mptrain.core.signals import SignalHandler
 from mptrain.distributed.store import TorchrunStore, rank
 
 LAUNCH_ENV = "MPTRAIN_LAUNCH"
@@ -200,9 +203,16 @@ class Claims(dict):
     ``rundir.Claim`` with ``started`` (the run has begun writing its records) and
     ``undo()``; what a stop before training undoes. Remembers whether a claim
     that is gone had started (a multirun's finished job): this launch has then
-    trained."""
+    trained. ``agreement``: the launch's, whose new directories (``created_dirs``)
+    hold nothing older than the launch, and whose folders made above them
+    (``created_parents``) go with a claim undone; a run without a launch has
+    one of its own, which created nothing."""
 
     trained = False
+
+    def __init__(self, agreement: Optional[Agreement] = None):
+        super().__init__()
+        self.agreement = agreement or Agreement()
 
     def pop(self, key, default=None):
         """Release ``key``'s claim from the set, remembering whether its run had trained."""
@@ -260,25 +270,22 @@ class StopBeforeTraining:
     (joining the process group waits for every rank, up to its timeout; a peer
     that has just exited never comes). So the signal also wakes a thread of
     ours (``signal.set_wakeup_fd``), the watchdog, which does the same without
-    waiting for the main thread."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    waiting for the main thread. Taking and giving back the signals is
+    ``core/signals.py``'s :class:`~mptrain.core.signals.SignalHandler`, as for
+    the loop and the advisor; the undo, the exit and the watchdog are this
+    class's."""
 
     def __init__(self, claims: Claims, agreement: Agreement):
         self.claims, self.agreement = claims, agreement
-        self.replaced: dict = {}  # signal -> the handler install() replaced
+        self.handler = SignalHandler(self._on_signal)  # leaves a signal ignored on purpose (nohup) ignored
         self.owner = 0  # the process that installed it (a forked child inherits the handlers, not the watchdog)
         self._stopping = threading.Lock()  # the main thread's handler and the watchdog: one of them undoes and exits
-        self._handler = self._on_signal  # one bound method, so that the watchdog can tell ours by identity
         self._pipe: Optional[tuple[int, int]] = None
 
     def install(self) -> None:
         """Take SIGTERM and SIGINT (those not ignored on purpose) until training starts."""
-        for sig in self.SIGNALS:
-            if signal.getsignal(sig) is signal.SIG_IGN:
-                continue  # ignored on purpose (a background job's SIGINT, nohup): leave it so
-            self.replaced[sig] = signal.signal(sig, self._handler)
-        if not self.replaced:
+        self.handler.install()
+        if not self.handler.replaced:
             return
         self.owner = os.getpid()
         os.register_at_fork(after_in_child=self._forget_in_child)
@@ -299,10 +306,7 @@ class StopBeforeTraining:
         in-process); the watchdog ends. Main thread only, as signal handlers are."""
         if self.owner != os.getpid():
             return
-        for sig, previous in self.replaced.items():
-            if signal.getsignal(sig) is self._handler:  # (the loop's handler gives ours back when it ends)
-                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
-        self.replaced = {}
+        self.handler.restore()  # (the loop's handler gives ours back when it ends)
         if self._pipe is not None:
             read_end, write_end = self._pipe
             self._pipe = None
@@ -314,16 +318,15 @@ class StopBeforeTraining:
     def _forget_in_child(self) -> None:
         """A forked child (a pool of tokenizing processes) gets the signals as they
         were: it holds no claim, and its signals must not wake the parent's watchdog."""
-        if not self.replaced:
+        if not self.handler.replaced:
             return
         with contextlib.suppress(ValueError):  # (not the main thread: nothing to restore)
             signal.set_wakeup_fd(-1)
-            for sig, previous in self.replaced.items():
-                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self.handler.forget()
         for fd in self._pipe or ():
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._pipe, self.replaced = None, {}
+        self._pipe = None
 
     def _watch(self, fd: int) -> None:
         """The watchdog: each byte is a signal number the process received."""
@@ -331,7 +334,7 @@ class StopBeforeTraining:
             while data := os.read(fd, 64):
                 for signum in data:
                     # Ours only while our handler is installed: the loop's own replaces it.
-                    if signum in self.replaced and signal.getsignal(signum) is self._handler:
+                    if self.handler.holds(signum):
                         self._stop_if_not_started(signum)
         except OSError:
             pass
@@ -342,7 +345,7 @@ class StopBeforeTraining:
     def _on_signal(self, signum: int, frame) -> None:
         """The Python handler: stop now if training has not begun, else what the signal did before."""
         self._stop_if_not_started(signum)
-        previous = self.replaced.get(signum, signal.SIG_DFL)
+        previous = self.handler.previous(signum)
         if callable(previous):
             previous(signum, frame)  # Python's SIGINT handler: KeyboardInterrupt
             return
@@ -390,24 +393,17 @@ class RunRefused(BaseException):
 class Startup:
     """One process's start-up state: the launch agreement, the claimed run
     directories, Hydra's error mode and the stop before training (see the
-    module's docstring). An entry point creates it with :meth:`begin`."""
+    module's docstring). An entry point creates it and hands it on."""
 
     def __init__(self, agreement: Optional[Agreement] = None):
         self.rank = rank()  # this process's global rank (0 outside torchrun)
         self.agreement = agreement or Agreement()
-        self.claims = Claims()
+        self.claims = Claims(self.agreement)
         self.hydra_errors = HydraErrorMode()
         self.stop = StopBeforeTraining(self.claims, self.agreement)
 
-    @classmethod
-    def begin(cls) -> "Startup":
-        """A new start-up object, made this process's (what :func:`current` returns)."""
-        global _PROCESS
-        _PROCESS = cls()
-        return _PROCESS
-
     def __enter__(self) -> "Startup":
-        """``with Startup.begin() as startup:``, for an entry point that returns rather than exits."""
+        """``with Startup() as startup:``, for an entry point that returns rather than exits."""
         return self
 
     def __exit__(self, *exc) -> None:
@@ -416,11 +412,8 @@ class Startup:
 
     def close(self) -> None:
         """The entry point is done: signals and Hydra's error mode as they were."""
-        global _PROCESS
         self.stop.uninstall()
         self.hydra_errors.give_back()
-        if _PROCESS is self:
-            _PROCESS = None
 
     def register_resolvers(self) -> None:
         """``${mptrain_now:<strftime format>}`` (rank 0's start time) and
@@ -484,17 +477,3 @@ class Startup:
         for claim in claims:
             claim.undo()
         return [c.run_dir for c in claims]
-
-
-_PROCESS: Optional[Startup] = None
-"""The process's start-up object: set by :meth:`Startup.begin`, cleared by :meth:`Startup.close`."""
-
-
-def current() -> Startup:
-    """The process's start-up object. A run started without an entry point (the
-    tests' in-process runs) gets a plain one on first use: it only keeps the
-    claims, as nothing else was started."""
-    global _PROCESS
-    if _PROCESS is None:
-        _PROCESS = Startup()
-    return _PROCESS

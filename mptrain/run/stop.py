@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import signal
 
+from mptrain.core.signals import SignalHandler
+
 
 class StopSignal:
     """SIGTERM/SIGINT -> finish the step, checkpoint, exit 0.
@@ -14,21 +16,18 @@ class StopSignal:
     def __init__(self, enabled: bool):
         self.flag = False
         self.name = ""
-        self._old: dict = {}
+        # An ignored signal is taken too (leave_ignored=False): a run started as a background
+        # job (its SIGINT ignored by the shell) still saves and stops on a SIGINT sent to it.
+        self._handler = SignalHandler(self._handle, leave_ignored=False)
         if enabled:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                try:
-                    self._old[sig] = signal.signal(sig, self._handle)
-                except ValueError:  # not the main thread (e.g. some launchers): no handler
-                    pass
+            self._handler.install()
 
     def _handle(self, signum, frame) -> None:
         self.flag = True
         self.name = signal.Signals(signum).name
         if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self._handler.interrupt_on_next_sigint()
 
     def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old = {}
+        """Give the signals back as they were before the loop took them."""
+        self._handler.restore()

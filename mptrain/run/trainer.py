@@ -19,7 +19,6 @@ formatted in ``report.py``, which the loop only tells when.
 """
 from __future__ import annotations
 
-import os
 
 from pathlib import Path
 from typing import Optional
@@ -48,14 +47,14 @@ from mptrain.run.stop import StopSignal
 __all__ = ["run", "Trainer"]
 
 
-def run(cfg: DictConfig, run_dir: Optional[str | Path] = None) -> dict:
+def run(cfg: DictConfig, run_dir: Optional[str | Path] = None, claims: Optional[dict] = None) -> dict:
     """Train as configured; returns the summary (also written to summary.json).
 
     The run holds its directory's lock throughout (``rundir.py``); a user error
     raised before training starts leaves the directory as it found it."""
     run_dir = Path(run_dir) if run_dir else _hydra_run_dir()
     export_submitit_env()  # a submitit task learns its rank here; only rank 0 locks the directory
-    with held(run_dir) as claim:
+    with held(run_dir, claims) as claim:  # claims: the launch's (run/startup.Claims); None: the run's own
         plan = build_plan(cfg)  # every check, once, before any process group or data work
         ctx = setup(plan)
         log = RunLog(run_dir / LOG_NAME, enabled=ctx.is_main)  # the console, kept in <run>/train.log

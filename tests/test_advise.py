@@ -33,6 +33,7 @@ from mptrain.advise import main as advise_main
 from mptrain.model.families import build as build_family
 from mptrain.observe.memory import estimate
 from mptrain.plan.build import build_plan
+from mptrain.plan.plan import Launch
 from mptrain.precision.support import verdicts
 
 from .conftest import ROOT, TINY, make_cfg, make_plan
@@ -288,9 +289,10 @@ def test_the_layout_shapes_the_advice_not_the_probe():
     assert without_mesh(["parallel=ddp", "parallel.tp=1"]) == ["parallel=ddp"]
     cands = [Candidate(p, "fp32 moments", (), False, compose_checked([*a.overrides, f"precision={p}"]))
              for p in ("bf16", "fp8")]
-    lay = layout_facts(cands[0].cfg, cands, 8, 320)
+    lay = layout_facts(build_plan(cands[0].cfg, Launch.planned(8)), cands, 320)
     assert lay.mesh == {"dp_replicate": 2, "dp_shard": 2, "tp": 2} and lay.sequence_parallel
     assert (lay.split["blocks.0.attn.qkv"], lay.split["blocks.0.attn.proj"], lay.split["lm_head"]) == (0, 1, 0)
     assert lay.comm["fp8"]["dp_shard"] < lay.comm["bf16"]["dp_shard"]
     assert lay.comm["fp8"]["tp"] == lay.comm["bf16"]["tp"] and lay.comm["bf16"]["dp_replicate"] > 0
-    assert layout_facts(cands[0].cfg, cands, 1, 320) is None  # one rank: no layout to advise on
+    one = build_plan(compose_checked([*TINY, "parallel=fsdp"]), Launch.planned(1))
+    assert layout_facts(one, cands, 320) is None  # one rank: no layout to advise on

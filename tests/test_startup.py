@@ -133,9 +133,10 @@ def test_hydra_error_mode_is_set_while_composing_and_a_users_own_is_left_alone(m
 
 def test_the_stop_before_training_is_installed_and_given_back():
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    running = set(threading.enumerate())  # an earlier test's watchdog may still be on its way out
     startup = Startup()
     startup.stop.install()
-    watchdogs = [t for t in threading.enumerate() if t.name == "mptrain-stop-watch"]
+    watchdogs = [t for t in threading.enumerate() if t.name == "mptrain-stop-watch" and t not in running]
     assert len(watchdogs) == 1 and signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM]
     startup.close()
     assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -48,7 +48,7 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
     checks.check_ranges(cfg)  # first: the rules below divide by some of these values
     mesh = mesh_shape(cfg.parallel, launch.world, launch.per_node)
     if launch.world > 1 and cfg.parallel.name == ParallelMode.none:
-        raise ConfigError(f"launched with {launch.world} processes but parallel=none, so every rank would train its "
+        raise ConfigError(f"parallel=none cannot run on a world size of {launch.world}: every rank would train its "
                           "own copy; use parallel=ddp, parallel=fsdp or parallel=fsdp1 under torchrun.")
     t, m = cfg.train, cfg.model
     mbs, accum = checks.micro_steps(t, mesh.dp, launch.world)

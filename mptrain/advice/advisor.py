@@ -44,6 +44,7 @@ from mptrain.advice.probe import (
 )
 from mptrain.advice.rules import Advice, Thresholds, advise, smallest_option
 from mptrain.config.checks import compose_checked
+from mptrain.core import files
 from mptrain.core.errors import ConfigError
 from mptrain.core.text import duration
 from mptrain.observe.perf import device_key, flops_per_token, predict_pace
@@ -178,11 +179,11 @@ class Advisor:
         started = time.monotonic()
         self.stage = "during the probe"
         probe_dir = run_dir / "probe"
-        if self.rank == 0:
+        if self.rank == 0 and self._measured_target(run_dir) is None:
             d = self.plan.model.d_model
             shape = (min(max(self.plan.batches.tokens_per_micro, 16), 2048), d, 4 * d)
             target = target_for(self.target_name, self.device, shape)
-            (run_dir / "target.json").write_text(json.dumps(target_to_json(target)))
+            files.write_json(run_dir / "target.json", target_to_json(target))
         summary = self._train(probe_overrides(self.overrides, self.args.steps, self.device.type, self.args.lab),
                               probe_dir)
         self.stage = "after the probe"
@@ -194,6 +195,18 @@ class Advisor:
                              layout=layout_facts(self.plan, self.candidates, vocab))
         self.say(f"advise: probe done in {duration(self.probe_s)} ({summary['steps']} steps, "
                  f"{self.facts.monitored_steps} monitored; {probe_dir})")
+
+    def _measured_target(self, run_dir: Path) -> Optional[dict]:
+        """The target an earlier launch of this command measured in ``run_dir`` (a rerun after
+        a signal continues there), or None. Reused, not measured again: the advice rests on its
+        matmul timings, and on a busy machine a second measurement can tip bf16 against fp32
+        the other way, which would change the advice between the launches of one command (and
+        with it the --confirm run the rerun must continue)."""
+        try:
+            saved = json.loads((run_dir / "target.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return saved if saved.get("name") == self.target_name else None
 
     def confirm(self, run_dir: Path, advice: Advice) -> list[str]:
         """Train the advice and the baseline for ``--confirm`` steps each; the report's lines."""

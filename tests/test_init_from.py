@@ -119,14 +119,11 @@ def test_gpt_preset_takes_the_checkpoints_architecture_and_weights(ckpts, tmp_pa
 
 # ------------------------------------------------------------------- refused
 def _refusal(*overrides: str) -> str:
-    """The one ConfigError adopting (then checking) the config raises, as the run's first steps do."""
-    from mptrain.config.checks import given_model_keys
-    from mptrain.model.families import adopt_init_from
+    """The one ConfigError the plan raises adopting (then checking) the config, as the run's first step does."""
     from mptrain.plan.build import build_plan
 
     cfg = make_cfg(*BASE, *overrides, tiny=False)
     with pytest.raises(ConfigError) as e:
-        adopt_init_from(cfg.model, given_model_keys(cfg.model))
         build_plan(cfg)
     assert "\n" not in str(e.value)
     return str(e.value)

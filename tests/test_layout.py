@@ -264,3 +264,48 @@ def test_checker_passes_a_clean_tree(tmp_path):
 def test_checker_catches_each_kind_of_violation(tmp_path, rel, text, expected):
     problems = check(_tree(tmp_path, {**CLEAN, rel: text}))
     assert any(p.startswith(expected) for p in problems), problems
+
+
+# ------------------------------------------------------------------ sizes and the plan of the run
+LONGEST = 700
+"""No module is longer than this (the schema aside: a docstring per config field); a
+file past it usually holds two concerns."""
+TRAINER_IMPORTS = 13
+"""``run/trainer.py`` reads as the run's table of contents: it imports at most this many
+project modules (what builds, what it calls in the loop, what it records)."""
+ONE_PLACE = {"choose": "mptrain/plan/build.py", "mesh_shape": "mptrain/plan/build.py",
+             "micro_steps": "mptrain/plan/build.py", "adopt_init_from": "mptrain/plan/build.py"}
+"""Each derived fact of a run computed in one place, the plan's builder: the optimizer
+choice, the mesh, the micro-batches, the model ``model.init_from`` makes (everything else
+reads them from the plan)."""
+
+
+def _project_imports(path: Path) -> set[str]:
+    pkg = ROOT / "mptrain"
+    collector = _Collector(pkg, _module_name(pkg, path), path.name == "__init__.py", path.as_posix())
+    collector.visit(ast.parse(path.read_text(encoding="utf-8")))
+    return {e.dst for e in collector.edges}
+
+
+def test_no_module_is_longer_than_its_limit():
+    long = {p.relative_to(ROOT).as_posix(): n for p in (ROOT / "mptrain").rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > LONGEST}
+    long.pop("mptrain/config/schema.py", None)
+    assert not long, f"modules over {LONGEST} lines: {long}"
+
+
+def test_the_trainer_imports_few_project_modules():
+    found = _project_imports(ROOT / "mptrain" / "run" / "trainer.py")
+    assert len(found) <= TRAINER_IMPORTS, sorted(found)
+
+
+def test_each_derived_fact_of_a_run_is_computed_in_one_place():
+    calls: dict[str, set[str]] = {name: set() for name in ONE_PLACE}
+    for path in (ROOT / "mptrain").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if name in calls:
+                    calls[name].add(path.relative_to(ROOT).as_posix())
+    assert calls == {name: {where} for name, where in ONE_PLACE.items()}, calls

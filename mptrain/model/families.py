@@ -11,15 +11,12 @@ Also here: ``model.init_from`` for both families (a ``transformers``
 taken into the run's model (:func:`adopt_init_from`), its checks and weights."""
 from __future__ import annotations
 
-import copy
-import dataclasses
 from pathlib import Path
 from typing import Any, Collection, Optional
 
 import torch.nn as nn
 
 from mptrain.config.checks import given_model_keys
-from mptrain.config.schema import ModelConfig
 from mptrain.core.errors import ConfigError
 from mptrain.model import hf_gpt2, hf_llama, hf_read
 from mptrain.model.hf_read import same, show
@@ -260,13 +257,13 @@ def adopt_init_from(m: Any, given: Optional[Collection[str]] = None) -> dict:
 
 
 def check_init_from(m: Any) -> None:
-    """``model.init_from``'s config.json against the run's model, before any
-    work: a missing directory, a config the family cannot compute or a field
-    that differs (a caller that did not :func:`adopt_init_from` first) is one
-    ConfigError naming the field; the weights are read when the model is built."""
+    """``model.init_from``'s weights against the run's model, before any work: a
+    directory without safetensors weights (or with pickles only) is one ConfigError.
+    Its config.json was read and its architecture adopted by the plan's builder
+    (:func:`adopt_init_from`, which refuses a field the run set otherwise); the
+    weights themselves are read when the model is built."""
     if not m.init_from:
         return
-    adopt_init_from(copy.deepcopy(m), given=[f.name for f in dataclasses.fields(ModelConfig)])
     hf_read.safetensors_files(Path(m.init_from), m.init_from)  # weights there (and no pickle only)
 
 

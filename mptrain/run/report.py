@@ -25,7 +25,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 
 from mptrain.core.shards import local_shard
 from mptrain.core.text import fmt
+from mptrain.data.batches import ValSet
 from mptrain.distributed.parallel import DistContext, wrapper_dtypes
 from mptrain.distributed.tensor_parallel import float8_gathers
 from mptrain.model.common import gelu_kernel_text
@@ -49,7 +50,7 @@ from mptrain.run.metrics import Metrics
 from mptrain.run.record import (ComputeDtypeProbe, RunRecord, banner, mesh_info, observed_dtypes, peak_memory,
                                reset_peak_memory, start_memory)
 from mptrain.run.step import StepResult
-from mptrain.run.validation import ValFigures
+from mptrain.run.validation import ValFigures, text_bytes
 
 
 def start_clock(device: torch.device) -> tuple[float, dict]:
@@ -211,6 +212,9 @@ class Reporter:
         self.metrics: Optional[Metrics] = None  # opened by open(), once the run starts writing
         self.resumed_from: Optional[Path] = None
         self.history: list = []
+        # The validation set: the same windows at every evaluation and on any batch or world size.
+        self.val_set = ValSet(data.val_windows, plan.train.eval_tokens)
+        self._val_bytes: list = []  # [its text bytes], counted (decoded) at the first evaluation of a launch
 
     def _pace_warning(self, steps: int) -> Optional[str]:
         """The banner's run-time estimate, only where the matmuls are predicted
@@ -300,9 +304,15 @@ class Reporter:
             row["perf/data_copy_s"] = copy / steps
         return row
 
-    def evaluated(self, done: int, val: ValFigures) -> dict:
-        """The validation figures of step ``done``: its console line and its row."""
-        self.latest.val = val
+    def val_figures(self, loss: float) -> ValFigures:
+        """A validation loss with its perplexity and bits per byte on the run's set."""
+        if not self._val_bytes:
+            self._val_bytes.append(text_bytes(self.val_set, self.tokens.tokenizer))
+        return ValFigures.of(loss, self.val_set, self._val_bytes[0])
+
+    def evaluated(self, done: int, loss: float) -> dict:
+        """The validation figures of step ``done`` (its mean loss on the set): its console line and its row."""
+        val = self.latest.val = self.val_figures(loss)
         self.metrics.write(f"step {done:>6} | train loss {fmt(self.latest.train.get('train/loss'))} | "
                            f"{val.text()} | unigram baseline {self.tokens.unigram_nats:.4f}")
         return val.row()
@@ -332,17 +342,17 @@ class Reporter:
         self.metrics.text("samples/text", text, done)
 
     # --------------------------------------------------------------- summary
-    def logged_up_to(self, step: int, val_of: Callable[[float], ValFigures]) -> None:
+    def logged_up_to(self, step: int) -> None:
         """Take the last training and validation figures from metrics.jsonl (rows up
         to ``step``): for a launch that trains nothing but writes the summary of a
-        run whose final launch was lost before writing it. ``val_of(loss)``: the
-        figures of a validation loss on the run's set (the same at every launch)."""
+        run whose final launch was lost before writing it (the validation figures on
+        the run's set, the same at every launch)."""
         path = self.run_dir / "metrics.jsonl"
         rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
         rows = [r for r in rows if r["step"] <= step]
         self.latest.train = next((r for r in reversed(rows) if "train/loss" in r), {})
         loss = next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), None)
-        self.latest.val = val_of(loss) if loss is not None else None
+        self.latest.val = self.val_figures(loss) if loss is not None else None
 
     def finish(self, model: nn.Module, optimizer: torch.optim.Optimizer, progress, stopped_by: Optional[str],
                figures: dict) -> dict:

@@ -52,10 +52,11 @@ import socket
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 
 from mptrain.core import files
-from mptrain.core.errors import NO_ROOM_FIXES, DiskError, UserError
+from mptrain.core.errors import NO_ROOM_FIXES, ConfigError, DiskError, UserError
 from mptrain.checkpoint.integrity import complete_checkpoints
 from mptrain.run.startup import Claims, RunRefused
 
@@ -421,6 +422,16 @@ def acquire(run_dir: Path, claims: Claims) -> Optional[Claim]:
         claim.acquire()
         claims[key] = claim
     return claims[key]
+
+
+def run_dir_of(given: Optional[str | Path]) -> Path:
+    """The run's directory: ``given``, or the one Hydra made for this job (``run(cfg)``
+    outside a Hydra job must be given one)."""
+    if given:
+        return Path(given)
+    if not HydraConfig.initialized():
+        raise ConfigError("run(cfg) outside @hydra.main needs an explicit run_dir.")
+    return Path(HydraConfig.get().runtime.output_dir)
 
 
 @contextlib.contextmanager

@@ -28,8 +28,7 @@ import torch.nn as nn
 
 from omegaconf import DictConfig
 
-from mptrain.core.errors import ConfigError
-from mptrain.data.batches import Prefetcher, ValSet
+from mptrain.data.batches import Prefetcher
 from mptrain.distributed.parallel import DistContext, export_submitit_env, setup
 from mptrain.plan.build import build_plan
 from mptrain.plan.plan import Plan
@@ -39,9 +38,8 @@ from mptrain.run.console import LOG_NAME, RunLog
 from mptrain.run.parts import build_parts
 from mptrain.run.report import LoopStep, Reporter, read_back, start_clock
 from mptrain.run.resume import decide, finished_summary
-from mptrain.run.rundir import Claim, check_present, held
+from mptrain.run.rundir import Claim, check_present, held, run_dir_of
 from mptrain.run.step import evaluate, set_lr_at, step_state, train_step
-from mptrain.run.validation import ValFigures, text_bytes
 from mptrain.run.stop import StopSignal
 
 __all__ = ["run", "Trainer"]
@@ -52,7 +50,7 @@ def run(cfg: DictConfig, run_dir: Optional[str | Path] = None, claims: Optional[
 
     The run holds its directory's lock throughout (``rundir.py``); a user error
     raised before training starts leaves the directory as it found it."""
-    run_dir = Path(run_dir) if run_dir else _hydra_run_dir()
+    run_dir = run_dir_of(run_dir)
     export_submitit_env()  # a submitit task learns its rank here; only rank 0 locks the directory
     with held(run_dir, claims) as claim:  # claims: the launch's (run/startup.Claims); None: the run's own
         plan = build_plan(cfg)  # every check, once, before any process group or data work
@@ -73,14 +71,6 @@ def run(cfg: DictConfig, run_dir: Optional[str | Path] = None, claims: Optional[
         finally:
             log.close()
             ctx.shutdown()
-
-
-def _hydra_run_dir() -> Path:
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        raise ConfigError("run(cfg) outside @hydra.main needs an explicit run_dir.")
-    return Path(HydraConfig.get().runtime.output_dir)
 
 
 class Trainer:
@@ -142,7 +132,6 @@ class Trainer:
         if self.plan.checkpoint.keep_best:  # its best so far, resumed with the rest; train_state.pt's keys stay
             self.states["best"] = self.ckpt.best  # those of older checkpoints when it is off
         self.last_saved: Optional[int] = None
-        self._val_bytes: Optional[list] = None  # [the validation set's text bytes], counted at the first evaluation
         self.stopped_by: Optional[str] = None
 
     def _resume(self) -> None:
@@ -239,21 +228,11 @@ class Trainer:
         if not (tc.eval_every and (done % tc.eval_every == 0 or done == tc.max_steps)):
             return {}
         with self.report.clock.paused():
-            # The same windows at every evaluation and on any batch or world size (cheap to lay out again).
-            val = ValSet(self.data.val_windows, tc.eval_tokens)
-            mbs, ctx = self.data.micro_batch, self.ctx
+            mbs, ctx, val = self.data.micro_batch, self.ctx, self.report.val_set
             loss = evaluate(self.model, self.state.policy, ctx, val.batches(mbs, ctx.dp_rank, ctx.dp_world))
-            row = self.report.evaluated(done, self.val_figures(loss))
+            row = self.report.evaluated(done, loss)
             self.report.sample(done, self.model, self.state.policy)
         return row
-
-    def val_figures(self, loss: float) -> ValFigures:
-        """A validation loss with its perplexity and bits per byte on the run's set;
-        the set's bytes are counted (decoded) once per launch."""
-        val = ValSet(self.data.val_windows, self.tc.eval_tokens)
-        if self._val_bytes is None:
-            self._val_bytes = [text_bytes(val, self.data.tokens.tokenizer)]
-        return ValFigures.of(loss, val, self._val_bytes[0])
 
     def observe(self, done: int, row: dict) -> dict:
         """What the parts measured on step ``done`` (numerics monitor, collective
@@ -293,7 +272,7 @@ class Trainer:
             self.checkpoint(step)
         if self.plan.resume.closing:  # the lost launch's unfinished business: its pruning, its final figures
             self.ckpt.prune()
-            self.report.logged_up_to(step, self.val_figures)
+            self.report.logged_up_to(step)
         figures = self.parts.summarize(self.metrics.write)  # the parts' closing tables and figures
         figures.update(self._best_summary())
         summary = self.report.finish(self.model, self.optimizer, self.progress, self.stopped_by, figures)

@@ -14,6 +14,12 @@ of both, and each of a few gradients' relative L2 difference after step 1.
 Two more records: fp16's skip decision with an inf in one rank's part
 (``fp16_skip``) and stochastic rounding's per-rank streams (``sr_streams``).
 
+While the split model trains, :class:`CastReplay` makes each of its lab
+linears' deterministic casts again as one process makes them, from the same
+tensor, and compares: the row's ``replay``. The end-to-end comparison cannot
+tell a defect from a rounding flip that set off more (tests/test_tp_precision.py
+says why); the replay starts both from one tensor, so no flip enters.
+
 Guards are switched off one at a time (``GUARDS``): torchao's and delayed
 scaling's amax taken on this rank's shard only (their amax function replaced,
 as torchtitan #3109's layers took it), the lab's switches ``labtrain._TP_AMAX``
@@ -23,9 +29,11 @@ differently, rank 0 as the reference).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -57,6 +65,10 @@ HR = "e2m1/1x16/e4m3/nearest/hadamard-random"
 LAB_HR = ("precision=lab", "precision.lab.bf16_last_blocks=0", "precision.lab.dgrad_grad_output=e2m1/1x16/e4m3/nearest",
           f"precision.lab.wgrad_grad_output={HR}", f"precision.lab.wgrad_input={HR}", *F32)
 LAB_TW = ("precision=lab", "precision.lab.recipe=fp8_tensorwise", "precision.lab.bf16_last_blocks=0", *F32)
+
+
+LAB_PRESETS = ("precision=nvfp4", "precision=mxfp4", "precision=lab")
+"""The presets whose linears are the lab's (``labtrain.LabLinear``): the ones :class:`CastReplay` checks."""
 
 
 def case(overrides, family: str, sp: bool, guard: str | None = None, tp: int = 4) -> tuple:
@@ -113,6 +125,91 @@ GUARDS = {  # name -> (module, attribute, its replacement given the original)
     "lab_amax": (labtrain, "_TP_AMAX", lambda orig: False),
     "lab_signs": (labtrain, "_TP_SIGNS", lambda orig: False),
 }
+
+
+class CastReplay:
+    """Each deterministic cast the split model's lab linears make, made again as
+    one process makes it: this rank's part gathered over the TP group into the
+    whole operand, cast whole (with the group's first sign vector), and this
+    rank's part of the result compared with what the rank cast. Each layer's
+    weight gradient (the ``wgrad`` matmul) is replayed too: the split layer's
+    from its own casts against one process's from the whole casts. Both start
+    from the very same tensor, so nothing but a defect (a scale over one part,
+    a block across parts, a rank's own signs) can make them differ.
+    Stochastic casts are left out: each rank draws its own noise by design."""
+
+    def __init__(self):
+        self.casts = self.differ = self.elements = self.layers = 0
+        self.moved = self.wgrad = 0.0
+        self._wgrad_a = None  # the layer's wgrad_grad_output (split's, one process's, split dim)
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Replay while the block runs (``labtrain._q`` wrapped; the casts it returns are untouched)."""
+        orig = labtrain._q
+
+        def q(x, op, r, signs=None, tp=None, role="", transposed=False):
+            out = orig(x, op, r, signs, tp, role, transposed)
+            if tp is not None and not (op is not None and op.stochastic):
+                self._check(x, op, r, signs, tp, role, transposed, out)
+            elif role == "wgrad_grad_output":
+                self._wgrad_a = None
+            return out
+        labtrain._q = q
+        try:
+            yield self
+        finally:
+            labtrain._q = orig
+
+    def _check(self, x, op, r, signs, tp, role: str, transposed: bool, mine: torch.Tensor) -> None:
+        dim = labtrain._SPLIT_ROLES[tp.side].get(role)  # the layout's split, whatever the guards say
+        dim = None if dim is None else (1 - dim if transposed else dim)
+        n, rank = dist.get_world_size(tp.group), dist.get_rank(tp.group)
+        whole = x.detach().float().contiguous()
+        if dim is not None:
+            parts = [torch.empty_like(whole) for _ in range(n)]
+            dist.all_gather(parts, whole, group=tp.group)
+            whole = torch.cat(parts, dim)
+        if signs is not None:
+            signs = signs.clone()  # the split's own vector stays as it is
+            dist.broadcast(signs, group_src=0, group=tp.group)
+        one = whole if op is None else lab.fake_quantize(whole, op, signs=signs, error=r.error)
+        part = one if dim is None else one.chunk(n, dim)[rank]
+        if op is not None:
+            differ = int((mine != part).sum())
+            self.casts += 1
+            self.differ += bool(differ)
+            self.elements += differ
+            self.moved = max(self.moved, float((mine - part).norm() / part.norm().clamp(min=1e-30)))
+        if role == "wgrad_grad_output":
+            self._wgrad_a = (mine, one, dim)
+        elif role == "wgrad_input" and self._wgrad_a is not None:
+            self._replay_wgrad(mine, one, dim, tp)
+
+    def _replay_wgrad(self, b: torch.Tensor, b_one: torch.Tensor, b_dim, tp) -> None:
+        """The split layer's weight gradient part (its two casts multiplied) against
+        that part of one process's, as one relative L2 difference over the group."""
+        a, a_one, a_dim = self._wgrad_a
+        self._wgrad_a = None
+        n, rank = dist.get_world_size(tp.group), dist.get_rank(tp.group)
+        mine, one = a @ b.t(), a_one @ b_one.t()
+        part = one.chunk(n, 0)[rank] if a_dim == 0 else one.chunk(n, 1)[rank] if b_dim == 0 else one
+        sq = (mine - part).double().square().sum()
+        dist.all_reduce(sq, group=tp.group)
+        self.wgrad = max(self.wgrad, math.sqrt(float(sq)) / float(one.double().norm().clamp(min=1e-30)))
+        self.layers += 1
+
+    def summary(self) -> dict:
+        """Over every rank: casts compared, those that differ, differing elements,
+        weight gradients replayed, and the worst relative L2 movement of a cast
+        part and of a weight gradient."""
+        counts = torch.tensor([self.casts, self.differ, self.elements, self.layers], dtype=torch.float64)
+        worst = torch.tensor([self.moved, self.wgrad], dtype=torch.float64)
+        dist.all_reduce(counts)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return dict(zip(("casts", "differ", "elements", "layers"), map(int, counts.tolist()))) | {
+            "moved": worst[0].item(), "wgrad_rel": worst[1].item()}
+
 
 LR = 0.5  # plain SGD: an update is the gradient scaled, so a gradient's difference shows in the next loss as it is
 
@@ -185,12 +282,13 @@ def run_case(name: str, overrides: list[str], family: str, sp: bool, guard, mesh
     # Each TP rank draws from its own stream (stochastic rounding must differ per rank); rank 0's
     # is the reference's, so a random Hadamard vector taken from rank 0 is the reference's too.
     ref_losses, ref_grads = train(ref, ref_policy, lambda t: t, data, seed=1)
-    losses, grads = train(model, policy, _world_max, data, seed=1 + dist.get_rank())
+    with CastReplay().installed() as replay:
+        losses, grads = train(model, policy, _world_max, data, seed=1 + dist.get_rank())
     # relative in the L2 norm: a rounding flipped in a few elements counts by their share, a
     # whole tensor cast on another grid by the format's error
     diff = {k: float((grads[k] - ref_grads[k]).norm() / ref_grads[k].norm()) for k in ref_grads}
     return {"case": name, "guard": guard, "losses": losses, "ref_losses": ref_losses, "grad_rel": diff,
-            "seconds": round(time.perf_counter() - t0, 2)}
+            "replay": replay.summary(), "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def fp16_skip(mesh) -> dict:

@@ -57,6 +57,7 @@ from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import setup, wrap  # noqa: E402
 from mptrain.observe.perf import flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
+from mptrain.precision.recipe import precision_plan  # noqa: E402
 from mptrain.precision.formats import dtype_name
 from mptrain.run.record import peak_memory, reset_peak_memory  # noqa: E402
 from mptrain.precision import optimizers  # noqa: E402
@@ -258,7 +259,7 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None, warm
             model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias))
         model_params = model.num_params()
         decay = decay_names(model)
-        policy = PrecisionPolicy(cfg.precision, ctx.device)
+        policy = PrecisionPolicy(precision_plan(cfg.precision), ctx.device)
         if ctx.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = tc.tf32
             torch.backends.cudnn.allow_tf32 = tc.tf32
@@ -324,7 +325,7 @@ def banner(cfg, overrides: list[str], a, device: str, world: int, tokens) -> str
     vocab = m.vocab_size or padded_vocab(tokens.vocab_size)
     with torch.device("meta"):  # the shape's parameter count, without memory or initialisation
         params = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias)).num_params()
-    dtypes = PrecisionPolicy(cfg.precision, torch.device(device)).describe()
+    dtypes = PrecisionPolicy(precision_plan(cfg.precision), torch.device(device)).describe()
     mode = "per-block torch.compile" if compiled(cfg, torch.device(device)) else "eager"
     return "\n".join([
         f"bench: {' '.join(DEFAULTS + overrides)} | {a.steps} steps per run ({a.warmup} untimed), best of "

@@ -54,6 +54,7 @@ from mptrain.core.machine import LoadMeter, cpu_flags, cpu_name  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import DistContext  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
+from mptrain.precision.recipe import precision_plan  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names  # noqa: E402
 
 from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/configs/, shipped in the package)
@@ -87,7 +88,7 @@ def build(name: str, run_dir: Path):
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()  # creates both moments: a checkpoint of a trained run holds them
-    policy = PrecisionPolicy(cfg.precision, torch.device("cpu"))
+    policy = PrecisionPolicy(precision_plan(cfg.precision), torch.device("cpu"))
     states = {"scaler": policy.make_scaler(), "progress": Progress()}
     ctx = DistContext(mode=ParallelMode.none)
     return cfg, model, optimizer, policy, states, Checkpointer(cfg.checkpoint, run_dir, ctx, cfg)

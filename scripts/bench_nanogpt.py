@@ -107,6 +107,7 @@ from mptrain.model.common import cpu_gelu_kernel  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.distributed.parallel import setup  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
+from mptrain.precision.recipe import precision_plan  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names, lr_at, step_state, train_step  # noqa: E402
 from mptrain.run.trainer import run  # noqa: E402
 
@@ -286,7 +287,7 @@ def harness_step(cfg, vocab: int, batches, ctx):
     model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias, qk_norm=m.qk_norm))
     model.train()
     opt = build_optimizer(model, decay_names(model), cfg.optim, ctx.device, optimizers.choose(cfg))
-    policy = PrecisionPolicy(cfg.precision, ctx.device)
+    policy = PrecisionPolicy(precision_plan(cfg.precision), ctx.device)
     scaler = policy.make_scaler()
     guard = NO_GUARD if scaler.enabled else NonFiniteGuard(tc.on_nonfinite.value, opt, ctx.device)
     state = step_state(cfg, model, opt, scaler, policy, ctx, guard)  # grad_clip, z_loss, update_clip as configured

@@ -39,6 +39,7 @@ from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.precision import optimizers  # noqa: E402
 from mptrain.precision.labtrain import LabLinear  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
+from mptrain.precision.recipe import precision_plan  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names, lr_at  # noqa: E402
 
 from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/configs/, shipped in the package)
@@ -71,7 +72,7 @@ def main() -> None:
     held = Batches(Windows(tokens.val, m.block_size), tc.global_batch_size, tc.global_batch_size, 0, 1, tc.seed + 1)
     hx, hy = held.batch(0)[0]
     model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias))
-    policy = PrecisionPolicy(cfg.precision, torch.device("cpu"))
+    policy = PrecisionPolicy(precision_plan(cfg.precision), torch.device("cpu"))
     # The reference: the same model with plain linears under the same autocast (bf16 for the
     # 4-bit presets), so that the difference is the 4-bit casts' alone.
     exact = copy.deepcopy(model)

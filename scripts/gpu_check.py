@@ -77,6 +77,7 @@ from mptrain.model import families  # noqa: E402
 from mptrain.distributed.parallel import setup, wrap  # noqa: E402
 from mptrain.observe.perf import HostSyncCounter, flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
+from mptrain.precision.recipe import precision_plan  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names, step_state, train_step  # noqa: E402
 from mptrain.run.trainer import Trainer, run  # noqa: E402
 
@@ -310,7 +311,7 @@ class StepLoop:
             if ctx.device.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
                 torch.backends.cudnn.allow_tf32 = cfg.train.tf32
-            self.policy = PrecisionPolicy(cfg.precision, ctx.device)
+            self.policy = PrecisionPolicy(precision_plan(cfg.precision), ctx.device)
             vocab = m.vocab_size or VOCAB
             with torch.device("meta"):
                 model = families.build(m, vocab)

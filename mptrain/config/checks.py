@@ -103,6 +103,11 @@ RENAMED = {
                           "set in tokens (the same set whatever the batch and world size); set "
                           "train.eval_tokens=N instead (default 16384).",
 }
+RENAMED_RECIPES = {"fp8_tensorwise": "tensorwise", "fp8_rowwise": "rowwise",
+                   "fp8_rowwise_with_gw_hp": "rowwise_with_gw_hp", "block1x32": "mxfp8"}
+"""Recipe names retired when every recipe took one name everywhere (the lab's float8
+recipes took precision.fp8.recipe's names, the statistics' block1x32 mxfp8's) -> the
+name now, for ``precision.lab.recipe`` and ``monitor.fp8_whatif``."""
 
 
 def check_override_keys(overrides: list[str], config_dir: str) -> None:
@@ -533,6 +538,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     which optimizer can run, which float8 recipes the cast statistics know) are
     added on top by :func:`mptrain.precision.rules.validate`, which is what a run calls."""
     check_ranges(cfg)  # first: the rules below divide by some of these values
+    _renamed_recipes(cfg)
     m, p = cfg.model, cfg.precision
     if m.d_model % m.n_head:
         raise ConfigError(
@@ -558,6 +564,21 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             "(precision=bf16-pure): fp16 parameters cannot be unscaled by a GradScaler."
         )
     _extras(cfg)
+
+
+def _renamed_recipes(cfg: Any) -> None:
+    """A retired recipe name (:data:`RENAMED_RECIPES`), on the command line or in a
+    config file, refused in one sentence naming the name it has now."""
+    lab_recipe = str(cfg.precision.lab.recipe)
+    if lab_recipe in RENAMED_RECIPES:
+        new = RENAMED_RECIPES[lab_recipe]
+        raise ConfigError(f"precision.lab.recipe={lab_recipe} is now called {new}, its name everywhere (the same "
+                          f"casts); set precision.lab.recipe={new}.")
+    for old in cfg.monitor.fp8_whatif:
+        if old in RENAMED_RECIPES:
+            new = RENAMED_RECIPES[old]
+            raise ConfigError(f"monitor.fp8_whatif: {old} is now called {new}, its name everywhere (the same "
+                              f"casts); write {new} instead.")
 
 
 def _extras(cfg: Any) -> None:

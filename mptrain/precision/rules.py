@@ -11,9 +11,10 @@ from mptrain.config import checks
 from mptrain.core.errors import ConfigError
 from mptrain.model.families import family_of, family_spec, ffn_hidden
 from mptrain.precision import mesh_rules
-from mptrain.precision.fp8casts import LAB_RECIPES, RECIPES, STAT_ROLES, WHATIFS, lab_operand
-from mptrain.precision.labtrain import lab_recipe, shape_problem
+from mptrain.precision.fp8casts import WHATIFS, measured
+from mptrain.precision.labtrain import shape_problem
 from mptrain.precision.optimizers import choose
+from mptrain.precision.recipe import lab_recipe
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
@@ -25,12 +26,10 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     unknown = [r for r in cfg.monitor.fp8_whatif if r not in WHATIFS]
     if unknown:
         raise ConfigError(f"monitor.fp8_whatif has unknown recipe(s) {', '.join(map(str, unknown))}; choose "
-                          f"from the statistics' {', '.join(RECIPES)} or the lab's named recipes "
-                          f"{', '.join(LAB_RECIPES)}, or [] for none.")
+                          f"from the named recipes {', '.join(WHATIFS)}, or [] for none.")
     for r in cfg.monitor.fp8_whatif:
         try:
-            if r in LAB_RECIPES:
-                [lab_operand(r, op) for op in STAT_ROLES]
+            measured(r)
         except ValueError as e:  # a named recipe whose spec the lab cannot cast: refused here, not mid-run
             raise ConfigError(f"monitor.fp8_whatif: the lab recipe {r} cannot be measured ({e}); leave it out.") from None
     _lowp_hidden(cfg)

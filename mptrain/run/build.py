@@ -30,6 +30,7 @@ from mptrain.observe.memory import fit_check
 from mptrain.precision.mesh_rules import vocab_problem
 from mptrain.precision.optimizers import Choice, choose
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
+from mptrain.precision.recipe import precision_plan
 from mptrain.precision.support import check_precision
 from mptrain.run.step import build_optimizer, decay_names
 
@@ -152,7 +153,8 @@ def build_policy(cfg: DictConfig, ctx: DistContext) -> tuple[PrecisionPolicy, li
     """The precision policy and this machine's warnings about it; what the
     machine cannot do at all (fp8 without fp8 hardware or software) is refused
     here, before any work."""
-    policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=ctx.uses_mesh, float8_gather=_no_float8_gather(cfg, ctx))
+    policy = PrecisionPolicy(precision_plan(cfg.precision), ctx.device, fsdp2=ctx.uses_mesh,
+                             float8_gather=_no_float8_gather(cfg, ctx))
     return policy, check_precision(policy, ctx.device)
 
 

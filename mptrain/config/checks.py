@@ -538,8 +538,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     which optimizer can run, which float8 recipes the cast statistics know) are
     added on top by :func:`mptrain.precision.rules.validate`, which is what a run calls."""
     check_ranges(cfg)  # first: the rules below divide by some of these values
-    _renamed_recipes(cfg)
     m, p = cfg.model, cfg.precision
+    _renamed_recipes(p.lab, cfg.monitor)
     if m.d_model % m.n_head:
         raise ConfigError(
             f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}; "
@@ -566,15 +566,16 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     _extras(cfg)
 
 
-def _renamed_recipes(cfg: Any) -> None:
-    """A retired recipe name (:data:`RENAMED_RECIPES`), on the command line or in a
-    config file, refused in one sentence naming the name it has now."""
-    lab_recipe = str(cfg.precision.lab.recipe)
+def _renamed_recipes(lab: Any, monitor: Any) -> None:
+    """A retired recipe name (:data:`RENAMED_RECIPES`) in ``precision.lab`` or
+    ``monitor``, on the command line or in a config file, refused in one sentence
+    naming the name it has now."""
+    lab_recipe = str(lab.recipe)
     if lab_recipe in RENAMED_RECIPES:
         new = RENAMED_RECIPES[lab_recipe]
         raise ConfigError(f"precision.lab.recipe={lab_recipe} is now called {new}, its name everywhere (the same "
                           f"casts); set precision.lab.recipe={new}.")
-    for old in cfg.monitor.fp8_whatif:
+    for old in monitor.fp8_whatif:
         if old in RENAMED_RECIPES:
             new = RENAMED_RECIPES[old]
             raise ConfigError(f"monitor.fp8_whatif: {old} is now called {new}, its name everywhere (the same "

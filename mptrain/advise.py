@@ -60,7 +60,7 @@ from mptrain.core.process_exit import run_then_leave
 from mptrain.core.signals import SignalHandler
 from mptrain.core.text import wants_help
 from mptrain.observe.memory import mesh_overrides
-from mptrain.precision import labtrain
+from mptrain.precision.recipe import NAMED
 from mptrain.run.startup import Startup
 
 _FLAGS = {"--steps": int, "--budget-gib": float, "--world": int, "--target": str, "--confirm": int,
@@ -70,10 +70,10 @@ _FLAGS = {"--steps": int, "--budget-gib": float, "--world": int, "--target": str
 def lab_names(value: str) -> tuple[str, ...]:
     """``--lab``'s comma-separated named lab recipes, or ConfigError naming the unknown ones."""
     names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
-    unknown = [n for n in names if n not in labtrain.NAMED]
+    unknown = [n for n in names if n not in NAMED]
     if unknown or not names:
         raise ConfigError(f"--lab {value!r}: {', '.join(unknown) or 'no name'} is not a named lab recipe; give "
-                          f"one or more of {', '.join(labtrain.NAMED)}, separated by commas.")
+                          f"one or more of {', '.join(NAMED)}, separated by commas.")
     return names
 
 

@@ -3,7 +3,7 @@
     python -m mptrain.formats              # both tables below
     python -m mptrain.formats --torch      # only torch's formats
     python -m mptrain.formats --lab        # only the format lab's element formats
-    python -m mptrain.formats --recipes    # the lab's named recipes, operand by operand
+    python -m mptrain.formats --recipes    # every named recipe, operand by operand
 
 The first table has one row per torch format a run computes or stores in
 (fp32, bf16, fp16, the float8 formats): bits, exponent and mantissa bits,
@@ -18,9 +18,11 @@ int4: largest value, smallest normal and subnormal, how many distinct finite
 values a cast gives, and the torch or ml_dtypes type it equals bit for bit where
 one exists (tests/test_lab.py checks every code and every rounding).
 
-``--recipes`` prints each named recipe of ``precision.lab.recipe`` with what it
-is for and the operand spec of each of the six operands of a linear's three
-matmuls (forward, input gradient, weight gradient). The flags combine.
+``--recipes`` prints each named recipe (the one vocabulary of
+``precision.fp8.recipe``, ``precision.fp4.format``, ``precision.lab.recipe`` and
+``monitor.fp8_whatif``) with what it is for and the operand spec of each of the
+six operands of a linear's three matmuls (forward, input gradient, weight
+gradient). The flags combine.
 """
 from __future__ import annotations
 
@@ -31,13 +33,13 @@ import torch
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import wants_help
 from mptrain.precision.formats import format_table, lab_table
-from mptrain.precision.labtrain import NAMED, NAMED_WHY, ROLES
+from mptrain.precision.recipe import NAMED, NAMED_WHY, ROLES
 
 FLAGS = ("--torch", "--lab", "--recipes")
 
 
 def recipes_text() -> str:
-    """Every named lab recipe: its name and purpose, then its six operand specs."""
+    """Every named recipe: its name and purpose, then its six operand specs."""
     width = max(len(r) for r in ROLES)
     out = []
     for name, specs in NAMED.items():
@@ -64,7 +66,8 @@ def main(argv: list[str]) -> int:
     if "--lab" in want:
         parts.append("The format lab's element formats (from their fields; docs/formats.md)\n" + lab_table())
     if "--recipes" in want:
-        parts.append("The format lab's named recipes (precision.lab.recipe; docs/formats.md)\n" + recipes_text())
+        parts.append("The named recipes (precision.fp8.recipe, precision.fp4.format, precision.lab.recipe, "
+                     "monitor.fp8_whatif; docs/formats.md)\n" + recipes_text())
     print("\n\n".join(parts))
     return 0
 

@@ -260,7 +260,7 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None, warm
             model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias))
         model_params = model.num_params()
         decay = decay_names(model)
-        policy = PrecisionPolicy(cfg.precision, ctx.device)
+        policy = PrecisionPolicy(plan.precision, ctx.device)
         if ctx.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = tc.tf32
             torch.backends.cudnn.allow_tf32 = tc.tf32
@@ -322,11 +322,11 @@ def machine(device: str) -> str:
 def banner(cfg, overrides: list[str], a, device: str, world: int, tokens) -> str:
     """One header for every run (the harness's own per-run banner is hidden): the
     command, machine, torch, model, batch and dtypes."""
-    m, tc = cfg.model, cfg.train
-    vocab = build_plan(cfg).vocab.rows(tokens.vocab_size)
+    m, tc, plan = cfg.model, cfg.train, build_plan(cfg)
+    vocab = plan.vocab.rows(tokens.vocab_size)
     with torch.device("meta"):  # the shape's parameter count, without memory or initialisation
         params = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias)).num_params()
-    dtypes = PrecisionPolicy(cfg.precision, torch.device(device)).describe()
+    dtypes = PrecisionPolicy(plan.precision, torch.device(device)).describe()
     mode = "per-block torch.compile" if compiled(cfg.train, torch.device(device)) else "eager"
     return "\n".join([
         f"bench: {' '.join(DEFAULTS + overrides)} | {a.steps} steps per run ({a.warmup} untimed), best of "

@@ -81,17 +81,17 @@ def build(name: str, run_dir: Path):
     """Model, AdamW with its moments allocated, and a Checkpointer, as the trainer has them."""
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("config", overrides=[f"model={name}", "precision=fp32", "checkpoint.keep_last=0"])
-    m = cfg.model
+    m, plan = cfg.model, build_plan(cfg)
     torch.manual_seed(0)
     model = GPT(GPTShape(VOCAB, m.n_layer, m.n_head, m.d_model, m.block_size, 0.0, m.bias))
-    optimizer = build_optimizer(model, decay_names(model), cfg.optim, torch.device("cpu"))
+    optimizer = build_optimizer(model, decay_names(model), plan.optim, torch.device("cpu"))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()  # creates both moments: a checkpoint of a trained run holds them
-    policy = PrecisionPolicy(cfg.precision, torch.device("cpu"))
+    policy = PrecisionPolicy(plan.precision, torch.device("cpu"))
     states = {"scaler": policy.make_scaler(), "progress": Progress()}
     ctx = DistContext(mode=ParallelMode.none)
-    return cfg, model, optimizer, policy, states, Checkpointer(build_plan(cfg), run_dir, ctx)
+    return cfg, model, optimizer, policy, states, Checkpointer(plan, run_dir, ctx)
 
 
 def bare_save(path: Path, model, optimizer, states) -> None:

@@ -61,8 +61,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from omegaconf import OmegaConf  # noqa: E402
 
 from mptrain.checkpoint.checkpointer import flatten  # noqa: E402
-from mptrain.config.checks import CONFIG_DIR  # noqa: E402
-from mptrain.config.schema import Config  # noqa: E402
+from mptrain.config.checks import CONFIG_DIR, RENAMED_RECIPES  # noqa: E402
+from mptrain.config.schema import Config, MonitorConfig  # noqa: E402
+from mptrain.observe.fp8watch import kind_of  # noqa: E402
 
 # (panel title, metric, x axis, y scale, y axis label with its unit). A "what-if: " title is a
 # counterfactual the monitor computes on the run's own tensors (what a cast to that format
@@ -677,7 +678,7 @@ def figure(runs: list[Run], out: Path) -> tuple[list[str], str]:
 FP8_PREFIX = "fp8."
 FP8_STATS = ("flush", "saturate", "sqnr_db")
 OPERANDS = ("input", "weight", "grad_output")
-WHATIF_RECIPES = ("tensorwise", "rowwise", "block1x32", "block1x128", "block128x128", "nvfp4", "nvfp4_rht", "mxfp4")
+WHATIF_RECIPES = tuple(MonitorConfig().fp8_whatif)  # the default what-ifs, in their order
 # An operand's line style in the per-layer panels (the run keeps its colour and marker).
 OPERAND_LINESTYLES = {"input": "-", "weight": "--", "grad_output": ":"}
 # Beyond these the per-layer figure stops being readable: the rest are left out, and named.
@@ -708,7 +709,7 @@ def fp8_casts(run: Run) -> Optional[dict]:
               else (prec.get("fp8") or {}).get("recipe"))
     got = run.summary.get("fp8_casts")
     if isinstance(got, dict) and got.get("layers"):
-        return {**got, "recipe": got.get("recipe") or recipe, "source": "summary.json"}
+        return _renamed({**got, "recipe": got.get("recipe") or recipe, "source": "summary.json"})
     for row in reversed(run.rows):
         layers: dict = {}
         for k, v in row.items():
@@ -719,8 +720,20 @@ def fp8_casts(run: Run) -> Optional[dict]:
             entry = layers.setdefault(layer, {}).setdefault(op, {})
             (entry.setdefault("whatif", {}).setdefault(whatif, {}) if whatif else entry)[stat] = v
         if layers:
-            return {"recipe": recipe, "step": row.get("step"), "source": "metrics.jsonl", "layers": layers}
+            return _renamed({"recipe": recipe, "step": row.get("step"), "source": "metrics.jsonl", "layers": layers})
     return None
+
+
+def _renamed(casts: dict) -> dict:
+    """``casts`` with a run's recipe names as they are now: a run recorded before every
+    recipe had one name everywhere (its ``block1x32`` what-if is mxfp8's cast, its lab
+    ``fp8_tensorwise`` is tensorwise) reads as one recorded since."""
+    new = lambda n: RENAMED_RECIPES.get(n, n)  # noqa: E731
+    for ops in casts["layers"].values():
+        for entry in ops.values():
+            if entry.get("whatif"):
+                entry["whatif"] = {new(n): w for n, w in entry["whatif"].items()}
+    return {**casts, "recipe": new(casts["recipe"]) if casts.get("recipe") else casts.get("recipe")}
 
 
 def _sqnr_key(v) -> float:
@@ -728,18 +741,15 @@ def _sqnr_key(v) -> float:
     return -math.inf if not isinstance(v, (int, float)) or math.isnan(v) else v
 
 
-FP4_WHATIFS = ("nvfp4", "nvfp4_rht", "mxfp4")  # 4-bit what-ifs; the run's own 4-bit formats are nvfp4, mxfp4
-
-
 def best_whatif(entry: dict, recipe: Optional[str] = None) -> Optional[tuple[str, dict]]:
     """The what-if recipe with the highest SQNR for one operand's casts (the first
     listed on a tie), with its figures; None when there is none. Only recipes of
     the run's own width compete: float8 ones for a float8 run, 4-bit ones for a
-    4-bit run (``recipe`` nvfp4 or mxfp4), where any float8 recipe would win by
-    its 4 more bits and say nothing about the choice of 4-bit scales."""
+    4-bit run (``recipe`` nvfp4, mxfp4, ...: ``fp8watch.kind_of``), where any float8
+    recipe would win by its 4 more bits and say nothing about the choice of 4-bit scales."""
     whatif = entry.get("whatif") or {}
-    four = recipe in FP4_WHATIFS
-    whatif = {n: w for n, w in whatif.items() if (n in FP4_WHATIFS) == four}
+    four = kind_of(recipe or "") == "4-bit"
+    whatif = {n: w for n, w in whatif.items() if (kind_of(n) == "4-bit") == four}
     if not whatif:
         return None
     name = max(whatif, key=lambda n: _sqnr_key(whatif[n].get("sqnr_db")))

@@ -72,7 +72,7 @@ def main() -> None:
     held = Batches(Windows(tokens.val, m.block_size), tc.global_batch_size, tc.global_batch_size, 0, 1, tc.seed + 1)
     hx, hy = held.batch(0)[0]
     model = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias))
-    policy = PrecisionPolicy(cfg.precision, torch.device("cpu"))
+    policy = PrecisionPolicy(plan.precision, torch.device("cpu"))
     # The reference: the same model with plain linears under the same autocast (bf16 for the
     # 4-bit presets), so that the difference is the 4-bit casts' alone.
     exact = copy.deepcopy(model)

@@ -311,7 +311,7 @@ class StepLoop:
             if ctx.device.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
                 torch.backends.cudnn.allow_tf32 = cfg.train.tf32
-            self.policy = PrecisionPolicy(cfg.precision, ctx.device)
+            self.policy = PrecisionPolicy(run_plan.precision, ctx.device)
             vocab = m.vocab_size or VOCAB
             with torch.device("meta"):
                 model = families.build(m, vocab)

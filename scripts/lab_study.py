@@ -66,7 +66,7 @@ from mptrain.data.batches import Batches, Windows  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
 from mptrain.plan.build import build_plan  # noqa: E402
 from mptrain.model import families  # noqa: E402
-from mptrain.precision import lab, labtrain, optimizers  # noqa: E402
+from mptrain.precision import lab, optimizers  # noqa: E402
 from mptrain.precision.labtrain import LabLinear  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names, lr_at  # noqa: E402
@@ -112,7 +112,7 @@ class Run:
         self.held = [held.batch(i)[0] for i in range(EVAL_BATCHES)]
         model = families.build(m, vocab)
         model.reset_parameters(torch.Generator().manual_seed(seed))
-        self.policy = PrecisionPolicy(cfg.precision, torch.device("cpu"))
+        self.policy = PrecisionPolicy(plan.precision, torch.device("cpu"))
         self.exact = copy.deepcopy(model)  # plain linears: the reference gradient and the captures
         self.model = self.policy.convert_model(model)
         self.lab_layers = [n for n, mod in self.model.named_modules() if isinstance(mod, LabLinear)]

@@ -4,7 +4,9 @@ mptrain needs these.
 - :func:`inf_grad_at`: the run's fault injector as ``debug.*`` configures it,
   for a test that calls ``train_step`` itself;
 - :func:`param_count`: mptrain's GPT parameter count, by hand;
-- :func:`cast_stats`: the float8 cast figures of one whole tensor;
+- :func:`cast_stats`: the cast figures of one whole tensor;
+- :func:`fp4_round_trip`, :func:`fp4_scales`: NVFP4's and MXFP4's lab casts as
+  whole-tensor round trips and block scales, what torchao's casts are compared with;
 - :func:`state_bytes`: the bytes an optimizer's state really holds;
 - :class:`Plant`: a pickle that runs code when loaded (it makes a directory);
 - :func:`without_wall_clock`: metric rows without the keys that depend on timing.
@@ -17,7 +19,8 @@ import os
 import torch
 
 from mptrain.config.schema import DebugConfig
-from mptrain.precision.fp8casts import cast_counts, summarize
+from mptrain.precision import lab
+from mptrain.precision.fp8casts import cast_counts, measured, summarize
 from mptrain.precision.optimizers import state_parts
 from mptrain.run.faults import FaultInjector
 
@@ -42,9 +45,40 @@ def param_count(n_layer: int, d_model: int, vocab: int, block: int, bias: bool =
     return n_layer * per_block + vocab * d + block * d + final_norm
 
 
-def cast_stats(t: torch.Tensor, recipe: str, fmt: str = "e4m3", mx_rounding: str = "rceil") -> dict[str, float]:
-    """``fp8casts.summarize`` of ``fp8casts.cast_counts`` for one whole tensor."""
-    return summarize(*cast_counts(t, recipe, fmt, mx_rounding))
+def cast_stats(t: torch.Tensor, recipe: str, fmt: str = "e4m3", operand: str = "input",
+               scale: torch.Tensor | None = None) -> dict[str, float]:
+    """``fp8casts.summarize`` of ``fp8casts.cast_counts`` for one whole tensor: cast
+    as an operand spec says (``recipe`` with a ``/``), or as the named recipe
+    ``recipe`` casts ``operand`` (a float8 recipe to the run format ``fmt``)."""
+    op = lab.parse(recipe) if "/" in recipe else measured(recipe, dict.fromkeys(("input", "weight", "grad_output"),
+                                                                                 fmt))[operand]
+    return summarize(*cast_counts(t, op, scale=scale))
+
+
+FP4_SPECS = {"nvfp4": "e2m1/1x16/e4m3/nearest", "mxfp4": "e2m1/1x32/ue8m0/nearest"}
+"""Each format's operand spec (the nvfp4 and mxfp4 recipes' input's)."""
+FP4_BLOCK = {"nvfp4": 16, "mxfp4": 32}
+
+
+def fp4_operand(fmt: str, two_d: bool = False, stochastic: bool = False) -> lab.Operand:
+    """``fmt``'s lab operand: in square tiles with ``two_d``, rounding stochastically with ``stochastic``."""
+    spec = FP4_SPECS[fmt].replace("1x", f"{FP4_BLOCK[fmt]}x") if two_d else FP4_SPECS[fmt]
+    return lab.parse(spec.replace("nearest", "stochastic") if stochastic else spec)
+
+
+def fp4_round_trip(x: torch.Tensor, fmt: str, *, two_d: bool = False, stochastic: bool = False,
+                   per_tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The lab's round trip of ``x`` in ``fmt`` (fp32, ``x``'s shape)."""
+    return lab.fake_quantize(x, fp4_operand(fmt, two_d, stochastic), per_tensor=per_tensor_scale)
+
+
+def fp4_scales(x: torch.Tensor, fmt: str, *, two_d: bool = False,
+               per_tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """What each block's elements were divided by, ``(rows, blocks)``: nvfp4's two
+    levels together, mxfp4's power of two (floored at 2**-126, as torchao divides)."""
+    c = lab.cast(x, fp4_operand(fmt, two_d), per_tensor=per_tensor_scale)
+    d = c.decode if fmt == "nvfp4" else 1.0 / c.multiplier
+    return d.reshape(d.shape[0], d.shape[2])
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -36,6 +36,7 @@ from mptrain.model.gpt import GPT, GPTShape, LayerNorm  # noqa: E402
 from mptrain.distributed.parallel import setup, wrap, wrapper_dtypes  # noqa: E402
 from mptrain.plan.build import build_plan  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
+from mptrain.precision.recipe import precision_plan  # noqa: E402
 from mptrain.precision.formats import dtype_name
 
 CASES = {
@@ -71,7 +72,7 @@ def probe(mode: str, case: str, overrides: list[str]) -> dict:
 
 
 def _probe_wrapped(mode: str, case: str, precision_cfg, ctx) -> dict:
-    policy = PrecisionPolicy(precision_cfg, ctx.device)
+    policy = PrecisionPolicy(precision_plan(precision_cfg), ctx.device)
     torch.manual_seed(0)
     model = GPT(GPTShape(vocab_size=128, n_layer=2, n_head=2, d_model=64, block_size=32))
     model.register_buffer("probe", torch.ones(4))  # the GPT has no float buffer of its own
@@ -133,7 +134,7 @@ def digest(named: list[tuple[str, torch.Tensor]]) -> str:
 def init_digest(mode: str, precision: str) -> str:
     """Build the model as the trainer does (on the meta device, materialized by
     ``wrap``: after sharding under FSDP2) and digest its full initial weights."""
-    policy = PrecisionPolicy(_compose(f"precision={precision}").precision, torch.device("cpu"),
+    policy = PrecisionPolicy(precision_plan(_compose(f"precision={precision}").precision), torch.device("cpu"),
                              fsdp2=mode == "fsdp")
     ctx = setup(build_plan(_compose(f"parallel={mode}")))
     try:

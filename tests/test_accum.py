@@ -7,6 +7,7 @@ from mptrain.config.schema import ParallelMode
 from mptrain.model.gpt import GPT, GPTShape
 from mptrain.distributed.parallel import DistContext
 from mptrain.precision.policy import PrecisionPolicy
+from mptrain.precision.recipe import precision_plan
 from mptrain.run.step import StepState, build_optimizer, decay_names, train_step
 
 from .conftest import make_cfg
@@ -19,7 +20,7 @@ def _one_step(micro: int):
     torch.manual_seed(0)
     model = GPT(GPTShape(vocab_size=64, n_layer=2, n_head=2, d_model=32, block_size=16))
     opt = build_optimizer(model, decay_names(model), cfg.optim, CPU)
-    policy = PrecisionPolicy(cfg.precision, CPU)
+    policy = PrecisionPolicy(precision_plan(cfg.precision), CPU)
     x = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(1))
     chunks = [(c[:, :-1], c[:, 1:]) for c in x.split(8 // micro)]
     state = StepState(model, opt, policy.make_scaler(), policy, DistContext(mode=ParallelMode.none), grad_clip=1.0)

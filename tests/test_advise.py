@@ -153,7 +153,7 @@ def test_lab_candidates_are_measured_ranked_and_given_as_a_command_line(planted)
     (["--world", "3"], "world size"),
     (["parallel=fsdp_tp", "--world", "6", "--tp", "4"], "does not divide the world size 6"),
     (["--frobnicate"], "unknown flag --frobnicate"),
-    (["--lab", "mxfp6,nvfp4"], "--lab 'mxfp6,nvfp4': mxfp6 is not a named lab recipe; give one or more of fp8_"),
+    (["--lab", "mxfp6,nvfp4"], "--lab 'mxfp6,nvfp4': mxfp6 is not a named lab recipe; give one or more of tensorwise"),
     (["train.max_stepz=3"], "train.max_stepz"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_work(args, said, tmp_path, capsys):

@@ -19,6 +19,7 @@ from mptrain.config.schema import ParallelMode
 from mptrain.model.gpt import GPT, GPTShape
 from mptrain.distributed.parallel import DistContext, wrap
 from mptrain.precision.policy import PrecisionPolicy
+from mptrain.precision.recipe import precision_plan
 from mptrain.run.step import StepState, build_optimizer, decay_names, train_step
 
 from .conftest import make_cfg
@@ -36,7 +37,7 @@ def _nano(precision: str, *overrides: str, activation_checkpointing: bool = Fals
     m = cfg.model
     torch.manual_seed(0)
     model = GPT(GPTShape(64, m.n_layer, m.n_head, m.d_model, 16, m.dropout, m.bias))
-    policy = PrecisionPolicy(cfg.precision, CPU)
+    policy = PrecisionPolicy(precision_plan(cfg.precision), CPU)
     decay = decay_names(model)
     model = wrap(model, policy, CTX, activation_checkpointing=activation_checkpointing)
     if prepare is not None:
@@ -118,7 +119,7 @@ class _Net(nn.Module):
 def _opaque_run(fn) -> DtypeAudit:
     torch.manual_seed(0)
     model = _Net(fn)
-    policy = PrecisionPolicy(make_cfg("precision=bf16").precision, CPU)
+    policy = PrecisionPolicy(precision_plan(make_cfg("precision=bf16").precision), CPU)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = [(torch.randn(8, 16), torch.randn(8, 16))]
     return _audit(model, opt, policy, policy.make_scaler(), batch)
@@ -273,7 +274,7 @@ def test_emulation_is_told_from_what_the_product_multiplies(both):
     bf16 autocast like any other."""
     torch.manual_seed(0)
     model = _Widened(both)
-    policy = PrecisionPolicy(make_cfg("precision=bf16").precision, CPU)
+    policy = PrecisionPolicy(precision_plan(make_cfg("precision=bf16").precision), CPU)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = [(torch.randn(8, 16), torch.randn(8, 16))]
     with DtypeAudit(model, opt, policy) as audit:

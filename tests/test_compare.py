@@ -371,8 +371,9 @@ def test_loss_gap_only_between_runs_of_the_same_config(tmp_path, capsys):
 FP8_LAYERS = ("block0.attn.qkv", "block1.mlp.fc")
 FP8_OPS = ("input", "weight", "grad_output")
 # SQNR of each what-if recipe relative to the run's own casts, per run recipe: the best is
-# block1x32 for the tensorwise run and block1x128 for the rowwise one.
-FP8_WHATIF_DB = {"tensorwise": {"rowwise": 2.0, "block1x32": 5.0, "block1x128": 4.0, "block128x128": 1.0},
+# mxfp8 for the tensorwise run and block1x128 for the rowwise one, a run recorded before
+# every recipe had one name (its mxfp8 what-if under the old name block1x32).
+FP8_WHATIF_DB = {"tensorwise": {"rowwise": 2.0, "mxfp8": 5.0, "block1x128": 4.0, "block128x128": 1.0},
                  "rowwise": {"tensorwise": -3.0, "block1x32": 1.0, "block1x128": 6.0, "block128x128": -1.0}}
 
 
@@ -445,6 +446,8 @@ def test_fp8_layers_figure_and_table(tmp_path, capsys):
     compare.label_runs(runs)
     panels, _ = compare.panels_with_data(runs)
     assert {"fp8/worst/flush", "fp8/worst/saturate", "fp8/worst/sqnr_db"} <= {p[1] for p in panels}
+    old = compare.fp8_casts(runs[1])["layers"]["block0.attn.qkv"]["input"]["whatif"]
+    assert "mxfp8" in old and "block1x32" not in old  # the old run's what-if under its name now
 
     fig = compare.build_fp8_figure(runs)
     lines = _plain_labels(fig, only=lambda title: "by recipe" not in title)
@@ -481,7 +484,7 @@ def test_fp8_layers_figure_and_table(tmp_path, capsys):
     assert header in tw and header in rw
     # tensorwise, block1.mlp.fc grad_output: flush 0.001*2*3*4 = 2.4%, saturate 0.15%, SQNR 31-2-2+0.4
     assert _md_rows(tw)[("block1.mlp.fc", "grad_output")] == [
-        "2.4", "0.15", "27.4", "block1x32", "0.02", "0", "32.4", "+5.0"]
+        "2.4", "0.15", "27.4", "mxfp8", "0.02", "0", "32.4", "+5.0"]
     rows = _md_rows(rw)
     assert len(rows) == 6 and {c[3] for c in rows.values()} == {"block1x128"}
     assert rows[("block0.attn.qkv", "input")] == ["0.8", "0.05", "32.4", "block1x128", "0.03", "0", "38.4", "+6.0"]

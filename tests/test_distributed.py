@@ -514,13 +514,14 @@ def test_fsdp1_grad_norm_is_fp32_with_half_precision_grads():
     from mptrain.model.gpt import GPT, GPTShape
     from mptrain.distributed.parallel import setup, wrap
     from mptrain.precision.policy import PrecisionPolicy
+    from mptrain.precision.recipe import precision_plan
 
     from .conftest import make_cfg
 
     cfg = make_cfg("parallel=fsdp1", "precision=bf16-pure")
     ctx = setup(build_plan(cfg))  # a one-rank group, made and destroyed here
     try:
-        policy = PrecisionPolicy(cfg.precision, ctx.device)
+        policy = PrecisionPolicy(precision_plan(cfg.precision), ctx.device)
         torch.manual_seed(0)
         model = wrap(GPT(GPTShape(vocab_size=128, n_layer=2, n_head=2, d_model=64, block_size=32)), policy, ctx)
         x = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(1))

@@ -11,7 +11,7 @@ import torch
 from mptrain import formats as formats_cli
 from mptrain.precision import formats
 from mptrain.precision.elements import all_formats, element
-from mptrain.precision.labtrain import NAMED, NAMED_WHY, ROLES
+from mptrain.precision.recipe import NAMED, NAMED_WHY, ROLES
 
 # Independent facts about each format (IEEE 754 / OCP FP8 specs), to check the derivation against.
 LAYOUT = {  # name: (dtype, bits, exponent bits, mantissa bits, smallest normal, smallest subnormal)
@@ -133,7 +133,7 @@ def test_cli_recipes_and_default_and_bad_flag(capsys):
         assert [line.split() for line in block[1:7]] == [[r, specs[r]] for r in ROLES]
     assert formats_cli.main([]) == 0  # no flag: both format tables, no recipes
     out = capsys.readouterr().out
-    assert "float8_e4m3fn" in out and "e3m4" in out and "fp8_tensorwise:" not in out
+    assert "float8_e4m3fn" in out and "e3m4" in out and "\ntensorwise: " not in out
     assert formats_cli.main(["--lab", "--bogus"]) == 2
     assert "unknown argument --bogus" in capsys.readouterr().err
     assert formats_cli.main(["--help"]) == 0

@@ -14,13 +14,14 @@ import yaml
 import torch.nn as nn
 
 from mptrain.core.errors import ConfigError
-from mptrain.precision import fp4
 from types import SimpleNamespace
 
 from mptrain.config.schema import Fp4Format
-from mptrain.precision.labtrain import LabLinear, LabRecipe, fp4_recipe
+from mptrain.precision import lab
+from mptrain.precision.labtrain import LabLinear
+from mptrain.precision.recipe import Recipe, fp4_recipe, precision_plan
 
-from .aids import without_wall_clock
+from .aids import fp4_round_trip, fp4_scales, without_wall_clock
 from .conftest import make_cfg, read_rows, train
 
 # The rest of the model in fp32: these tests are about the 4-bit linears, and CPU bf16
@@ -28,13 +29,13 @@ from .conftest import make_cfg, read_rows, train
 FP32_REST = ["precision.compute_dtype=fp32", "precision.param_dtype=fp32"]
 
 
-def Fp4Recipe(fmt: str, hadamard: bool, stochastic: bool, two_d: bool) -> LabRecipe:
+def Fp4Recipe(fmt: str, hadamard: bool, stochastic: bool, two_d: bool) -> Recipe:
     """The lab recipe ``precision.fp4`` makes with these switches (as a run builds it)."""
     return fp4_recipe(SimpleNamespace(format=Fp4Format(fmt), hadamard=hadamard,
                                       stochastic_rounding=stochastic, weight_2d=two_d))
 
 
-def _layer(recipe: LabRecipe, n_in: int = 64, n_out: int = 32) -> LabLinear:
+def _layer(recipe: Recipe, n_in: int = 64, n_out: int = 32) -> LabLinear:
     torch.manual_seed(0)
     return LabLinear.from_linear(nn.Linear(n_in, n_out), recipe)
 
@@ -51,14 +52,14 @@ def test_each_matmul_is_its_definition_on_quantized_operands(fmt, two_d, hadamar
     y = layer(x)
     y.backward(g)
     w = layer.weight.detach()
-    wq = fp4.fake_quantize(w, fmt, two_d=two_d)
-    assert torch.equal(y.detach(), fp4.fake_quantize(x.detach(), fmt) @ wq.t() + layer.bias.detach())
-    w_dgrad = wq if two_d else fp4.fake_quantize(w.t().contiguous(), fmt).t()
-    assert torch.equal(x.grad, fp4.fake_quantize(g, fmt) @ w_dgrad)
+    wq = fp4_round_trip(w, fmt, two_d=two_d)
+    assert torch.equal(y.detach(), fp4_round_trip(x.detach(), fmt) @ wq.t() + layer.bias.detach())
+    w_dgrad = wq if two_d else fp4_round_trip(w.t().contiguous(), fmt).t()
+    assert torch.equal(x.grad, fp4_round_trip(g, fmt) @ w_dgrad)
     a, b = g.t().contiguous(), x.detach().t().contiguous()
     if hadamard:
-        a, b = fp4.rht(a, fp4.fixed_signs(a.device)), fp4.rht(b, fp4.fixed_signs(b.device))
-    assert torch.equal(layer.weight.grad, fp4.fake_quantize(a, fmt) @ fp4.fake_quantize(b, fmt).t())
+        a, b = lab.hadamard(a, lab.fixed_signs(a.device)), lab.hadamard(b, lab.fixed_signs(b.device))
+    assert torch.equal(layer.weight.grad, fp4_round_trip(a, fmt) @ fp4_round_trip(b, fmt).t())
     assert torch.equal(layer.bias.grad, g.sum(0))
     # and all of it is a 4-bit approximation of the real products, not something else
     exact = g.t() @ x.detach()
@@ -85,9 +86,9 @@ def test_stochastic_rounding_keeps_the_input_gradient_unbiased():
     # Unbiased within the format's range: a block's scale is rounded to E4M3, so its largest
     # element can land a little past 6 and saturate (the recipe's one deterministic bias).
     # The expectation is the gradient with each block clamped to +-6 x its scale.
-    lim = 6 * fp4.block_scales(g, "nvfp4")[..., None]
+    lim = 6 * fp4_scales(g, "nvfp4")[..., None]
     g_in_range = torch.maximum(torch.minimum(g.reshape(16, 2, 16), lim), -lim).reshape(16, 32)
-    target = g_in_range @ fp4.fake_quantize(layer.weight.detach(), "nvfp4", two_d=True)
+    target = g_in_range @ fp4_round_trip(layer.weight.detach(), "nvfp4", two_d=True)
     err = (d.mean(0) - target).abs()
     se = d.std(0) / len(draws) ** 0.5
     assert bool((err <= 5 * se + 1e-6).all()), float((err / (se + 1e-12)).max())
@@ -168,7 +169,7 @@ def test_resume_is_exact_with_stochastic_rounding(tmp_path, monkeypatch):
     assert without_wall_clock(resumed) == without_wall_clock(straight)
     losses = [r["train/loss"] for r in straight if "train/loss" in r]
     assert len(set(losses)) > 5
-    # Another seed for the rounding alone: its uniforms (fp4.round_e2m1's torch.rand_like,
+    # Another seed for the rounding alone: its uniforms (the E2M1 rounding's torch.rand_like,
     # the only draw a 4-bit step makes) from a private generator; the weights, the
     # batches and every other draw as in the straight run. The first 3 steps of the
     # same schedule (stop_after keeps max_steps' learning rates).
@@ -209,7 +210,7 @@ def test_the_config_says_what_each_preset_is(preset, two_d, stochastic):
     """What each preset's file says, and what the precision policy then builds from it:
     bf16 autocast around linears whose forward is the format's fake-quantized product
     (2-D weight tiles for nvfp4 only) and whose input gradient is random (stochastic
-    rounding) for nvfp4 only; the products checked here against fp4's casts."""
+    rounding) for nvfp4 only; the products checked here against the lab's casts."""
     from mptrain.model.families import build
     from mptrain.precision.policy import PrecisionPolicy
 
@@ -218,7 +219,7 @@ def test_the_config_says_what_each_preset_is(preset, two_d, stochastic):
     assert f.enabled and f.format.value == preset and not cfg.precision.fp8.enabled
     assert f.hadamard == f.stochastic_rounding == f.weight_2d == (preset == "nvfp4")
     assert cfg.precision.compute_dtype.value == "bfloat16"
-    policy = PrecisionPolicy(cfg.precision, torch.device("cpu"))
+    policy = PrecisionPolicy(precision_plan(cfg.precision), torch.device("cpu"))
     assert policy.autocast_enabled and policy.compute_dtype == torch.bfloat16
     torch.manual_seed(0)
     model = policy.convert_model(build(cfg.model, 320))
@@ -226,7 +227,7 @@ def test_the_config_says_what_each_preset_is(preset, two_d, stochastic):
     assert isinstance(layer, LabLinear)
     x = torch.randn(32, layer.in_features)
     w = layer.weight.detach()
-    expected = fp4.fake_quantize(x, preset) @ fp4.fake_quantize(w, preset, two_d=two_d).t() + layer.bias.detach()
+    expected = fp4_round_trip(x, preset) @ fp4_round_trip(w, preset, two_d=two_d).t() + layer.bias.detach()
     assert torch.equal(layer(x).detach(), expected)  # fp32 in, autocast off: the casts' own values
     grads = []
     for seed in (1, 2):

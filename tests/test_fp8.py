@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from mptrain.core.errors import ConfigError
 from mptrain.plan.build import build_plan
+from mptrain.precision.recipe import precision_plan
 from mptrain.precision.support import fp8_software_problem
 
 from .conftest import ROOT, make_cfg, read_rows, train
@@ -78,7 +79,8 @@ def test_float8_linear_sqnr_vs_fp32(recipe):
     ref = nn.Sequential(nn.Linear(256, 512))
     x = torch.randn(128, 256)
     gy = torch.randn(128, 512)
-    policy = PrecisionPolicy(make_cfg("precision=fp8", f"precision.fp8.recipe={recipe}").precision, torch.device("cpu"))
+    plan = precision_plan(make_cfg("precision=fp8", f"precision.fp8.recipe={recipe}").precision)
+    policy = PrecisionPolicy(plan, torch.device("cpu"))
     f8 = policy.convert_model(nn.Sequential(nn.Linear(256, 512)))
     f8.load_state_dict(ref.state_dict())
     assert type(f8[0]).__name__ == "Float8Linear"
@@ -316,7 +318,7 @@ def test_fsdp2_float8_scales_follow_every_optimizer_step():
     cfg = make_cfg("parallel=fsdp", "precision=fp8")
     ctx = setup(build_plan(cfg))
     try:
-        policy = PrecisionPolicy(cfg.precision, ctx.device, fsdp2=True)
+        policy = PrecisionPolicy(precision_plan(cfg.precision), ctx.device, fsdp2=True)
         assert policy.fp8.all_gather
         torch.manual_seed(0)
         model = wrap(GPT(GPTShape(vocab_size=64, n_layer=1, n_head=2, d_model=32, block_size=16)), policy, ctx)
@@ -367,7 +369,7 @@ def test_attach_optimizer_is_a_no_op_without_float8_all_gather():
     model = nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for overrides in (["precision=bf16"], ["precision=fp8"]):  # fp8 without FSDP2: no all-gather
-        policy = PrecisionPolicy(make_cfg(*overrides).precision, torch.device("cpu"), fsdp2=False)
+        policy = PrecisionPolicy(precision_plan(make_cfg(*overrides).precision), torch.device("cpu"), fsdp2=False)
         policy.attach_optimizer(opt, model).remove()  # a handle all the same
     assert not opt._optimizer_step_post_hooks
 
@@ -381,7 +383,7 @@ def test_position_and_size_rules_keep_linears_out_of_float8():
     from mptrain.precision.policy import PrecisionPolicy
 
     def convert(*overrides, n_layer=4):
-        policy = PrecisionPolicy(make_cfg("precision=fp8", *overrides).precision, torch.device("cpu"))
+        policy = PrecisionPolicy(precision_plan(make_cfg("precision=fp8", *overrides).precision), torch.device("cpu"))
         policy.convert_model(GPT(GPTShape(vocab_size=128, n_layer=n_layer, n_head=2, d_model=64, block_size=16)))
         return policy.fp8.report
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 from mptrain.core.errors import ConfigError
 from mptrain.precision import support
 from mptrain.precision.policy import PrecisionPolicy
+from mptrain.precision.recipe import precision_plan
 
 from .conftest import make_cfg, train
 
@@ -32,8 +33,8 @@ def _layer_step(recipe: str, matmul: str) -> tuple[list[torch.Tensor], Precision
     ref = nn.Sequential(nn.Linear(128, 256))
     x = torch.randn(64, 128, requires_grad=True)
     gy = torch.randn(64, 256)
-    policy = PrecisionPolicy(make_cfg("precision=fp8", f"precision.fp8.recipe={recipe}",
-                                      f"precision.fp8.matmul={matmul}").precision, torch.device("cpu"))
+    policy = PrecisionPolicy(precision_plan(make_cfg("precision=fp8", f"precision.fp8.recipe={recipe}",
+                                                     f"precision.fp8.matmul={matmul}").precision), torch.device("cpu"))
     model = policy.convert_model(ref)
     with policy.autocast():
         y = model(x)
@@ -78,7 +79,7 @@ def test_mx_recipes_map_the_setting_to_their_kernel():
     assert fp8mx.kernel("mxfp8", "cpu", "auto") == "EMULATED"
     assert fp8mx.matmul_path("mxfp8", "cpu", "emulated")[0] == "emulated"
     with pytest.raises(ConfigError, match="needs a Blackwell GPU"):
-        PrecisionPolicy(make_cfg("precision=mxfp8", "precision.fp8.matmul=scaled_mm").precision,
+        PrecisionPolicy(precision_plan(make_cfg("precision=mxfp8", "precision.fp8.matmul=scaled_mm").precision),
                         torch.device("cpu"))
     assert "no emulated matmul" in fp8mx.problem("nvfp4", "cpu", "emulated")
 

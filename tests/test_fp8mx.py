@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mptrain.precision import fp8mx
+from mptrain.precision import fp8mx, lab
 from mptrain.core.errors import ConfigError
-from mptrain.precision.fp8casts import cast_counts, scales, summarize
+from mptrain.precision.fp8casts import cast_counts, summarize
 from mptrain.model.gpt import GPT, GPTShape
 from mptrain.distributed.parallel import materialize
 
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(fp8mx.problem("mxfp8", "cpu") is not None, reaso
 
 SHAPE = GPTShape(vocab_size=256, n_layer=2, n_head=2, d_model=64, block_size=64, dropout=0.0, bias=True)
 NANO_LINEARS = [f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+SPEC = {"rceil": "e4m3/1x32/ue8m0-rceil/nearest", "floor": "e4m3/1x32/ue8m0/nearest"}
+"""torchao's two MX scale rules as lab specs (``rceil``: the recipe mxfp8's)."""
 
 
 @pytest.fixture(autouse=True)
@@ -72,16 +73,14 @@ def test_mxfp8_trains_a_tiny_gpt_under_bf16_autocast():
 
 
 def mx_roundtrip(t: torch.Tensor, rounding: str) -> torch.Tensor:
-    """Quantize-dequantize ``t`` in blocks of 32 along its last dimension, with fp8stats' scales."""
-    g = t.reshape(-1, 32)
-    s = scales(g.abs().amax(dim=1), "block1x32", "e4m3", rounding)[:, None]
-    return ((g * s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() / s).reshape(t.shape)
+    """Quantize-dequantize ``t`` in blocks of 32 along its last dimension, with the lab's cast."""
+    return lab.fake_quantize(t, lab.parse(SPEC[rounding]))
 
 
 @pytest.mark.parametrize("rounding", ["rceil", "floor"])
 def test_mx_linear_is_three_matmuls_blocked_along_their_contraction(rounding):
     """The converted layer's output and both gradients equal matmuls of operands
-    cast with fp8stats' block1x32 scales along the axes the module docstring names."""
+    cast as the lab's MX specs say along the axes the module docstring names."""
     torch.manual_seed(0)
     x = torch.randn(64, 128) * torch.exp(torch.randn(128))  # tokens x in, channels of differing scale
     x[3, 5] = 80.0
@@ -105,7 +104,7 @@ def test_mx_linear_is_three_matmuls_blocked_along_their_contraction(rounding):
 
 
 @pytest.mark.parametrize("rounding", ["rceil", "floor"])
-def test_torchao_mx_cast_equals_fp8stats_block1x32(rounding):
+def test_torchao_mx_cast_equals_the_cast_statistics(rounding):
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
@@ -115,12 +114,12 @@ def test_torchao_mx_cast_equals_fp8stats_block1x32(rounding):
     t[rows, cols] = 200.0 * torch.rand(6, generator=g) + 20  # outliers of assorted sizes
     mx = MXTensor.to_mx(t, torch.float8_e4m3fn, 32, scaling_mode=ScaleCalculationMode(rounding))
     back = mx.dequantize(torch.float32)
-    ours = summarize(*cast_counts(t, "block1x32", mx_rounding=rounding))
+    ours = summarize(*cast_counts(t, lab.parse(SPEC[rounding])))
     assert ours["sqnr_db"] == pytest.approx(sqnr_db(t, back), rel=1e-9)
     ao_scale = mx.scale.float()  # E8M0: what torchao multiplies the elements by to dequantize
     assert ours["scale_max"] == pytest.approx(1 / ao_scale.min().item(), rel=1e-9)
     assert ours["scale_min"] == pytest.approx(1 / ao_scale.max().item(), rel=1e-9)
-    other = summarize(*cast_counts(t, "block1x32", mx_rounding="floor" if rounding == "rceil" else "rceil"))
+    other = summarize(*cast_counts(t, lab.parse(SPEC["floor" if rounding == "rceil" else "rceil"])))
     assert abs(other["sqnr_db"] - ours["sqnr_db"]) > 0.05  # the two rules really differ on this tensor
 
 

@@ -7,7 +7,7 @@ block layouts.
 torch 2.13's ``float4_e2m1fn_x2`` has no conversion on the CPU ("copy_kernel"
 not implemented), so E2M1 is checked against ``ml_dtypes.float4_e2m1fn`` here
 and against torchao's E2M1 kernels and NVFP4/MXFP4 casts in tests/test_fp4.py
-(through mptrain.precision.fp4, the lab's view), which this file does not repeat.
+(the lab's casts of the recipes nvfp4 and mxfp4), which this file does not repeat.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from mptrain.precision import formats, lab, labtrain
+from mptrain.precision import formats, lab, recipe
 from mptrain.precision.elements import all_formats, element
 
 float8 = pytest.importorskip("torchao.float8")
@@ -323,8 +323,8 @@ def test_good_specs_round_trip():
 def test_every_named_recipe_parses_and_ue5m3_is_eight_bits_unsigned():
     """Each named recipe's six specs parse (nvfp4_ue5m3 once crashed: its scale was built
     as the 9-bit signed element e5m3); UE5M3 is E5M3 without a sign, NaN at all ones."""
-    for name in labtrain.NAMED:
-        assert labtrain.build_recipe(name).name == name
+    for name in recipe.NAMED:
+        assert recipe.build_recipe(name).name == name
     s = lab.parse("e2m1/1x16/ue5m3/nearest").scale.fmt
     assert (s.max, s.min_normal) == ((2 - 2 ** -2) * 2.0 ** 16, 2.0 ** -14)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))

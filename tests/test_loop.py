@@ -14,6 +14,7 @@ from mptrain.model.gpt import GPT, GPTShape
 from mptrain.distributed.parallel import DistContext
 from mptrain.observe.perf import Throughput
 from mptrain.precision.policy import PrecisionPolicy
+from mptrain.precision.recipe import precision_plan
 from mptrain.run.step import build_optimizer, decay_names, describe_schedule, evaluate, lr_at, schedule_lengths
 
 from .conftest import make_cfg, train
@@ -89,7 +90,7 @@ def test_validation_loss_is_weighted_by_tokens():
     torch.manual_seed(0)
     model = GPT(GPTShape(vocab_size=64, n_layer=1, n_head=2, d_model=32, block_size=16))
     ctx = DistContext(mode=ParallelMode.none)
-    policy = PrecisionPolicy(make_cfg("precision=fp32").precision, ctx.device)
+    policy = PrecisionPolicy(precision_plan(make_cfg("precision=fp32").precision), ctx.device)
     x = torch.randint(0, 64, (5, 17))
     # (x, y, tokens that count): 4 sequences, then 1, then a filler that counts for nothing
     batches = [(x[:4, :-1], x[:4, 1:], 64), (x[4:, :-1], x[4:, 1:], 16), (x[:1, :-1], x[:1, 1:], 0)]

@@ -29,6 +29,7 @@ from mptrain.observe.memory import (
     summary_figures,
 )
 from mptrain.precision import optimizers
+from mptrain.precision.recipe import precision_plan
 
 from .aids import state_bytes
 from mptrain.plan.build import build_plan
@@ -76,7 +77,7 @@ def step_once(cfg, vocab: int, ctx):
     from mptrain.run.step import StepState, build_optimizer, decay_names, train_step
 
     cpu = torch.device("cpu")
-    policy = PrecisionPolicy(cfg.precision, cpu)
+    policy = PrecisionPolicy(precision_plan(cfg.precision), cpu)
     m = cfg.model
     torch.manual_seed(0)
     model = build_family(m, vocab)
@@ -216,7 +217,7 @@ def kept_for_backward(cfg, vocab: int, micro_batch: int, checkpointed: bool = Fa
     if checkpointed:
         for i, blk in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(blk, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    policy = PrecisionPolicy(cfg.precision, torch.device("cpu"))
+    policy = PrecisionPolicy(precision_plan(cfg.precision), torch.device("cpu"))
     model = policy.convert_model(model)  # 4-bit linears (nvfp4): their own autograd function
     model.train()
     params = {q.untyped_storage().data_ptr() for q in model.parameters()}

@@ -178,7 +178,7 @@ def test_blocks_that_would_straddle_a_tp_shard_are_refused(overrides, world, sai
 @pytest.mark.parametrize("overrides", [
     [*TP4, "precision=nvfp4"],  # every per-rank width a multiple of 16 (qkv 48, the MLP's 64)
     [*TP4, "precision=fp8"], [*TP4, "precision=fp8-rowwise"],  # one scale over a tensor or a row: no blocks
-    [*TP4, "precision=lab", "precision.lab.recipe=fp8_rowwise"],
+    [*TP4, "precision=lab", "precision.lab.recipe=rowwise"],
     [*TP4, "precision=mxfp8", "precision.fp8.exclude=[lm_head,'*.attn.*']"],  # the split that does not fit stays bf16
 ], ids=["nvfp4-whole", "fp8-tensorwise", "fp8-rowwise", "lab-rowwise", "mxfp8-attn-excluded"])
 def test_recipes_whose_blocks_stay_inside_a_shard_are_accepted(overrides):

@@ -58,9 +58,10 @@ def test_wrap_hands_weights_in_and_sticks_nothing_on_the_model():
     from mptrain.distributed.parallel import DistContext, wrap, wrapper_dtypes
     from mptrain.model.common import LossFn
     from mptrain.precision.policy import PrecisionPolicy
+    from mptrain.precision.recipe import precision_plan
     from .conftest import make_cfg
 
-    policy = PrecisionPolicy(make_cfg("precision=bf16").precision, torch.device("cpu"))
+    policy = PrecisionPolicy(precision_plan(make_cfg("precision=bf16").precision), torch.device("cpu"))
     ctx = DistContext(mode=ParallelMode.none)
     source = GPT(S)  # drawn on the CPU from the global generator: not what seed 3 draws
     weights = {n: p.detach().clone() for n, p in source.named_parameters()}

@@ -11,6 +11,7 @@ from mptrain.model.gpt import GPT, GPTShape
 from mptrain.distributed.parallel import DistContext
 from mptrain.config.schema import ParallelMode
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
+from mptrain.precision.recipe import precision_plan
 from mptrain.run.nonfinite import NonFiniteGuard
 from mptrain.run.step import StepState, build_optimizer, decay_names, train_step
 
@@ -24,7 +25,7 @@ def _setup(*overrides):
     cfg = make_cfg("precision=fp16", *overrides)
     torch.manual_seed(0)
     model = GPT(GPTShape(vocab_size=64, n_layer=1, n_head=2, d_model=32, block_size=16))
-    policy = PrecisionPolicy(cfg.precision, CPU)
+    policy = PrecisionPolicy(precision_plan(cfg.precision), CPU)
     opt = build_optimizer(model, decay_names(model), cfg.optim, CPU)
     return StepState(model, opt, policy.make_scaler(), policy, DistContext(mode=ParallelMode.none), grad_clip=1.0)
 
@@ -88,7 +89,7 @@ def test_static_scale_skips_but_never_moves():
 
 def test_disabled_scaler_is_identity():
     cfg = make_cfg("precision=fp16", "precision.loss_scale.enabled=false")
-    scaler = PrecisionPolicy(cfg.precision, CPU).make_scaler()
+    scaler = PrecisionPolicy(precision_plan(cfg.precision), CPU).make_scaler()
     loss = torch.tensor(3.0)
     assert scaler.scale(loss) is loss and scaler.get_scale() is None
 
@@ -99,7 +100,7 @@ def test_scaler_state_across_a_precision_change():
     refuses: fp16 scaling starts fresh at init_scale. fp16 state means nothing without scaling."""
     state = _setup("precision.loss_scale.init_scale=1024")
     used, policy = state.scaler, state.policy
-    on = policy.cfg.loss_scale  # one composed config serves all four scalers
+    on = policy.plan.loss_scale  # one plan serves all four scalers
     off = OmegaConf.merge(on, {"enabled": False})  # what fp32/bf16 have
 
     fp16 = LossScaler(on, CPU)
@@ -143,7 +144,7 @@ def test_device_side_skip_leaves_weights_and_optimizer_untouched(mode):
     the step count stay exactly as they were; under abort every later step is skipped too."""
     base = _setup("precision=fp32", "optim.fused=true")
     model, opt = base.model, base.optimizer
-    policy = PrecisionPolicy(make_cfg("precision=fp32").precision, CPU)
+    policy = PrecisionPolicy(precision_plan(make_cfg("precision=fp32").precision), CPU)
     guard = NonFiniteGuard(mode, opt, CPU)
     assert guard.on_device
     state = StepState(model, opt, policy.make_scaler(), policy, base.ctx, grad_clip=1.0, guard=guard)

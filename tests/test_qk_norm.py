@@ -151,6 +151,7 @@ def test_qk_norm_model_shape_init_and_memory_estimate():
     from mptrain.observe.memory import estimate
     from mptrain.distributed.parallel import DistContext, wrap
     from mptrain.precision.policy import PrecisionPolicy
+    from mptrain.precision.recipe import precision_plan
     from mptrain.run.step import StepState, build_optimizer, decay_names, train_step
 
     cfg = make_cfg("model.qk_norm=true", "model.vocab_size=64")
@@ -171,7 +172,7 @@ def test_qk_norm_model_shape_init_and_memory_estimate():
     assert not decay & extra
 
     cpu = torch.device("cpu")
-    policy = PrecisionPolicy(cfg.precision, cpu)
+    policy = PrecisionPolicy(precision_plan(cfg.precision), cpu)
     ctx = DistContext(mode=ParallelMode.none)
     model = wrap(model, policy, ctx)
     opt = build_optimizer(model, decay, cfg.optim, cpu)

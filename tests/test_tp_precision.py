@@ -196,10 +196,11 @@ def test_float8_styles_by_recipe():
 
     from mptrain.distributed.tensor_parallel import float8_styles
     from mptrain.precision.policy import PrecisionPolicy
+    from mptrain.precision.recipe import precision_plan
 
     for preset, tensorwise in (("fp8", True), ("fp8-rowwise", False), ("fp8-rowwise-gw-hp", False)):
         cfg = tp_probe._precision(f"precision={preset}", tp_probe.EMU)
-        model = PrecisionPolicy(cfg, torch.device("cpu")).convert_model(tp_probe.build("llama"))
+        model = PrecisionPolicy(precision_plan(cfg), torch.device("cpu")).convert_model(tp_probe.build("llama"))
         styles = float8_styles(model.blocks[0].attn.q)
         assert (styles is not None) == tensorwise, preset
         assert float8_styles(model.lm_head) is None  # kept out of float8 by the preset

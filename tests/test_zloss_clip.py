@@ -14,6 +14,7 @@ from mptrain.model.gpt import GPT, GPTShape
 from mptrain.distributed.parallel import DistContext
 from mptrain.observe.perf import HostSyncCounter
 from mptrain.precision.policy import PrecisionPolicy
+from mptrain.precision.recipe import precision_plan
 from mptrain.run.nonfinite import NonFiniteGuard
 from mptrain.run.step import (
     StepState,
@@ -45,7 +46,7 @@ def _batches(seed: int, micro: int = 1) -> list:
 
 def test_z_loss_is_coefficient_times_mean_log_z_squared_and_reaches_the_gradient():
     cfg = make_cfg("precision=fp32")
-    policy = PrecisionPolicy(cfg.precision, CPU)
+    policy = PrecisionPolicy(precision_plan(cfg.precision), CPU)
     model, coef = _tiny(), 0.1
     ref = copy.deepcopy(model)
     opt = build_optimizer(model, decay_names(model), cfg.optim, CPU)
@@ -133,7 +134,7 @@ def _run(fused: bool, steps: int = 8):
     """``steps`` train_steps with both switches on one repeated batch; the per-step
     outputs and the host reads step.py made (HostSyncCounter)."""
     cfg = make_cfg("optim.update_clip=1.0", f"optim.fused={fused}", "optim.lr=0.01")
-    policy = PrecisionPolicy(cfg.precision, CPU)
+    policy = PrecisionPolicy(precision_plan(cfg.precision), CPU)
     model = _tiny()
     opt = build_optimizer(model, decay_names(model), cfg.optim, CPU)
     state = StepState(model, opt, policy.make_scaler(), policy, CTX, grad_clip=1.0, z_loss=ZLoss(1e-4),

@@ -2,7 +2,7 @@
 
 For each case (a precision preset, a model family, sequence parallelism on or
 off, optionally a guard switched off, the TP size) it builds a tiny model,
-converts it as the trainer does (``PrecisionPolicy(cfg.precision).convert_model``),
+converts it as the trainer does (``PrecisionPolicy(precision_plan(cfg.precision)).convert_model``),
 splits it over a 1-D tensor-parallel mesh (all 4 ranks, or the tp dimension of
 a 2 x 2 mesh whose 2 replicas do the same work) with ``tensor_parallel.apply``
 and trains it 2 SGD steps on fixed data; beside it, in the same process, an
@@ -52,8 +52,9 @@ import mptrain.config.schema  # noqa: E402,F401
 from mptrain.distributed import tensor_parallel  # noqa: E402
 from mptrain.model.gpt import GPT, GPTShape  # noqa: E402
 from mptrain.model.llama import Llama, LlamaShape  # noqa: E402
-from mptrain.precision import fp8delayed, lab, labtrain  # noqa: E402
+from mptrain.precision import fp8delayed, lab, labtrain, recipe  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
+from mptrain.precision.recipe import precision_plan  # noqa: E402
 
 EMU = "precision.fp8.matmul=emulated"
 # fp32 around the casts: the split and the whole model then differ only in the order of fp32
@@ -64,7 +65,7 @@ NV_EXACT = (*NV, "precision.fp4.stochastic_rounding=false", *F32)
 HR = "e2m1/1x16/e4m3/nearest/hadamard-random"
 LAB_HR = ("precision=lab", "precision.lab.bf16_last_blocks=0", "precision.lab.dgrad_grad_output=e2m1/1x16/e4m3/nearest",
           f"precision.lab.wgrad_grad_output={HR}", f"precision.lab.wgrad_input={HR}", *F32)
-LAB_TW = ("precision=lab", "precision.lab.recipe=fp8_tensorwise", "precision.lab.bf16_last_blocks=0", *F32)
+LAB_TW = ("precision=lab", "precision.lab.recipe=tensorwise", "precision.lab.bf16_last_blocks=0", *F32)
 
 
 LAB_PRESETS = ("precision=nvfp4", "precision=mxfp4", "precision=lab")
@@ -274,7 +275,7 @@ def run_case(name: str, overrides: list[str], family: str, sp: bool, guard, mesh
     data = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(3))
     base = build(family)
     ref = copy.deepcopy(base)
-    policy, ref_policy = PrecisionPolicy(cfg, torch.device("cpu")), PrecisionPolicy(cfg, torch.device("cpu"))
+    policy, ref_policy = (PrecisionPolicy(precision_plan(cfg), torch.device("cpu")) for _ in range(2))
     model = policy.convert_model(base)
     ref = ref_policy.convert_model(ref)
     tensor_parallel.apply(model, mesh, sp)
@@ -294,7 +295,7 @@ def run_case(name: str, overrides: list[str], family: str, sp: bool, guard, mesh
 def fp16_skip(mesh) -> dict:
     """fp16's loss scaler on a split model: an inf in one TP rank's shard of one
     gradient must make every rank skip the step and back off the same scale."""
-    policy = PrecisionPolicy(_precision("precision=fp16"), torch.device("cpu"))
+    policy = PrecisionPolicy(precision_plan(_precision("precision=fp16")), torch.device("cpu"))
     model = tensor_parallel.apply(build("llama"), mesh, False)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     scaler = policy.make_scaler(distributed=True)
@@ -322,7 +323,7 @@ def sr_streams(mesh) -> dict:
     tp = labtrain._TP(mesh.get_group(), "colwise")
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(5))
     torch.manual_seed(7)
-    q = labtrain._q(x, op, labtrain.build_recipe("nvfp4"), tp=tp, role="dgrad_grad_output")  # a split part
+    q = labtrain._q(x, op, recipe.build_recipe("nvfp4"), tp=tp, role="dgrad_grad_output")  # a split part
     after = torch.rand(4)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, (q, after))

@@ -25,7 +25,6 @@ from omegaconf import OmegaConf
 
 from mptrain.advice.rules import (
     FP8_CANDIDATES,
-    WHATIF_OF,
     Cast,
     Facts,
     Layout,
@@ -110,7 +109,7 @@ def probe_overrides(overrides: list[str], steps: int, device: str, lab: tuple[st
     recipes, ``--lab``) as the cast statistics' what-ifs."""
     compute = "bf16" if device == "cuda" else "fp32"
     every = every_for(steps)
-    whatif = [WHATIF_OF[r] for r in FP8_CANDIDATES if r != "tensorwise"]
+    whatif = [r for r in FP8_CANDIDATES if r != "tensorwise"]
     whatif += [r for r in lab if r not in whatif]
     return [*without_mesh(user_part(overrides)), "precision=fp8", f"precision.compute_dtype={compute}",
             f"precision.param_dtype={compute}", f"train.max_steps={steps}", "train.eval_every=0",
@@ -311,7 +310,7 @@ def read_facts(run_dir: Path, plan: Plan, options: dict[str, tuple[StateOption, 
         casts = {}
         if name in fp8.get("converted", []):
             for recipe in FP8_CANDIDATES:
-                c = _worst(rows, layer_name(name), None if recipe == "tensorwise" else WHATIF_OF[recipe])
+                c = _worst(rows, layer_name(name), None if recipe == "tensorwise" else recipe)
                 if c is not None:
                     casts[recipe] = c
         kept = excluded.get(name) if name not in fp8.get("converted", []) else None

@@ -24,9 +24,9 @@ or below it (``b + k + 1 <= -24``) rounds to zero or to that one subnormal."""
 
 # The float8 recipes the advice can pick, in the order it prefers them at equal
 # coverage (cheapest casts first; tensorwise alone all-gathers float8 weights
-# under FSDP2), each with the probe's what-if that measures it and its preset.
+# under FSDP2): recipe names, the probe's what-ifs of the same names measure them;
+# and the precision= preset that trains each.
 FP8_CANDIDATES = ("tensorwise", "rowwise", "mxfp8")
-WHATIF_OF = {"tensorwise": "tensorwise", "rowwise": "rowwise", "mxfp8": "block1x32"}
 PRESET_OF = {"tensorwise": "fp8", "rowwise": "fp8-rowwise", "mxfp8": "mxfp8"}
 
 

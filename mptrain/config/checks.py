@@ -103,6 +103,11 @@ RENAMED = {
                           "set in tokens (the same set whatever the batch and world size); set "
                           "train.eval_tokens=N instead (default 16384).",
 }
+RENAMED_RECIPES = {"fp8_tensorwise": "tensorwise", "fp8_rowwise": "rowwise",
+                   "fp8_rowwise_with_gw_hp": "rowwise_with_gw_hp", "block1x32": "mxfp8"}
+"""Recipe names retired when every recipe took one name everywhere (the lab's float8
+recipes took precision.fp8.recipe's names, the statistics' block1x32 mxfp8's) -> the
+name now, for ``precision.lab.recipe`` and ``monitor.fp8_whatif``."""
 
 
 def check_override_keys(overrides: list[str], config_dir: str) -> None:
@@ -534,6 +539,7 @@ def validate(cfg: Any, batches: Any) -> None:
     need the layers above (what each model family can take, the precision's own rules,
     what tensor parallelism asks, which optimizer can run)."""
     m, p = cfg.model, cfg.precision
+    _renamed_recipes(p.lab, cfg.monitor)
     if m.d_model % m.n_head:
         raise ConfigError(
             f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}; "
@@ -558,6 +564,22 @@ def validate(cfg: Any, batches: Any) -> None:
             "(precision=bf16-pure): fp16 parameters cannot be unscaled by a GradScaler."
         )
     _extras(cfg)
+
+
+def _renamed_recipes(lab: Any, monitor: Any) -> None:
+    """A retired recipe name (:data:`RENAMED_RECIPES`) in ``precision.lab`` or
+    ``monitor``, on the command line or in a config file, refused in one sentence
+    naming the name it has now."""
+    lab_recipe = str(lab.recipe)
+    if lab_recipe in RENAMED_RECIPES:
+        new = RENAMED_RECIPES[lab_recipe]
+        raise ConfigError(f"precision.lab.recipe={lab_recipe} is now called {new}, its name everywhere (the same "
+                          f"casts); set precision.lab.recipe={new}.")
+    for old in monitor.fp8_whatif:
+        if old in RENAMED_RECIPES:
+            new = RENAMED_RECIPES[old]
+            raise ConfigError(f"monitor.fp8_whatif: {old} is now called {new}, its name everywhere (the same "
+                              f"casts); write {new} instead.")
 
 
 def _extras(cfg: Any) -> None:

@@ -44,6 +44,8 @@ class ScaleMode(Enum):
 
 
 class Fp8Recipe(Enum):
+    """``precision.fp8.recipe``: named recipes (``mptrain/precision/recipe.py``), and ``delayed``."""
+
     tensorwise = "tensorwise"
     rowwise = "rowwise"
     rowwise_with_gw_hp = "rowwise_with_gw_hp"
@@ -422,9 +424,10 @@ class LabConfig:
     enabled: bool = guarded(False)
     """Convert linears to the lab's recipe. On for ``precision=lab``."""
     recipe: str = guarded("nvfp4")
-    """A named recipe (``python -m mptrain.formats --recipes`` lists them: fp8_tensorwise,
-    fp8_rowwise, fp8_rowwise_with_gw_hp, mxfp8, nvfp4, mxfp4, hybrid_mxfp8_nvfp4,
-    nvfp4_ue5m3, nvfp4_4over6, mxfp6_e2m3, mxfp6_e3m2), whose operands the six keys
+    """A named recipe (``python -m mptrain.formats --recipes`` lists them: tensorwise,
+    rowwise, rowwise_with_gw_hp, mxfp8, block1x128, block128x128, nvfp4, nvfp4_1d,
+    nvfp4_rht, mxfp4, hybrid_mxfp8_nvfp4, nvfp4_ue5m3, nvfp4_4over6, mxfp6_e2m3,
+    mxfp6_e3m2: the names every recipe has everywhere), whose operands the six keys
     below override one by one; or ``custom``, where all six must be given."""
     fwd_input: Optional[str] = guarded(None)
     """The forward matmul's activation operand, blocked along the input features.
@@ -869,23 +872,25 @@ class MonitorConfig:
     to zero and clamped at the format's max, and the signal-to-noise ratio of
     the round trip, as ``fp8.<layer>/<operand>/*`` (``mptrain/observe/fp8watch.py``)."""
     fp8_whatif: list[str] = harmless(why=_OBSERVES, factory=lambda: [
-        "tensorwise", "rowwise", "block1x32", "block1x128", "block128x128", "nvfp4", "nvfp4_rht", "mxfp4"])
+        "tensorwise", "rowwise", "mxfp8", "block1x128", "block128x128", "nvfp4", "nvfp4_rht", "mxfp4"])
     """With ``fp8_casts``: the same statistics, from the same tensors, for these
-    other ways of choosing scales (the run's own is left out), as
+    other recipes (the run's own is left out), as
     ``fp8.<layer>/<operand>/<recipe>/*``: one run answers "would rowwise or MX
     blocks have flushed less here?", and "what would 4-bit do to this layer?".
-    The float8 recipes cast to the run's float8 format (E4M3 in a 4-bit run);
-    ``nvfp4`` (E2M1 in blocks of 16, E4M3 block scales, an fp32 per-tensor
-    scale), ``nvfp4_rht`` (the same after a random Hadamard transform of each
-    block of 16 with a fixed sign vector, measured on the transformed tensor)
-    and ``mxfp4`` (E2M1 in blocks of 32, power-of-two scales) cast to E2M1,
-    rounding to nearest (the monitor draws no random numbers). Any other name
-    of the format lab's named recipes (``precision.lab.recipe``: ``mxfp8``,
-    ``nvfp4_4over6``, ``mxfp6_e2m3``, ``mxfp6_e3m2``, ...) casts each operand
-    with its recipe's spec for the matmul it enters first (input:
-    ``fwd_input``, weight: ``fwd_weight``, output gradient:
-    ``dgrad_grad_output``), also rounding to nearest; ``nvfp4`` and ``mxfp4``
-    keep the meaning above. ``[]``: none."""
+    Any named recipe (``python -m mptrain.formats --recipes``; the names
+    ``precision.fp8.recipe``, ``precision.fp4.format`` and ``precision.lab.recipe``
+    take), each operand cast with its recipe's spec for the matmul it enters
+    first (input: ``fwd_input``, weight: ``fwd_weight``, output gradient:
+    ``dgrad_grad_output``) by the format lab's cast, rounding to nearest (the
+    monitor draws no random numbers). A recipe whose casts are all float8
+    (``tensorwise``, ``rowwise``, ``mxfp8``, ``block1x128``: one fp32 scale per
+    128 elements of a row, ``block128x128``: per 128 x 128 tile) casts to the
+    run's float8 format for each operand (E4M3 in a 4-bit run), so that its
+    figures differ from the run's by the scales alone. ``nvfp4`` is NVIDIA's
+    recipe (16 x 16 weight tiles; ``nvfp4_1d``: 1 x 16 weight blocks),
+    ``nvfp4_rht`` the same in 1 x 16 blocks after a Hadamard transform of each
+    block of 16 with a fixed sign vector (measured on the transformed tensor),
+    ``mxfp4`` E2M1 in blocks of 32 with power-of-two scales. ``[]``: none."""
 
 
 @dataclass

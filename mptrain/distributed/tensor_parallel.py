@@ -37,7 +37,6 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh

@@ -50,7 +50,6 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mptrain.core.observer import observer_at_work
-from mptrain.core.observer import observing  # noqa: F401 (observe/fp8watch.py imports it from here, for now)
 from mptrain.core.shards import local_shard
 from mptrain.core.text import text_table
 from mptrain.model.names import canonical_name
@@ -415,7 +414,7 @@ class DtypeAudit:
         return fix
 
     def _flag_update(self, owners: list[str], op: str, half: tuple[str, ...]) -> None:
-        rounding = getattr(getattr(self.policy.cfg, "update_rounding", None), "value", "nearest")
+        rounding = self.policy.plan.update_rounding.value
         problem = f"parameter update applied to {'/'.join(half)} weights: " + {
             "nearest": "updates smaller than half an ulp of the weight are lost",
             "stochastic": "stochastic rounding keeps each update on average, but every step moves a weight by "
@@ -424,7 +423,7 @@ class DtypeAudit:
                      "2 more bytes per parameter (updates are delayed, not lost)",
         }[rounding]
         fix = "keep fp32 master weights (precision.master_weights=true)"
-        if not self.policy.cfg.master_weights:
+        if not self.policy.plan.master_weights:
             fix += (f"; this run is {self.policy.name} (master_weights=false), whose point is to study "
                     "exactly this")
         for m in owners:

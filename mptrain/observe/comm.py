@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mptrain.core.observer import observer_at_work, observing
+from mptrain.core.observer import observer_at_work
 from mptrain.precision.formats import dtype_name
 
 # c10d operator name (overload packet) -> kind (the dtype audit reads it too). Functional collectives
@@ -122,11 +122,6 @@ def _group_name(arg) -> Optional[str]:
 
 
 _REDUCE_OPS = frozenset({"sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"})
-
-
-uncounted = observing
-"""The name ``observe/fp8watch.py`` imports :func:`mptrain.core.observer.observing` by, kept
-until it imports that one: collectives issued inside are an observer's, left out of the counts."""
 
 
 class CommCounter(TorchDispatchMode):

@@ -8,23 +8,14 @@ import torch
 import torch.nn as nn
 
 from mptrain.core.shards import local_shard
-from mptrain.config.schema import Fp8Recipe
 from mptrain.core.text import text_table
 from mptrain.model.names import canonical_name, layer_name
-from mptrain.observe.audit import observing
-from mptrain.observe.comm import uncounted
-from mptrain.precision import labtrain
-from mptrain.precision.fp8casts import (
-    FORMATS,
-    FP4_RECIPES,
-    LAB_RECIPES,
-    RECIPES,
-    SUMS,
-    cast_counts,
-    element_format,
-    lab_operand,
-    summarize,
-)
+from mptrain.core.observer import observing
+from mptrain.precision import lab
+from mptrain.precision.elements import element
+from mptrain.precision.formats import FLOAT8, FORMATS
+from mptrain.precision.fp8casts import SUMS, cast_counts, measured, summarize
+from mptrain.precision.recipe import DELAYED, NAMED, NONE, TORCHAO_MX, Recipe
 
 # ------------------------------------------------------------------ in a run
 OPERANDS = ("input", "weight", "grad_output")
@@ -36,16 +27,14 @@ STATS = ("flush", "saturate", "sqnr_db", "amax", "scale_min", "scale_max")
 WHATIF_STATS = ("flush", "saturate", "sqnr_db")
 
 
-FLOAT8_RUNS = tuple(r.value for r in Fp8Recipe)
-"""The recipe names a float8 run (``precision.fp8.recipe``) reports its casts under."""
-
 RUN = "run"  # the store tag of the run's own casts; what-ifs are tagged by their recipe
+_FLOAT8_DTYPES = tuple(FORMATS[n] for n in FLOAT8)
 
 
 def _is_float8(t: torch.Tensor) -> bool:
     """A weight that arrived already cast (FSDP2's float8 all-gather): torchao's
     float8 tensor, whose ``_scale`` is the multiplier it was cast with."""
-    return hasattr(t, "_data") and hasattr(t, "_scale") and getattr(t._data, "dtype", None) in FORMATS.values()
+    return hasattr(t, "_data") and hasattr(t, "_scale") and getattr(t._data, "dtype", None) in _FLOAT8_DTYPES
 
 
 def _operands(mod: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,22 +55,14 @@ def _own_scale(mod: nn.Module, op: str, t: torch.Tensor) -> Optional[torch.Tenso
     return mod.scale_for(op, t) if hasattr(mod, "scale_for") else None
 
 
-def _measure(tag: str, recipe: str, op: str, run_format: str,
-             own: Optional[labtrain.LabRecipe]) -> Optional[tuple]:
-    """How ``op`` is measured for ``tag``: ``(recipe or lab operand, element
-    format)`` for :func:`cast_counts`, or None where that recipe leaves it
-    unquantized. The run's own casts: its lab recipe's operand where it has one,
-    else its rule in the run's format; a float8 or 4-bit what-if in
-    :func:`element_format`'s; a lab what-if as its recipe's operand spec says."""
-    if tag == RUN and own is not None:
-        o = lab_operand(own, op)
-        return None if o is None else (o, None)
-    if tag == RUN:
-        return None if run_format == labtrain.NONE else (recipe, run_format)
-    if recipe in LAB_RECIPES:
-        o = lab_operand(recipe, op)
-        return None if o is None else (o, None)
-    return recipe, element_format(recipe, run_format)
+def whatifs(own: Recipe, names: list[str]) -> list[str]:
+    """The what-ifs of ``names`` worth measuring beside the run's own casts: not its
+    own recipe, nor one whose measured casts are the run's own (``rowwise`` in a
+    ``rowwise_with_gw_hp`` run), unless the run's scales are stale ones (delayed
+    scaling, where ``tensorwise`` is current scaling: the comparison to make)."""
+    mine = measured(own)
+    return [n for n in names if n != own.name
+            and (own.backend == DELAYED or measured(n, own.formats()) != mine)]
 
 
 class CastWatch:
@@ -104,10 +85,10 @@ class CastWatch:
     weight that FSDP2 all-gathered in float8 is measured whole, from the
     fp32 master, with the scale all ranks cast their shards with.
 
-    A 4-bit run (own rule ``nvfp4`` or ``mxfp4``, format ``e2m1`` for every
-    operand) is watched the same way; its float8 what-ifs cast to E4M3, and
-    the 4-bit what-ifs of a float8 run to E2M1
-    (:func:`~mptrain.precision.fp8casts.element_format`).
+    Every cast, the run's own and each what-if's, is the format lab's
+    (:mod:`mptrain.precision.fp8casts`): a 4-bit or lab run is watched the
+    same way as a float8 one; float8 what-ifs cast to the run's float8 format
+    (E4M3 where it has none), any other what-if as its recipe's specs say.
 
     Only shares and maxima are reported, never raw counts: a tensor measured
     twice (an activation-checkpointed forward runs again in the backward; a
@@ -117,21 +98,19 @@ class CastWatch:
     """
 
     @classmethod
-    def of_run(cls, fp8, model: nn.Module, whatif: list[str]) -> Optional["CastWatch"]:
-        """The watch of a run's converted linears (``fp8``: the policy's
+    def of_run(cls, lowp, model: nn.Module, whatif: list[str]) -> Optional["CastWatch"]:
+        """The watch of a run's converted linears (``lowp``: the policy's
         :class:`~mptrain.precision.policy.Fp8Linears` or
-        :class:`~mptrain.precision.labtrain.LabLinears`, whose own casts are
-        measured with its recipe's operand specs); None for a recipe the
-        statistics do not model (``cast_rules`` returns None)."""
-        rules = fp8.cast_rules(whatif)
-        if rules is None:
+        :class:`~mptrain.precision.labtrain.LabLinears`), their own casts measured
+        with their recipe's specs. None for torchao's NVFP4 linears (Blackwell
+        only), which wrap their weight in a tensor subclass the statistics have
+        never run against."""
+        own: Recipe = lowp.definition
+        if own.backend == TORCHAO_MX and own.name == "nvfp4":
             return None
-        own = getattr(fp8, "kind", None)
-        return cls(model, fp8.report["converted"], *rules,
-                   own=own if isinstance(own, labtrain.LabRecipe) else None)
+        return cls(model, lowp.report["converted"], own, whatifs(own, whatif))
 
-    def __init__(self, model: nn.Module, converted: list[str], recipe: str, formats: dict[str, str],
-                 whatif: list[str], mx_rounding: str = "rceil", own: Optional[labtrain.LabRecipe] = None):
+    def __init__(self, model: nn.Module, converted: list[str], own: Recipe, whatif: list[str]):
         wanted = {canonical_name(c) for c in converted}
         self.layers: dict[str, nn.Module] = {}
         for name, mod in model.named_modules():
@@ -141,11 +120,13 @@ class CastWatch:
         # The parameter object each layer holds between steps: under FSDP2 the fp32
         # shard (a DTensor), which the forward pass swaps for the gathered copy.
         self.master = {k: m.weight for k, m in self.layers.items()}
-        self.recipe, self.formats, self.mx_rounding = recipe, formats, mx_rounding
-        self.tags = {RUN: recipe, **{r: r for r in whatif}}
-        self.error = own.error if own is not None else "mse"
-        self.casts = {(tag, op): _measure(tag, r, op, formats[op], own) for tag, r in self.tags.items()
-                      for op in OPERANDS}
+        self.recipe = own.name
+        self.tags = [RUN, *whatif]
+        self.error = own.error
+        # (tag, operand) -> the lab cast that measures it, or None (an operand left unquantized)
+        self.casts: dict[tuple[str, str], Optional[lab.Operand]] = {(RUN, k): v for k, v in measured(own).items()}
+        for name in whatif:
+            self.casts.update({(name, k): v for k, v in measured(name, own.formats()).items()})
         self.clear()
 
     def clear(self) -> None:
@@ -179,7 +160,7 @@ class CastWatch:
                     # all-gather, monitored steps only: block what-ifs must not be cut at shard
                     # edges), with the scale every rank cast its shard with.
                     master = self.master[layer].detach()
-                    with uncounted():  # the monitor's gather, not the step's: out of the comm/* figures
+                    with observing():  # the monitor's gather, not the step's: out of the comm/* figures
                         full = master.full_tensor() if hasattr(master, "full_tensor") else master
                     self._add(layer, "weight", full, w._scale)
                 else:
@@ -197,12 +178,13 @@ class CastWatch:
     def _add_counts(self, layer: str, op: str, t: torch.Tensor, own_scale: Optional[torch.Tensor]) -> None:
         t = t.detach().float()  # once here; cast_counts' own .float() is then free for every recipe
         for tag in self.tags:
-            how = self.casts[(tag, op)]
-            if how is None:  # an operand this recipe leaves unquantized: nothing to measure
+            cast = self.casts[(tag, op)]
+            if cast is None:  # an operand this recipe leaves unquantized: nothing to measure
                 continue
-            recipe, fmt = how
-            scale = own_scale if tag == RUN and isinstance(recipe, str) else None
-            sums, maxes = cast_counts(t, recipe, fmt, self.mx_rounding, scale, self.error if tag == RUN else "mse")
+            if tag == RUN:  # the run's own cast, with the scales it kept (delayed) or gathered with
+                sums, maxes = cast_counts(t, cast, scale=own_scale, error=self.error)
+            else:
+                sums, maxes = cast_counts(t, cast)
             ks, km = f"fp8s/{layer}/{op}/{tag}", f"fp8m/{layer}/{op}/{tag}"
             self.sum_all[ks] = self.sum_all[ks] + sums
             self.max_all[km] = torch.maximum(self.max_all[km], maxes)
@@ -256,25 +238,28 @@ def _pct(v: float) -> str:
     return "0" if v == 0 else f"{100 * v:.3g}%"
 
 
+def _elements(recipe: str) -> Optional[set[str]]:
+    """The element formats a named recipe casts the measured operands to; None for
+    a name that is no named recipe (a lab run's ``custom``)."""
+    if recipe not in NAMED and recipe != "delayed":
+        return None
+    return {o.element.name for o in measured("tensorwise" if recipe == "delayed" else recipe).values() if o}
+
+
 def _bits(recipe: str) -> Optional[int]:
-    """The widest element a recipe casts the measured operands to (8 for the float8
-    statistics, 4 for the 4-bit ones); None for a name the statistics do not
-    know (a lab run's ``custom`` recipe)."""
-    if recipe in FP4_RECIPES:
-        return 4
-    if recipe in LAB_RECIPES:
-        ops = [lab_operand(recipe, op) for op in OPERANDS]
-        return max(o.element.bits for o in ops if o is not None)
-    return 8 if recipe in RECIPES or recipe in FLOAT8_RUNS else None
+    """The widest element a recipe casts the measured operands to (8 for float8, 4
+    for the 4-bit recipes); None for a name that is no named recipe."""
+    els = _elements(recipe)
+    return None if els is None else max(element(e).bits for e in els)
 
 
 def kind_of(recipe: str) -> str:
-    """How the table names a run's casts: ``4-bit``, ``float8`` (a float8 preset's
-    recipe: ``mxfp8`` is also a lab name, for the same casts) or ``lab`` (any
-    other lab recipe, ``custom`` included)."""
-    if recipe in FP4_RECIPES:
-        return "4-bit"
-    return "float8" if recipe in RECIPES or recipe in FLOAT8_RUNS else "lab"
+    """How the table names a run's casts: ``float8`` (every measured cast float8),
+    ``4-bit`` (every one E2M1) or ``lab`` (any other recipe, ``custom`` included)."""
+    els = _elements(recipe) or {NONE}
+    if els <= set(FLOAT8):
+        return "float8"
+    return "4-bit" if els == {"e2m1"} else "lab"
 
 
 def _own_cells(f: dict) -> list[str]:

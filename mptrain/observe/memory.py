@@ -41,6 +41,7 @@ from mptrain.config.mesh import MESH_MODES, MeshShape
 from mptrain.model.families import build as build_family
 from mptrain.model.families import ffn_hidden, model_spec
 from mptrain.plan.plan import Plan
+from mptrain.precision.formats import dtype_name
 from mptrain.precision.optimizers import (
     BLOCK,
     MIN_QUANTIZED,
@@ -332,7 +333,7 @@ def estimate(plan: Plan, vocab: int, micro_batch: Optional[int] = None) -> Estim
     per forward instead of the plan's (what-ifs)."""
     m, p, choice, mesh, world = plan.model, plan.precision, plan.optimizer, plan.parallel.mesh, plan.world
     mode = plan.parallel.name
-    compute = p.compute_dtype.name
+    compute = dtype_name(p.compute_dtype)
     store = choice.param_dtype  # the dtype the weights (and so their grads) are stored in
     pb = BYTES[store]
     model = meta_model(m, vocab)
@@ -350,11 +351,11 @@ def estimate(plan: Plan, vocab: int, micro_batch: Optional[int] = None) -> Estim
     if (mode == "fsdp1" or on_mesh) and world > 1:
         # one block gathered for compute, one prefetched, in the gather dtype (a TP rank's part of each)
         gathered = 2 * (block_tp_numel(model, mesh.tp) if on_mesh else block_numel) \
-            * BYTES[(p.param_dtype or p.compute_dtype).name]
+            * BYTES[dtype_name(p.wrapper_param_dtype)]
     b = micro_batch or plan.batches.micro_batch
     checkpointed = plan.train.activation_checkpointing.value == "block"
     copies = 0
-    if not (mode == "fsdp1" or on_mesh) and BYTES[compute] < pb and not p.fp8.enabled:
+    if not (mode == "fsdp1" or on_mesh) and BYTES[compute] < pb and not p.float8:
         # Autocast casts each linear's weight once per forward and the backward keeps
         # the copy (FSDP gathers weights already in the compute dtype: nothing to cast);
         # a checkpointed block keeps none of its own, only the one being recomputed.

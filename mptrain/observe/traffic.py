@@ -57,6 +57,7 @@ import torch.nn as nn
 from mptrain.config.mesh import MESH_MODES, MeshShape
 from mptrain.observe.memory import BYTES, meta_model, shard_numel, tp_dims, tp_shape
 from mptrain.plan.plan import Plan
+from mptrain.precision.formats import dtype_name
 
 FP8_ALL_GATHER = "float8_e4m3"
 """The dtype tensorwise float8 weights are all-gathered in (1 byte)."""
@@ -123,7 +124,7 @@ def traffic(plan: Plan, vocab: int, micro_batch: Optional[int] = None) -> list[F
     accum = max(1, plan.batches.global_batch // mesh.dp // mbs)
     p = plan.precision
     store = plan.optimizer.param_dtype
-    reduce = p.reduce_dtype.name
+    reduce = dtype_name(p.reduce_dtype)
     if mode == "ddp":
         n = sum(math.prod(tuple(t.shape)) for t in model.parameters())
         return [Flow("dp", "all_reduce", reduce, "gradients (DDP buckets)", 1, n * BYTES[reduce])]
@@ -139,12 +140,9 @@ def traffic(plan: Plan, vocab: int, micro_batch: Optional[int] = None) -> list[F
 def _fsdp(plan: Plan, mesh: MeshShape, parts: _Parts, store: str, accum: int, model) -> list[Flow]:
     """FSDP's gathers and reduce-scatters on ``dp_shard``, HSDP's all-reduce on ``dp_replicate``."""
     p, L = plan.precision, plan.model.n_layer
-    gather = (p.param_dtype or p.compute_dtype).name
-    f8 = p.fp8
-    if f8.enabled and getattr(f8.recipe, "value", f8.recipe) == "tensorwise" and f8.fsdp_float8_all_gather:
-        gather = FP8_ALL_GATHER
+    gather = FP8_ALL_GATHER if p.float8_gather else dtype_name(p.wrapper_param_dtype)
     gb = {**BYTES, FP8_ALL_GATHER: 1}
-    reduce = p.reduce_dtype.name
+    reduce = dtype_name(p.reduce_dtype)
     split = gather != store  # linears and norms in separate units (PrecisionPolicy.splits_gather)
     units = L * (2 if split else 1) + 1
     out = []
@@ -174,7 +172,7 @@ def _tensor_parallel(plan: Plan, mesh: MeshShape, parts: _Parts, store: str, tok
                      model) -> list[Flow]:
     """Tensor parallelism's activation collectives on ``tp``; ``tokens``: the step's, per rank."""
     m, L = plan.model, plan.model.n_layer
-    c, r = plan.precision.compute_dtype.name, store  # the halves' outputs; the residual stream and norms
+    c, r = dtype_name(plan.precision.compute_dtype), store  # the halves' outputs; the residual stream and norms
     u = tokens * m.d_model  # one B x T x d_model activation per micro-batch, summed over the step
     fused = plan.family.split.fused_qkv is not None  # gathered to whole heads, its gradient scattered back
     sp = plan.parallel.sequence_parallel
@@ -192,7 +190,7 @@ def _tensor_parallel(plan: Plan, mesh: MeshShape, parts: _Parts, store: str, tok
     # a half's fan-out linears share one input: their gradients cross once per half
     half_in = ("each half's input gradient (backward)", 2 * L * accum, 2 * L * u * br)
     ar_r = [("embedding output (vocabulary-split table)", accum, u * br)]
-    rd = plan.precision.reduce_dtype.name
+    rd = dtype_name(plan.precision.reduce_dtype)
     rows = []
     if sp:
         rows += [("all_gather", r, f"norm outputs before each half (forward){again}", fwd * 2 * L * accum,

@@ -35,6 +35,7 @@ from mptrain.plan.plan import Batches, Launch, Parallel, Parts, Plan, Vocab, fro
 from mptrain.precision import rules
 from mptrain.precision.mesh_rules import blocks_refusal
 from mptrain.precision.optimizers import choose
+from mptrain.precision.recipe import PrecisionPlan, precision_plan
 
 
 def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
@@ -56,10 +57,11 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
     checks.validate(cfg, batches)
     spec = family_spec(m)
     spec.check(m)
-    rules.validate(m, cfg.precision, cfg.monitor.fp8_whatif, batches)
+    precision = precision_plan(cfg.precision)  # the dtypes and the recipe (its specs checked)
+    rules.validate(m, cfg.precision, precision.recipe, cfg.monitor.fp8_whatif, batches)
     said, sp = tp_said(int(cfg.parallel.tp), mesh.tp), bool(cfg.parallel.sequence_parallel)
     if mesh.tp > 1:  # what tensor parallelism asks of the model, then of the recipe's blocks
-        problem = tp_problem(m, mesh.tp, sp, said) or blocks_refusal(m, cfg.precision, mesh.tp, sp, launch.world, said)
+        problem = tp_problem(m, mesh.tp, sp, said) or blocks_refusal(m, precision, mesh.tp, sp, launch.world, said)
         if problem:
             raise ConfigError(problem)
     s = OmegaConf.to_object(cfg)  # the typed sections, of which the plan keeps frozen copies
@@ -68,9 +70,9 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
     return Plan(
         launch=launch, device=str(s.train.device), model=frozen(s.model), family=spec, adopted=frozen(adopted),
         vocab=Vocab(s.model.vocab_size, _tokenizer_size(s.data), mesh.tp, said, s.model.init_from),
-        batches=batches, parallel=parallel, precision=frozen(s.precision), optimizer=choose(cfg.precision, cfg.optim, parallel.name),
+        batches=batches, parallel=parallel, precision=precision, optimizer=choose(cfg.precision, cfg.optim, parallel.name),
         optim=frozen(s.optim), train=frozen(s.train), data=frozen(s.data), log=frozen(s.log),
-        checkpoint=frozen(s.checkpoint), parts=_parts(s, parallel), debug=frozen(s.debug),
+        checkpoint=frozen(s.checkpoint), parts=_parts(s, parallel, precision), debug=frozen(s.debug),
         resume_from=str(s.resume.source), allow_changes=tuple(s.resume.allow_changes),
         run_name=run_name, resolved=frozen(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
 
@@ -96,12 +98,11 @@ def _tokenizer_size(d: Any) -> Optional[int]:
     return int(d.bpe_vocab_size) if d.tokenizer == "bpe" else None
 
 
-def _parts(s: Any, parallel: Parallel) -> Parts:
+def _parts(s: Any, parallel: Parallel, precision: PrecisionPlan) -> Parts:
     """What each optional part of the run does, from its sections."""
-    mon, p, t = s.monitor, s.precision, s.train
-    lowp = p.fp8.enabled or p.fp4.enabled or p.lab.enabled
+    mon, t = s.monitor, s.train
     return Parts(monitor=frozen(mon), numerics=bool(mon.enabled),
                  comm=bool(mon.enabled and mon.comm and parallel.mode != ParallelMode.none),
-                 casts=bool(mon.enabled and mon.fp8_casts and lowp), whatif=tuple(mon.fp8_whatif),
-                 audit=bool(t.audit), audit_only=bool(t.audit_only), faults=debug_set(s.debug),
-                 on_nonfinite=t.on_nonfinite.value, loss_scale=frozen(p.loss_scale))
+                 casts=bool(mon.enabled and mon.fp8_casts and precision.recipe is not None),
+                 whatif=tuple(mon.fp8_whatif), audit=bool(t.audit), audit_only=bool(t.audit_only),
+                 faults=debug_set(s.debug), on_nonfinite=t.on_nonfinite.value, loss_scale=precision.loss_scale)

@@ -29,7 +29,6 @@ from mptrain.config.schema import (
     DataConfig,
     DebugConfig,
     LogConfig,
-    LossScaleConfig,
     ModelConfig,
     MonitorConfig,
     OptimConfig,
@@ -41,6 +40,7 @@ from mptrain.data.batches import padded_vocab
 from mptrain.model.spec import FamilySpec
 from mptrain.model.tp_rules import vocab_problem
 from mptrain.precision.optimizers import Choice
+from mptrain.precision.recipe import LossScaling, PrecisionPlan
 
 
 # ------------------------------------------------------------------ read-only copies
@@ -222,8 +222,8 @@ class Parts:
     faults: bool
     """A ``debug.*`` key is set: the fault injector is built (a test aid)."""
     on_nonfinite: str
-    loss_scale: LossScaleConfig
-    """The loss scaler's warning and giving-up thresholds (frozen ``precision.loss_scale``)."""
+    loss_scale: LossScaling
+    """The loss scaler's warning and giving-up thresholds (the precision plan's ``loss_scale``)."""
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ class Plan:
     vocab: Vocab
     batches: Batches
     parallel: Parallel
-    precision: Any
+    precision: PrecisionPlan
     """The precision: dtypes, loss scaling, the low-precision recipe and which linears it converts."""
     optimizer: Choice
     optim: OptimConfig
@@ -293,8 +293,7 @@ class Plan:
 
     def describe(self) -> dict:
         """The plan in run_info: what the run was planned to be, beside what it measured."""
-        p = self.precision
-        recipe = getattr(p, "recipe", None)
+        recipe = self.precision.recipe
         return {
             "launch": plain(self.launch),
             "mesh": self.parallel.mesh.as_dict(),
@@ -303,8 +302,8 @@ class Plan:
             "batches": {**plain(self.batches), "tokens_per_step": self.batches.tokens_per_step},
             "family": self.family.name,
             "optimizer": plain(self.optimizer),
-            "precision": str(getattr(p, "name", "")),
-            "recipe": None if recipe is None else str(getattr(recipe, "name", recipe)),
+            "precision": self.precision.name,
+            "recipe": None if recipe is None else {"name": recipe.name, "backend": recipe.backend, **recipe.specs},
             "parts": {k: plain(getattr(self.parts, k)) for k in
                       ("numerics", "comm", "casts", "whatif", "audit", "audit_only", "faults", "on_nonfinite")},
             "resume": plain(self.resume),

@@ -40,6 +40,22 @@ CONVENTIONS = ("ieee", "fn", "fin", "int")
 _NAME = re.compile(r"^(?:e(\d)m(\d)(ieee|fn|fin)?|int(\d))$")
 
 
+def overflow_threshold(top: float, spacing: float) -> float:
+    """The first overflow of a format whose largest finite value is ``top`` and
+    whose values just below it are ``spacing`` apart: the smallest fp32 magnitude
+    that rounding to nearest would carry past ``top`` if a clamp did not stop it.
+    That is the midpoint between ``top`` and the next value the grid would have,
+    ``top + spacing``; a tie there rounds up when ``top``'s code is odd, else only
+    the next fp32 value up does. E2M1: 7; E4M3: 464.00003; fp16: 65520; int8: 127.5.
+    Every first overflow (the numerics monitor's thresholds, the cast statistics'
+    saturation count) is this one."""
+    mid = top + spacing / 2
+    if int(top / spacing) % 2:
+        return mid
+    return torch.nextafter(torch.tensor(mid, dtype=torch.float32),
+                           torch.tensor(math.inf, dtype=torch.float32)).item()
+
+
 @dataclass(frozen=True)
 class Element:
     """One element format: its fields and the figures that follow from them."""
@@ -84,6 +100,13 @@ class Element:
     @property
     def min_normal(self) -> float:
         return 1.0 if self.convention == "int" else 2.0 ** self.emin
+
+    @property
+    def first_overflow(self) -> float:
+        """The smallest magnitude rounding would carry past ``max`` without the clamp
+        (:func:`overflow_threshold`): a scaled value this large was clamped, not
+        merely rounded to ``max``."""
+        return overflow_threshold(self.max, 1.0 if self.convention == "int" else 2.0 ** (self.emax - self.mantissa))
 
     @property
     def min_subnormal(self) -> float:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mptrain.precision.elements import Element, all_formats, element
+from mptrain.precision.elements import Element, all_formats, element, overflow_threshold
 
 FORMATS: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -28,6 +28,8 @@ FORMATS: dict[str, torch.dtype] = {
     "e5m2": torch.float8_e5m2,
 }
 """Short name (as used in configs and metric names) -> torch dtype."""
+FLOAT8 = ("e4m3", "e5m2")
+"""The float8 formats of :data:`FORMATS`: what float8 linears cast to."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ class CastThresholds:
     first_normal: float
     """Smallest |x| that rounds to a normal value: ``smallest_normal - smallest_subnormal / 2``."""
     first_overflow: float
-    """Smallest fp32 |x| that rounds beyond ``max`` (see the module docstring)."""
+    """Smallest fp32 |x| that rounds beyond ``max`` (:func:`~mptrain.precision.elements.overflow_threshold`)."""
 
 
 def _fp32_exact(x: float) -> bool:
@@ -199,17 +201,8 @@ def thresholds(name: str) -> CastThresholds:
         # cast to fp32 never changes: there is nothing to monitor.
         raise ValueError("thresholds are defined for formats narrower than fp32")
     half_sub = f.smallest_subnormal / 2
-    midpoint = f.max + f.ulp_of_max / 2
-    # Round half to even at the midpoint: it goes up (overflow) iff max's last
-    # mantissa bit is odd. max / ulp(max) is the integer significand of max.
-    max_is_odd = int(f.max / f.ulp_of_max) % 2 == 1
-    if max_is_odd:
-        first_overflow = midpoint
-    else:
-        first_overflow = torch.nextafter(torch.tensor(midpoint, dtype=torch.float32),
-                                         torch.tensor(math.inf, dtype=torch.float32)).item()
     th = CastThresholds(name, last_underflow=half_sub, first_normal=f.smallest_normal - half_sub,
-                        first_overflow=first_overflow)
+                        first_overflow=overflow_threshold(f.max, f.ulp_of_max))
     for v in (th.last_underflow, th.first_normal, th.first_overflow):
         assert _fp32_exact(v), f"{name}: threshold {v!r} is not an fp32 number"
     return th

@@ -64,20 +64,19 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from mptrain.precision.lab import fp32_scale
 from mptrain.precision.support import emulated_scaled_mm
 
 OPERANDS = ("input", "weight", "grad_output")
 AMAX_COMPUTE = ("max", "most_recent")
 GRAD_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
-EPS = 1e-12  # amax floor of a just-in-time cast: an all-zero tensor gets a finite scale
 
 
 def scale_from_amax(amax: torch.Tensor, fmt: torch.dtype, margin: int = 0) -> torch.Tensor:
-    """``fmt_max / (amax * 2**margin)`` as fp32, computed in fp64 the way
-    torchao computes its tensorwise scales, so that with ``margin=0`` and the
-    same amax both produce the same bits. ``amax`` is floored at 1e-12."""
-    top = torch.finfo(fmt).max
-    return (top / (amax.double().clamp(min=EPS) * 2.0 ** margin)).float()
+    """``fmt_max / (amax * 2**margin)`` as fp32: the fp32 scale rule
+    (:func:`~mptrain.precision.lab.fp32_scale`, amax floored at 1e-12), so that with
+    ``margin=0`` and the same amax torchao's tensorwise scales have the same bits."""
+    return fp32_scale(amax, torch.finfo(fmt).max, margin)
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -251,7 +250,7 @@ class DelayedFloat8Linear(nn.Linear):
         """The scale operand ``op`` is cast with in this step when it holds ``t``:
         the stored one once the history has an amax, else just in time from
         ``t`` (the rule of the cast itself). For the cast statistics
-        (``fp8stats.CastWatch``), which see the output gradient before the
+        (``observe/fp8watch.py``'s CastWatch), which see the output gradient before the
         backward pass has cast it."""
         scale, initialized, _, _ = self._state(op)
         return torch.where(initialized, scale, scale_from_amax(t.detach().abs().amax().float(), self.formats[op],

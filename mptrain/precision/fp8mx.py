@@ -16,8 +16,9 @@ grad_in dx = dy W       dy; W                      out_features (dy's last dim; 
 grad_w  dW = dy^T x     dy; x                      tokens (dim 0 of both, flattened batch x seq)
 ======================  =========================  =============================
 
-``mptrain.precision.fp8casts.cast_counts(t, "block1x32")`` blocks along the last
-dimension: it describes the output matmul's ``x`` and ``W`` and grad_in's
+The recipe ``mxfp8``'s spec, ``e4m3/1x32/ue8m0-rceil/nearest``
+(:mod:`mptrain.precision.recipe`), blocks along the last dimension as the lab
+casts it: it describes the output matmul's ``x`` and ``W`` and grad_in's
 ``dy`` as they are, and grad_in's ``W`` and grad_w's ``dy`` and ``x`` on the
 transposed tensor (``W.t()``, ``dy.t()``, ``x.t()``). Hence every
 converted linear needs in and out features that are multiples of 32, and a
@@ -30,9 +31,9 @@ the rule torchao's MXFP8 training recipes use and Blackwell's
 power ceil(log2(amax / 448)), the smallest power of two with which the
 block's largest magnitude fits, so nothing saturates. ``mx_rounding="floor"``
 is the OCP MX specification's rule (2 to the power floor(log2 amax) - 8),
-which can clamp a block's largest values by up to 2x. These are
-``fp8stats``' ``mx_rounding="rceil"`` and ``"floor"`` rules exactly
-(``tests/test_fp8mx.py`` compares torchao's own cast with them).
+which can clamp a block's largest values by up to 2x. These are the lab's
+``ue8m0-rceil`` and ``ue8m0`` scales exactly (``tests/test_fp8mx.py`` compares
+torchao's own cast with them; the cast statistics measure with the lab's).
 
 Kernels (torchao ``KernelPreference``): ``AUTO`` on a Blackwell GPU (compute
 capability >= 10.0): Triton and CUDA cast kernels and the hardware's MX

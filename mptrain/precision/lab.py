@@ -14,8 +14,8 @@ to that layout before it casts them).
 - scale, the format of each block's scale:
 
   - ``fp32``: ``max / amax`` exactly as torchao's tensorwise float8 scales are
-    computed (fp64, amax floored at 1e-12, then fp32); the elements are
-    multiplied by it and the products divided by it again;
+    computed (fp64, amax floored at 1e-12, then fp32: :func:`fp32_scale`); the
+    elements are multiplied by it and the products divided by it again;
   - ``ue8m0``: a power of two, the OCP MX rule: ``2**(floor(log2 amax) -
     emax)`` with ``emax`` the exponent of the element's largest value, which
     can clamp a block's largest values (by up to 2x for E2M1); ``ue8m0-rceil``
@@ -42,9 +42,11 @@ measure is :data:`FOUR_OVER_SIX_ERRORS`.
 
 :func:`cast` returns the pieces (:class:`LabCast`) the statistics need;
 :func:`fake_quantize` the round trip. For the named formats they equal
-mptrain's and torchao's casts bit for bit: tests/test_lab.py checks E2M1 in
-NVFP4 and MXFP4 against :mod:`mptrain.precision.fp4` and torchao, and E4M3
-tensorwise, rowwise and MXFP8 against torchao's own casts.
+torchao's casts bit for bit: tests/test_fp4.py checks E2M1 in NVFP4 and MXFP4
+against torchao, and tests/test_lab.py E4M3 tensorwise, rowwise and MXFP8
+against torchao's own casts. They are the one cast engine: training
+(:mod:`mptrain.precision.labtrain`) and the cast statistics
+(:mod:`mptrain.precision.fp8casts`) both cast with :func:`cast`.
 """
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ HADAMARD_SIZE = 16
 FOUR_OVER_SIX_ERRORS = ("mse", "l1", "max")
 """How 4over6 compares a block's two candidate casts: summed squared error,
 summed absolute error, or the largest absolute error."""
-EPS = 1e-12  # torchao's amax floor for fp32 scales
+EPS = 1e-12
+"""The amax floor of every fp32 scale (torchao's): an all-zero block gets a finite scale."""
 F32_TINY = float(torch.finfo(torch.float32).tiny)
 _BLOCK = re.compile(r"^(tensor|row|column|1x(\d+)|(\d+)x(\d+))$")
 
@@ -255,11 +258,19 @@ def _pow2(amax: torch.Tensor, op: Operand):
     return 1.0 / divisor, pow2, divisor
 
 
-def _scaled(blocks: torch.Tensor, amax: torch.Tensor, op: Operand, per_tensor):
-    """(multiplier, decode, scaled elements)."""
+def fp32_scale(amax: torch.Tensor, top: float, margin: int = 0) -> torch.Tensor:
+    """The fp32 scale rule: ``top / (amax * 2**margin)`` computed in fp64 from the
+    amax floored at :data:`EPS`, then rounded to fp32, the way torchao computes its
+    tensorwise float8 scales (with ``margin`` 0 the same bits). Every fp32 scale is
+    this one: the lab's ``fp32`` blocks and the delayed-scaling float8 linears'."""
+    return (top / (amax.double().clamp(min=EPS) * 2.0 ** margin)).float()
+
+
+def _scaled(blocks: torch.Tensor, amax: torch.Tensor, op: Operand, per_tensor, given=None):
+    """(multiplier, decode, scaled elements). ``given``: fp32 multipliers instead of the rule's."""
     kind = op.scale.kind
     if kind == "fp32":
-        mult = (op.element.max / amax.double().clamp(min=EPS)).float()
+        mult = fp32_scale(amax, op.element.max) if given is None else given
         return mult, 1.0 / mult, blocks * mult
     if kind == "pow2":
         mult, decode, divisor = _pow2(amax, op)
@@ -280,14 +291,18 @@ class Split:
 
 
 def cast(x: torch.Tensor, op: Operand, *, per_tensor: Optional[torch.Tensor] = None,
-         signs: Optional[torch.Tensor] = None, error: str = "mse", split: Optional[Split] = None) -> LabCast:
+         signs: Optional[torch.Tensor] = None, error: str = "mse", split: Optional[Split] = None,
+         scale: Optional[torch.Tensor] = None) -> LabCast:
     """``x`` (its last dimension the contraction dimension; leading ones flattened
     into rows) cast as ``op`` says, in pieces. ``signs``: the Hadamard sign vector
     when ``op`` has a transform (the caller draws it, so both operands of a matmul
     share one). ``per_tensor``: a two-level scale's fp32 per-tensor scale instead
     of the tensor's own. ``error``: 4over6's measure. ``split``: ``x`` is a part
     of the tensor one process would cast; its scales are then the whole tensor's
-    (blocks must not straddle the parts: the config checks refuse those)."""
+    (blocks must not straddle the parts: the config checks refuse those).
+    ``scale``: an ``fp32`` scale's multipliers given instead of computed, one per
+    block in block order (or one for all): the stale scales of delayed scaling, or
+    those a float8 all-gather cast with."""
     x2 = x.detach().float().reshape(-1, x.shape[-1]) if x.dim() else x.detach().float().reshape(1, 1)
     if op.transform:
         x2 = hadamard(x2, transform_signs(op, x2.device) if signs is None else signs)
@@ -295,7 +310,12 @@ def cast(x: torch.Tensor, op: Operand, *, per_tensor: Optional[torch.Tensor] = N
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
     if split is not None:
         amax, per_tensor = _whole(amax, op, per_tensor, split)
-    mult, decode, scaled = _scaled(blocks, amax, op, per_tensor)
+    given = None
+    if scale is not None:
+        if op.scale.kind != "fp32":
+            raise SpecError(f"{op.spec}: given scales are fp32 multipliers; {op.scale.name} scales follow their rule.")
+        given = scale.detach().float().reshape(-1).expand(amax.numel()).reshape(amax.shape)
+    mult, decode, scaled = _scaled(blocks, amax, op, per_tensor, given)
     q = op.element.round(scaled, op.stochastic)
     if op.scale.rule == "4over6":
         mult, decode, scaled, q = _four_over_six(blocks, amax, op, per_tensor, error, (mult, decode, scaled, q))

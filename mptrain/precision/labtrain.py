@@ -1,9 +1,9 @@
 """Training linears whose three matmuls run on lab-quantized operands, per GEMM role
 (``precision=lab``, ``precision=nvfp4``, ``precision=mxfp4``; docs/formats.md, docs/fp4.md).
 
-A :class:`LabRecipe` gives each operand of each matmul an operand spec
-(:mod:`mptrain.precision.lab`), or none (the operand stays as autocast hands it
-over). For ``y = x W^T`` with ``x`` (tokens, in), ``W`` (out, in), ``dy`` (tokens, out):
+A recipe (:class:`~mptrain.precision.recipe.Recipe`, backend ``lab``) gives each
+operand of each matmul an operand spec (:mod:`mptrain.precision.lab`), or none
+(the operand stays as autocast hands it over). For ``y = x W^T`` with ``x`` (tokens, in), ``W`` (out, in), ``dy`` (tokens, out):
 
 ==============  ============================  ======================================
 role            operands (keys)               contraction dimension (blocks run along)
@@ -34,13 +34,12 @@ before the weight gradient's; a tensor-parallel part from a stream of its own
 seeded from it (``_TP.own_stream``).
 
 ``precision=nvfp4`` and ``precision=mxfp4`` are the named recipes ``nvfp4``
-and ``mxfp4`` with ``precision.fp4``'s switches applied (:func:`fp4_recipe`):
-one implementation of 4-bit training.
+and ``mxfp4`` with ``precision.fp4``'s switches applied
+(:func:`~mptrain.precision.recipe.fp4_recipe`): one implementation of 4-bit training.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -51,173 +50,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from mptrain.core.errors import ConfigError
 from mptrain.precision import lab
+from mptrain.precision.recipe import GEMMS, ROLES, Recipe, build_recipe
 from mptrain.precision.selection import LinearRules, check_blocks_left, excluded_because
 
-KEEP_SHARE = 0.15  # NVIDIA keeps about 15% of the linears, mostly the last ones, in higher precision
-ROLES = ("fwd_input", "fwd_weight", "dgrad_grad_output", "dgrad_weight", "wgrad_grad_output", "wgrad_input")
-"""The six operands, in the order of the table in the module docstring."""
-GEMMS = {"forward": ("fwd_input", "fwd_weight"), "input gradient": ("dgrad_grad_output", "dgrad_weight"),
-         "weight gradient": ("wgrad_grad_output", "wgrad_input")}
-NONE = "none"
-"""An operand left unquantized."""
-STAT_ROLES = {"input": "fwd_input", "weight": "fwd_weight", "grad_output": "dgrad_grad_output"}
-"""The operand whose spec the cast statistics measure each tensor with: each arrives
-with its contraction dimension last for that matmul (input and weight for the forward,
-the output gradient for the input gradient's)."""
 
-NVFP4 = {"fwd_input": "e2m1/1x16/e4m3/nearest", "fwd_weight": "e2m1/16x16/e4m3/nearest",
-         "dgrad_grad_output": "e2m1/1x16/e4m3/stochastic", "dgrad_weight": "e2m1/16x16/e4m3/nearest",
-         "wgrad_grad_output": "e2m1/1x16/e4m3/stochastic/hadamard", "wgrad_input": "e2m1/1x16/e4m3/nearest/hadamard"}
-MXFP4 = dict.fromkeys(ROLES, "e2m1/1x32/ue8m0/nearest")
-MXFP8 = dict.fromkeys(ROLES, "e4m3/1x32/ue8m0-rceil/nearest")
-_TW = "e4m3/tensor/fp32/nearest"
-FP8_TENSORWISE = {"fwd_input": _TW, "fwd_weight": _TW, "dgrad_grad_output": "e5m2/tensor/fp32/nearest",
-                  "dgrad_weight": _TW, "wgrad_grad_output": "e5m2/tensor/fp32/nearest", "wgrad_input": _TW}
-FP8_ROWWISE = dict.fromkeys(ROLES, "e4m3/row/ue8m0-rceil/nearest")
-
-
-def _mix(forward: dict, backward: dict) -> dict:
-    return {r: (forward if r.startswith("fwd") else backward)[r] for r in ROLES}
-
-
-NAMED = {
-    "fp8_tensorwise": FP8_TENSORWISE,
-    "fp8_rowwise": FP8_ROWWISE,
-    "fp8_rowwise_with_gw_hp": {**FP8_ROWWISE, "wgrad_grad_output": NONE, "wgrad_input": NONE},
-    "mxfp8": MXFP8,
-    "nvfp4": NVFP4,
-    "mxfp4": MXFP4,
-    "hybrid_mxfp8_nvfp4": _mix(MXFP8, NVFP4),
-    "nvfp4_ue5m3": {r: s.replace("/e4m3/", "/ue5m3/") for r, s in NVFP4.items()},
-    "nvfp4_4over6": {r: s.replace("/e4m3/", "/e4m3-4over6/") for r, s in NVFP4.items()},
-    "mxfp6_e2m3": dict.fromkeys(ROLES, "e2m3/1x32/ue8m0/nearest"),
-    "mxfp6_e3m2": dict.fromkeys(ROLES, "e3m2/1x32/ue8m0/nearest"),
-}
-"""The named recipes, operand by operand. The first six are today's presets'
-casts (float8 tensorwise and rowwise as torchao casts them, E5M2 gradients for
-tensorwise; MXFP8; NVFP4 with its 16x16 weight tiles, stochastic gradients and
-Hadamard weight-gradient operands; MXFP4); ``hybrid_mxfp8_nvfp4`` is
-TransformerEngine's example of a hybrid (MXFP8 forward, NVFP4 backward);
-``nvfp4_ue5m3`` swaps NVFP4's E4M3 block scales for UE5M3; ``nvfp4_4over6``
-picks 4 or 6 per block (arXiv 2512.02010); ``mxfp6_*`` are OCP's MXFP6."""
-NAMED_WHY = {
-    "fp8_tensorwise": "float8 with one fp32 scale per tensor, E4M3 forward and E5M2 gradients (torchao tensorwise)",
-    "fp8_rowwise": "float8 E4M3 with one power-of-two scale per row (torchao rowwise)",
-    "fp8_rowwise_with_gw_hp": "rowwise, the weight-gradient matmul unquantized (torchao rowwise_with_gw_hp)",
-    "mxfp8": "E4M3 in blocks of 32 with power-of-two scales rounded up (torchao MXFP8)",
-    "nvfp4": "E2M1 in blocks of 16, E4M3 block scales under an fp32 tensor scale; NVIDIA's recipe",
-    "mxfp4": "E2M1 in blocks of 32 with OCP power-of-two scales",
-    "hybrid_mxfp8_nvfp4": "MXFP8 forward, NVFP4 backward (TransformerEngine's hybrid example)",
-    "nvfp4_ue5m3": "NVFP4 with UE5M3 block scales (TransformerEngine PR 3325)",
-    "nvfp4_4over6": "NVFP4, each block scaled to 4 or 6, whichever errs less (Four Over Six)",
-    "mxfp6_e2m3": "OCP MXFP6, E2M3 elements",
-    "mxfp6_e3m2": "OCP MXFP6, E3M2 elements",
-}
-
-
-@dataclass(frozen=True)
-class LabRecipe:
-    """One linear's six operands (None: unquantized) and 4over6's error measure."""
-
-    name: str
-    ops: tuple[Optional[lab.Operand], ...]
-    error: str = "mse"
-
-    def op(self, role: str) -> Optional[lab.Operand]:
-        return self.ops[ROLES.index(role)]
-
-    @property
-    def specs(self) -> dict[str, str]:
-        return {r: (o.spec if o else NONE) for r, o in zip(ROLES, self.ops)}
-
-    def describe(self) -> tuple[str, str]:
-        """(forward, backward) in words, for the banner and run_info."""
-        s = self.specs
-        fwd = f"x {s['fwd_input']}, W {s['fwd_weight']}"
-        bwd = (f"dx: dy {s['dgrad_grad_output']}, W {s['dgrad_weight']}; "
-               f"dW: dy {s['wgrad_grad_output']}, x {s['wgrad_input']}")
-        return fwd, bwd
-
-    def elements(self, forward: bool) -> str:
-        """The element formats of the forward (or backward) operands, upper case:
-        ``E2M1``, ``E4M3/E5M2``; ``unquantized`` where none is."""
-        roles = [r for r in ROLES if r.startswith("fwd") == forward]
-        names = sorted({self.op(r).element.name.upper() for r in roles if self.op(r)})
-        return "/".join(names) or "unquantized"
-
-    def formats(self) -> dict[str, str]:
-        """The element format of each operand the cast statistics measure."""
-        return {k: (self.op(r).element.name if self.op(r) else NONE) for k, r in STAT_ROLES.items()}
-
-
-def build_recipe(name: str, overrides: Optional[dict] = None, *, error: str = "mse",
-                 allow_forward_stochastic: bool = False, key: str = "precision.lab") -> LabRecipe:
-    """The recipe ``name`` (a key of :data:`NAMED`, or ``custom``: every operand
-    given) with ``overrides`` (role -> spec or ``none``) on top, every spec parsed
-    and the recipe checked: one :class:`ConfigError` sentence for what is wrong."""
-    if name != "custom" and name not in NAMED:
-        raise ConfigError(f"{key}.recipe={name!r} is not a named recipe: one of {', '.join(NAMED)}, or custom "
-                          "(every operand given).")
-    specs = dict(NAMED.get(name, {}))
-    specs.update({r: v for r, v in (overrides or {}).items() if v is not None})
-    missing = [r for r in ROLES if r not in specs]
-    if missing:
-        raise ConfigError(f"{key}.recipe=custom needs every operand; {', '.join(f'{key}.{r}' for r in missing)} "
-                          "not given (a spec such as e2m1/1x16/e4m3/nearest, or none).")
-    if error not in lab.FOUR_OVER_SIX_ERRORS:
-        raise ConfigError(f"{key}.fourover6_error={error!r}: one of {', '.join(lab.FOUR_OVER_SIX_ERRORS)}.")
-    ops = []
-    for r in ROLES:
-        text = str(specs[r]).strip()
-        try:
-            ops.append(None if text.lower() == NONE else lab.parse(text))
-        except lab.SpecError as e:
-            raise ConfigError(f"{key}.{r}: {e}") from None
-    recipe = LabRecipe(name, tuple(ops), error)
-    problem = _check(recipe, allow_forward_stochastic, key)
-    if problem:
-        raise ConfigError(problem)
-    return recipe
-
-
-def _check(r: LabRecipe, allow_forward_stochastic: bool, key: str) -> Optional[str]:
-    """The recipe-wide rules: stochastic forward operands, and transforms on both operands."""
-    for role in GEMMS["forward"]:
-        o = r.op(role)
-        if o and o.stochastic and not allow_forward_stochastic:
-            return (f"{key}.{role}={o.spec} rounds a forward operand stochastically, which makes the forward "
-                    f"pass (and the loss) random; round it to nearest, or set {key}.allow_forward_stochastic=true.")
-    for gemm, (a, b) in GEMMS.items():
-        ta, tb = [(r.op(x).transform if r.op(x) else "") for x in (a, b)]
-        if ta != tb:
-            return (f"the {gemm} matmul has transform '{ta or 'none'}' on {key}.{a} and '{tb or 'none'}' on "
-                    f"{key}.{b}: a Hadamard transform leaves the product unchanged only when both operands "
-                    "take the same one; give both the same.")
-    return None
-
-
-def fp4_recipe(fcfg) -> LabRecipe:
-    """``precision.fp4`` (``precision=nvfp4``/``mxfp4`` and their study switches) as a lab recipe."""
-    fmt = fcfg.format.value
-    specs = dict(NAMED[fmt])
-    if fmt == "nvfp4" and not fcfg.weight_2d:
-        specs.update(fwd_weight="e2m1/1x16/e4m3/nearest", dgrad_weight="e2m1/1x16/e4m3/nearest")
-    for r in ("dgrad_grad_output", "wgrad_grad_output"):
-        rnd = "stochastic" if fcfg.stochastic_rounding else "nearest"
-        specs[r] = specs[r].replace("/stochastic", f"/{rnd}").replace("/nearest", f"/{rnd}")
-    for r in ("wgrad_grad_output", "wgrad_input"):
-        specs[r] = specs[r].replace("/hadamard", "") + ("/hadamard" if fcfg.hadamard else "")
-    return build_recipe(fmt, specs, key="precision.fp4")
-
-
-def lab_recipe(lcfg) -> LabRecipe:
-    """``precision.lab`` as a recipe: the named one with the six keys on top."""
-    overrides = {r: getattr(lcfg, r) for r in ROLES}
-    return build_recipe(str(lcfg.recipe), overrides, error=str(lcfg.fourover6_error),
-                        allow_forward_stochastic=bool(lcfg.allow_forward_stochastic))
-
-
-def shape_problem(r: LabRecipe, fqn: str, in_f: int, out_f: int, tokens: Optional[int]) -> Optional[str]:
+def shape_problem(r: Recipe, fqn: str, in_f: int, out_f: int, tokens: Optional[int]) -> Optional[str]:
     """Why ``r``'s blocks do not fit a linear ``in_f -> out_f`` (``tokens`` per
     micro-batch; None: not checked), or None. Each operand as its matmul sees it."""
     dims = {"fwd_input": (tokens, in_f), "fwd_weight": (out_f, in_f), "dgrad_grad_output": (tokens, out_f),
@@ -235,7 +72,7 @@ def shape_problem(r: LabRecipe, fqn: str, in_f: int, out_f: int, tokens: Optiona
     return None
 
 
-def _q(x: torch.Tensor, op: Optional[lab.Operand], r: LabRecipe, signs=None, tp=None, role: str = "",
+def _q(x: torch.Tensor, op: Optional[lab.Operand], r: Recipe, signs=None, tp=None, role: str = "",
        transposed: bool = False) -> torch.Tensor:
     """``x`` (contraction last) as the matmul multiplies it: quantized and back, or as it is.
     ``tp``: the layer's :class:`_TP` when ``x`` is one rank's part of ``role``'s operand
@@ -249,7 +86,7 @@ def _q(x: torch.Tensor, op: Optional[lab.Operand], r: LabRecipe, signs=None, tp=
         return lab.fake_quantize(x, op, signs=signs, error=r.error, split=split)
 
 
-def _signs(r: LabRecipe, gemm: str, device, tp=None) -> Optional[torch.Tensor]:
+def _signs(r: Recipe, gemm: str, device, tp=None) -> Optional[torch.Tensor]:
     """The sign vector of one matmul's transform, drawn once for both its operands
     (``hadamard-random`` draws anew at every call), or None without a transform.
     Under tensor parallelism every rank of the group multiplies with the first
@@ -324,7 +161,7 @@ class _LabMatmul(torch.autograd.Function):
     """``x W^T + b`` on lab-quantized operands, for 2-D ``x`` (tokens x in features)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], r: LabRecipe,
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], r: Recipe,
                 tp: Optional[_TP] = None):
         ctx.r, ctx.has_bias, ctx.tp = r, bias is not None, tp
         ctx.save_for_backward(x, w)
@@ -361,14 +198,14 @@ class LabLinear(nn.Linear):
     """An ``nn.Linear`` whose matmuls run on lab-quantized operands (the module
     docstring); the same parameters and state_dict keys as the layer it replaces."""
 
-    def __init__(self, in_features: int, out_features: int, recipe: LabRecipe, bias: bool = True,
+    def __init__(self, in_features: int, out_features: int, recipe: Recipe, bias: bool = True,
                  device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = recipe
         self.lab_recipe = recipe.name  # what the dtype audit reports for this layer's matmuls
 
     @classmethod
-    def from_linear(cls, mod: nn.Linear, recipe: LabRecipe) -> "LabLinear":
+    def from_linear(cls, mod: nn.Linear, recipe: Recipe) -> "LabLinear":
         """A lab layer sharing ``mod``'s Parameter objects (no copy; any device, meta included)."""
         new = cls(mod.in_features, mod.out_features, recipe, bias=mod.bias is not None, device="meta")
         new.weight = mod.weight
@@ -424,41 +261,27 @@ class LabLinear(nn.Linear):
         return f"{super().extra_repr()}, lab={self.recipe.name}"
 
 
-def kept_last_blocks(cfg, n_blocks: int) -> int:
-    """``bf16_last_blocks``, its null resolved to the recipe's 15% (rounded up)."""
-    if cfg.bf16_last_blocks is None:
-        return math.ceil(KEEP_SHARE * n_blocks)
-    return int(cfg.bf16_last_blocks)
-
-
 class LabLinears:
     """Converts ``nn.Linear`` layers to :class:`LabLinear`; the same interface as
     the float8 :class:`~mptrain.precision.policy.Fp8Linears` (``convert``,
-    ``report``, ``cast_rules``, and per-step calls with nothing to do here).
-    ``cfg`` is ``precision.fp4`` or ``precision.lab`` (both carry ``exclude`` and
-    ``bf16_last_blocks``); ``recipe`` the lab recipe either one makes."""
+    ``report``, ``definition``, and per-step calls with nothing to do here).
+    ``recipe`` is ``precision.fp4``'s or ``precision.lab``'s (backend ``lab``),
+    ``rules`` which linears it converts."""
 
     all_gather = False  # weights are gathered in the compute dtype, never in the lab's formats
     matmul = "emulated"
     matmul_why = "dequantized values multiplied in fp32 on every device"
 
-    def __init__(self, cfg, recipe: LabRecipe, key: str):
-        self.cfg, self.kind, self.key = cfg, recipe, key
-        self.recipe = recipe.name
+    def __init__(self, recipe: Recipe, rules: LinearRules):
+        self.definition, self.rules = recipe, rules
+        self.recipe, self.key = recipe.name, recipe.key
         self.report: dict = {}
-
-    def _rules(self, n_blocks: int) -> LinearRules:
-        last = kept_last_blocks(self.cfg, n_blocks)
-        why = (f"null: the recipe's {KEEP_SHARE:.0%} of {n_blocks} blocks, rounded up"
-               if self.cfg.bf16_last_blocks is None else "")
-        what = "4-bit" if self.key == "precision.fp4" else f"the lab's {self.recipe}"
-        return LinearRules(self.key, what, tuple(self.cfg.exclude), 0, last, 0, 1, "", why)
 
     def convert(self, model: nn.Module) -> nn.Module:
         """Swap every linear the rules and the blocks let through, in place;
         ``report`` says which and why not."""
         n_blocks = len(getattr(model, "blocks", ()))
-        rules = self._rules(n_blocks)
+        rules = self.rules.for_blocks(n_blocks)
         problem = check_blocks_left(rules, n_blocks, "precision=bf16")
         if problem:
             raise ConfigError(problem)
@@ -467,29 +290,21 @@ class LabLinears:
             if type(mod) is not nn.Linear:  # exactly nn.Linear: a converted layer is a subclass
                 continue
             why = excluded_because(rules, mod, fqn, n_blocks) or shape_problem(
-                self.kind, fqn, mod.in_features, mod.out_features, None)
+                self.definition, fqn, mod.in_features, mod.out_features, None)
             if why:
                 excluded[fqn] = why
                 continue
             parent, _, name = fqn.rpartition(".")
-            setattr(model.get_submodule(parent), name, LabLinear.from_linear(mod, self.kind))
+            setattr(model.get_submodule(parent), name, LabLinear.from_linear(mod, self.definition))
             converted.append(fqn)
-        fwd, bwd = self.kind.describe()
-        self.report = {"recipe": self.recipe, "operands": self.kind.specs, "converted": converted,
+        fwd, bwd = self.definition.describe()
+        self.report = {"recipe": self.recipe, "operands": self.definition.specs, "converted": converted,
                        "excluded": excluded, "forward": fwd, "backward": bwd,
                        "bf16_last_blocks": rules.last_blocks, "fsdp_float8_all_gather": False,
-                       "matmul": self.matmul, "matmul_why": self.matmul_why}
-        if self.key == "precision.fp4":  # the 4-bit presets' switches, as run_info has always named them
-            c = self.cfg
-            self.report.update(block_size=16 if self.recipe == "nvfp4" else 32, hadamard=bool(c.hadamard),
-                               stochastic_rounding=bool(c.stochastic_rounding), weight_2d=bool(c.weight_2d))
+                       "matmul": self.matmul, "matmul_why": self.matmul_why,
+                       # the 4-bit presets' switches, as run_info has always named them
+                       **dict(self.definition.switches)}
         return model
-
-    def cast_rules(self, whatif: list[str]) -> tuple[str, dict[str, str], list[str]]:
-        """The cast statistics' view of this run (``observe/fp8watch.py``): each
-        measured operand's element format under the run's own recipe, and the
-        what-ifs beside it."""
-        return self.recipe, self.kind.formats(), [w for w in whatif if w != self.recipe]
 
     def update_histories(self, reduce_max) -> None:
         """Nothing: no amax history."""
@@ -498,7 +313,7 @@ class LabLinears:
         """Nothing: no scales kept between steps."""
 
 
-def with_specs(recipe: LabRecipe, **specs: str) -> LabRecipe:
+def with_specs(recipe: Recipe, **specs: str) -> Recipe:
     """``recipe`` with some operands replaced (role=spec or none), checked again."""
     merged = {**recipe.specs, **specs}
-    return replace(build_recipe("custom", merged, error=recipe.error), name=recipe.name)
+    return replace(recipe, ops=build_recipe("custom", merged, error=recipe.error, key=recipe.key).ops)

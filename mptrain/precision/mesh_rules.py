@@ -27,12 +27,14 @@ import torch.nn as nn
 from mptrain.model.families import family_spec
 from mptrain.model.spec import SplitLinear
 from mptrain.model.tp_rules import tp_problem
-from mptrain.precision.labtrain import LabRecipe, build_recipe, fp4_recipe, kept_last_blocks, lab_recipe, shape_problem
+from mptrain.precision.labtrain import shape_problem
+from mptrain.precision.recipe import PrecisionPlan, Recipe
 from mptrain.precision.selection import LinearRules, excluded_because
 
 
-def blocks_refusal(m: Any, p: Any, tp: int, sequence_parallel: bool, world_size: int, said: str) -> Optional[str]:
-    """Why the recipe of precision section ``p`` cannot run on model section ``m`` split
+def blocks_refusal(m: Any, p: PrecisionPlan, tp: int, sequence_parallel: bool, world_size: int,
+                   said: str) -> Optional[str]:
+    """Why the recipe of the precision plan ``p`` cannot run on model section ``m`` split
     over ``tp`` ranks (of ``world_size``; ``said``: how the refusal names the tp), as one
     sentence with a smaller tp that fits (if one does): its blocks would straddle the
     tensor-parallel shards (:func:`blocks_problem`). None when they do not."""
@@ -48,25 +50,18 @@ def blocks_refusal(m: Any, p: Any, tp: int, sequence_parallel: bool, world_size:
             "with smaller blocks.")
 
 
-def _block_recipe(m: Any, p: Any) -> Optional[tuple[str, LabRecipe, LinearRules]]:
-    """The run's block-scaled recipe as a lab recipe, the key that names it, and
-    the rules that choose its linears; None for a recipe without blocks."""
-    n = int(m.n_layer)
-    if p.fp8.enabled and p.fp8.recipe.value == "mxfp8":  # torchao's MXFP8: the lab's mxfp8 blocks exactly
-        f = p.fp8
-        return ("precision.fp8.recipe=mxfp8", build_recipe("mxfp8", key="precision.fp8"),
-                LinearRules("precision.fp8", "float8", tuple(f.exclude), f.bf16_first_blocks, f.bf16_last_blocks,
-                            f.min_features, f.dim_multiple))
-    for section, make in (("fp4", fp4_recipe), ("lab", lab_recipe)):
-        c = getattr(p, section)
-        if c.enabled:
-            recipe = make(c)
-            return (f"precision.{section} ({recipe.name})", recipe,
-                    LinearRules(f"precision.{section}", section, tuple(c.exclude), 0, kept_last_blocks(c, n)))
-    return None
+def _block_recipe(m: Any, p: PrecisionPlan) -> Optional[tuple[str, Recipe, LinearRules]]:
+    """The run's recipe when it has blocks along a row (a tensor or row scale has
+    none to straddle), the words that name it, and the rules that choose its
+    linears for the model's blocks; None otherwise."""
+    r = p.recipe
+    if r is None or not any(o is not None and o.block[1] > 1 for o in r.ops):
+        return None
+    key = f"{r.key}.recipe={r.name}" if r.key == "precision.fp8" else f"{r.key} ({r.name})"
+    return key, r, p.rules.for_blocks(int(m.n_layer))
 
 
-def _converted(s: SplitLinear, whole: tuple[int, int], recipe: LabRecipe, rules: LinearRules,
+def _converted(s: SplitLinear, whole: tuple[int, int], recipe: Recipe, rules: LinearRules,
                n_blocks: int) -> bool:
     """Whether some block's ``s`` (of ``whole`` (in, out) features) is converted
     to the recipe: its name and position let through by the rules, and its whole
@@ -77,7 +72,7 @@ def _converted(s: SplitLinear, whole: tuple[int, int], recipe: LabRecipe, rules:
     return any(excluded_because(rules, layer, f"blocks.{i}.{s.path}", n_blocks) is None for i in range(n_blocks))
 
 
-def blocks_problem(m: Any, p: Any, tp: int) -> Optional[tuple[str, SplitLinear, tuple[int, int], str]]:
+def blocks_problem(m: Any, p: PrecisionPlan, tp: int) -> Optional[tuple[str, SplitLinear, tuple[int, int], str]]:
     """The first converted split linear whose per-rank part is not whole in the
     recipe's blocks under ``tp``: (the recipe's key, the linear, its per-rank
     (in, out), why), or None."""

@@ -44,13 +44,14 @@ import torch.nn as nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-from mptrain.config.schema import DType, ScaleMode
+from mptrain.config.schema import ScaleMode
 from mptrain.core.errors import ConfigError
 from mptrain.model.families import NORMS
 from mptrain.precision import fp8mx
-from mptrain.precision.formats import dtype_name
-from mptrain.precision.labtrain import LabLinears, fp4_recipe, lab_recipe
+from mptrain.precision.formats import FORMATS, dtype_name
+from mptrain.precision.labtrain import LabLinears
 from mptrain.precision.fp8delayed import DelayedFloat8Linear, update_histories
+from mptrain.precision.recipe import DELAYED, LAB, TORCHAO_MX, PrecisionPlan, Recipe
 from mptrain.precision.selection import LinearRules, check_blocks_left, excluded_because
 from mptrain.precision.support import (
     choose_fp8_matmul,
@@ -172,47 +173,43 @@ class _MeshGradScaler(ShardedGradScaler):
 
 
 class Fp8Linears:
-    """Converts ``nn.Linear`` layers to float8 linears, whichever the recipe
-    makes them: torchao's ``Float8Linear`` (tensorwise, rowwise,
+    """Converts ``nn.Linear`` layers to float8 linears, whichever backend the
+    recipe names: torchao's ``Float8Linear`` (tensorwise, rowwise,
     rowwise_with_gw_hp), our ``DelayedFloat8Linear`` (delayed,
     ``fp8delayed.py``) or ``MXLinear`` (mxfp8, ``fp8mx.py``). Keeps the FSDP2
-    float8 all-gather scales fresh, closes each step for delayed scaling
-    (:meth:`update_histories`), and builds the cast statistics' watch
-    (:meth:`watch`).
+    float8 all-gather scales fresh and closes each step for delayed scaling
+    (:meth:`update_histories`); ``definition`` is the recipe, which the cast
+    statistics measure.
 
-    Which linears: every ``nn.Linear`` except those a rule keeps out, by name
+    Which linears: every ``nn.Linear`` except those ``rules`` keep out, by name
     (``precision.fp8.exclude``), position, size or alignment (see
     :meth:`_excluded_because`); ``report`` says which and why.
     """
 
-    MX = ("mxfp8", "nvfp4")  # block-scaled recipes: mptrain/precision/fp8mx.py, not torchao's Float8Linear
-
-    def __init__(self, fcfg, fsdp2: bool, device: torch.device = torch.device("cpu"), float8_gather: str = ""):
-
+    def __init__(self, recipe: Recipe, rules: LinearRules, fsdp2: bool,
+                 device: torch.device = torch.device("cpu"), float8_gather: str = ""):
         problem = fp8_software_problem()
         if problem:
             raise ConfigError(f"precision=fp8 cannot run: {problem}")
-        self.cfg, self.device = fcfg, device
-        self.recipe = fcfg.recipe.value
-        self.rules = LinearRules("precision.fp8", "float8", tuple(fcfg.exclude), fcfg.bf16_first_blocks,
-                                 fcfg.bf16_last_blocks, fcfg.min_features, fcfg.dim_multiple)
+        self.definition, self.rules, self.device = recipe, rules, device
+        self.recipe = recipe.name
         self.report: dict = {}
         self.all_gather = False
         self.delayed: list[nn.Module] = []  # the delayed-scaling layers, whose histories close every step
-        if self.recipe in self.MX:
-            why = fp8mx.problem(self.recipe, device, fcfg.matmul.value)
+        if recipe.backend == TORCHAO_MX:
+            why = fp8mx.problem(self.recipe, device, recipe.matmul)
             if why:
                 raise ConfigError(f"precision.fp8.recipe={self.recipe} cannot run here: {why}")
-            self.matmul, self.matmul_why = fp8mx.matmul_path(self.recipe, device, fcfg.matmul.value)
+            self.matmul, self.matmul_why = fp8mx.matmul_path(self.recipe, device, recipe.matmul)
             return
         # "scaled_mm" or "emulated": which kernel multiplies the float8 operands (support.choose_fp8_matmul)
-        self.matmul, self.matmul_why = choose_fp8_matmul(fcfg.matmul.value, device)
-        if self.recipe == "delayed":
+        self.matmul, self.matmul_why = choose_fp8_matmul(recipe.matmul, device)
+        if recipe.backend == DELAYED:
             return  # our own layers (fp8delayed.py): no torchao config
         from torchao.float8 import Float8LinearConfig
 
         base = Float8LinearConfig.from_recipe_name(self.recipe)
-        grad = getattr(torch, fcfg.grad_dtype.value)
+        grad = FORMATS[recipe.grad_element]
         # The recipe fixes the scaling granularity; the output-gradient format is ours to choose.
         # torchao requires both uses of grad_output to name the same dtype, even when the
         # weight-gradient one is disabled (kept in high precision).
@@ -221,7 +218,7 @@ class Fp8Linears:
             "cast_config_grad_output_for_grad_weight": dataclasses.replace(
                 base.cast_config_grad_output_for_grad_weight, target_dtype=grad),
         }
-        self.all_gather = bool(fsdp2 and self.recipe == "tensorwise" and fcfg.fsdp_float8_all_gather)
+        self.all_gather = bool(fsdp2 and self.recipe == "tensorwise" and recipe.all_gather)
         # float8_gather: why this launch's collectives cannot gather float8 tensors ("" when they can)
         self.all_gather_off = float8_gather if self.all_gather and float8_gather else ""
         self.all_gather = self.all_gather and not float8_gather
@@ -249,9 +246,9 @@ class Fp8Linears:
         problem = check_blocks_left(self.rules, self._n_blocks, "precision=bf16")
         if problem:
             raise ConfigError(problem)
-        if self.recipe in self.MX:
+        if self.definition.backend == TORCHAO_MX:
             return self._convert_mx(model)
-        if self.recipe == "delayed":
+        if self.definition.backend == DELAYED:
             return self._convert_delayed(model)
         convert_to_float8_training(model, config=self.float8_config, module_filter_fn=self._keep)
         self.report["converted"] = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
@@ -279,11 +276,11 @@ class Fp8Linears:
     def _convert_delayed(self, model: nn.Module) -> nn.Module:
         """Delayed-scaling float8 linears (``fp8delayed.py``), sharing the weights
         of the linears they replace (on the meta device too)."""
-        c = self.cfg
-        grad = getattr(torch, c.grad_dtype.value)
+        c = self.definition.delayed
+        grad = FORMATS[self.definition.grad_element]
         for fqn, mod in list(model.named_modules()):
             if type(mod) is nn.Linear and self._keep(mod, fqn):
-                new = DelayedFloat8Linear.from_linear(mod, c.amax_history_len, c.amax_compute.value, c.margin, grad,
+                new = DelayedFloat8Linear.from_linear(mod, c.history_len, c.amax_compute, c.margin, grad,
                                                       emulate=self.matmul == "emulated")
                 parent, _, name = fqn.rpartition(".")
                 setattr(model.get_submodule(parent), name, new)
@@ -292,7 +289,7 @@ class Fp8Linears:
         self.report.update({
             "recipe": "delayed", "torchao": torchao_version(), "fsdp_float8_all_gather": False,
             "forward": f"input e4m3, weight e4m3 (one scale per tensor from the amax history: "
-                       f"{c.amax_history_len} steps, {c.amax_compute.value}, margin {c.margin})",
+                       f"{c.history_len} steps, {c.amax_compute}, margin {c.margin})",
             "backward": f"grad_output {dtype_name(grad)} (delayed likewise)",
             "matmul": self.matmul, "matmul_why": self.matmul_why,
         })
@@ -310,7 +307,7 @@ class Fp8Linears:
         """Block-scaled linears (``fp8mx.convert``); its report joins ours, with the
         layers the block size rules out added to the excluded ones."""
         mx = fp8mx.convert(model, self.recipe, self.device, module_filter_fn=self._keep,
-                           matmul=self.cfg.matmul.value)
+                           matmul=self.definition.matmul)
         excluded = {**self.report["excluded"], **mx.pop("excluded")}
         elem = mx["elem_dtype"]
         self.report.update(mx, excluded=excluded, fsdp_float8_all_gather=False,
@@ -319,26 +316,6 @@ class Fp8Linears:
                                    f"{mx['scale_dtype']} scales, {mx['scale_rounding']}; kernel {mx['kernel']})",
                            backward=f"grad_output {elem} (blocks of {mx['block_size']})")
         return model
-
-    # The scale rule of each recipe, in fp8stats' terms (delayed: tensorwise with the
-    # scales the layers hold, see DelayedFloat8Linear.scale_for). nvfp4's 4-bit casts
-    # have no rule there: no statistics for it.
-    STATS_RECIPE = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_with_gw_hp": "rowwise",
-                    "delayed": "tensorwise", "mxfp8": "block1x32"}
-
-    def cast_rules(self, whatif: list[str]) -> Optional[tuple[str, dict[str, str], list[str]]]:
-        """How the float8 cast statistics (``observe/fp8watch.py``) must see this
-        run's casts: the scale rule, each operand's format, and the what-if
-        recipes worth measuring beside it; None for a recipe the statistics do
-        not model (nvfp4)."""
-        if self.recipe not in self.STATS_RECIPE:
-            return None
-        grad = "e5m2" if self.cfg.grad_dtype.value == "float8_e5m2" and self.recipe not in self.MX else "e4m3"
-        formats = {"input": "e4m3", "weight": "e4m3", "grad_output": grad}
-        rule = self.STATS_RECIPE[self.recipe]
-        # The run's own rule is no what-if, except under delayed scaling, whose tensorwise
-        # scales come from history: there tensorwise is current scaling, the comparison to make.
-        return rule, formats, [r for r in whatif if r != rule or self.recipe == "delayed"]
 
     def refresh_scales(self, model: nn.Module) -> None:
         """With float8 all-gather, each weight's scale is computed once per step for
@@ -373,34 +350,31 @@ def _cast_input_to_autocast(mod, args):
 
 
 class PrecisionPolicy:
-    """The dtypes of one run, built from ``cfg.precision`` and the device."""
+    """The dtypes of one run and its low-precision linears, from its
+    :class:`~mptrain.precision.recipe.PrecisionPlan` and the device."""
 
-    def __init__(self, pcfg, device: torch.device, fsdp2: bool = False, float8_gather: str = ""):
-        self.cfg = pcfg
-        self.fp8_enabled = bool(pcfg.fp8.enabled)
-        # Float8 linears, or nothing: the model is converted and stepped through
-        # the same two calls either way.
-        self.fp8 = Fp8Linears(pcfg.fp8, fsdp2, device, float8_gather) if self.fp8_enabled else None
-        # The lab's linears: precision=nvfp4 and mxfp4 (named lab recipes, precision.fp4's
-        # switches applied) or precision=lab (any recipe). One implementation of the emulation.
-        self.fp4: Optional[LabLinears] = None
-        if pcfg.fp4.enabled:
-            self.fp4 = LabLinears(pcfg.fp4, fp4_recipe(pcfg.fp4), "precision.fp4")
-        elif pcfg.lab.enabled:
-            self.fp4 = LabLinears(pcfg.lab, lab_recipe(pcfg.lab), "precision.lab")
-        # The run's low-precision linears, float8 or the lab's (never both: config checks),
-        # for what treats them alike: conversion, the banner's report, the cast statistics.
-        self.lowp = self.fp8 or self.fp4
+    def __init__(self, plan: PrecisionPlan, device: torch.device, fsdp2: bool = False, float8_gather: str = ""):
+        self.plan = plan
+        r = plan.recipe
+        # Float8 linears (torchao's or the delayed ones), the lab's (precision=nvfp4, mxfp4, lab:
+        # one implementation of the emulation), or neither: the model is converted and stepped
+        # through the same calls either way.
+        self.fp8 = Fp8Linears(r, plan.rules, fsdp2, device, float8_gather) if r and r.backend != LAB else None
+        self.lab: Optional[LabLinears] = LabLinears(r, plan.rules) if r and r.backend == LAB else None
+        self.fp8_enabled = self.fp8 is not None
+        # The run's low-precision linears, float8 or the lab's, for what treats them alike:
+        # conversion, the banner's report, the cast statistics.
+        self.lowp = self.fp8 or self.lab
         self.device = device
-        self.name = pcfg.name
-        self.compute_dtype: torch.dtype = pcfg.compute_dtype.torch
+        self.name = plan.name
+        self.compute_dtype: torch.dtype = plan.compute_dtype
         # Storage: fp32 master weights, except in the bf16-pure study case.
-        self.param_dtype = torch.float32 if pcfg.master_weights else self.compute_dtype
-        self.wrapper_param_dtype: torch.dtype = (pcfg.param_dtype or pcfg.compute_dtype).torch
-        self.reduce_dtype: torch.dtype = pcfg.reduce_dtype.torch
-        self.buffer_dtype: torch.dtype = pcfg.buffer_dtype.torch
+        self.param_dtype = plan.param_dtype
+        self.wrapper_param_dtype: torch.dtype = plan.wrapper_param_dtype
+        self.reduce_dtype: torch.dtype = plan.reduce_dtype
+        self.buffer_dtype: torch.dtype = plan.buffer_dtype
         self.autocast_enabled = self.compute_dtype != torch.float32
-        if pcfg.compute_dtype == DType.fp16 and not pcfg.loss_scale.enabled:
+        if self.compute_dtype == torch.float16 and not plan.loss_scale.enabled:
             # Allowed (the precision study compares it), but never silently.
             self.warning = (
                 "fp16 compute with loss scaling off: small gradients will flush to zero. "
@@ -486,10 +460,10 @@ class PrecisionPolicy:
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def make_scaler(self, distributed: bool = False) -> LossScaler:
-        return LossScaler(self.cfg.loss_scale, self.device, distributed)
+        return LossScaler(self.plan.loss_scale, self.device, distributed)
 
     def loss_scaling_text(self) -> str:
-        ls = self.cfg.loss_scale
+        ls = self.plan.loss_scale
         if not ls.enabled:
             return "off"
         if ls.mode == ScaleMode.static:
@@ -500,7 +474,7 @@ class PrecisionPolicy:
     def _fp8_formats(self) -> str:
         """The float8 linears' formats, forward then backward, for the dtype table."""
         block = {"mxfp8": "E4M3, backward E4M3 (blocks of 32)", "nvfp4": "E2M1, backward E2M1 (blocks of 16)"}
-        return block.get(self.fp8.recipe, f"E4M3, backward {dtype_name(getattr(torch, self.cfg.fp8.grad_dtype.value))}")
+        return block.get(self.fp8.recipe, f"E4M3, backward {self.fp8.definition.grad_element}")
 
     def describe(self) -> dict:
         """Intended dtypes; the trainer replaces entries with observed ones after step 1."""
@@ -512,7 +486,7 @@ class PrecisionPolicy:
             "loss_scaling": self.loss_scaling_text(),
             **({"fp8_linears": f"{self.fp8.recipe}: forward {self._fp8_formats()}; matmul {self.fp8.matmul}"}
                if self.fp8 else {}),
-            **({f"{self.fp4.key.rpartition('.')[2]}_linears": f"{self.fp4.recipe}: forward {k.elements(True)}, backward {k.elements(False)} "
-                               f"({'; '.join(f'{r} {s}' for r, s in k.specs.items())}); matmul {self.fp4.matmul}"
-                for k in [self.fp4.kind]} if self.fp4 else {}),
+            **({f"{self.lab.key.rpartition('.')[2]}_linears": f"{self.lab.recipe}: forward {k.elements(True)}, "
+                f"backward {k.elements(False)} ({'; '.join(f'{r} {s}' for r, s in k.specs.items())}); "
+                f"matmul {self.lab.matmul}" for k in [self.lab.definition]} if self.lab else {}),
         }

@@ -5,31 +5,31 @@ kernels can take, and the lab's blocks against the model's matmuls. The plan's
 builder (``mptrain/plan/build.py``) runs them at start-up, before anything is built."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from mptrain.core.errors import ConfigError
 from mptrain.model.families import family_of, ffn_hidden
-from mptrain.precision.fp8casts import LAB_RECIPES, RECIPES, STAT_ROLES, WHATIFS, lab_operand
-from mptrain.precision.labtrain import lab_recipe, shape_problem
+from mptrain.precision.fp8casts import WHATIFS, measured
+from mptrain.precision.labtrain import shape_problem
+from mptrain.precision.recipe import Recipe
 
 
-def validate(m: Any, p: Any, whatif: Any, batches: Any) -> None:
-    """This layer's rules for the ``model`` section ``m``, the ``precision`` section ``p``,
-    the what-if recipes ``whatif`` (``monitor.fp8_whatif``) and the plan's ``batches``;
-    the first broken one raises :class:`ConfigError` naming the key and the fix."""
+def validate(m: Any, p: Any, recipe: Optional[Recipe], whatif: Any, batches: Any) -> None:
+    """This layer's rules for the ``model`` section ``m``, the ``precision`` section ``p``
+    and its ``recipe`` (the precision plan's), the what-if recipes ``whatif``
+    (``monitor.fp8_whatif``) and the plan's ``batches``; the first broken one raises
+    :class:`ConfigError` naming the key and the fix."""
     unknown = [r for r in whatif if r not in WHATIFS]
     if unknown:
         raise ConfigError(f"monitor.fp8_whatif has unknown recipe(s) {', '.join(map(str, unknown))}; choose "
-                          f"from the statistics' {', '.join(RECIPES)} or the lab's named recipes "
-                          f"{', '.join(LAB_RECIPES)}, or [] for none.")
+                          f"from the named recipes {', '.join(WHATIFS)}, or [] for none.")
     for r in whatif:
         try:
-            if r in LAB_RECIPES:
-                [lab_operand(r, op) for op in STAT_ROLES]
+            measured(r)
         except ValueError as e:  # a named recipe whose spec the lab cannot cast: refused here, not mid-run
             raise ConfigError(f"monitor.fp8_whatif: the lab recipe {r} cannot be measured ({e}); leave it out.") from None
     _lowp_hidden(m, p)
-    _lab_shapes(m, p, batches.tokens_per_micro)
+    _lab_shapes(m, recipe, batches.tokens_per_micro)
 
 
 def _lowp_hidden(m: Any, p: Any) -> None:
@@ -53,15 +53,14 @@ def _lowp_hidden(m: Any, p: Any) -> None:
                           f"model.ffn_hidden to a multiple of {multiple} or model.ffn_multiple_of={multiple}.")
 
 
-def _lab_shapes(m: Any, p: Any, tokens: int) -> None:
+def _lab_shapes(m: Any, recipe: Optional[Recipe], tokens: int) -> None:
     """``precision=lab``: every operand spec parsed and the recipe's own rules
-    (``labtrain.build_recipe``), then its blocks against the matmuls the model
+    (``recipe.build_recipe``), then its blocks against the matmuls the model
     makes: the width (attention and MLP inputs), the MLP's hidden width and the
     tokens of a micro-batch (the weight gradient's contraction dimension). A
     block that does not divide one is refused here, in one line, before any work."""
-    if not p.lab.enabled:
+    if recipe is None or recipe.key != "precision.lab":
         return
-    recipe = lab_recipe(p.lab)
     d = int(m.d_model)
     hidden = ffn_hidden(m) if family_of(m) == "llama" else 4 * d
     for what, n_in, n_out in (("the attention projections (model.d_model)", d, d),

@@ -1,14 +1,17 @@
 """Which linears a low-precision recipe converts: the rules float8
-(``precision.fp8``) and 4-bit (``precision.fp4``) linears share, by name,
-position, size and alignment, each with the reason a user reads in the
-banner when a linear is kept in high precision."""
+(``precision.fp8``), 4-bit (``precision.fp4``) and lab (``precision.lab``)
+linears share, by name, position, size and alignment, each with the reason a
+user reads in the banner when a linear is kept in high precision."""
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch.nn as nn
+
+KEEP_SHARE = 0.15  # NVIDIA keeps about 15% of the linears, mostly the last ones, in higher precision
 
 
 @dataclass(frozen=True)
@@ -16,15 +19,16 @@ class LinearRules:
     """The keep-out rules of one recipe; ``key`` is its config section, named in every reason."""
 
     key: str
-    """``precision.fp8`` or ``precision.fp4``."""
+    """``precision.fp8``, ``precision.fp4`` or ``precision.lab``."""
     what: str
     """The low precision, in words: ``float8`` or ``4-bit``."""
     exclude: Sequence[str] = ()
     """fnmatch patterns on the model's module names."""
     first_blocks: int = 0
     """The first this many transformer blocks stay out (``bf16_first_blocks``)."""
-    last_blocks: int = 0
-    """The last this many likewise (``bf16_last_blocks``)."""
+    last_blocks: Optional[int] = 0
+    """The last this many likewise (``bf16_last_blocks``); None: the 4-bit recipes'
+    :data:`KEEP_SHARE` of the blocks, once they are counted (:meth:`for_blocks`)."""
     min_features: int = 0
     """Linears with fewer in or out features stay out (0: no size rule)."""
     dim_multiple: int = 1
@@ -33,6 +37,14 @@ class LinearRules:
     """Why the alignment, appended to its reason (e.g. ``nvfp4 blocks of 16``)."""
     last_why: str = ""
     """Where ``last_blocks`` came from, appended to its reason (e.g. the recipe's 15% rule)."""
+
+    def for_blocks(self, n_blocks: int) -> "LinearRules":
+        """These rules for a model of ``n_blocks`` blocks: a ``last_blocks`` of None
+        resolved to :data:`KEEP_SHARE` of them, rounded up, with the reason said."""
+        if self.last_blocks is not None:
+            return self
+        return replace(self, last_blocks=math.ceil(KEEP_SHARE * n_blocks),
+                       last_why=f"null: the recipe's {KEEP_SHARE:.0%} of {n_blocks} blocks, rounded up")
 
 
 def excluded_because(rules: LinearRules, mod: nn.Linear, fqn: str, n_blocks: int) -> Optional[str]:

@@ -149,7 +149,7 @@ def describe(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, data: RunDat
         tp_float8 = ctx.shape.tp > 1 and float8_gathers(model, ctx.mesh["tp"], ctx.sequence_parallel)
         info["mesh"] = mesh_info(ctx.shape, ctx.sequence_parallel, tp_float8)
     # fp4 for precision=nvfp4/mxfp4 (the key runs have always had), lab for precision=lab
-    lowp_key = policy.fp4.key.rpartition(".")[2] if policy.fp4 else "fp8"
+    lowp_key = policy.lab.key.rpartition(".")[2] if policy.lab else "fp8"
     lowp = policy.lowp.report if policy.lowp else None
     if lowp is not None:
         # Weights FSDP2 will all-gather in float8 carry torchao's float8-cast tensor subclass.

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 from omegaconf import OmegaConf
 

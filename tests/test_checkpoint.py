@@ -18,7 +18,7 @@ from mptrain.checkpoint.integrity import CheckpointError, complete_checkpoints, 
 from mptrain.checkpoint.resolve import resolve_resume
 
 from .aids import without_wall_clock
-from .conftest import ROOT, TINY, make_cfg, make_plan, read_rows, run_cli, train
+from .conftest import ROOT, TINY, make_plan, read_rows, run_cli, train
 
 BASE = [*TINY, "train.max_steps=20", "train.eval_every=5", "train.eval_tokens=1024"]
 _values = without_wall_clock

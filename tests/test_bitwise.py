@@ -29,9 +29,6 @@ import pytest
 
 MAKE_FIXTURE = Path(__file__).parent / "fixtures" / "before_plan" / "make_fixture.py"
 
-RENAMED: dict[str, str] = {}
-"""What-if recipe names renamed since the fixture, old -> new (``block1x32`` ->
-``mxfp8``, say): applied to the fixture's metric keys before comparing. Empty today."""
 
 SUBSET = {
     # the reference, both half precisions, every float8 backend (torchao tensorwise,
@@ -66,9 +63,10 @@ def recorded():
 def test_presets_train_as_recorded(family, recorded, tmp_path):
     header, cases = recorded
     exact, why = mf.same_cpu_kind(header["machine"], mf.signature())
-    new, seconds = mf.launch(family, SUBSET[family], tmp_path)
-    reports = [mf.compare(f"{family}/{p}", cases[f"{family}/{p}"], new[p], RENAMED,
-                          tolerance=None if exact else mf.off_machine(p)) for p in SUBSET[family]]
+    # what the refactor changed on purpose, each named and bounded (make_fixture.CHANGES)
+    new, seconds = mf.launch(family, SUBSET[family], tmp_path, extra=mf.CHANGES.extra)
+    reports = [mf.compare(f"{family}/{p}", cases[f"{family}/{p}"], new[p], tolerance=None if exact else
+                          mf.off_machine(p), changes=mf.CHANGES) for p in SUBSET[family]]
     text = "\n".join(line for r in reports for line in r.lines())
     print(f"{family}: {len(reports)} presets in {seconds:.1f} s\n{text}")
     assert all(r.compared for r in reports if cases[r.name.split(" ")[0]].rows), text
@@ -134,3 +132,31 @@ def test_the_comparison_sees_one_changed_bit(recorded):
     assert rep.equal and rep.renamed == len([k for k in old.rows[1] if "/block1x32/" in k]) > 0
     assert mf.rename_key("fp8/worst/block1x32/flush", {"block1x32": "mxfp8"}) == "fp8/worst/mxfp8/flush"
     assert mf.rename_key("numerics/block1x32", {"block1x32": "mxfp8"}) == "numerics/block1x32"
+
+
+def test_the_named_changes_accept_only_what_they_name(recorded):
+    """``make_fixture.CHANGES`` excuses exactly the differences it names, within their bounds:
+    a last-bits move of a 128x128 SQNR, not a larger one; a floored scale of the mxfp8 run,
+    not another value or preset; the nvfp4 what-if's weight figures compared under nvfp4_1d."""
+    _, cases = recorded
+    c = mf.CHANGES
+    key = "fp8.block0.attn.qkv/input/block128x128/sqnr_db"
+    assert c.accepts("fp8", key, 25.580293525827564, 25.58029352582754)
+    assert not c.accepts("fp8", key, 25.5, 25.5 * (1 + 1e-9))
+    assert not c.accepts("fp8", "fp8.block0.attn.qkv/input/rowwise/sqnr_db", 25.580293525827564, 25.58029352582754)
+    scale = "fp8.block0.attn.qkv/grad_output/scale_max"
+    assert c.accepts("mxfp8", scale, 2.0 ** 48, 2.0 ** 51)
+    assert not c.accepts("mxfp8", scale, 1024.0, 2048.0) and not c.accepts("fp8", scale, 2.0 ** 48, 2.0 ** 51)
+    old = cases["gpt-nano/fp8"]
+    new = mf.Case(list(old.overrides), old.exit_code, old.said, {s: dict(r) for s, r in old.rows.items()},
+                  list(old.dropped))
+    moved = [k for k in old.rows[1] if "/weight/nvfp4/" in k or k.startswith("fp8/worst/nvfp4/")]
+    for row in new.rows.values():  # the run as it is now: the old figures under nvfp4_1d, new ones under nvfp4
+        for k in [k for k in moved if k in row]:
+            row[k.replace("/nvfp4/", "/nvfp4_1d/")], row[k] = row[k], row[k] + 0.03
+        for k in [k for k in row if "/block1x32/" in k]:  # and the renamed what-if
+            row[k.replace("/block1x32/", "/mxfp8/")] = row.pop(k)
+    rep = mf.compare("gpt-nano/fp8", old, new, changes=c)
+    assert moved and rep.equal and rep.expected == len(moved), rep.lines()
+    new.rows[1][moved[0].replace("/nvfp4/", "/nvfp4_1d/")] += 1e-9  # an old figure itself changed: not excused
+    assert not mf.compare("gpt-nano/fp8", old, new, changes=c).equal

@@ -297,3 +297,14 @@ def test_per_rank_quantized_moments_follow_the_mesh(tmp_path):
     old = {k: v for k, v in meta.items() if k != "mesh"} | {"parallel": "fsdp"}
     assert quantized_layout_refusal(tmp_path, old, fsdp4) is None
     assert quantized_layout_refusal(tmp_path, old, same) is not None
+
+
+def test_a_lab_checkpoint_from_before_the_one_vocabulary_resumes_under_the_new_name():
+    """``precision.lab.recipe=fp8_rowwise`` was renamed ``rowwise`` (the same casts): a
+    checkpoint saved under the old name is no config change; another recipe still is."""
+    accepted, refused = compare({"precision": {"lab": {"recipe": "fp8_rowwise"}}},
+                                {"precision": {"lab": {"recipe": "rowwise"}}}, [])
+    assert accepted == {} and refused == []
+    _, refused = compare({"precision": {"lab": {"recipe": "fp8_rowwise"}}},
+                         {"precision": {"lab": {"recipe": "tensorwise"}}}, [])
+    assert refused == ["precision.lab.recipe: 'rowwise' -> 'tensorwise'"]

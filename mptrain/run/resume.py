@@ -38,6 +38,7 @@ from mptrain.checkpoint.checkpointer import flatten
 from mptrain.checkpoint.integrity import complete_checkpoints, read_meta
 from mptrain.checkpoint.optim_layout import quantized_layout_refusal
 from mptrain.checkpoint.resolve import resolve_resume
+from mptrain.config.checks import RENAMED_RECIPES
 from mptrain.config.schema import GUARDED, RECORDED, OptimConfig, on_resume
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.plan.plan import FRESH, Plan, Resume, plain
@@ -215,6 +216,8 @@ def compare(saved: dict, now: dict, allow: list[str]) -> tuple[dict, list[str]]:
     STRUCTURAL ones: a checkpoint saved before such a key existed ran with the
     value it has there (round to nearest, moments in the parameters' dtype)."""
     old, new = flatten(saved), flatten(now)
+    if old.get("precision.lab.recipe") in RENAMED_RECIPES:  # a checkpoint from before the one vocabulary:
+        old["precision.lab.recipe"] = RENAMED_RECIPES[old["precision.lab.recipe"]]  # the same casts, renamed
     for key, (_, before_it_existed, _why) in STRUCTURAL.items():
         if key in new and key not in old:  # a checkpoint older than the key had its default
             old[key] = before_it_existed

@@ -51,7 +51,7 @@ from mptrain.precision import fp8mx
 from mptrain.precision.formats import FORMATS, dtype_name
 from mptrain.precision.labtrain import LabLinears
 from mptrain.precision.fp8delayed import DelayedFloat8Linear, update_histories
-from mptrain.precision.recipe import DELAYED, LAB, TORCHAO_MX, PrecisionPlan, Recipe
+from mptrain.precision.recipe import DELAYED, LAB, TORCHAO_MX, LossScaling, PrecisionPlan, Recipe
 from mptrain.precision.selection import LinearRules, check_blocks_left, excluded_because
 from mptrain.precision.support import (
     choose_fp8_matmul,
@@ -81,15 +81,15 @@ class LossScaler:
     that fp16 loss scaling needs. With scaling off there is none.
     """
 
-    def __init__(self, cfg, device: torch.device, distributed: bool = False):
-        self.enabled = bool(cfg.enabled)
-        self.static = cfg.mode == ScaleMode.static
-        self.init_scale = float(cfg.init_scale)
+    def __init__(self, ls: LossScaling, device: torch.device, distributed: bool = False):
+        self.enabled = bool(ls.enabled)
+        self.static = ls.mode == ScaleMode.static
+        self.init_scale = float(ls.init_scale)
         kwargs = dict(
             init_scale=self.init_scale,
-            growth_factor=cfg.growth_factor,
-            backoff_factor=cfg.backoff_factor,
-            growth_interval=cfg.growth_interval,
+            growth_factor=ls.growth_factor,
+            backoff_factor=ls.backoff_factor,
+            growth_interval=ls.growth_interval,
             enabled=self.enabled,
         )
         if distributed:

@@ -274,10 +274,11 @@ TRAINER_IMPORTS = 13
 """``run/trainer.py`` reads as the run's table of contents: it imports at most this many
 project modules (what builds, what it calls in the loop, what it records)."""
 ONE_PLACE = {"choose": "mptrain/plan/build.py", "mesh_shape": "mptrain/plan/build.py",
-             "micro_steps": "mptrain/plan/build.py", "adopt_init_from": "mptrain/plan/build.py"}
+             "micro_steps": "mptrain/plan/build.py", "adopt_init_from": "mptrain/plan/build.py",
+             "precision_plan": "mptrain/plan/build.py"}
 """Each derived fact of a run computed in one place, the plan's builder: the optimizer
-choice, the mesh, the micro-batches, the model ``model.init_from`` makes (everything else
-reads them from the plan)."""
+choice, the mesh, the micro-batches, the model ``model.init_from`` makes, the precision
+(its dtypes and recipe); everything else reads them from the plan."""
 
 
 def _project_imports(path: Path) -> set[str]:

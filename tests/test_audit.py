@@ -364,7 +364,7 @@ def test_an_observers_work_is_left_out_of_the_audit_and_the_counts(tmp_path):
     try:
         model = nn.Linear(4, 4)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        policy = PrecisionPolicy(make_cfg("precision=fp32").precision, CPU)
+        policy = PrecisionPolicy(precision_plan(make_cfg("precision=fp32").precision), CPU)
         x = torch.randn(4, 4)
 
         def work():

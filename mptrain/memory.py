@@ -19,8 +19,8 @@ the mesh's tensor-parallel and replicate sizes (``parallel.tp``,
 ``--per-node``: ranks per node, for the sizes 0 means (default: the whole
 world on one node); ``--comm``: also the communication volume of one step
 per mesh dimension, on paper (``mptrain/observe/traffic.py``); ``--vocab``:
-the embedding rows when ``model.vocab_size`` is unset (default 4096). The configuration is planned as ``train.py`` plans it
-(``mptrain/plan/build.py``): what a run on that many ranks would refuse (a
+the embedding rows when ``model.vocab_size`` is unset (default 4096). The
+configuration is planned as ``train.py`` plans it (``mptrain/plan/build.py``): what a run on that many ranks would refuse (a
 global batch the data-parallel ranks do not divide, ...) is refused here too,
 in one line. Nothing is built or allocated.
 """

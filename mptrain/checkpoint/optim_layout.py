@@ -84,7 +84,8 @@ def _quantized_layout(state_dtype, parallel: str, world: int) -> Optional[str]:
 
 
 def quantized_layout_refusal(path: Path, meta: dict, plan: Plan) -> Optional[str]:
-    """Why checkpoint ``path`` (its ``meta``) cannot be loaded by the run of ``plan``, or None. Quantized moments saved per rank under FSDP2 load only under
+    """Why checkpoint ``path`` (its ``meta``) cannot be loaded by the run of ``plan``, or
+    None. Quantized moments saved per rank under FSDP2 load only under
     the same wrapper and world size: their blocks and scales were taken over
     each rank's shard, and another split of the tensor needs other blocks."""
     saved_state = meta.get("config", {}).get("optim", {}).get("state_dtype")

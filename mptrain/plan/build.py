@@ -70,7 +70,8 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
     return Plan(
         launch=launch, device=str(s.train.device), model=frozen(s.model), family=spec, adopted=frozen(adopted),
         vocab=Vocab(s.model.vocab_size, _tokenizer_size(s.data), mesh.tp, said, s.model.init_from),
-        batches=batches, parallel=parallel, precision=precision, optimizer=choose(cfg.precision, cfg.optim, parallel.name),
+        batches=batches, parallel=parallel, precision=precision,
+        optimizer=choose(cfg.precision, cfg.optim, parallel.name),
         optim=frozen(s.optim), train=frozen(s.train), data=frozen(s.data), log=frozen(s.log),
         checkpoint=frozen(s.checkpoint), parts=_parts(s, parallel, precision), debug=frozen(s.debug),
         resume_from=str(s.resume.source), allow_changes=tuple(s.resume.allow_changes),

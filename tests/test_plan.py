@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from mptrain.config import checks
 from mptrain.core.errors import ConfigError
 from mptrain.plan.build import build_plan
-from mptrain.plan.plan import FRESH, Launch, Resume, frozen, plain
+from mptrain.core.frozen import frozen, plain
+from mptrain.plan.plan import FRESH, Launch, Resume
 from mptrain.run import trainer
 
 from .conftest import make_cfg, make_plan

@@ -91,7 +91,8 @@ from mptrain.checkpoint.safeload import (
     load_plain,
 )
 from mptrain.core.errors import NO_ROOM_FIXES
-from mptrain.plan.plan import Plan, plain
+from mptrain.core.frozen import plain
+from mptrain.plan.plan import Plan
 
 # Shape fields a checkpoint must agree on with the run that loads it.
 _SHAPE_KEYS = ("n_layer", "n_head", "d_model", "block_size")

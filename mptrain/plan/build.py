@@ -28,10 +28,11 @@ from mptrain.config import checks
 from mptrain.config.mesh import mesh_shape, tp_said
 from mptrain.config.schema import ParallelMode, debug_set
 from mptrain.core.errors import ConfigError
+from mptrain.core.frozen import frozen
 from mptrain.data.tokenizers import ByteTokenizer
 from mptrain.model.families import adopt_init_from, family_spec
 from mptrain.model.tp_rules import tp_problem
-from mptrain.plan.plan import Batches, Launch, Parallel, Parts, Plan, Vocab, frozen
+from mptrain.plan.plan import Batches, Launch, Parallel, Parts, Plan, Vocab
 from mptrain.precision import rules
 from mptrain.precision.mesh_rules import blocks_refusal
 from mptrain.precision.optimizers import choose

@@ -9,19 +9,16 @@ Every check runs while the plan is built, so a plan that exists is one the run c
 take; everything a layer above needs is read from it, never worked out again.
 
 The plan is read-only all the way down: the config's sections it keeps are frozen
-copies (:func:`frozen`: a dataclass of the schema becomes a frozen dataclass of the
+copies (:func:`~mptrain.core.frozen.frozen`: a dataclass of the schema becomes a frozen dataclass of the
 same fields, a list a tuple), so no part of a run can change what another part reads.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import types
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 from mptrain.config.mesh import MESH_MODES, MeshShape, ranks_per_node
 from mptrain.config.schema import (
@@ -29,6 +26,7 @@ from mptrain.config.schema import (
     DataConfig,
     DebugConfig,
     LogConfig,
+    LossScaleConfig,
     ModelConfig,
     MonitorConfig,
     OptimConfig,
@@ -36,51 +34,12 @@ from mptrain.config.schema import (
     TrainConfig,
 )
 from mptrain.core.errors import ConfigError
+from mptrain.core.frozen import plain
 from mptrain.data.batches import padded_vocab
 from mptrain.model.spec import FamilySpec
 from mptrain.model.tp_rules import vocab_problem
 from mptrain.precision.optimizers import Choice
-from mptrain.precision.recipe import LossScaling, PrecisionPlan
-
-
-# ------------------------------------------------------------------ read-only copies
-@functools.cache
-def _frozen_class(cls: type) -> type:
-    """A frozen dataclass with ``cls``'s fields and name (made once per schema class)."""
-    spec = [(f.name, Any) for f in dataclasses.fields(cls)]
-    return dataclasses.make_dataclass(cls.__name__, spec, frozen=True,
-                                      namespace={"__doc__": cls.__doc__, "__module__": cls.__module__})
-
-
-def frozen(value: Any) -> Any:
-    """A read-only copy of ``value``: a dataclass instance as a frozen dataclass of the
-    same fields, a list or tuple as a tuple, a dict as a read-only mapping, each item
-    copied likewise; enums, numbers, strings and None as they are."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        cls = type(value)
-        if cls.__dataclass_params__.frozen:
-            return value
-        return _frozen_class(cls)(**{f.name: frozen(getattr(value, f.name)) for f in dataclasses.fields(cls)})
-    if isinstance(value, (list, tuple)):
-        return tuple(frozen(v) for v in value)
-    if isinstance(value, dict):
-        return types.MappingProxyType({k: frozen(v) for k, v in value.items()})
-    return value
-
-
-def plain(value: Any) -> Any:
-    """:func:`frozen`'s copies back as plain data (dicts, lists, enum values): for JSON records."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, Path):
-        return str(value)
-    return value
+from mptrain.precision.recipe import PrecisionPlan
 
 
 # ------------------------------------------------------------------ the parts
@@ -222,7 +181,7 @@ class Parts:
     faults: bool
     """A ``debug.*`` key is set: the fault injector is built (a test aid)."""
     on_nonfinite: str
-    loss_scale: LossScaling
+    loss_scale: LossScaleConfig
     """The loss scaler's warning and giving-up thresholds (the precision plan's ``loss_scale``)."""
 
 

@@ -44,14 +44,14 @@ import torch.nn as nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-from mptrain.config.schema import ScaleMode
+from mptrain.config.schema import LossScaleConfig, ScaleMode
 from mptrain.core.errors import ConfigError
 from mptrain.model.families import NORMS
 from mptrain.precision import fp8mx
 from mptrain.precision.formats import FORMATS, dtype_name
 from mptrain.precision.labtrain import LabLinears
 from mptrain.precision.fp8delayed import DelayedFloat8Linear, update_histories
-from mptrain.precision.recipe import DELAYED, LAB, TORCHAO_MX, LossScaling, PrecisionPlan, Recipe
+from mptrain.precision.recipe import DELAYED, LAB, TORCHAO_MX, PrecisionPlan, Recipe
 from mptrain.precision.selection import LinearRules, check_blocks_left, excluded_because
 from mptrain.precision.support import (
     choose_fp8_matmul,
@@ -81,7 +81,7 @@ class LossScaler:
     that fp16 loss scaling needs. With scaling off there is none.
     """
 
-    def __init__(self, ls: LossScaling, device: torch.device, distributed: bool = False):
+    def __init__(self, ls: LossScaleConfig, device: torch.device, distributed: bool = False):
         self.enabled = bool(ls.enabled)
         self.static = ls.mode == ScaleMode.static
         self.init_scale = float(ls.init_scale)

@@ -28,13 +28,15 @@ and ``monitor.fp8_whatif``; ``python -m mptrain.formats --recipes`` prints it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
+from omegaconf import OmegaConf
 
-from mptrain.config.schema import Fp4Format, Fp8Recipe, ScaleMode, UpdateRounding
+from mptrain.config.schema import Fp4Format, Fp8Recipe, LossScaleConfig, UpdateRounding
 from mptrain.core.errors import ConfigError
+from mptrain.core.frozen import frozen
 from mptrain.precision import lab
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.selection import LinearRules
@@ -322,30 +324,6 @@ def rules_of(p) -> Optional[LinearRules]:
 
 # ------------------------------------------------------------------ the precision plan
 @dataclass(frozen=True)
-class LossScaling:
-    """``precision.loss_scale``, frozen (:class:`~mptrain.config.schema.LossScaleConfig` says what each is)."""
-
-    enabled: bool
-    """Loss scaling on."""
-    mode: ScaleMode
-    """``dynamic`` or ``static``."""
-    init_scale: float
-    """The starting (or fixed) scale."""
-    growth_factor: float
-    """The multiplier after ``growth_interval`` clean steps."""
-    backoff_factor: float
-    """The multiplier on a step with inf/nan gradients."""
-    growth_interval: int
-    """Clean steps between two growths."""
-    min_loss_scale: float
-    """Below this the run gives up."""
-    warn_skip_rate: float
-    """The skip-rate warning's threshold."""
-    warn_after_steps: int
-    """The step from which the skip rate is looked at."""
-
-
-@dataclass(frozen=True)
 class PrecisionPlan:
     """The ``precision`` section as the facts a run uses, derived once
     (:func:`precision_plan`): the dtypes, the loss scaling, the low-precision
@@ -367,8 +345,8 @@ class PrecisionPlan:
     """fp32 master weights (false: ``bf16-pure`` and its update-rounding variants)."""
     update_rounding: UpdateRounding
     """How updates reach bf16-stored weights (``nearest``, ``stochastic``, ``kahan``)."""
-    loss_scale: LossScaling
-    """Loss scaling."""
+    loss_scale: LossScaleConfig
+    """Loss scaling: a frozen copy of the ``precision.loss_scale`` section (:func:`~mptrain.core.frozen.frozen`)."""
     recipe: Optional[Recipe]
     """The low-precision linears' recipe; None without them."""
     rules: Optional[LinearRules]
@@ -393,13 +371,13 @@ def precision_plan(p) -> PrecisionPlan:
     with its attributes: a composed config, or a frozen copy of it). Invalid
     specs and recipes raise the one-sentence :class:`ConfigError` of :func:`recipe_of`."""
     compute = p.compute_dtype.torch
-    ls = p.loss_scale
+    ls = OmegaConf.to_object(p.loss_scale) if OmegaConf.is_config(p.loss_scale) else p.loss_scale
     return PrecisionPlan(
         name=str(p.name), compute_dtype=compute,
         param_dtype=torch.float32 if p.master_weights else compute,
         wrapper_param_dtype=(p.param_dtype or p.compute_dtype).torch,
         reduce_dtype=p.reduce_dtype.torch, buffer_dtype=p.buffer_dtype.torch,
         master_weights=bool(p.master_weights), update_rounding=p.update_rounding,
-        loss_scale=LossScaling(**{f.name: getattr(ls, f.name) for f in fields(LossScaling)}),
+        loss_scale=frozen(ls),
         recipe=recipe_of(p), rules=rules_of(p))
 

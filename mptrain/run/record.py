@@ -20,10 +20,11 @@ import torch.nn as nn
 from omegaconf import OmegaConf
 
 from mptrain.core import files
+from mptrain.core.frozen import plain
 from mptrain.data.store import cache_dir
 from mptrain.model.families import init_from_banner
 from mptrain.observe.memory import process_kib
-from mptrain.plan.plan import Plan, plain
+from mptrain.plan.plan import Plan
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.optimizers import stored_as
 from mptrain.run.rundir import writing

@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 
 from mptrain.core.shards import local_shard
 from mptrain.core.text import fmt
+from mptrain.core.frozen import plain
 from mptrain.data.batches import ValSet
 from mptrain.distributed.parallel import DistContext, wrapper_dtypes
 from mptrain.distributed.tensor_parallel import float8_gathers
@@ -40,7 +41,7 @@ from mptrain.model.common import gelu_kernel_text
 from mptrain.model.generate import generate
 from mptrain.observe.memory import Estimate, measured_line, summary_figures
 from mptrain.observe.memory import estimate as memory_estimate
-from mptrain.plan.plan import Plan, plain
+from mptrain.plan.plan import Plan
 from mptrain.observe.perf import SLOW_AT, Pace, Throughput, flops_per_token, matmul_kind, mfu, peak_flops, predict_pace
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.policy import LossScaler, PrecisionPolicy

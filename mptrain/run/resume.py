@@ -41,7 +41,8 @@ from mptrain.checkpoint.resolve import resolve_resume
 from mptrain.config.checks import RENAMED_RECIPES
 from mptrain.config.schema import GUARDED, RECORDED, OptimConfig, on_resume
 from mptrain.core.errors import ConfigError, UserError
-from mptrain.plan.plan import FRESH, Plan, Resume, plain
+from mptrain.core.frozen import plain
+from mptrain.plan.plan import FRESH, Plan, Resume
 from mptrain.run.step import describe_schedule, lr_at
 
 # Facts of a launch compared as if they were keys, with their marker: another

@@ -235,7 +235,7 @@ class Advisor:
             return s.get("final/val_loss") if s.get("final/val_loss") is not None else s.get("final/train_loss")
 
         same = sorted(runs["recommended"]) == sorted(runs["baseline"])
-        lines = [f"| run | overrides | final val loss | tokens/s | bytes/param |", "|---|---|---|---|---|"]
+        lines = ["| run | overrides | final val loss | tokens/s | bytes/param |", "|---|---|---|---|---|"]
         for name, s in got.items():
             lines.append(f"| {name} | `{' '.join(o for o in runs[name] if o not in common and o not in keep)}` | "
                          f"{loss(s):.4f} | {s['perf/tokens_per_s']:.0f} | {s['mem/bytes_per_param']:.1f} |")

@@ -3,7 +3,7 @@
     python -m mptrain.advise [train.py's overrides...] [--steps N] [--budget-gib G] [--world W] [--tp T]
                              [--replicate R]
                              [--target cpu|v100|a100|a10g|l4|l40s|h100|h100-pcie|h200|b200] [--confirm K]
-                             [--lab RECIPE,RECIPE,...]
+                             [--seeds S] [--lab RECIPE,RECIPE,...]
     python -m mptrain.advise model=gpt-mini --target h100 --budget-gib 40
     python -m mptrain.advise model=gpt-mini --lab nvfp4,nvfp4_4over6,mxfp6_e2m3,mxfp6_e3m2
     torchrun --standalone --nproc_per_node=2 -m mptrain.advise parallel=fsdp --world 2
@@ -26,14 +26,20 @@ The answer goes to the console and to ``advice.md``, ``advice.json`` and
 ``hydra.run.dir=``); the probe's own run directory is ``probe/`` inside it.
 ``--target``: the hardware to advise for (default: this machine: ``cpu``, or
 the GPU it has). ``--confirm K`` then trains the recommendation and the
-baseline (bf16; fp32 on a CPU without native bf16) for K steps each and
-reports the loss gap, speed (faster, slower or within noise; when the
-recommendation is the baseline's configuration, the comparison measures
-only run-to-run noise, and it says so) and bytes per parameter. A SIGTERM
+baseline (bf16; fp32 on a CPU without native bf16) for K steps each on
+``--seeds S`` paired seeds (default 2: train.seed and the next ones; seed k
+of both sides shares its initial weights and data order) and reports each
+side's mean and spread, the loss gap with its 95% interval and p-value (a gap
+inside the noise is "no measurable difference", never a loss; one seed gets
+no verdict), speed (faster, slower or within noise; when the recommendation
+is the baseline's configuration, the comparison measures only run-to-run
+noise, and it says so) and bytes per parameter. ``--seeds`` without
+``--confirm`` is refused. A SIGTERM
 or Ctrl-C stops the whole command: one line says what it stopped, nothing is
 claimed, exit code 0; the same command run again continues in that
-directory. ``--lab``: named recipes of the format lab (docs/formats.md:
-mxfp8, nvfp4, nvfp4_4over6, mxfp6_e2m3, ...) the probe measures as what-ifs
+directory (the seeds' finished runs read back, the stopped one resumed).
+``--lab``: named recipes of the format lab (docs/formats.md: mxfp8, nvfp4,
+nvfp4_4over6, mxfp6_e2m3, ...) the probe measures as what-ifs
 beside the float8 candidates; the answer ranks them by the noise their casts
 add to each linear and prints the best as a command line
 (``precision=lab precision.lab.recipe=...``). Lab recipes are emulated: the
@@ -64,7 +70,7 @@ from mptrain.precision.recipe import NAMED
 from mptrain.run.startup import Startup
 
 _FLAGS = {"--steps": int, "--budget-gib": float, "--world": int, "--target": str, "--confirm": int,
-          "--lab": str, "--tp": int, "--replicate": int}
+          "--seeds": int, "--lab": str, "--tp": int, "--replicate": int}
 
 
 def lab_names(value: str) -> tuple[str, ...]:
@@ -100,6 +106,10 @@ def parse_args(argv: list[str]) -> Args:
                               f"(got {value!r}); e.g. python -m mptrain.advise model=gpt-mini {name} "
                               f"{'cpu' if name == '--target' else 8}.") from None
         got[name[2:].replace("-", "_")] = lab_names(v) if name == "--lab" else v
+    if "seeds" in got and not got.get("confirm"):
+        # refused rather than ignored: a user who asks for seeds expects a comparison that would not happen
+        raise ConfigError(f"--seeds {got['seeds']} does nothing without --confirm K (the seeds are those of "
+                          "--confirm's runs); add e.g. --confirm 200, or drop --seeds.")
     world = got.pop("world", int(os.environ.get("WORLD_SIZE", "1")))
     rest += mesh_overrides(got.get("tp"), got.get("replicate"))
     return Args(world=world, overrides=tuple(rest), **got)

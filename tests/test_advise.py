@@ -6,9 +6,10 @@ Two probes carry every case (each a real short run of gpt-nano):
   input (``debug.outlier_module``), gradients planted small
   (``debug.loss_multiplier``) and a budget too small for fp32 moments, advised
   for an H100 (so the precision is bf16 on any CPU the test runs on);
-- ``untouched``, under torchrun on 2 ranks (DDP) with ``--confirm``: no
-  exclusion beyond the configuration's own, the advice for this CPU as its
-  doctor measures it, both confirm runs reported, rank 0 alone writing.
+- ``untouched``, under torchrun on 2 ranks (DDP) with ``--confirm`` on two
+  seeds: no exclusion beyond the configuration's own, the advice for this CPU
+  as its doctor measures it, both sides' runs on paired seeds reported with the
+  paired gap's verdict, rank 0 alone writing.
 
 The rules themselves, at their thresholds: ``test_advice_rules.py``.
 """
@@ -30,6 +31,7 @@ from mptrain.advice.answer import confirm_verdict
 from mptrain.advice.probe import GPU_TARGETS, MIN_STEPS
 from mptrain.advice.rules import Thresholds, speed_words
 from mptrain.advise import main as advise_main
+from mptrain.core.stats import paired, spread, verdict
 from mptrain.model.families import build as build_family
 from mptrain.observe.memory import estimate
 from mptrain.plan.build import build_plan
@@ -153,6 +155,8 @@ def test_lab_candidates_are_measured_ranked_and_given_as_a_command_line(planted)
     (["--world", "3"], "world size"),
     (["parallel=fsdp_tp", "--world", "6", "--tp", "4"], "does not divide the world size 6"),
     (["--frobnicate"], "unknown flag --frobnicate"),
+    (["--seeds", "0", "--confirm", "3"], "--seeds needs a positive whole number (got '0')"),
+    (["--seeds", "3"], "--seeds 3 does nothing without --confirm K"),
     (["--lab", "mxfp6,nvfp4"], "--lab 'mxfp6,nvfp4': mxfp6 is not a named lab recipe; give one or more of tensorwise"),
     (["train.max_stepz=3"], "train.max_stepz"),
 ])
@@ -168,11 +172,12 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(args, said, tmp_path, 
 
 @pytest.fixture(scope="module")
 def untouched(tmp_path_factory):
-    """2 ranks (DDP), the default target (this CPU), --confirm 3."""
+    """2 ranks (DDP), the default target (this CPU), --confirm 3 on --seeds 2."""
     cwd = tmp_path_factory.mktemp("advise2")
     run_dir = cwd / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "mptrain.advise", *TINY, "parallel=ddp", "--steps", STEPS, "--confirm", "3", f"hydra.run.dir={run_dir}"]
+           "mptrain.advise", *TINY, "parallel=ddp", "--steps", STEPS, "--confirm", "3", "--seeds", "2",
+           f"hydra.run.dir={run_dir}"]
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
@@ -217,31 +222,52 @@ def test_this_cpus_doctor_decides_the_precision(untouched):
         assert f"{ratio:.2f}x" in precision["evidence"], precision
 
 
-def test_confirm_reports_both_runs_and_rank_0_alone_writes(untouched):
+def test_confirm_reports_both_sides_over_paired_seeds_and_rank_0_alone_writes(untouched):
     run_dir, doc, stdout = untouched
-    lines = doc["confirm"]
+    lines, comp = doc["confirm"], doc["comparison"]
+    base = int(make_cfg().train.seed)  # TINY leaves the seed at its default: the seeds are it and the next one
+    assert comp["seeds"] == [base, base + 1] and comp["steps"] == 3
+    runs = {name: [json.loads((run_dir / f"confirm-{name}-s{i}" / "summary.json").read_text()) for i in range(2)]
+            for name in ("recommended", "baseline")}
     rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
-    assert {"recommended", "baseline"} <= set(rows), lines
-    for name in ("recommended", "baseline"):
-        s = json.loads((run_dir / f"confirm-{name}" / "summary.json").read_text())
-        assert s["steps"] == 3 and s["world_size"] == 2 and s["final/val_loss"] is not None
-        assert f"{s['final/val_loss']:.4f}" in rows[name]
-    (verdict,) = [line for line in lines if line.startswith("loss gap (recommended - baseline): ")]
-    # the speed in words from the measured ratio; the baseline trained against itself is noise
-    r, b = (json.loads((run_dir / f"confirm-{n}" / "summary.json").read_text()) for n in ("recommended", "baseline"))
-    ratio = r["perf/tokens_per_s"] / b["perf/tokens_per_s"]
-    precisions = {yaml.safe_load((run_dir / f"confirm-{n}" / "config.yaml").read_text())["precision"]["name"]
-                  for n in ("recommended", "baseline")}
+    for name, summaries in runs.items():
+        for i, s in enumerate(summaries):
+            assert s["steps"] == 3 and s["world_size"] == 2 and s["final/val_loss"] is not None
+            config = yaml.safe_load((run_dir / f"confirm-{name}-s{i}" / "config.yaml").read_text())
+            assert config["train"]["seed"] == base + i  # seed i of both sides: the same weights and batches
+        loss = [s["final/val_loss"] for s in summaries]
+        assert comp[name]["loss"] == loss
+        assert spread(loss).text(".4f") in rows[name], rows[name]
+    # the gap and its verdict are stats.paired's over the per-seed losses, read back from the runs' own files
+    gap = paired(comp["recommended"]["loss"], comp["baseline"]["loss"])
+    assert (comp["loss_gap"]["mean"], comp["loss_gap"]["p"], comp["loss_gap"]["resolved"]) == (
+        gap.mean, gap.p, gap.resolved)
+    assert comp["loss_gap"]["ci"] == list(gap.ci)
+    (line,) = [ln for ln in lines if ln.startswith("loss gap (recommended - baseline): ")]
+    assert comp["loss_gap"]["line"] == line and verdict(gap, unit="nats/token") in line
+    if not gap.resolved:
+        assert "no measurable difference at 2 seeds" in line and "worse" not in line and "better" not in line
+    assert f"--confirm: 2 paired seed(s) (train.seed {base}, {base + 1}; --seeds 2), 3 steps per run, 4 runs" in lines
+    assert "then --confirm: 4 runs of 3 steps" in stdout  # the plan printed first counts every seed's runs
+    md = (run_dir / "advice.md").read_text()
+    assert "## Checked on this model (--confirm)" in md and line in md and f"train.seed {base}, {base + 1}" in md
+    # the speed in words from the ratio of mean tokens/s; the baseline trained against itself is noise
+    ratio = comp["speed_ratio"]
+    assert ratio == spread([s["perf/tokens_per_s"] for s in runs["recommended"]]).mean / spread(
+        [s["perf/tokens_per_s"] for s in runs["baseline"]]).mean
+    (speed,) = [ln for ln in lines if ln.startswith("speed")]
+    precisions = {yaml.safe_load((run_dir / f"confirm-{n}-s0" / "config.yaml").read_text())["precision"]["name"]
+                  for n in runs}
     if len(precisions) == 1 and doc["override_line"] == f"precision={precisions.pop()}":
-        assert "measures only run-to-run noise" in verdict and f"{abs(ratio - 1):.0%} in tokens/s" in verdict
+        assert comp["same_configuration"]
+        assert "measures only run-to-run noise" in speed and f"{abs(ratio - 1):.0%} in tokens/s" in speed
     elif abs(ratio - 1) > Thresholds().speed_noise:
-        assert ("speed-up" if ratio > 1 else "slowdown") in verdict, verdict
+        assert ("speed-up" if ratio > 1 else "slowdown") in speed, speed
     if ratio < 1:
-        assert "speed-up" not in verdict, verdict
+        assert "speed-up" not in speed, speed
     if 0 < doc["expected"]["fp8_speedup"] < 0.99:  # float8 on this CPU: its expected slowdown is called one
         f8 = _decision(doc, "float8")["evidence"]
         assert "slowdown to" in f8 and "speed-up" not in f8, f8
-    assert "## Checked on this model (--confirm)" in (run_dir / "advice.md").read_text()
     assert stdout.count("advise: wrote ") == 1  # rank 0 speaks and writes; rank 1 agreed silently
 
 
@@ -259,15 +285,37 @@ def test_a_speed_ratio_is_worded_from_the_ratio_itself():
 
 
 def test_confirm_says_what_its_comparison_measures():
-    """The baseline trained against itself: the line says it measures run-to-run noise and how much;
-    a real comparison words its speed from the ratio (a 0.13x slowdown, not a speed-up)."""
-    same = confirm_verdict(0.0, 1.06, 3, (16.0, 16.0), same=True, noise=0.10)
-    assert "this comparison measures only run-to-run noise: 6% in tokens/s and 0.0000 nats/token" in same
-    assert "speed-up" not in same and "16.0 bytes/param each" in same
-    slow = confirm_verdict(0.0123, 0.13, 200, (16.0, 12.0), same=False, noise=0.10)
-    assert slow == ("loss gap (recommended - baseline): +0.0123 nats/token after 200 steps; speed against the "
-                    "baseline: slowdown to 0.13x (7.7x slower); 16.0 against 12.0 bytes/param")
-    assert "within noise" in confirm_verdict(0.0, 1.04, 3, (16.0, 12.0), same=False, noise=0.10)
+    """The loss gap in words from fixed per-seed losses: inside the noise it is no
+    measurable difference (never worse), a clear gap is resolved with its sign, one
+    seed gets no verdict; the baseline trained against itself is said to measure only
+    run-to-run noise, and a real comparison words its speed from the ratio."""
+    noisy = paired([4.80, 4.75, 4.90], [4.79, 4.78, 4.86])  # per-seed gaps +0.01, -0.03, +0.04
+    loss, speed = confirm_verdict(noisy, 1.04, (16.0, 12.0), same=False, noise=0.10)
+    assert loss.startswith("loss gap (recommended - baseline): no measurable difference at 3 seeds; not resolved "
+                           "at 3 seeds: +0.0067 nats/token (95% CI -0.0"), loss
+    assert "seeds would resolve a difference of this size" in loss and "worse" not in loss and "better" not in loss
+    assert speed == ("speed against the baseline (mean tokens/s): 1.04x, within noise (+-10%); 16.0 against "
+                     "12.0 bytes/param")
+
+    worse, _ = confirm_verdict(paired([4.90, 4.85, 4.95], [4.80, 4.76, 4.84]), 1.0, (16.0, 16.0), False, 0.10)
+    assert worse.startswith("loss gap (recommended - baseline): resolved: +0.1000 nats/token, worse than the "
+                            "reference (95% CI +0.0"), worse
+    assert worse.endswith("3 paired seeds); the reference is the baseline")
+    better, _ = confirm_verdict(paired([4.80, 4.76, 4.84], [4.90, 4.85, 4.95]), 1.0, (16.0, 16.0), False, 0.10)
+    assert "resolved: -0.1000 nats/token, better than the reference" in better
+
+    one, _ = confirm_verdict(paired([4.90], [4.80]), 1.0, (16.0, 16.0), False, 0.10)
+    assert one == ("loss gap (recommended - baseline): +0.1000 nats/token at 1 seed: one seed cannot judge the "
+                   "noise, so this is no verdict; --seeds 2 or more tells a gap from noise")
+
+    loss, speed = confirm_verdict(paired([4.8, 4.7], [4.8, 4.7]), 1.06, (16.0, 16.0), same=True, noise=0.10)
+    assert loss == ("loss gap (recommended - baseline): no measurable difference at 2 seeds; not resolved at 2 "
+                    "seeds: +0.0000 nats/token (95% CI +0.0000 to +0.0000, p = 1.00, 2 paired seeds)")
+    assert "this comparison measures only run-to-run noise: 6% in tokens/s and 0.0000 nats/token" in speed
+    assert "speed-up" not in speed and "16.0 bytes/param each" in speed
+    _, slow = confirm_verdict(noisy, 0.13, (16.0, 12.0), same=False, noise=0.10)
+    assert slow == ("speed against the baseline (mean tokens/s): slowdown to 0.13x (7.7x slower); 16.0 against "
+                    "12.0 bytes/param")
 
 
 def test_the_layout_shapes_the_advice_not_the_probe():

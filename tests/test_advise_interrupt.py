@@ -5,12 +5,14 @@ One advise command, three launches in one directory:
 1. in this process, a real SIGTERM sent to this process once the probe has
    logged its first step: one line naming the probe and its step, exit 0, no
    advice written, and not a configuration error;
-2. the same command as a subprocess: it continues the probe from the
-   checkpoint the signal saved, then a real SIGINT (Ctrl-C) once the
-   recommended --confirm run has logged its first step: exit 0, one line
-   saying the comparison is incomplete, no loss gap claimed;
-3. the same command again, in this process: the finished probe is reused,
-   the recommended run continues, and the comparison is reported.
+2. the same command (``--confirm`` on two seeds) as a subprocess: it
+   continues the probe from the checkpoint the signal saved, trains the first
+   seed's pair, then a real SIGINT (Ctrl-C) once the second seed's
+   recommended run has logged its first step: exit 0, one line saying the
+   comparison is incomplete, no loss gap claimed;
+3. the same command again, in this process: the finished probe and the first
+   seed's runs are reused (their summaries untouched), the second seed's
+   recommended run continues, and the comparison over both seeds is reported.
 """
 from __future__ import annotations
 
@@ -27,9 +29,9 @@ from mptrain.advice.command import COMMAND_FILE, command_line, refusal
 from mptrain.advise import parse_args
 from mptrain.advise import main as advise_main
 
-from .conftest import ROOT, TINY
+from .conftest import ROOT, TINY, make_cfg
 
-CONFIRM = 30  # steps of each --confirm run: room for the signal to land in the recommended one
+CONFIRM = 30  # steps of each --confirm run: room for the signal to land in the second seed's recommended one
 
 
 def _first_row(metrics: Path, timeout_s: float = 300) -> None:
@@ -48,7 +50,7 @@ def _summary(run_dir: Path) -> dict:
 
 def test_a_signal_stops_advise_with_one_line_and_the_same_command_continues(tmp_path, capfd):
     run_dir = tmp_path / "advise"
-    args = [*TINY, "--steps", "10", "--confirm", str(CONFIRM), f"hydra.run.dir={run_dir}"]
+    args = [*TINY, "--steps", "10", "--confirm", str(CONFIRM), "--seeds", "2", f"hydra.run.dir={run_dir}"]
 
     # 1. SIGTERM during the probe, in this process (the probe's monitored steps take long enough here)
     sender = threading.Thread(target=lambda: (_first_row(run_dir / "probe" / "metrics.jsonl"),
@@ -65,12 +67,12 @@ def test_a_signal_stops_advise_with_one_line_and_the_same_command_continues(tmp_
                     f"advice was written to {run_dir}; rerun the same command to continue there."], err
     assert not (run_dir / "advice.json").exists()
 
-    # 2. the same command, as a user runs it: accepted; Ctrl-C during the recommended confirm run
+    # 2. the same command, as a user runs it: accepted; Ctrl-C during the second seed's recommended confirm run
     proc = subprocess.Popen([sys.executable, "-m", "mptrain.advise", *args], cwd=tmp_path, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        _first_row(run_dir / "confirm-recommended" / "metrics.jsonl")
+        _first_row(run_dir / "confirm-recommended-s1" / "metrics.jsonl")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=300)
     finally:
@@ -78,22 +80,33 @@ def test_a_signal_stops_advise_with_one_line_and_the_same_command_continues(tmp_
     assert proc.returncode == 0, err[-3000:]
     probe = _summary(run_dir / "probe")
     assert probe["steps"] == 10 and "stopped_early" not in probe and "resumed_from" in probe
-    rec = _summary(run_dir / "confirm-recommended")
+    seed = int(make_cfg().train.seed)  # TINY's default: the seeds are it and the next one
+    for name in ("recommended", "baseline"):  # the first seed's pair finished before the signal
+        done = _summary(run_dir / f"confirm-{name}-s0")
+        assert done["steps"] == CONFIRM and "stopped_early" not in done
+    rec = _summary(run_dir / "confirm-recommended-s1")
     assert rec["stopped_early"] == "SIGINT" and rec["steps"] < CONFIRM
     assert err.strip().splitlines()[-1] == (
-        f"mptrain.advise: stopped by SIGINT during --confirm's recommended run at step {rec['steps']} of "
-        f"{CONFIRM}: the comparison is incomplete (no loss gap); no advice was written to {run_dir}; rerun the "
-        "same command to continue there."), err[-3000:]
+        f"mptrain.advise: stopped by SIGINT during --confirm's recommended run with train.seed={seed + 1} (seed 2 of "
+        f"2) at step {rec['steps']} of {CONFIRM}: the comparison is incomplete (no loss gap); no advice was written "
+        f"to {run_dir}; rerun the same command to continue there."), err[-3000:]
     assert "loss gap" not in out and "Traceback" not in err and not (run_dir / "advice.json").exists()
-    assert not (run_dir / "confirm-baseline").exists()
+    assert not (run_dir / "confirm-baseline-s1").exists()
 
-    # 3. the same command once more: the probe is read back, not trained again; the comparison is made
-    probe_before = (run_dir / "probe" / "summary.json").read_bytes()
+    # 3. the same command once more: the probe and the first seed's runs are read back, not trained again;
+    # the second seed's recommended run continues; the comparison is made over both seeds
+    kept = [run_dir / "probe", run_dir / "confirm-recommended-s0", run_dir / "confirm-baseline-s0"]
+    before = {d: ((d / "summary.json").read_bytes(), (d / "summary.json").stat().st_mtime_ns) for d in kept}
     assert advise_main(args) == 0
-    assert (run_dir / "probe" / "summary.json").read_bytes() == probe_before
-    rec = _summary(run_dir / "confirm-recommended")
+    assert {d: ((d / "summary.json").read_bytes(), (d / "summary.json").stat().st_mtime_ns) for d in kept} == before
+    rec = _summary(run_dir / "confirm-recommended-s1")
     assert rec["steps"] == CONFIRM and "stopped_early" not in rec and "resumed_from" in rec
+    base = _summary(run_dir / "confirm-baseline-s1")
+    assert base["steps"] == CONFIRM and "resumed_from" not in base
     doc = json.loads((run_dir / "advice.json").read_text())
+    assert doc["comparison"]["seeds"] == [seed, seed + 1]
+    assert doc["comparison"]["recommended"]["loss"][1] == rec["final/val_loss"]
+    assert doc["comparison"]["baseline"]["loss"][1] == base["final/val_loss"]
     assert any(ln.startswith("loss gap (recommended - baseline): ") for ln in doc["confirm"]), doc["confirm"]
 
 
@@ -101,6 +114,9 @@ def test_a_directory_takes_the_command_it_records_and_refuses_a_finished_advise(
     same = command_line(parse_args([*TINY, "--steps", "10", f"hydra.run.dir={tmp_path}"]))
     other = command_line(parse_args([*TINY, "--steps", "12", f"hydra.run.dir={tmp_path}"]))
     assert "hydra.run.dir" not in same and same != other
+    # --confirm's seeds are part of the command (default 2): a rerun with other seeds is another comparison
+    assert "--confirm 5 --seeds 2" in command_line(parse_args([*TINY, "--confirm", "5"]))
+    assert "--seeds" not in same
     assert refusal(tmp_path, same) == ""  # a new directory
     (tmp_path / "probe").mkdir()
     assert "recorded no command" in refusal(tmp_path, same)  # an advise of a version that did not record it

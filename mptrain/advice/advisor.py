@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from mptrain.advice.answer import confirm_verdict, console_lines, lab_line, override_line, write
+from mptrain.advice.answer import confirm_report, confirm_side, console_lines, lab_line, override_line, write
 from mptrain.advice.command import Args, advise_dir
 from mptrain.advice.probe import (
     GPU_TARGETS,
@@ -111,7 +111,11 @@ class Advisor:
             raise ConfigError(f"--steps {args.steps} is too few to measure: the monitors need several steps "
                               f"after the first; pass --steps {MIN_STEPS} or more.")
         # the plan of the user's run on --world ranks: what train.py would refuse, refused here before any work
-        self.plan = build_plan(compose_checked(self.overrides), Launch.planned(args.world))
+        cfg = compose_checked(self.overrides)
+        self.plan = build_plan(cfg, Launch.planned(args.world))
+        # --confirm's paired seeds: the user's own train.seed and the next ones (the first seed is the run
+        # they asked for)
+        self.seeds = tuple(int(cfg.train.seed) + i for i in range(args.seeds if args.confirm else 0))
         self.device = _device(self.plan.device)
         self.target_name = args.target or _default_target(self.device)
         if self.target_name != "cpu" and self.target_name not in GPU_TARGETS:
@@ -152,9 +156,13 @@ class Advisor:
         self.say(f"advise: model={m.name} on {on}, target {self.target_name}; "
                  f"probe {a.steps} steps (monitored every {every_for(a.steps)}), float8 tensorwise linears with "
                  f"the rowwise and MX block casts" + (f" and the lab's {', '.join(a.lab)}" if a.lab else "")
-                 + " as what-ifs" + (f"; then --confirm: 2 runs of {a.confirm} steps" if a.confirm else ""))
-        self.say(f"advise: estimated probe time: its matmuls alone ~{duration(per_step * a.steps)} here "
-                 "(measured fp32 speed at this model's shape); monitored steps, data and casts come on top")
+                 + " as what-ifs" + (f"; then --confirm: {2 * len(self.seeds)} runs of {a.confirm} steps (the "
+                                     f"recommendation and the baseline on {len(self.seeds)} paired seed(s), train.seed "
+                                     f"{', '.join(map(str, self.seeds))})" if a.confirm else ""))
+        confirm = (f"; --confirm's {2 * len(self.seeds)} runs ~{duration(per_step * a.confirm * 2 * len(self.seeds))} "
+                   "more" if a.confirm else "")
+        self.say(f"advise: estimated time: the probe's matmuls alone ~{duration(per_step * a.steps)} here{confirm} "
+                 "(measured fp32 speed at this model's shape); monitored steps, data, casts and start-up come on top")
 
     def _train(self, overrides: list[str], run_dir: Path) -> dict:
         """Train the config of ``overrides`` in ``run_dir`` (``resume.source=auto``: continuing
@@ -208,43 +216,42 @@ class Advisor:
             return None
         return saved if saved.get("name") == self.target_name else None
 
-    def confirm(self, run_dir: Path, advice: Advice) -> list[str]:
-        """Train the advice and the baseline for ``--confirm`` steps each; the report's lines."""
+    def confirm(self, run_dir: Path, advice: Advice) -> tuple[list[str], dict]:
+        """Train the advice and the baseline for ``--confirm`` steps on each of
+        ``--seeds`` paired seeds; the report's lines and its figures as data.
+
+        Seed k of both sides is one ``train.seed``: the two start from the same
+        weights and see the same batches, so the paired test is on the per-seed
+        gaps. Each run has its own directory, ``confirm-<side>-s<k>``; a rerun
+        reads back the runs an earlier launch finished and continues the one a
+        signal stopped (``_train``)."""
         k = self.args.confirm
         # the baseline runs here, whatever the target: bf16 where this machine has it natively
         baseline = "bf16" if verdicts(self.device, check_fp8=False)["bf16"].status == "native" else "fp32"
         advised = {o.split("=", 1)[0] for o in advice.overrides}
-        # (a stop before step K would leave the comparison incomplete: train.stop_after and audit_only are dropped)
+        # (a stop before step K would leave the comparison incomplete: train.stop_after and audit_only are dropped;
+        # train.seed is each seed's own)
         keep = user_part(without_mesh(self.overrides), drop=(
-                             "precision", "hydra.run.dir", "train.max_steps", "train.eval_every",
-                                               "resume.source", "checkpoint.at_end", "train.stop_after",
-                                               "train.audit_only", *advised))
+            "precision", "hydra.run.dir", "train.max_steps", "train.eval_every", "resume.source", "checkpoint.at_end",
+            "train.stop_after", "train.audit_only", "train.seed", *advised))
         # auto: a rerun of an interrupted advise continues from the checkpoint the signal saved
         common = [f"train.max_steps={k}", f"train.eval_every={k}", "checkpoint.at_end=false", "resume.source=auto"]
-        runs = {"recommended": [*keep, *advice.overrides, *common], "baseline": [*keep, f"precision={baseline}",
-                                                                                 *common]}
-        got = {}
-        for name, ovs in runs.items():
-            self.say(f"advise: --confirm: training the {name} configuration for {k} steps: {' '.join(ovs)}")
-            self.stage = f"during --confirm's {name} run"
-            got[name] = self._train(ovs, run_dir / f"confirm-{name}")
+        own = {"recommended": list(advice.overrides), "baseline": [f"precision={baseline}"]}
+        summaries: dict[str, list[dict]] = {name: [] for name in own}
+        for name, ovs in own.items():
+            self.say(f"advise: --confirm: the {name} configuration: {' '.join([*keep, *ovs, *common])}")
+        # seed by seed, both sides of a seed together: a stop leaves every earlier seed's pair finished
+        for i, seed in enumerate(self.seeds):
+            for name, ovs in own.items():
+                d = run_dir / f"confirm-{name}-s{i}"
+                self.say(f"advise: --confirm: training the {name} configuration with train.seed={seed} (seed {i + 1} "
+                         f"of {len(self.seeds)}) for {k} steps in {d}")
+                self.stage = f"during --confirm's {name} run with train.seed={seed} (seed {i + 1} of {len(self.seeds)})"
+                summaries[name].append(self._train([*keep, *ovs, *common, f"train.seed={seed}"], d))
         self.stage = "after the --confirm runs"
-        r, b = got["recommended"], got["baseline"]
-
-        def loss(s):
-            return s.get("final/val_loss") if s.get("final/val_loss") is not None else s.get("final/train_loss")
-
-        same = sorted(runs["recommended"]) == sorted(runs["baseline"])
-        lines = ["| run | overrides | final val loss | tokens/s | bytes/param |", "|---|---|---|---|---|"]
-        for name, s in got.items():
-            lines.append(f"| {name} | `{' '.join(o for o in runs[name] if o not in common and o not in keep)}` | "
-                         f"{loss(s):.4f} | {s['perf/tokens_per_s']:.0f} | {s['mem/bytes_per_param']:.1f} |")
-        gap = loss(r) - loss(b)
-        lines.append("")
-        lines.append(confirm_verdict(gap, r["perf/tokens_per_s"] / b["perf/tokens_per_s"], k,
-                                     (r["mem/bytes_per_param"], b["mem/bytes_per_param"]), same,
-                                     Thresholds().speed_noise))
-        return lines
+        same = sorted(own["recommended"]) == sorted(own["baseline"])
+        return confirm_report(*(confirm_side(name, own[name], summaries[name]) for name in own), self.seeds, k, same,
+                              Thresholds().speed_noise)
 
     def main(self) -> Advice:
         self.announce()
@@ -268,7 +275,7 @@ class Advisor:
                   "probe": f"{self.facts.steps} steps, {self.facts.monitored_steps} monitored, "
                            f"{duration(self.probe_s)}, in probe/", "probe_s": self.probe_s}
         if self.args.confirm:
-            header["confirm"] = self.confirm(run_dir, advice)
+            header["confirm"], header["comparison"] = self.confirm(run_dir, advice)
             for line in header["confirm"]:
                 self.say(line)
         self.stage = "while writing the advice"

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
 import yaml
 
 from mptrain.advice.rules import FP8_CANDIDATES, Advice, Target, speed_words
+from mptrain.core.stats import Paired, paired, spread, verdict
 from mptrain.core.text import text_table
 
 
@@ -46,23 +48,85 @@ def console_lines(advice: Advice) -> list[str]:
     return out
 
 
-def confirm_verdict(gap: float, ratio: float, steps: int, bytes_per_param: tuple[float, float], same: bool,
-                    noise: float) -> str:
-    """``--confirm``'s closing line from its measured figures: the loss gap
-    (recommended - baseline), the tokens/s ratio (recommended over baseline) and
-    each run's bytes per parameter. The speed is worded from the ratio itself
-    (:func:`speed_words`: faster, slower or within ``noise``); when the
-    recommendation is the baseline's configuration (``same``) both runs trained
-    the same thing, so the line says the gap and the ratio are run-to-run noise
-    and how large that noise was."""
-    head = f"loss gap (recommended - baseline): {gap:+.4f} nats/token after {steps} steps; "
+@dataclass(frozen=True)
+class Side:
+    """One side of ``--confirm``'s comparison: what it trained and its runs' figures, one per seed."""
+
+    name: str
+    """``recommended`` or ``baseline``."""
+    overrides: tuple[str, ...]
+    """Its own overrides (those the two sides do not share), for the table."""
+    loss: tuple[float, ...]
+    """Each seed's final validation loss (the final training loss where a run has none), in seed order."""
+    tokens_per_s: tuple[float, ...]
+    """Each seed's throughput, in seed order."""
+    bytes_per_param: float
+    """Its bytes per parameter (the same on every seed: they train one configuration)."""
+
+
+def confirm_side(name: str, overrides: list[str], summaries: list[dict]) -> Side:
+    """A :class:`Side` from its runs' ``summary.json`` figures, one summary per seed."""
+    loss = tuple(s["final/val_loss"] if s.get("final/val_loss") is not None else s["final/train_loss"]
+                 for s in summaries)
+    return Side(name, tuple(overrides), loss, tuple(s["perf/tokens_per_s"] for s in summaries),
+                summaries[0]["mem/bytes_per_param"])
+
+
+def confirm_verdict(gap: Paired, ratio: float, bytes_per_param: tuple[float, float], same: bool,
+                    noise: float) -> list[str]:
+    """``--confirm``'s closing lines from its measured figures: the loss gap
+    (recommended - baseline, paired by seed) and the speed.
+
+    The gap is :func:`stats.verdict`'s: resolved, with its sign, only when the
+    interval excludes zero; otherwise "no measurable difference" at that many
+    seeds, never a loss. One seed cannot judge the noise, so it gets the raw gap
+    and no verdict. The speed is worded from ``ratio`` (the recommendation's mean
+    tokens/s over the baseline's) by :func:`speed_words`: faster, slower or
+    within ``noise``. When the recommendation is the baseline's configuration
+    (``same``) both sides trained the same thing on the same seeds, so the speed
+    line says the comparison measures only run-to-run noise, and how large."""
+    head = "loss gap (recommended - baseline): "
+    if gap.n < 2:
+        loss = head + (f"{gap.mean:+.4f} nats/token at 1 seed: one seed cannot judge the noise, so this is no "
+                       "verdict; --seeds 2 or more tells a gap from noise")
+    elif gap.resolved:
+        loss = head + verdict(gap, unit="nats/token", spec=".4f", worse="higher") + "; the reference is the baseline"
+    else:
+        loss = head + f"no measurable difference at {gap.n} seeds; " + verdict(gap, unit="nats/token", spec=".4f")
     if same:
-        return head + (f"speed {ratio:.2f}x the baseline's; {bytes_per_param[0]:.1f} bytes/param each. The "
-                       "recommendation is the baseline's configuration, so this comparison measures only "
-                       f"run-to-run noise: {abs(ratio - 1):.0%} in tokens/s and {abs(gap):.4f} nats/token in "
-                       "loss between two runs of one configuration")
-    return head + (f"speed against the baseline: {speed_words(ratio, noise)}; {bytes_per_param[0]:.1f} against "
-                   f"{bytes_per_param[1]:.1f} bytes/param")
+        speed = (f"speed {ratio:.2f}x the baseline's; {bytes_per_param[0]:.1f} bytes/param each. The "
+                 "recommendation is the baseline's configuration, so this comparison measures only run-to-run "
+                 f"noise: {abs(ratio - 1):.0%} in tokens/s and {abs(gap.mean):.4f} nats/token in loss between "
+                 "runs of one configuration on the same seeds")
+    else:
+        speed = (f"speed against the baseline (mean tokens/s): {speed_words(ratio, noise)}; "
+                 f"{bytes_per_param[0]:.1f} against {bytes_per_param[1]:.1f} bytes/param")
+    return [loss, speed]
+
+
+def confirm_report(rec: Side, base: Side, seeds: tuple[int, ...], steps: int, same: bool,
+                   noise: float) -> tuple[list[str], dict]:
+    """``--confirm``'s report: the lines (a table row per side with the mean and
+    spread over seeds, the seeds trained, the gap and the speed) and the same
+    figures as data for advice.json."""
+    gap = paired(rec.loss, base.loss)
+    ratio = spread(rec.tokens_per_s).mean / spread(base.tokens_per_s).mean
+    lines = ["| run | overrides | final val loss | tokens/s | bytes/param |", "|---|---|---|---|---|"]
+    for side in (rec, base):
+        lines.append(f"| {side.name} | `{' '.join(side.overrides)}` | {spread(side.loss).text('.4f')} | "
+                     f"{spread(side.tokens_per_s).text('.0f')} | {side.bytes_per_param:.1f} |")
+    said = ", ".join(str(s) for s in seeds)
+    loss, speed = confirm_verdict(gap, ratio, (rec.bytes_per_param, base.bytes_per_param), same, noise)
+    # a blank line between the sentences: advice.md holds these lines, and markdown would run them together
+    lines += ["", f"--confirm: {len(seeds)} paired seed(s) (train.seed {said}; --seeds {len(seeds)}), {steps} "
+                  f"steps per run, {2 * len(seeds)} runs", "", loss, "", speed]
+    record = {"seeds": list(seeds), "steps": steps, "same_configuration": same, "speed_ratio": ratio,
+              "loss_gap": {"mean": gap.mean, "sd": gap.sd, "ci": list(gap.ci) if gap.ci else None, "p": gap.p,
+                           "resolved": gap.resolved, "seeds_needed": gap.seeds_needed, "line": loss},
+              **{side.name: {"overrides": list(side.overrides), "loss": list(side.loss),
+                             "tokens_per_s": list(side.tokens_per_s), "bytes_per_param": side.bytes_per_param}
+                 for side in (rec, base)}}
+    return lines, record
 
 
 def override_line(advice: Advice) -> str:

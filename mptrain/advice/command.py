@@ -20,6 +20,8 @@ from mptrain.run.startup import Agreement
 
 DEFAULT_STEPS = 30
 """The probe's length when ``--steps`` is not given."""
+DEFAULT_SEEDS = 2
+"""``--confirm``'s paired seeds when ``--seeds`` is not given: the fewest that can tell a gap from noise."""
 
 
 @dataclass
@@ -36,6 +38,8 @@ class Args:
     """``--target``: the hardware to advise for (None: this machine)."""
     confirm: int = 0
     """``--confirm``: steps of each confirm run (0: none)."""
+    seeds: int = DEFAULT_SEEDS
+    """``--seeds``: paired seeds ``--confirm`` trains each side on (``train.seed`` and the next ones)."""
     overrides: tuple[str, ...] = ()
     """train.py's overrides, the mesh flags' ``parallel.*`` among them."""
     lab: tuple[str, ...] = ()
@@ -53,6 +57,7 @@ COMMAND_FILE = "command.json"
 def command_line(args: Args) -> str:
     """``args`` as one canonical command line, without ``hydra.run.dir``: what a rerun must repeat."""
     flags = [f"--steps {args.steps}", f"--world {args.world}", f"--confirm {args.confirm}",
+             *([f"--seeds {args.seeds}"] if args.confirm else []),
              *([f"--tp {args.tp}"] if args.tp else []), *([f"--replicate {args.replicate}"] if args.replicate else []),
              *([f"--budget-gib {args.budget_gib:g}"] if args.budget_gib is not None else []),
              *([f"--target {args.target}"] if args.target else [])]

@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mptrain.compare.figure import MIN_REL_SPAN, build_figure, coincidences, is_sparse, min_span, panels_with_data
+from mptrain.compare.fp8 import _fp8_selection, build_fp8_figure, fp8_casts
+from mptrain.compare.runs import find_runs, label_runs
+
 from .conftest import ROOT, TINY, load_script, read_rows, run_cli, train
 
 
@@ -107,16 +111,15 @@ def test_figure_of_one_point_runs_and_identical_curves(short_runs, tmp_path, cap
     """Two identical one-point runs and a third that differs: the axes read
     plainly, a lone point is a visible marker, the identical pair is drawn in two
     styles and named, on the figure and in the printed output; the third run is not."""
-    compare = load_script("compare")
-    runs = compare.find_runs([short_runs])
-    a, b, c = compare.label_runs(runs)
+    runs = find_runs([short_runs])
+    a, b, c = label_runs(runs)
     assert a.endswith("(a)") and b.endswith("(b)") and c.endswith("(run)")  # same config: named by directory
-    alone = compare.build_figure(runs[:2])  # one point each: no curve, so a table and no panel
+    alone = build_figure(runs[:2])  # one point each: no curve, so a table and no panel
     assert [ax.get_title() for ax in alone.axes] == [SINGLE_TITLE]
     cells = _table_rows(alone)
     assert cells["train loss"][1] == "1" and cells["train loss"][2] == cells["train loss"][3]
     # (the throughput is timed: two runs of one configuration differ there)
-    panels = _plain_labels(compare.build_figure(runs), only=lambda t: t != SINGLE_TITLE and "throughput" not in t)
+    panels = _plain_labels(build_figure(runs), only=lambda t: t != SINGLE_TITLE and "throughput" not in t)
     assert {"train loss", "gradient norm (unscaled, before clipping)"} <= set(panels)
     for title, ax in panels.items():
         la, lb, _ = ax.get_lines()  # beside the third run's curve
@@ -130,9 +133,9 @@ def test_figure_of_one_point_runs_and_identical_curves(short_runs, tmp_path, cap
 
     ax = Figure().subplots()  # two losses 1e-4 apart do not stretch over a whole panel
     ax.plot([1, 1], [7.5213, 7.5214])
-    compare.min_span(ax, [7.5213, 7.5214])
-    assert ax.get_ylim()[1] - ax.get_ylim()[0] >= 0.99 * compare.MIN_REL_SPAN * 7.5214
-    title = _plain_labels(compare.build_figure(runs))["train loss"].get_title().replace("\n", " ")
+    min_span(ax, [7.5213, 7.5214])
+    assert ax.get_ylim()[1] - ax.get_ylim()[0] >= 0.99 * MIN_REL_SPAN * 7.5214
+    title = _plain_labels(build_figure(runs))["train loss"].get_title().replace("\n", " ")
     assert f"same curve: {a} = {b}" in title and c not in title
     code, out, err = _compare_here(capsys, short_runs, "--out", tmp_path / "report")
     assert code == 0, err
@@ -144,15 +147,14 @@ def test_figure_of_one_point_runs_and_identical_curves(short_runs, tmp_path, cap
 def test_a_whole_sweep_coinciding_is_named_once(tmp_path):
     """A panel where every run of a sweep draws the same curve (a metric no setting
     touches) says so in three words instead of listing every run."""
-    compare = load_script("compare")
     for i in range(3):
         (tmp_path / str(i)).mkdir()
         (tmp_path / str(i) / "metrics.jsonl").write_text(
             "".join(json.dumps({"step": s, "train/loss": 3.0 + i - s / 10, "train/lr": 1e-3}) + "\n" for s in (1, 2)))
-    runs = compare.find_runs([tmp_path])
-    compare.label_runs(runs)
+    runs = find_runs([tmp_path])
+    label_runs(runs)
     panels = [("train loss", "train/loss", "step", "linear"), ("lr", "train/lr", "step", "linear")]
-    assert compare.coincidences(runs, panels) == {"lr": [["all 3 runs"]]}
+    assert coincidences(runs, panels) == {"lr": [["all 3 runs"]]}
 
 
 # ------------------------------------------------------------ what the figure tells at a glance
@@ -200,25 +202,23 @@ def _axes(fig) -> dict:
 def test_labels_leave_out_keys_at_their_defaults(tmp_path):
     """A key one run set and the others have at its default (``train.audit``) is in the label of
     the run that set it only; a key a run's config lacks counts at its default, not as a difference."""
-    compare = load_script("compare")
     sweep = _three_precisions(tmp_path)
-    runs = compare.find_runs([sweep])
-    assert compare.label_runs(runs) == ["precision=fp32", "precision=fp16", "precision=bf16, train.audit=True"]
+    runs = find_runs([sweep])
+    assert label_runs(runs) == ["precision=fp32", "precision=fp16", "precision=bf16, train.audit=True"]
     for name in ("0", "1"):  # older runs without the key: the same as False
         cfg = yaml.safe_load((sweep / name / "config.yaml").read_text())
         del cfg["train"]["audit"]
         (sweep / name / "config.yaml").write_text(yaml.safe_dump(cfg))
-    runs = compare.find_runs([sweep])
-    assert compare.label_runs(runs) == ["precision=fp32", "precision=fp16", "precision=bf16, train.audit=True"]
+    runs = find_runs([sweep])
+    assert label_runs(runs) == ["precision=fp32", "precision=fp16", "precision=bf16, train.audit=True"]
 
 
 def test_figure_title_says_what_was_compared_and_legend_is_on_top(tmp_path):
     """The title names the compared values and what the runs share; the legend, one entry
     per run, sits above every panel (under the title), not below the last row."""
-    compare = load_script("compare")
-    runs = compare.find_runs([_three_precisions(tmp_path)])
-    compare.label_runs(runs)
-    fig = compare.build_figure(runs)
+    runs = find_runs([_three_precisions(tmp_path)])
+    label_runs(runs)
+    fig = build_figure(runs)
     fig.draw_without_rendering()
     (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == [r.label for r in runs]
@@ -230,10 +230,9 @@ def test_figure_title_says_what_was_compared_and_legend_is_on_top(tmp_path):
 def test_sparse_samples_are_points_not_lines(tmp_path):
     """Monitor samples (every 10 steps next to a loss logged every step) are drawn as points,
     not joined by lines, and their panels say how often they were taken; the loss keeps its line."""
-    compare = load_script("compare")
-    runs = compare.find_runs([_three_precisions(tmp_path)])
-    compare.label_runs(runs)
-    panels = _axes(compare.build_figure(runs))
+    runs = find_runs([_three_precisions(tmp_path)])
+    label_runs(runs)
+    panels = _axes(build_figure(runs))
     for line in panels["train loss"].get_lines():
         assert line.get_linestyle() not in ("None", "", " ", "none")
     for title in ("output logits: mean log Z", "what-if: gradients that would underflow in fp16"):
@@ -242,31 +241,29 @@ def test_sparse_samples_are_points_not_lines(tmp_path):
             assert line.get_linestyle() == "None" and line.get_marker() not in ("", "None", None)
             assert list(line.get_xdata()) == [1, 10, 20, 30, 40]
         assert "points: sampled every 10 steps" in ax.get_title()
-    assert not compare.is_sparse(runs[0], list(range(1, 41, 3)))  # 14 points, a third of the loss's: a line
-    assert compare.is_sparse(runs[0], list(range(1, 41, 4)))  # 10 points: too few to join
+    assert not is_sparse(runs[0], list(range(1, 41, 3)))  # 14 points, a third of the loss's: a line
+    assert is_sparse(runs[0], list(range(1, 41, 4)))  # 10 points: too few to join
 
 
 def test_underflow_panels_say_they_are_after_loss_scaling(tmp_path):
     """fp16 runs' gradients are counted as held, times the loss scale: the underflow panels
     say so, and say nothing of the kind in a sweep without loss scaling."""
-    compare = load_script("compare")
-    runs = compare.find_runs([_three_precisions(tmp_path / "with")])
-    compare.label_runs(runs)
-    title = _axes(compare.build_figure(runs))["what-if: gradients that would underflow in fp16"].get_title()
+    runs = find_runs([_three_precisions(tmp_path / "with")])
+    label_runs(runs)
+    title = _axes(build_figure(runs))["what-if: gradients that would underflow in fp16"].get_title()
     assert "fp16 runs: measured after loss scaling" in title.replace("\n", " ")
-    assert "loss scaling" not in _axes(compare.build_figure(runs))["output logits: mean log Z"].get_title()
+    assert "loss scaling" not in _axes(build_figure(runs))["output logits: mean log Z"].get_title()
     unscaled = [r for r in runs if r.config["precision"]["name"] != "fp16"]
-    assert "loss scaling" not in _axes(compare.build_figure(unscaled))[
+    assert "loss scaling" not in _axes(build_figure(unscaled))[
         "what-if: gradients that would underflow in fp16"].get_title()
 
 
 def test_one_point_metric_is_a_table_row_not_a_panel(tmp_path):
     """Validation losses of one point per run, 0.0003 apart at 7.29: no panel of lone points on
     an axis zoomed to their gap, but a row of the table under the panels, each run's value."""
-    compare = load_script("compare")
-    runs = compare.find_runs([_three_precisions(tmp_path)])
-    compare.label_runs(runs)
-    fig = compare.build_figure(runs)
+    runs = find_runs([_three_precisions(tmp_path)])
+    label_runs(runs)
+    fig = build_figure(runs)
     assert "validation loss" not in _axes(fig)
     assert _table_rows(fig)["validation loss"] == ["loss (nats/token)", "40", "7.2911", "7.2911", "7.2908"]
 
@@ -309,10 +306,9 @@ def test_a_short_sweeps_figure_tells_the_truth_at_a_glance(tmp_path, capsys):
     """Panels only where a curve is (the single-point metrics in a table, in the figure and in
     comparison.md), what-ifs titled as such and shares in percent as the table has them, a unit
     on every axis, and a tokens/s panel."""
-    compare = load_script("compare")
-    runs = compare.find_runs([_short_sweep(tmp_path / "sweep")])
-    compare.label_runs(runs)
-    fig = compare.build_figure(runs)
+    runs = find_runs([_short_sweep(tmp_path / "sweep")])
+    label_runs(runs)
+    fig = build_figure(runs)
     panels = _axes(fig)
     assert set(panels) == {"train loss", "train loss vs tokens", "throughput (all ranks)", SINGLE_TITLE}
     for title, ax in panels.items():
@@ -340,10 +336,9 @@ def test_a_short_sweeps_figure_tells_the_truth_at_a_glance(tmp_path, capsys):
 
 def test_shares_are_drawn_in_percent(tmp_path):
     """A share on a panel is in percent, as in the tables: 0.04 of the gradients is drawn at 4 (%)."""
-    compare = load_script("compare")
-    runs = compare.find_runs([_three_precisions(tmp_path)])
-    compare.label_runs(runs)
-    ax = _axes(compare.build_figure(runs))["what-if: gradients that would underflow in fp16"]
+    runs = find_runs([_three_precisions(tmp_path)])
+    label_runs(runs)
+    ax = _axes(build_figure(runs))["what-if: gradients that would underflow in fp16"]
     assert ax.get_ylabel() == "% of non-zero gradients"
     assert max(max(line.get_ydata()) for line in ax.get_lines()) == 0.001 * 40 * 100
 
@@ -441,15 +436,14 @@ def test_fp8_layers_figure_and_table(tmp_path, capsys):
     _synthetic_run(sweep / "0", "fp8", "tensorwise", summary_casts=True)
     _synthetic_run(sweep / "1", "fp8", "rowwise")
     _synthetic_run(sweep / "2", "fp32")
-    compare = load_script("compare")
-    runs = compare.find_runs([sweep])
-    compare.label_runs(runs)
-    panels, _ = compare.panels_with_data(runs)
+    runs = find_runs([sweep])
+    label_runs(runs)
+    panels, _ = panels_with_data(runs)
     assert {"fp8/worst/flush", "fp8/worst/saturate", "fp8/worst/sqnr_db"} <= {p[1] for p in panels}
-    old = compare.fp8_casts(runs[1])["layers"]["block0.attn.qkv"]["input"]["whatif"]
+    old = fp8_casts(runs[1])["layers"]["block0.attn.qkv"]["input"]["whatif"]
     assert "mxfp8" in old and "block1x32" not in old  # the old run's what-if under its name now
 
-    fig = compare.build_fp8_figure(runs)
+    fig = build_fp8_figure(runs)
     lines = _plain_labels(fig, only=lambda title: "by recipe" not in title)
     assert len(fig.axes) == 8  # 2 layers x (flush, saturate, SQNR, recipe grid)
     flush = lines["block1.mlp.fc: flushed to 0 (% of non-zeros)"]
@@ -497,8 +491,7 @@ def test_no_fp8_layers_without_fp8_metrics(tmp_path, capsys):
     panels are not reported as missing."""
     for p in ("fp32", "bf16"):
         _synthetic_run(tmp_path / "sweep" / p, p)
-    compare = load_script("compare")
-    assert compare.build_fp8_figure(compare.find_runs([tmp_path / "sweep"])) is None
+    assert build_fp8_figure(find_runs([tmp_path / "sweep"])) is None
     code, out, err = _compare_here(capsys, tmp_path / "sweep")
     assert code == 0, err
     assert not list((tmp_path / "sweep").glob("fp8_layers*"))
@@ -511,12 +504,11 @@ def test_fp8_layers_figure_caps_layers_and_runs():
     the first 8, and says which it left out."""
     from types import SimpleNamespace
 
-    compare = load_script("compare")
     layers = [f"block{i}.mlp.fc" for i in range(14)]
     runs = [(SimpleNamespace(label=f"run{r}"),
              {"layers": {layer: {"input": {"sqnr_db": 40.0 - i}} for i, layer in enumerate(layers)}})
             for r in range(9)]
     runs[0][1]["layers"]["block0.mlp.fc"]["input"]["sqnr_db"] = 10.0  # one run's worst layer is kept
-    shown, kept, dropped_layers, dropped_runs = compare._fp8_selection(runs)
+    shown, kept, dropped_layers, dropped_runs = _fp8_selection(runs)
     assert len(shown) == 8 and dropped_runs == ["run8"]
     assert kept == [layers[0], *layers[3:]] and dropped_layers == layers[1:3]

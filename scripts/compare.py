@@ -45,6 +45,7 @@ next to the best what-if recipe (printed too).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -55,13 +56,45 @@ from mptrain.compare.figure import figure, single_points_md  # noqa: E402
 from mptrain.compare.fp8 import build_fp8_figure, fp8_layer_table  # noqa: E402
 from mptrain.compare.lr import lr_figure, lr_settings, lr_table  # noqa: E402
 from mptrain.compare.runs import find_runs, label_runs, references, table  # noqa: E402
+from mptrain.compare.seeds import SpecError, matched_md, report, seeds_md  # noqa: E402
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``compare: error: ...``) and exit status 2."""
+
+    def error(self, message):
+        print(f"compare: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked: a wrong flag or value is one error line and exit status 2."""
+    ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="+", type=Path, help="a sweep directory or run directories")
+    ap.add_argument("--out", type=Path, help="where comparison.png/.md go (default: next to the runs)")
+    ap.add_argument("--reference", metavar="LABEL|KEY=VALUE",
+                    help="the setting every other is compared with, by its label or key=value[,key=value] "
+                         "(default: the fp32 setting, else bf16, else the first)")
+    ap.add_argument("--target-loss", type=float, metavar="NATS",
+                    help="the validation loss the speed at matched quality is measured to "
+                         "(default: the reference's mean final val/loss)")
+    ap.add_argument("--effect", type=float, metavar="NATS",
+                    help="estimate the seeds needed to resolve a difference of this size (default: the observed one)")
+    a = ap.parse_args(argv)
+    if a.effect is not None and not a.effect > 0:
+        ap.error(f"--effect must be a positive number of nats, got {a.effect}")
+    if a.target_loss is not None and not math.isfinite(a.target_loss):
+        ap.error(f"--target-loss must be a finite loss, got {a.target_loss}")
+    return a
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("paths", nargs="+", type=Path, help="a sweep directory or run directories")
-    ap.add_argument("--out", type=Path, help="where comparison.png/.md go (default: next to the runs)")
-    a = ap.parse_args(argv)
+    """Compare the runs under the paths: write comparison.png/.md (and the float8 and
+    learning-rate figures where they apply) and print the tables; 2 on a usage error."""
+    try:
+        a = _parse(argv)
+    except SystemExit as e:  # argparse's exits (--help: 0, an error: 2), as a status for callers of main
+        return int(e.code or 0)
     for p in a.paths:
         if not p.exists():
             print(f"compare: {p} does not exist", file=sys.stderr)
@@ -70,12 +103,17 @@ def main(argv: list[str]) -> int:
     if not runs:
         print(f"compare: no runs (no metrics.jsonl) under {', '.join(map(str, a.paths))}", file=sys.stderr)
         return 2
+    label_runs(runs)
+    try:
+        rep = report(runs, a.reference, a.target_loss, a.effect)
+    except SpecError as e:
+        print(f"compare: error: {e}", file=sys.stderr)
+        return 2
     out = a.out or (a.paths[0] if len(a.paths) == 1 and a.paths[0].is_dir() and len(runs) > 1
                     else Path(os.path.commonpath([str(r.path.parent) for r in runs])))
     out.mkdir(parents=True, exist_ok=True)
-    label_runs(runs)
-    md = table(runs)
-    missing, same = figure(runs, out / "comparison.png")
+    md = f"{matched_md(rep)}\n\n{seeds_md(rep)}\n\n### Each run\n\n{table(runs)}"
+    missing, same = figure(runs, out / "comparison.png", rep)
     note = "".join(f"\n\n{line}" for line in references(runs)[2])
     note += f"\n\nNot logged by any run (panels left out): {', '.join(missing)}." if missing else ""
     single = single_points_md(runs)

@@ -342,7 +342,7 @@ def build_figure(runs: list[Run]):
     return fig
 
 
-def figure(runs: list[Run], out: Path) -> tuple[list[str], str]:
+def figure(runs: list[Run], out: Path, rep=None) -> tuple[list[str], str]:
     """Write the figure to ``out``; returns the metrics no run logged and the note on coinciding curves."""
     build_figure(runs).savefig(out, dpi=110)  # a bare Figure renders with Agg: no pyplot, no display
     panels, missing = panels_with_data(runs)

@@ -128,11 +128,12 @@ def _same(values) -> bool:
     return len({json.dumps(v, sort_keys=True, default=str) for v in values}) <= 1
 
 
-def differing_keys(runs: list[Run]) -> list[str]:
+def differing_keys(runs: list[Run], skip: tuple[str, ...] = ()) -> list[str]:
     """The config keys whose values differ between the runs, as labels show them: a
     group's name (``precision.name``) says more than its fields, so the fields it
-    explains are left out. A key a run does not have counts at its default."""
-    keys = sorted({k for r in runs for k in _flat(r)})
+    explains are left out. A key a run does not have counts at its default; keys in
+    ``skip`` never count (the seed, when runs are grouped over seeds)."""
+    keys = sorted({k for r in runs for k in _flat(r)} - set(skip))
     differing = [k for k in keys if not _same(_value(r, k) for r in runs)]
     names = [k for k in differing if k.endswith(".name")]
     return names + [k for k in differing if not any(k.startswith(n[: -len("name")]) for n in names)]
@@ -143,11 +144,20 @@ def _show(key: str, value) -> str:
 
 
 def label_runs(runs: list[Run]) -> list[str]:
-    """Label each run by the config values that differ between runs, leaving out a key
+    """Label each run (``run.label``) by :func:`labels_of`."""
+    labels = labels_of(runs)
+    for r, lab in zip(runs, labels, strict=True):
+        r.label = lab
+    return labels
+
+
+def labels_of(runs: list[Run], skip: tuple[str, ...] = ()) -> list[str]:
+    """A label per run from the config values that differ between runs, leaving out a key
     where this run has it at its default (``train.audit=False`` next to a run that set
     it True): the label names what was changed. A run whose differing keys are all at
-    their defaults, and a group's name (the preset chosen), keep theirs."""
-    shown = differing_keys(runs)
+    their defaults, and a group's name (the preset chosen), keep theirs. Keys in
+    ``skip`` are never shown (the seed, when labelling settings over seeds)."""
+    shown = differing_keys(runs, skip)
     labels = []
     for r in runs:
         if len(runs) == 1 or not shown:
@@ -158,8 +168,6 @@ def label_runs(runs: list[Run]) -> list[str]:
         labels.append(", ".join(_show(k, _value(r, k)) for k in (changed or shown)[:4]))
     if len(set(labels)) < len(labels):  # still ambiguous: add the directory
         labels = [f"{lab} ({r.path.name})" for lab, r in zip(labels, runs, strict=True)]
-    for r, lab in zip(runs, labels, strict=True):
-        r.label = lab
     return labels
 
 

@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mptrain.compare.figure import figure, single_points_md  # noqa: E402
 from mptrain.compare.fp8 import build_fp8_figure, fp8_layer_table  # noqa: E402
 from mptrain.compare.lr import lr_figure, lr_settings, lr_table  # noqa: E402
+from mptrain.compare.seedfig import build_seed_figure  # noqa: E402
 from mptrain.compare.runs import find_runs, label_runs, references, table  # noqa: E402
 from mptrain.compare.seeds import SpecError, matched_md, report, seeds_md  # noqa: E402
 
@@ -113,7 +114,7 @@ def main(argv: list[str]) -> int:
                     else Path(os.path.commonpath([str(r.path.parent) for r in runs])))
     out.mkdir(parents=True, exist_ok=True)
     md = f"{matched_md(rep)}\n\n{seeds_md(rep)}\n\n### Each run\n\n{table(runs)}"
-    missing, same = figure(runs, out / "comparison.png", rep)
+    missing, same = figure(build_seed_figure(runs, rep), runs, out / "comparison.png")
     note = "".join(f"\n\n{line}" for line in references(runs)[2])
     note += f"\n\nNot logged by any run (panels left out): {', '.join(missing)}." if missing else ""
     single = single_points_md(runs)

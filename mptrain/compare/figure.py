@@ -224,14 +224,38 @@ def plain_axes(ax, x: str, scale: str) -> None:
         f = ScalarFormatter(useOffset=False)
         f.set_scientific(False)
         axis.set_major_formatter(f)
-    if scale != "linear":
+    if scale == "log":
+        log_ticks(ax)
+    elif scale != "linear":
         lo, hi = ax.get_ylim()
         ax.yaxis.set_major_formatter(FuncFormatter(plain_number))
         # Within one power of the base the major ticks are too few to read: label the minor ones too.
-        narrow = lo > 0 and hi / lo < (2 if scale == "log2" else 10)
+        narrow = lo > 0 and hi / lo < 2
         ax.yaxis.set_minor_formatter(FuncFormatter(plain_number) if narrow else NullFormatter())
     if x == "step":
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # also for one step
+
+
+def _nice(v: float, up: bool) -> float:
+    """The nearest 1, 2 or 5 times a power of ten at or above (``up``) or below ``v`` (> 0)."""
+    e = math.floor(math.log10(v))
+    steps = [m * 10.0 ** k for k in (e - 1, e, e + 1) for m in (1, 2, 5)]
+    return min(x for x in steps if x >= v * (1 - 1e-12)) if up else max(x for x in steps if x <= v * (1 + 1e-12))
+
+
+def log_ticks(ax) -> None:
+    """A base-10 log y axis whose limits are ticks: from the 1-2-5 value at or below the
+    data to the one at or above it, every 1, 2 and 5 labelled, so the largest point
+    (a gradient norm of 1.378) always has a labelled tick above it (2)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    lo, hi = ax.dataLim.intervaly
+    if not (lo > 0 and math.isfinite(lo) and math.isfinite(hi)):
+        return
+    ax.set_ylim(_nice(lo, up=False), _nice(hi, up=True))
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=15))
+    ax.yaxis.set_major_formatter(FuncFormatter(plain_number))
+    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def min_span(ax, values: list[float], rel: float = MIN_REL_SPAN) -> None:
@@ -303,47 +327,68 @@ def _single_points_table(ax, runs: list[Run]) -> None:
     t.auto_set_column_width(list(range(len(head))))
 
 
-def build_figure(runs: list[Run]):
-    """The comparison figure (a ``matplotlib.figure.Figure``, not yet saved): one
-    panel per metric with a curve (two or more points in some run), one line (or set
-    of points) per run, and under the panels a table of the metrics logged at one
-    step only; the title says what was compared, the legend sits under it, above
-    the panels."""
-    from matplotlib.figure import Figure
+def build_figure(runs: list[Run], lead: tuple = (), note: str = ""):
+    """The comparison figure (a ``matplotlib.figure.Figure``, not yet saved): the ``lead``
+    panels first (callables drawing on an axes: the speed at matched quality, the loss
+    against the reference), then one panel per metric with a curve (two or more points
+    in some run), one line (or set of points) per run, and under the panels a table of
+    the metrics logged at one step only; the title says what was compared (and
+    ``note``), the legend sits under it, above the panels."""
     from matplotlib.lines import Line2D
 
-    panels, missing = panels_with_data(runs)
+    panels, _ = panels_with_data(runs)
     n_single = len(single_points(runs)[1])
     same = coincidences(runs, panels)
-    cols = 3
-    rows = max(0 if n_single else 1, math.ceil(len(panels) / cols))
-    labels = [r.label for r in runs]
-    ncol = min(4, len(labels))
-    title = textwrap.fill(compared(runs), 150)
-    if missing:
-        title += "\n" + textwrap.fill(f"not logged by any run: {', '.join(missing)}", 170)
-    # Inches above the panels: the title's lines, then the legend's rows; under them, the table's rows.
-    title_h, legend_h = 0.22 * (title.count("\n") + 1) + 0.15, 0.24 * math.ceil(len(labels) / ncol) + 0.1
-    table_h = 0.25 * (n_single + 1) + 0.6 if n_single else 0.0
-    height = 3.8 * rows + table_h + title_h + legend_h
-    fig = Figure(figsize=(6 * cols, height))
-    grid = fig.add_gridspec(rows + (1 if n_single else 0), cols,
-                            height_ratios=[3.8] * rows + ([table_h] if n_single else []))
-    for i, spec in enumerate(panels):
-        _panel(fig.add_subplot(grid[i // cols, i % cols]), runs, spec, same.get(spec[0], []))
-    if n_single:
-        _single_points_table(fig.add_subplot(grid[rows, :]), runs)
+    title = compared(runs) + (f" · {note}" if note else "")
     handles = [Line2D([], [], **{k: v for k, v in style(i, 2, len(runs)).items() if k != "markevery"})
                for i in range(len(runs))]
-    fig.suptitle(title, fontsize=11, y=1 - 0.08 / height, va="top")
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1 - title_h / height), ncol=ncol,
-               fontsize=10, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 1 - (title_h + legend_h) / height))
+    fig, axes, table_ax = frame(len(lead) + len(panels), n_single, title, handles, [r.label for r in runs])
+    for ax, draw in zip(axes, lead, strict=False):
+        draw(ax)
+    for ax, spec in zip(axes[len(lead):], panels, strict=True):
+        _panel(ax, runs, spec, same.get(spec[0], []))
+    if table_ax is not None:
+        _single_points_table(table_ax, runs)
+    fig.tight_layout(rect=(0, 0, 1, 1 - fig._mptrain_top))
     return fig
 
 
-def figure(runs: list[Run], out: Path, rep=None) -> tuple[list[str], str]:
-    """Write the figure to ``out``; returns the metrics no run logged and the note on coinciding curves."""
-    build_figure(runs).savefig(out, dpi=110)  # a bare Figure renders with Agg: no pyplot, no display
+def frame(n_panels: int, n_single: int, title: str, handles: list, labels: list[str]):
+    """A figure for ``n_panels`` panels with no empty slot: three to a row (fewer when there
+    are fewer), the last row's panels widened to fill it; under them a table of
+    ``n_single`` rows; the title and the legend above. Returns the figure, the panels'
+    axes in order and the table's axes (None without a table). ``fig._mptrain_top`` is
+    the share of the height the title and legend take (for ``tight_layout``'s rect)."""
+    from matplotlib.figure import Figure
+
+    cols = max(1, min(3, n_panels))
+    rows = math.ceil(n_panels / cols)
+    ncol = min(4, len(labels))
+    title = textwrap.fill(title, 150)
+    # Inches above the panels: the title's lines, then the legend's rows; under them, the table's rows.
+    title_h, legend_h = 0.22 * (title.count("\n") + 1) + 0.1, 0.24 * math.ceil(len(labels) / ncol) + 0.05
+    table_h = 0.25 * (n_single + 1) + 0.6 if n_single else 0.0
+    height = 3.8 * rows + table_h + title_h + legend_h
+    fig = Figure(figsize=(6 * cols, height))
+    # Six grid columns: a full row's panels take 6 / cols each, the last row's 6 / (panels left).
+    grid = fig.add_gridspec(max(1, rows + (1 if n_single else 0)), 6,
+                            height_ratios=[3.8] * rows + ([table_h] if n_single else []) or [1])
+    axes = []
+    for i in range(n_panels):
+        row, first = divmod(i, cols)
+        in_row = cols if row < rows - 1 else n_panels - cols * (rows - 1)
+        span = 6 // in_row
+        axes.append(fig.add_subplot(grid[row, first * span:(first + 1) * span]))
+    table_ax = fig.add_subplot(grid[rows, :]) if n_single else None
+    fig.suptitle(title, fontsize=11, y=1 - 0.08 / height, va="top")
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1 - title_h / height), ncol=ncol,
+               fontsize=10, frameon=False)
+    fig._mptrain_top = (title_h + legend_h) / height
+    return fig, axes, table_ax
+
+
+def figure(fig, runs: list[Run], out: Path) -> tuple[list[str], str]:
+    """Write ``fig`` to ``out``; returns the metrics no run logged and the note on coinciding curves."""
+    fig.savefig(out, dpi=110)  # a bare Figure renders with Agg: no pyplot, no display
     panels, missing = panels_with_data(runs)
     return missing, coincide_note(coincidences(runs, panels))

@@ -35,6 +35,11 @@ def _compare_here(capsys, *args) -> tuple[int, str, str]:
     return code, out, err
 
 
+def _each_run(md: str) -> list[str]:
+    """The lines of comparison.md's per-run table (after the settings' tables)."""
+    return md.split("### Each run", 1)[1].splitlines()
+
+
 def test_compare_a_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     for i, p in enumerate(["fp32", "bf16", "fp16"]):
@@ -45,7 +50,7 @@ def test_compare_a_sweep(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     text = md.read_text()
     assert "precision=fp32" in text and "precision=bf16" in text and "precision=fp16" in text
-    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| precision=")}
+    rows = {line.split("|")[1].strip(): line for line in _each_run(text) if line.startswith("| precision=")}
     assert "| +0.0000 |" in rows["precision=fp32"]  # the reference run
     assert rows["precision=fp16"].split("|")[7].strip() == "0"  # skipped steps, from summary.json
     assert rows["precision=fp32"].split("|")[5].strip() == "16.00"  # state bytes per parameter
@@ -355,7 +360,7 @@ def test_loss_gap_only_between_runs_of_the_same_config(tmp_path, capsys):
     code, out, err = _compare_here(capsys, root)
     assert code == 0, err
     gaps = [line.split("|")[4].strip()
-            for line in (root / "comparison.md").read_text().splitlines() if line.startswith("| precision=")]
+            for line in _each_run((root / "comparison.md").read_text()) if line.startswith("| precision=")]
     assert gaps == ["+0.0000", "-0.0055", "+0.0014", "n/a"]  # runs 0..3 in order
     (refusal,) = [line for line in out.splitlines() if line.startswith("No val loss - fp32 for")]
     assert refusal.startswith("No val loss - fp32 for precision=fp16, model.d_model=32:")
@@ -464,7 +469,7 @@ def test_fp8_layers_figure_and_table(tmp_path, capsys):
     assert "[fp8_layers.md](fp8_layers.md)" in (sweep / "comparison.md").read_text()
     # the main table: each run's worst casts over all its monitored steps; fp32 has none
     table = {ln.split(" | ")[0].lstrip("| "): ln.rstrip(" |").split(" | ")[-3:]
-             for ln in (sweep / "comparison.md").read_text().splitlines() if ln.startswith("| precision=")}
+             for ln in _each_run((sweep / "comparison.md").read_text()) if ln.startswith("| precision=")}
     tw_rows = [r for r in read_rows(sweep / "0") if "fp8/worst/flush" in r]
     assert table["precision=fp8 (0)"] == [f"{100 * max(r['fp8/worst/flush'] for r in tw_rows):.3g}%",
                                           f"{100 * max(r['fp8/worst/saturate'] for r in tw_rows):.3g}%",

@@ -181,8 +181,9 @@ def versus(s: Setting, ref: Setting, effect: Optional[float]) -> Versus:
             + [f"seed {k} (only {ref.label})" for k in theirs if k not in mine])
     whole, name = val_set([mine[k] for k in both] + [theirs[k] for k in both])
     pairs = [(final_val(mine[k], whole), final_val(theirs[k], whole)) for k in both]
-    kept = [k for k, (a, b) in zip(both, pairs, strict=True) if a is not None and b is not None]
-    left += [f"seed {k} (no final val loss)" for k in both if k not in kept]
+    kept = [k for k, (a, b) in zip(both, pairs, strict=True)
+            if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    left += [f"seed {k} (no finite final val loss)" for k in both if k not in kept]
     a = [final_val(mine[k], whole) for k in kept]
     b = [final_val(theirs[k], whole) for k in kept]
     return Versus(kept, left, name, stats.paired(a, b, size=effect) if kept else None)
@@ -211,8 +212,9 @@ def training_time(run: Run) -> list[tuple[int, float, float]]:
     out: list[tuple[int, float, float]] = []
     for r in run.rows:
         step, dt = r.get("step"), r.get("perf/step_time_s")
-        if not isinstance(step, (int, float)) or not isinstance(dt, (int, float)):
+        if not isinstance(step, (int, float)):
             continue
+        dt = dt if isinstance(dt, (int, float)) else math.nan  # an older run without step times: tokens only
         while out and out[-1][0] >= step:  # a resume repeats steps: the later rows are the run's
             out.pop()
         prev_step, _, prev_t = out[-1] if out else (0, 0.0, 0.0)
@@ -335,7 +337,11 @@ def report(runs: list[Run], reference: Optional[str] = None, target_loss: Option
 
 
 def _spread_ci(values: list[float], spec: str) -> str:
-    """``mean ± sd (sd, n seeds), 95% CI lo to hi`` (the interval from 2 seeds on)."""
+    """``mean ± sd (sd, n seeds), 95% CI lo to hi`` (the interval from 2 seeds on) of the
+    finite ``values``; n/a when there are none (a run without ``perf/step_time_s``)."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return "n/a"
     sp = stats.spread(values)
     return sp.text(spec) + (f", 95% CI {sp.ci[0]:{spec}} to {sp.ci[1]:{spec}}" if sp.ci else "")
 
@@ -408,6 +414,8 @@ def seeds_md(rep: Report) -> str:
         ref, v = rep.refs[id(s)], rep.versus[id(s)]
         whole, name = val_set(s.runs)
         finals = [x for r in s.runs if (x := final_val(r, whole)) is not None]
+        diverged = len([x for x in finals if not math.isfinite(x)])
+        finals = [x for x in finals if math.isfinite(x)]
         if v is None or v.paired is None:
             diff, words = ("(reference)" if ref is s else "n/a"), ("" if ref is s else "no reference")
         else:
@@ -421,7 +429,8 @@ def seeds_md(rep: Report) -> str:
         if s.extra:
             notes.append(f"{s.label}: left out {', '.join(r.path.name for r in s.extra)} "
                          "(a seed the setting already has).")
-        cells = [s.label, ",".join(map(str, s.seeds)), stats.spread(finals).text() if finals else "n/a", name,
+        cells = [s.label, ",".join(map(str, s.seeds)), (stats.spread(finals).text() if finals else "n/a") + (f"; {diverged} diverged" if diverged else ""),
+                 name,
                  diff, words]
         cells += [(sp.text(f) if (sp := figure_spread(s.runs, k)) else "n/a") for _, k, f in extra]
         lines.append("| " + " | ".join(cells) + " |")

@@ -517,3 +517,186 @@ def test_fp8_layers_figure_caps_layers_and_runs():
     shown, kept, dropped_layers, dropped_runs = _fp8_selection(runs)
     assert len(shown) == 8 and dropped_runs == ["run8"]
     assert kept == [layers[0], *layers[3:]] and dropped_layers == layers[1:3]
+
+
+# ------------------------------------------------------------ settings over seeds (#52)
+GOOD_LR, BAD_LR = "0.002", "0.0002"  # at 30 steps the lower one ends ~1.7 nats worse; seeds spread ~0.03
+
+
+@pytest.fixture(scope="module")
+def seed_sweep(tmp_path_factory) -> Path:
+    """One real multirun (one process): optim.lr good and ten times too low, seeds 0, 1, 2;
+    30 steps, a validation loss every 5. Jobs 0-2 are the good lr, 3-5 the low one."""
+    root = tmp_path_factory.mktemp("seed-sweep")
+    r = run_cli("-m", *TINY, "train.max_steps=30", "train.eval_every=5", "train.eval_tokens=2048",
+                "monitor.enabled=false", f"optim.lr={GOOD_LR},{BAD_LR}", "train.seed=0,1,2",
+                f"hydra.sweep.dir={root / 'sweep'}", cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root / "sweep"
+
+
+def _section(md: str, head: str) -> list[str]:
+    """The table rows of comparison.md's section ``### head``, by their first cell."""
+    body = md.split(f"### {head}", 1)[1].split("###", 1)[0]
+    return {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]]
+            for ln in body.splitlines() if ln.startswith("| ") and not ln.startswith("| setting")}
+
+
+def _seed_report(paths, *args):
+    """The settings' report and the figure for ``paths``, in this process, as main makes them."""
+    from mptrain.compare.seedfig import build_seed_figure
+    from mptrain.compare.seeds import report
+
+    runs = find_runs(paths)
+    label_runs(runs)
+    rep = report(runs, *args)
+    return runs, rep, build_seed_figure(runs, rep)
+
+
+def test_a_worse_learning_rate_is_resolved_and_never_reaches_the_target(seed_sweep, capsys):
+    code, out, err = _compare_here(capsys, seed_sweep)
+    assert code == 0, err
+    md = (seed_sweep / "comparison.md").read_text()
+    # the speed at matched quality leads, then the settings over seeds, then each run
+    assert md.index("### Speed at matched quality") < md.index("### Final validation loss over seeds") \
+        < md.index("### Each run")
+    assert out.lstrip().startswith("### Speed at matched quality")
+    good, bad = f"optim.lr={GOOD_LR}", f"optim.lr={BAD_LR}"
+    speed = _section(md, "Speed at matched quality")
+    assert set(speed) == {f"{good} (reference)", bad}
+    assert speed[f"{good} (reference)"][5] == "1.00x"  # the reference's own mean curve ends at the target
+    short = re.search(r"0 of 3; never reached by 3: final val/loss short by \+(\d\.\d+)", speed[bad][2])
+    assert short and float(short.group(1)) > 0.5, speed[bad]
+    assert speed[bad][5].startswith("never (mean curve short by +")
+    seeds = _section(md, "Final validation loss over seeds")
+    assert seeds[good][1] == seeds[bad][1] == "0,1,2" and seeds[good][4] == "(reference)"
+    assert seeds[bad][3].startswith("eval set")  # no whole-split loss in these runs: says which set
+    verdict = seeds[bad][5]
+    assert verdict.startswith("resolved: +") and "worse than the reference" in verdict and "3 paired seeds" in verdict
+    lo, hi = map(float, re.search(r"95% CI ([+-][\d.]+) to ([+-][\d.]+)", seeds[bad][4]).groups())
+    assert 0.5 < lo < hi  # far from zero: the effect is ~1.7 nats against seed noise of ~0.03
+    assert "the reference is the first setting" in md  # no fp32/bf16 pairing in an fp32 lr sweep: said
+
+
+def test_the_seed_figure_reads_back(seed_sweep):
+    from matplotlib.collections import PolyCollection
+
+    runs, rep, fig = _seed_report([seed_sweep])
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles[0].startswith("speed at matched quality")  # leads, before any other panel
+    assert titles[1].startswith("val loss - reference, paired by seed")
+    lead_texts = [t.get_text() for t in fig.axes[0].texts]
+    assert any(t.startswith(f"optim.lr={BAD_LR}: never, short by +") for t in lead_texts), lead_texts
+    assert any(t.startswith(f"optim.lr={GOOD_LR}: ") and t.endswith("1.00x") for t in lead_texts), lead_texts
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "band: range (lowest to highest) over 3 seeds" in legend
+    assert f"optim.lr={GOOD_LR} (3 seeds)" in legend
+    # the validation loss panel: a band per setting spanning its seeds' lowest and highest loss
+    val = next(ax for ax in fig.axes if ax.get_title() == "validation loss")
+    bands = [c for c in val.collections if isinstance(c, PolyCollection)]
+    assert len(bands) == 2
+    for band, s in zip(bands, rep.settings, strict=True):
+        curves = [dict(zip(*r.series("val/loss", "step"), strict=True)) for r in s.runs]
+        ys = band.get_paths()[0].vertices[:, 1]
+        assert min(ys) == pytest.approx(min(min(c.values()) for c in curves))
+        assert max(ys) == pytest.approx(max(max(c.values()) for c in curves))
+    # the difference panel: the worse lr's line is the mean of the seed-by-seed differences
+    diff = fig.axes[1].lines[-1]
+    good, bad = rep.settings
+    last = [bad.by_seed()[k].series("val/loss", "step")[1][-1] - good.by_seed()[k].series("val/loss", "step")[1][-1]
+            for k in (0, 1, 2)]
+    assert diff.get_ydata()[-1] == pytest.approx(sum(last) / 3)
+    assert "not logged" not in fig._suptitle.get_text()
+    width: dict[int, int] = {}  # no empty slot: the panels of each grid row fill its six columns
+    for ax in fig.axes:
+        spec = ax.get_subplotspec()
+        width[spec.rowspan.start] = width.get(spec.rowspan.start, 0) + len(spec.colspan)
+    assert set(width.values()) == {6}, width
+
+
+def _copy_setting(src: list[Path], dst: Path, order: list[int], **changes) -> None:
+    """Copies of ``src`` (one run per seed) under ``dst``, numbered in ``order`` (so that a
+    pairing by position would pair different seeds), with config keys ``changes`` set."""
+    import shutil
+
+    for i, j in enumerate(order):
+        shutil.copytree(src[j], dst / str(i))
+        cfg = yaml.safe_load((dst / str(i) / "config.yaml").read_text())
+        for dotted, v in changes.items():
+            section, key = dotted.split("__")
+            cfg[section][key] = v
+        (dst / str(i) / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_one_setting_against_itself_is_not_resolved(seed_sweep, tmp_path, capsys):
+    """A/A: the good lr's three runs, and the same runs under a key that cannot change a run
+    that never meets a non-finite loss (train.on_nonfinite), numbered in another seed order.
+    Paired by seed, every difference is exactly zero; paired by position it would not be."""
+    good = [seed_sweep / str(i) for i in (0, 1, 2)]
+    _copy_setting(good, tmp_path / "aa" / "a", [0, 1, 2])
+    _copy_setting(good, tmp_path / "aa" / "b", [2, 0, 1], train__on_nonfinite="skip")
+    code, _, err = _compare_here(capsys, tmp_path / "aa", "--reference", "train.on_nonfinite=abort")
+    assert code == 0, err
+    seeds = _section((tmp_path / "aa" / "comparison.md").read_text(), "Final validation loss over seeds")
+    assert set(seeds) == {"train.on_nonfinite=abort", "train.on_nonfinite=skip"}
+    verdict = seeds["train.on_nonfinite=skip"][5]
+    assert verdict.startswith("not resolved at 3 seeds: +0.0000 nats (95% CI +0.0000 to +0.0000, p = 1.00")
+    spread = float(seeds["train.on_nonfinite=abort"][2].split("± ")[1].split(" ")[0])
+    assert spread > 0  # the seeds do differ: only pairing them seed by seed makes the difference zero
+
+
+def test_one_seed_cannot_judge_the_noise(seed_sweep, tmp_path, capsys):
+    code, _, err = _compare_here(capsys, seed_sweep / "0", seed_sweep / "3", "--out", tmp_path)
+    assert code == 0, err
+    md = (tmp_path / "comparison.md").read_text()
+    seeds = _section(md, "Final validation loss over seeds")
+    assert "at 1 seed: cannot judge the noise" in seeds[f"optim.lr={BAD_LR}"][5]
+    assert "One seed per setting: the noise between seeds cannot be judged" in md
+    _, _, fig = _seed_report([seed_sweep / "0", seed_sweep / "3"])
+    assert "one seed per setting: the noise between seeds cannot be judged" in fig._suptitle.get_text()
+    assert fig.axes[0].get_title().startswith("speed at matched quality")  # the per-run figure leads with it too
+
+
+def test_target_loss_and_reference_flags(seed_sweep, tmp_path, capsys):
+    code, _, err = _compare_here(capsys, seed_sweep, "--out", tmp_path, "--target-loss", "5.3",
+                                 "--reference", f"optim.lr={BAD_LR}")
+    assert code == 0, err
+    md = (tmp_path / "comparison.md").read_text()
+    speed = _section(md, "Speed at matched quality")
+    good, bad = f"optim.lr={GOOD_LR}", f"optim.lr={BAD_LR} (reference)"
+    assert speed[good][1] == speed[bad][1] == "5.3000" and speed[good][2] == speed[bad][2] == "3 of 3"
+    tokens = {k: float(v[3].split(" ")[0].replace(",", "")) for k, v in speed.items()}
+    assert tokens[good] < tokens[bad]  # the good lr is there in fewer tokens (steps: no clock in it)
+    assert "Target: --target-loss" in md
+    seeds = _section(md, "Final validation loss over seeds")
+    assert seeds[good][5].startswith("resolved: -") and "better than the reference" in seeds[good][5]
+    assert "the reference is optim.lr=0.0002 (--reference)" in md
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--reference", "optim.lr=9"], "--reference optim.lr=9 names no settings (the settings: "),
+    (["--target-loss", "low"], "argument --target-loss: invalid float value: 'low'"),
+    (["--effect", "-0.1"], "--effect must be a positive number of nats"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+])
+def test_bad_flags_are_one_line_and_exit_2(seed_sweep, tmp_path, capsys, args, words):
+    code, _, err = _compare_here(capsys, seed_sweep, "--out", tmp_path, *args)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("compare: error: ") and words in err, err
+
+
+def test_effect_asks_the_seed_estimate_for_a_given_size(tmp_path, capsys):
+    """Three seeds of fp32 and bf16 whose differences (+0.010, -0.004, +0.006) do not resolve:
+    the seed estimate is for the observed difference, or for --effect's."""
+    runs = {}
+    for k, (a, b) in enumerate([(3.300, 3.310), (3.320, 3.316), (3.310, 3.316)]):
+        runs[f"{2 * k}"] = ({"precision": {"name": "fp32"}, "train": {"seed": k}}, a)
+        runs[f"{2 * k + 1}"] = ({"precision": {"name": "bf16"}, "train": {"seed": k}}, b)
+    root = _sweep_of(tmp_path / "sweep", runs)
+    code, _, err = _compare_here(capsys, root)
+    assert code == 0, err
+    seeds = _section((root / "comparison.md").read_text(), "Final validation loss over seeds")
+    assert seeds["precision=bf16"][5].startswith("not resolved at 3 seeds: +0.0040 nats")
+    assert "would resolve a difference of this size" in seeds["precision=bf16"][5]
+    code, _, err = _compare_here(capsys, root, "--effect", "0.05")
+    seeds = _section((root / "comparison.md").read_text(), "Final validation loss over seeds")
+    assert "would resolve a difference of 0.0500 nats" in seeds["precision=bf16"][5]

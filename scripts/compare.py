@@ -53,7 +53,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mptrain.compare.figure import figure, single_points_md  # noqa: E402
-from mptrain.compare.fp8 import build_fp8_figure, fp8_layer_table  # noqa: E402
+from mptrain.compare.fp8 import build_fp8_figure, dpi_for, fp8_layer_table, fp8_runs  # noqa: E402
 from mptrain.compare.lr import lr_figure, lr_settings, lr_table  # noqa: E402
 from mptrain.compare.seedfig import build_seed_figure  # noqa: E402
 from mptrain.compare.runs import find_runs, label_runs, references, table  # noqa: E402
@@ -125,16 +125,20 @@ def main(argv: list[str]) -> int:
         lr_figure(groups, out / "lr_sensitivity.png")
         note += f"\n\n![lr sensitivity](lr_sensitivity.png)\n\nFinal loss by learning rate:\n\n{lr_table(groups)}"
     fp8_fig = build_fp8_figure(runs)
+    fp8_md = fp8_layer_table(runs) if fp8_runs(runs) else None
     written = [out / "comparison.png", out / "comparison.md"]
-    if fp8_fig is not None:  # float8 runs: their casts layer by layer, in their own figure and table
-        fp8_fig.savefig(out / "fp8_layers.png", dpi=110)
-        fp8_md = fp8_layer_table(runs)
-        (out / "fp8_layers.md").write_text(f"![float8 casts per layer](fp8_layers.png)\n\n{fp8_md}\n")
+    if fp8_md is not None:  # float8 runs: their casts layer by layer, in their own figure and table
+        head = "![float8 casts per layer](fp8_layers.png)" if fp8_fig is not None else (
+            "One monitored step per run: no curves to draw (no fp8_layers.png); the casts are the table below.")
+        if fp8_fig is not None:
+            fp8_fig.savefig(out / "fp8_layers.png", dpi=dpi_for(fp8_fig))
+            written.append(out / "fp8_layers.png")
+        (out / "fp8_layers.md").write_text(f"{head}\n\n{fp8_md}\n")
         note += "\n\nFloat8 casts per layer: [fp8_layers.md](fp8_layers.md)."
-        written += [out / "fp8_layers.png", out / "fp8_layers.md"]
+        written.append(out / "fp8_layers.md")
     (out / "comparison.md").write_text(f"![comparison](comparison.png)\n\n{md}{note}\n")
     print(md + note)
-    if fp8_fig is not None:
+    if fp8_md is not None:
         print(f"\nFloat8 casts per layer, last monitored step:\n\n{fp8_md}")
     print(f"\nwrote {', '.join(map(str, written))}")
     return 0

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -700,3 +701,23 @@ def test_effect_asks_the_seed_estimate_for_a_given_size(tmp_path, capsys):
     code, _, err = _compare_here(capsys, root, "--effect", "0.05")
     seeds = _section((root / "comparison.md").read_text(), "Final validation loss over seeds")
     assert "would resolve a difference of 0.0500 nats" in seeds["precision=bf16"][5]
+
+
+def test_fp8_layers_of_one_monitored_step_are_a_table_not_a_page_of_points(tmp_path, capsys):
+    """Per-layer casts logged at one step per run: fp8_layers.md has them, and no figure of
+    single-point panels is drawn; a figure that is drawn is saved at most MOST_PIXELS a side."""
+    from mptrain.compare.fp8 import MOST_PIXELS, dpi_for
+
+    _synthetic_run(tmp_path / "sweep" / "0", "fp8", "tensorwise")
+    metrics = tmp_path / "sweep" / "0" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = [r if r["step"] == 4 else {k: v for k, v in r.items() if not k.startswith("fp8")} for r in rows]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _synthetic_run(tmp_path / "sweep" / "1", "bf16")
+    code, _, err = _compare_here(capsys, tmp_path / "sweep")
+    assert code == 0, err
+    assert not (tmp_path / "sweep" / "fp8_layers.png").exists()
+    md = (tmp_path / "sweep" / "fp8_layers.md").read_text()
+    assert md.startswith("One monitored step per run: no curves to draw") and "| block" in md
+    big = SimpleNamespace(get_size_inches=lambda: (21.0, 40.0))
+    assert 40.0 * dpi_for(big) == pytest.approx(MOST_PIXELS)

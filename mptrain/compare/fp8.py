@@ -24,6 +24,8 @@ WHATIF_RECIPES = tuple(MonitorConfig().fp8_whatif)  # the default what-ifs, in t
 OPERAND_LINESTYLES = {"input": "-", "weight": "--", "grad_output": ":"}
 # Beyond these the per-layer figure stops being readable: the rest are left out, and named.
 FP8_MAX_LAYERS, FP8_MAX_RUNS = 12, 8
+# The per-layer figure's longest side in pixels: past it a page of panels is scrolled, not read.
+MOST_PIXELS = 2400
 
 
 def _fp8_key(key: str) -> Optional[tuple[str, str, Optional[str], str]]:
@@ -259,6 +261,18 @@ def _fp8_recipe_panel(ax, shown: list[tuple[Run, dict]], layer: str, recipes: li
     ax.set_title(f"{layer}: SQNR (dB) by recipe, last monitored step", fontsize=10)
 
 
+def one_step_only(with_casts: list[tuple[Run, dict]]) -> bool:
+    """Whether every run's per-layer casts were logged at one step at most (a short run's
+    single monitor sample): no curve to draw, the table says it all."""
+    return all(len({row.get("step") for row in r.rows if any(k.startswith(FP8_PREFIX) for k in row)}) <= 1
+               for r, _ in with_casts)
+
+
+def dpi_for(fig, most_px: int = MOST_PIXELS, dpi: int = 110) -> float:
+    """The resolution to save ``fig`` at: ``dpi``, lowered so that neither side passes ``most_px``."""
+    return min(dpi, most_px / max(fig.get_size_inches()))
+
+
 def build_fp8_figure(runs: list[Run]):
     """The per-layer float8 figure (a ``matplotlib.figure.Figure``), or None when no run
     has float8 cast statistics. A row per layer: its share of flushed and of saturated
@@ -270,12 +284,13 @@ def build_fp8_figure(runs: list[Run]):
     whereas a grid with the numbers written in stays readable for 8 runs and
     puts the recipes side by side. SQNR stands for them because flushing and
     saturation both show up in it as noise; fp8_layers.md has their flush and
-    saturate figures."""
+    saturate figures. None too when every run was monitored at one step only: panels of
+    single points say nothing fp8_layers.md does not (:func:`one_step_only`)."""
     from matplotlib import colormaps
     from matplotlib.colors import Normalize
 
     with_casts = fp8_runs(runs)
-    if not with_casts:
+    if not with_casts or one_step_only(with_casts):
         return None
     shown, layers, dropped_layers, dropped_runs = _fp8_selection(with_casts)
     shown_runs = [r for r, _ in shown]

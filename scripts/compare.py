@@ -3,10 +3,30 @@
     python scripts/compare.py multirun/2026-11-30/12-00-00          # a sweep: every job inside
     python scripts/compare.py outputs/a outputs/b --out report/      # any run directories
 
+    python scripts/compare.py multirun/... --reference precision=bf16 --target-loss 3.2 --effect 0.005
+
 Writes ``comparison.png`` and ``comparison.md`` (into the sweep directory, the
-runs' common parent, or ``--out``) and prints the table. The figure's title
+runs' common parent, or ``--out``) and prints the tables (the code is the
+``mptrain/compare`` layer; this file is its command line).
+
+Runs are grouped into settings: the runs that agree on every config key but
+``train.seed`` (and the schema's harmless keys). The tables lead with the speed
+at matched quality: each setting's tokens and training time (the sum of
+``perf/step_time_s``) until its ``val/loss`` first reaches a target (the
+reference's mean final ``val/loss``, or ``--target-loss``), interpolated
+between evaluations, with the speed-up against the reference next to the raw
+tokens/s ratio. Then the final validation loss over seeds (the whole val split
+where every run has it): each setting's mean and spread, and its paired
+difference from the reference (seed k with seed k), with the 95% CI, p-value
+and verdict (resolved, or not resolved with the seeds that would resolve it;
+``--effect`` sets the size asked about). The reference is the fp32 setting
+(else bf16, else the first), or ``--reference <label or key=value>``. Settings
+over several seeds are drawn as mean curves with a band (the range over
+seeds); the figure leads with the loss against training time and the target,
+and with the loss minus the reference's, seed by seed. Below: the per-run
+figure and table, which one seed per setting still gets. The figure's title
 says what was compared (``precision: fp32 vs fp16 vs bf16 · gpt-nano · 200
-steps``); the legend sits under it, above the panels. Each run is labelled by
+steps``); the legend sits under it, above the panels, which fill their grid. Each run is labelled by
 the config values that differ between the runs, leaving out a key where the
 run has it at its default (``train.audit=False``), and drawn with its own
 colour, line style and hollow marker, so a curve drawn over an identical one
@@ -27,7 +47,7 @@ every common step) are named in that panel's title and in a note after the
 table. Tick labels are plain numbers (no offset or shared multiplier), and a y
 axis spans at least MIN_REL_SPAN of its values, so rounding-level differences
 never fill a panel.
-Panels whose metric no run logged are left out (the figure says which).
+Panels whose metric no run logged are left out (comparison.md says which).
 A metric ending in ``/block*`` is per block: its panel draws, at each step, the
 largest value over the run's blocks (``stability/massive_ratio/block*``).
 
@@ -40,7 +60,8 @@ Runs with float8 or 4-bit cast statistics (``precision=fp8``, ``mxfp8``,
 ``nvfp4``, ``mxfp4``, ...) also get
 ``fp8_layers.png``, their casts layer by layer, and ``fp8_layers.md``, a
 table per run of each layer's and operand's casts at the last monitored step
-next to the best what-if recipe (printed too).
+next to the best what-if recipe (printed too); no figure when every run was
+monitored at one step only, and never more than 2400 pixels a side.
 """
 from __future__ import annotations
 

@@ -277,6 +277,16 @@ def min_span(ax, values: list[float], rel: float = MIN_REL_SPAN) -> None:
         ax.set_ylim(mid - need / 2, mid + need / 2)
 
 
+def label_axes(ax, x: str, scale: str, unit: str) -> None:
+    """A panel's axis labels (the x axis's name, the y axis's unit) and its y scale."""
+    ax.set_xlabel("tokens" if x == "train/tokens" else "step")
+    ax.set_ylabel(unit)
+    if scale == "log2":
+        ax.set_yscale("log", base=2)
+    elif scale == "log":
+        ax.set_yscale("log")
+
+
 def _panel(ax, runs: list[Run], spec: tuple, same: list[list[str]]) -> None:
     """One panel: every run with data in its own style (sparse samples as points), the
     axes plain and labelled with their units (shares in percent), the title saying how
@@ -302,12 +312,7 @@ def _panel(ax, runs: list[Run], spec: tuple, same: list[list[str]]) -> None:
                      f"points: sampled every {'/'.join(map(str, every))} steps")
     notes = [n for n in notes if n] + [f"same curve: {' = '.join(g)}" for g in same]
     ax.set_title("\n".join([title, *(textwrap.fill(n, 70) for n in notes)]), fontsize=10 if notes else None)
-    ax.set_xlabel("tokens" if x == "train/tokens" else "step")
-    ax.set_ylabel(unit)
-    if scale == "log2":
-        ax.set_yscale("log", base=2)
-    elif scale == "log":
-        ax.set_yscale("log")
+    label_axes(ax, x, scale, unit)
     if metric in FROM_ZERO:
         ax.set_ylim(0, max(values, default=1.0) * 1.05)
     elif scale != "log2":  # (the loss scale's powers of 2 keep matplotlib's own, wider, axis)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from mptrain.compare.figure import build_figure, frame, log_ticks, panels_with_data, percent, plain_axes
+from mptrain.compare.figure import (FROM_ZERO, build_figure, frame, label_axes, panels_with_data, percent,
+                                    plain_axes)
 from mptrain.compare.runs import Run, compared
 from mptrain.compare.seeds import SEED_KEY, Report, mean_curve
 from mptrain.core import stats
@@ -112,17 +113,10 @@ def _metric_panel(ax, rep: Report, spec: tuple) -> None:
         if xs:
             _band(ax, xs, [[k * c[v] for v in xs] for c in curves], _color(i))
     ax.set_title(title, fontsize=10)
-    ax.set_xlabel("tokens" if x == "train/tokens" else "step")
-    ax.set_ylabel(unit)
-    if scale == "log2":
-        ax.set_yscale("log", base=2)
-    elif scale == "log":
-        ax.set_yscale("log")
-    if metric == "perf/tokens_per_s":
+    label_axes(ax, x, scale, unit)
+    if metric in FROM_ZERO:
         ax.set_ylim(bottom=0)
-    plain_axes(ax, x, scale)
-    if scale == "log":
-        log_ticks(ax)
+    plain_axes(ax, x, scale)  # (a log axis gets its 1-2-5 ticks there)
     ax.grid(alpha=0.3)
 
 

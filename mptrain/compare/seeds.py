@@ -268,7 +268,8 @@ def mean_curve(s: Setting) -> tuple[list, list[float], list[float], list[float]]
     clocks = [training_time(r) for r in s.runs]
     at = [[_at(c, step) for c in clocks] for step in steps]
     return (steps, [stats.spread([c[k] for c in curves]).mean for k in steps],
-            [stats.spread([a[0] for a in row]).mean for row in at], [stats.spread([a[1] for a in row]).mean for row in at])
+            [stats.spread([a[0] for a in row]).mean for row in at],
+            [stats.spread([a[1] for a in row]).mean for row in at])
 
 
 def mean_reach(s: Setting, target: float) -> Reach:
@@ -429,9 +430,8 @@ def seeds_md(rep: Report) -> str:
         if s.extra:
             notes.append(f"{s.label}: left out {', '.join(r.path.name for r in s.extra)} "
                          "(a seed the setting already has).")
-        cells = [s.label, ",".join(map(str, s.seeds)), (stats.spread(finals).text() if finals else "n/a") + (f"; {diverged} diverged" if diverged else ""),
-                 name,
-                 diff, words]
+        final = (stats.spread(finals).text() if finals else "n/a") + (f"; {diverged} diverged" if diverged else "")
+        cells = [s.label, ",".join(map(str, s.seeds)), final, name, diff, words]
         cells += [(sp.text(f) if (sp := figure_spread(s.runs, k)) else "n/a") for _, k, f in extra]
         lines.append("| " + " | ".join(cells) + " |")
     if rep.one_seed:

@@ -703,6 +703,31 @@ def test_effect_asks_the_seed_estimate_for_a_given_size(tmp_path, capsys):
     assert "would resolve a difference of 0.0500 nats" in seeds["precision=bf16"][5]
 
 
+def test_whole_split_loss_is_used_where_every_run_has_it_and_unpaired_seeds_are_named(tmp_path, capsys):
+    """fp32 and bf16 over seeds 0-2, bf16 also seed 3: seed 3 is left out of the pairing and
+    named; the whole-split loss (final/whole_val_loss) is compared where every run has it."""
+    runs = {}
+    for k in range(4):
+        if k < 3:
+            runs[f"a{k}"] = ({"precision": {"name": "fp32"}, "train": {"seed": k}}, 3.30 + k / 100)
+        runs[f"b{k}"] = ({"precision": {"name": "bf16"}, "train": {"seed": k}}, 3.31 + k / 100)
+    root = _sweep_of(tmp_path / "sweep", runs)
+    code, _, err = _compare_here(capsys, root)
+    md = (root / "comparison.md").read_text()
+    seeds = _section(md, "Final validation loss over seeds")
+    assert seeds["precision=bf16"][1] == "0,1,2,3" and seeds["precision=bf16"][3] == "eval set"
+    assert "3 paired seeds" in seeds["precision=bf16"][5]
+    assert "precision=bf16 against precision=fp32: left out seed 3 (only precision=bf16)." in md
+    for d in (p for p in root.iterdir() if p.is_dir()):  # the whole val split, 0.5 nats below the eval set's loss
+        summary = json.loads((d / "summary.json").read_text())
+        summary.update({"final/whole_val_loss": summary["final/val_loss"] - 0.5, "eval/whole_tokens": 90_000})
+        (d / "summary.json").write_text(json.dumps(summary))
+    code, _, err = _compare_here(capsys, root)
+    seeds = _section((root / "comparison.md").read_text(), "Final validation loss over seeds")
+    assert seeds["precision=fp32"][3] == "whole val split (90,000 tokens)"
+    assert seeds["precision=fp32"][2].startswith("2.8100 ± 0.0100 (sd, 3 seeds)")
+
+
 def test_fp8_layers_of_one_monitored_step_are_a_table_not_a_page_of_points(tmp_path, capsys):
     """Per-layer casts logged at one step per run: fp8_layers.md has them, and no figure of
     single-point panels is drawn; a figure that is drawn is saved at most MOST_PIXELS a side."""

@@ -410,7 +410,9 @@ def seeds_md(rep: Report) -> str:
     extra = [(c, k, f) for c, k, f in FINAL_FIGURES if any(figure_spread(s.runs, k) for s in rep.settings)]
     head = ["setting", "seeds", "final val loss", "on", "- reference (paired)", "verdict", *(c for c, _, _ in extra)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    notes = [f"Paired by seed: seed k of a setting against seed k of its reference; {rep.how}."]
+    notes = [f"Paired by seed: seed k of a setting against seed k of its reference; {rep.how}. "
+             "comparison.png's second panel draws these differences over the steps, so settings whose loss "
+             "curves lie on each other there are apart."]
     for s in rep.settings:
         ref, v = rep.refs[id(s)], rep.versus[id(s)]
         whole, name = val_set(s.runs)

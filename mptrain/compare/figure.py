@@ -347,14 +347,14 @@ def build_figure(runs: list[Run], lead: tuple = (), note: str = ""):
     title = compared(runs) + (f" · {note}" if note else "")
     handles = [Line2D([], [], **{k: v for k, v in style(i, 2, len(runs)).items() if k != "markevery"})
                for i in range(len(runs))]
-    fig, axes, table_ax = frame(len(lead) + len(panels), n_single, title, handles, [r.label for r in runs])
+    fig, axes, table_ax, top = frame(len(lead) + len(panels), n_single, title, handles, [r.label for r in runs])
     for ax, draw in zip(axes, lead, strict=False):
         draw(ax)
     for ax, spec in zip(axes[len(lead):], panels, strict=True):
         _panel(ax, runs, spec, same.get(spec[0], []))
     if table_ax is not None:
         _single_points_table(table_ax, runs)
-    fig.tight_layout(rect=(0, 0, 1, 1 - fig._mptrain_top))
+    fig.tight_layout(rect=(0, 0, 1, 1 - top))
     return fig
 
 
@@ -362,8 +362,8 @@ def frame(n_panels: int, n_single: int, title: str, handles: list, labels: list[
     """A figure for ``n_panels`` panels with no empty slot: three to a row (fewer when there
     are fewer), the last row's panels widened to fill it; under them a table of
     ``n_single`` rows; the title and the legend above. Returns the figure, the panels'
-    axes in order and the table's axes (None without a table). ``fig._mptrain_top`` is
-    the share of the height the title and legend take (for ``tight_layout``'s rect)."""
+    axes in order, the table's axes (None without a table) and the share of the height
+    the title and legend take (for ``tight_layout``'s rect)."""
     from matplotlib.figure import Figure
 
     cols = max(1, min(3, n_panels))
@@ -388,8 +388,7 @@ def frame(n_panels: int, n_single: int, title: str, handles: list, labels: list[
     fig.suptitle(title, fontsize=11, y=1 - 0.08 / height, va="top")
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1 - title_h / height), ncol=ncol,
                fontsize=10, frameon=False)
-    fig._mptrain_top = (title_h + legend_h) / height
-    return fig, axes, table_ax
+    return fig, axes, table_ax, (title_h + legend_h) / height
 
 
 def figure(fig, runs: list[Run], out: Path) -> tuple[list[str], str]:

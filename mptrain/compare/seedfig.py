@@ -140,12 +140,12 @@ def build_seed_figure(runs: list[Run], rep: Report):
     labels = [f"{s.label} ({len(s.runs)} seed{'s' if len(s.runs) > 1 else ''})" for s in rep.settings]
     handles.append(Patch(color="grey", alpha=0.3))
     labels.append(BAND.format(n=n))
-    fig, axes, _ = frame(len(lead) + len(panels), 0, title, handles, labels)
+    fig, axes, _, top = frame(len(lead) + len(panels), 0, title, handles, labels)
     for ax, draw in zip(axes, lead, strict=False):
         draw(ax)
     for ax, spec in zip(axes[len(lead):], panels, strict=True):
         _metric_panel(ax, rep, spec)
-    fig.tight_layout(rect=(0, 0, 1, 1 - fig._mptrain_top))
+    fig.tight_layout(rect=(0, 0, 1, 1 - top))
     return fig
 
 

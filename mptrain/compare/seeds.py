@@ -411,8 +411,8 @@ def seeds_md(rep: Report) -> str:
     head = ["setting", "seeds", "final val loss", "on", "- reference (paired)", "verdict", *(c for c, _, _ in extra)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = [f"Paired by seed: seed k of a setting against seed k of its reference; {rep.how}. "
-             "comparison.png's second panel draws these differences over the steps, so settings whose loss "
-             "curves lie on each other there are apart."]
+             "comparison.png's second panel draws these differences over the steps: settings whose loss curves "
+             "coincide in the loss panel are apart there."]
     for s in rep.settings:
         ref, v = rep.refs[id(s)], rep.versus[id(s)]
         whole, name = val_set(s.runs)

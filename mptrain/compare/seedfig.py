@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from mptrain.compare.figure import (FROM_ZERO, build_figure, frame, label_axes, panels_with_data, percent,
                                     plain_axes)
 from mptrain.compare.runs import Run, compared
-from mptrain.compare.seeds import SEED_KEY, Report, mean_curve
+from mptrain.compare.seeds import SEED_KEY, Report, mean_curve, short_text
 from mptrain.core import stats
 
 BAND = "band: range (lowest to highest) over {n} seeds"
@@ -52,7 +52,7 @@ def _matched_panel(ax, rep: Report) -> None:
             up = f", {theirs.time_s / m.time_s:.2f}x" if theirs is not None and theirs.reached and m.time_s else ""
             lines.append((f"{s.label}: {m.time_s:.3g} s, {m.tokens:,.0f} tokens{up}", _color(i)))
         else:
-            lines.append((f"{s.label}: never, short by {m.short_by:+.4f}", _color(i)))
+            lines.append((f"{s.label}: never, short by {short_text(m.short_by)}", _color(i)))
     targets = {t for t in rep.targets.values() if t is not None}
     for t in targets:
         ax.axhline(t, color="black", linestyle="--", linewidth=1)

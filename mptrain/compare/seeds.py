@@ -337,6 +337,12 @@ def report(runs: list[Run], reference: Optional[str] = None, target_loss: Option
     return Report(settings, refs, how, targets, target_how, reaches, means, vs)
 
 
+def short_text(x: float) -> str:
+    """A shortfall in nats, signed: four decimals, or two significant digits below 0.001
+    (an fp16 run 0.00002 short of an fp32 target is not "+0.0000")."""
+    return f"{x:+.4f}" if not math.isfinite(x) or abs(x) >= 1e-3 else f"{x:+.1e}"
+
+
 def _spread_ci(values: list[float], spec: str) -> str:
     """``mean ± sd (sd, n seeds), 95% CI lo to hi`` (the interval from 2 seeds on) of the
     finite ``values``; n/a when there are none (a run without ``perf/step_time_s``)."""
@@ -376,12 +382,12 @@ def matched_md(rep: Report) -> str:
         at = f"{len(hit)} of {len(got)}"
         if missed:
             at += (f"; never reached by {len(missed)}: final val/loss short by "
-                   f"{', '.join(f'{g.short_by:+.4f}' for g in missed)}")
+                   f"{', '.join(short_text(g.short_by) for g in missed)}")
         tokens = _spread_ci([g.tokens for g in hit], ",.0f") if hit else "n/a"
         times = _spread_ci([g.time_s for g in hit], ".3g") if hit else "n/a"
         mine, theirs = rep.means[id(s)], rep.means.get(id(ref)) if ref is not None else None
         if mine is not None and not mine.reached:
-            speedup = f"never (mean curve short by {mine.short_by:+.4f})"
+            speedup = f"never (mean curve short by {short_text(mine.short_by)})"
         elif mine is None or theirs is None or not theirs.reached:
             speedup = "n/a"
         else:

@@ -7,9 +7,14 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
+
+from mptrain.compare.figure import MIN_REL_SPAN, build_figure, coincidences, is_sparse, min_span, panels_with_data
+from mptrain.compare.fp8 import _fp8_selection, build_fp8_figure, fp8_casts
+from mptrain.compare.runs import find_runs, label_runs
 
 from .conftest import ROOT, TINY, load_script, read_rows, run_cli, train
 
@@ -31,6 +36,11 @@ def _compare_here(capsys, *args) -> tuple[int, str, str]:
     return code, out, err
 
 
+def _each_run(md: str) -> list[str]:
+    """The lines of comparison.md's per-run table (after the settings' tables)."""
+    return md.split("### Each run", 1)[1].splitlines()
+
+
 def test_compare_a_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     for i, p in enumerate(["fp32", "bf16", "fp16"]):
@@ -41,7 +51,7 @@ def test_compare_a_sweep(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     text = md.read_text()
     assert "precision=fp32" in text and "precision=bf16" in text and "precision=fp16" in text
-    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| precision=")}
+    rows = {line.split("|")[1].strip(): line for line in _each_run(text) if line.startswith("| precision=")}
     assert "| +0.0000 |" in rows["precision=fp32"]  # the reference run
     assert rows["precision=fp16"].split("|")[7].strip() == "0"  # skipped steps, from summary.json
     assert rows["precision=fp32"].split("|")[5].strip() == "16.00"  # state bytes per parameter
@@ -107,16 +117,15 @@ def test_figure_of_one_point_runs_and_identical_curves(short_runs, tmp_path, cap
     """Two identical one-point runs and a third that differs: the axes read
     plainly, a lone point is a visible marker, the identical pair is drawn in two
     styles and named, on the figure and in the printed output; the third run is not."""
-    compare = load_script("compare")
-    runs = compare.find_runs([short_runs])
-    a, b, c = compare.label_runs(runs)
+    runs = find_runs([short_runs])
+    a, b, c = label_runs(runs)
     assert a.endswith("(a)") and b.endswith("(b)") and c.endswith("(run)")  # same config: named by directory
-    alone = compare.build_figure(runs[:2])  # one point each: no curve, so a table and no panel
+    alone = build_figure(runs[:2])  # one point each: no curve, so a table and no panel
     assert [ax.get_title() for ax in alone.axes] == [SINGLE_TITLE]
     cells = _table_rows(alone)
     assert cells["train loss"][1] == "1" and cells["train loss"][2] == cells["train loss"][3]
     # (the throughput is timed: two runs of one configuration differ there)
-    panels = _plain_labels(compare.build_figure(runs), only=lambda t: t != SINGLE_TITLE and "throughput" not in t)
+    panels = _plain_labels(build_figure(runs), only=lambda t: t != SINGLE_TITLE and "throughput" not in t)
     assert {"train loss", "gradient norm (unscaled, before clipping)"} <= set(panels)
     for title, ax in panels.items():
         la, lb, _ = ax.get_lines()  # beside the third run's curve
@@ -130,9 +139,9 @@ def test_figure_of_one_point_runs_and_identical_curves(short_runs, tmp_path, cap
 
     ax = Figure().subplots()  # two losses 1e-4 apart do not stretch over a whole panel
     ax.plot([1, 1], [7.5213, 7.5214])
-    compare.min_span(ax, [7.5213, 7.5214])
-    assert ax.get_ylim()[1] - ax.get_ylim()[0] >= 0.99 * compare.MIN_REL_SPAN * 7.5214
-    title = _plain_labels(compare.build_figure(runs))["train loss"].get_title().replace("\n", " ")
+    min_span(ax, [7.5213, 7.5214])
+    assert ax.get_ylim()[1] - ax.get_ylim()[0] >= 0.99 * MIN_REL_SPAN * 7.5214
+    title = _plain_labels(build_figure(runs))["train loss"].get_title().replace("\n", " ")
     assert f"same curve: {a} = {b}" in title and c not in title
     code, out, err = _compare_here(capsys, short_runs, "--out", tmp_path / "report")
     assert code == 0, err
@@ -144,15 +153,14 @@ def test_figure_of_one_point_runs_and_identical_curves(short_runs, tmp_path, cap
 def test_a_whole_sweep_coinciding_is_named_once(tmp_path):
     """A panel where every run of a sweep draws the same curve (a metric no setting
     touches) says so in three words instead of listing every run."""
-    compare = load_script("compare")
     for i in range(3):
         (tmp_path / str(i)).mkdir()
         (tmp_path / str(i) / "metrics.jsonl").write_text(
             "".join(json.dumps({"step": s, "train/loss": 3.0 + i - s / 10, "train/lr": 1e-3}) + "\n" for s in (1, 2)))
-    runs = compare.find_runs([tmp_path])
-    compare.label_runs(runs)
+    runs = find_runs([tmp_path])
+    label_runs(runs)
     panels = [("train loss", "train/loss", "step", "linear"), ("lr", "train/lr", "step", "linear")]
-    assert compare.coincidences(runs, panels) == {"lr": [["all 3 runs"]]}
+    assert coincidences(runs, panels) == {"lr": [["all 3 runs"]]}
 
 
 # ------------------------------------------------------------ what the figure tells at a glance
@@ -200,25 +208,23 @@ def _axes(fig) -> dict:
 def test_labels_leave_out_keys_at_their_defaults(tmp_path):
     """A key one run set and the others have at its default (``train.audit``) is in the label of
     the run that set it only; a key a run's config lacks counts at its default, not as a difference."""
-    compare = load_script("compare")
     sweep = _three_precisions(tmp_path)
-    runs = compare.find_runs([sweep])
-    assert compare.label_runs(runs) == ["precision=fp32", "precision=fp16", "precision=bf16, train.audit=True"]
+    runs = find_runs([sweep])
+    assert label_runs(runs) == ["precision=fp32", "precision=fp16", "precision=bf16, train.audit=True"]
     for name in ("0", "1"):  # older runs without the key: the same as False
         cfg = yaml.safe_load((sweep / name / "config.yaml").read_text())
         del cfg["train"]["audit"]
         (sweep / name / "config.yaml").write_text(yaml.safe_dump(cfg))
-    runs = compare.find_runs([sweep])
-    assert compare.label_runs(runs) == ["precision=fp32", "precision=fp16", "precision=bf16, train.audit=True"]
+    runs = find_runs([sweep])
+    assert label_runs(runs) == ["precision=fp32", "precision=fp16", "precision=bf16, train.audit=True"]
 
 
 def test_figure_title_says_what_was_compared_and_legend_is_on_top(tmp_path):
     """The title names the compared values and what the runs share; the legend, one entry
     per run, sits above every panel (under the title), not below the last row."""
-    compare = load_script("compare")
-    runs = compare.find_runs([_three_precisions(tmp_path)])
-    compare.label_runs(runs)
-    fig = compare.build_figure(runs)
+    runs = find_runs([_three_precisions(tmp_path)])
+    label_runs(runs)
+    fig = build_figure(runs)
     fig.draw_without_rendering()
     (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == [r.label for r in runs]
@@ -230,10 +236,9 @@ def test_figure_title_says_what_was_compared_and_legend_is_on_top(tmp_path):
 def test_sparse_samples_are_points_not_lines(tmp_path):
     """Monitor samples (every 10 steps next to a loss logged every step) are drawn as points,
     not joined by lines, and their panels say how often they were taken; the loss keeps its line."""
-    compare = load_script("compare")
-    runs = compare.find_runs([_three_precisions(tmp_path)])
-    compare.label_runs(runs)
-    panels = _axes(compare.build_figure(runs))
+    runs = find_runs([_three_precisions(tmp_path)])
+    label_runs(runs)
+    panels = _axes(build_figure(runs))
     for line in panels["train loss"].get_lines():
         assert line.get_linestyle() not in ("None", "", " ", "none")
     for title in ("output logits: mean log Z", "what-if: gradients that would underflow in fp16"):
@@ -242,31 +247,29 @@ def test_sparse_samples_are_points_not_lines(tmp_path):
             assert line.get_linestyle() == "None" and line.get_marker() not in ("", "None", None)
             assert list(line.get_xdata()) == [1, 10, 20, 30, 40]
         assert "points: sampled every 10 steps" in ax.get_title()
-    assert not compare.is_sparse(runs[0], list(range(1, 41, 3)))  # 14 points, a third of the loss's: a line
-    assert compare.is_sparse(runs[0], list(range(1, 41, 4)))  # 10 points: too few to join
+    assert not is_sparse(runs[0], list(range(1, 41, 3)))  # 14 points, a third of the loss's: a line
+    assert is_sparse(runs[0], list(range(1, 41, 4)))  # 10 points: too few to join
 
 
 def test_underflow_panels_say_they_are_after_loss_scaling(tmp_path):
     """fp16 runs' gradients are counted as held, times the loss scale: the underflow panels
     say so, and say nothing of the kind in a sweep without loss scaling."""
-    compare = load_script("compare")
-    runs = compare.find_runs([_three_precisions(tmp_path / "with")])
-    compare.label_runs(runs)
-    title = _axes(compare.build_figure(runs))["what-if: gradients that would underflow in fp16"].get_title()
+    runs = find_runs([_three_precisions(tmp_path / "with")])
+    label_runs(runs)
+    title = _axes(build_figure(runs))["what-if: gradients that would underflow in fp16"].get_title()
     assert "fp16 runs: measured after loss scaling" in title.replace("\n", " ")
-    assert "loss scaling" not in _axes(compare.build_figure(runs))["output logits: mean log Z"].get_title()
+    assert "loss scaling" not in _axes(build_figure(runs))["output logits: mean log Z"].get_title()
     unscaled = [r for r in runs if r.config["precision"]["name"] != "fp16"]
-    assert "loss scaling" not in _axes(compare.build_figure(unscaled))[
+    assert "loss scaling" not in _axes(build_figure(unscaled))[
         "what-if: gradients that would underflow in fp16"].get_title()
 
 
 def test_one_point_metric_is_a_table_row_not_a_panel(tmp_path):
     """Validation losses of one point per run, 0.0003 apart at 7.29: no panel of lone points on
     an axis zoomed to their gap, but a row of the table under the panels, each run's value."""
-    compare = load_script("compare")
-    runs = compare.find_runs([_three_precisions(tmp_path)])
-    compare.label_runs(runs)
-    fig = compare.build_figure(runs)
+    runs = find_runs([_three_precisions(tmp_path)])
+    label_runs(runs)
+    fig = build_figure(runs)
     assert "validation loss" not in _axes(fig)
     assert _table_rows(fig)["validation loss"] == ["loss (nats/token)", "40", "7.2911", "7.2911", "7.2908"]
 
@@ -309,10 +312,9 @@ def test_a_short_sweeps_figure_tells_the_truth_at_a_glance(tmp_path, capsys):
     """Panels only where a curve is (the single-point metrics in a table, in the figure and in
     comparison.md), what-ifs titled as such and shares in percent as the table has them, a unit
     on every axis, and a tokens/s panel."""
-    compare = load_script("compare")
-    runs = compare.find_runs([_short_sweep(tmp_path / "sweep")])
-    compare.label_runs(runs)
-    fig = compare.build_figure(runs)
+    runs = find_runs([_short_sweep(tmp_path / "sweep")])
+    label_runs(runs)
+    fig = build_figure(runs)
     panels = _axes(fig)
     assert set(panels) == {"train loss", "train loss vs tokens", "throughput (all ranks)", SINGLE_TITLE}
     for title, ax in panels.items():
@@ -340,10 +342,9 @@ def test_a_short_sweeps_figure_tells_the_truth_at_a_glance(tmp_path, capsys):
 
 def test_shares_are_drawn_in_percent(tmp_path):
     """A share on a panel is in percent, as in the tables: 0.04 of the gradients is drawn at 4 (%)."""
-    compare = load_script("compare")
-    runs = compare.find_runs([_three_precisions(tmp_path)])
-    compare.label_runs(runs)
-    ax = _axes(compare.build_figure(runs))["what-if: gradients that would underflow in fp16"]
+    runs = find_runs([_three_precisions(tmp_path)])
+    label_runs(runs)
+    ax = _axes(build_figure(runs))["what-if: gradients that would underflow in fp16"]
     assert ax.get_ylabel() == "% of non-zero gradients"
     assert max(max(line.get_ydata()) for line in ax.get_lines()) == 0.001 * 40 * 100
 
@@ -360,7 +361,7 @@ def test_loss_gap_only_between_runs_of_the_same_config(tmp_path, capsys):
     code, out, err = _compare_here(capsys, root)
     assert code == 0, err
     gaps = [line.split("|")[4].strip()
-            for line in (root / "comparison.md").read_text().splitlines() if line.startswith("| precision=")]
+            for line in _each_run((root / "comparison.md").read_text()) if line.startswith("| precision=")]
     assert gaps == ["+0.0000", "-0.0055", "+0.0014", "n/a"]  # runs 0..3 in order
     (refusal,) = [line for line in out.splitlines() if line.startswith("No val loss - fp32 for")]
     assert refusal.startswith("No val loss - fp32 for precision=fp16, model.d_model=32:")
@@ -441,15 +442,14 @@ def test_fp8_layers_figure_and_table(tmp_path, capsys):
     _synthetic_run(sweep / "0", "fp8", "tensorwise", summary_casts=True)
     _synthetic_run(sweep / "1", "fp8", "rowwise")
     _synthetic_run(sweep / "2", "fp32")
-    compare = load_script("compare")
-    runs = compare.find_runs([sweep])
-    compare.label_runs(runs)
-    panels, _ = compare.panels_with_data(runs)
+    runs = find_runs([sweep])
+    label_runs(runs)
+    panels, _ = panels_with_data(runs)
     assert {"fp8/worst/flush", "fp8/worst/saturate", "fp8/worst/sqnr_db"} <= {p[1] for p in panels}
-    old = compare.fp8_casts(runs[1])["layers"]["block0.attn.qkv"]["input"]["whatif"]
+    old = fp8_casts(runs[1])["layers"]["block0.attn.qkv"]["input"]["whatif"]
     assert "mxfp8" in old and "block1x32" not in old  # the old run's what-if under its name now
 
-    fig = compare.build_fp8_figure(runs)
+    fig = build_fp8_figure(runs)
     lines = _plain_labels(fig, only=lambda title: "by recipe" not in title)
     assert len(fig.axes) == 8  # 2 layers x (flush, saturate, SQNR, recipe grid)
     flush = lines["block1.mlp.fc: flushed to 0 (% of non-zeros)"]
@@ -470,7 +470,7 @@ def test_fp8_layers_figure_and_table(tmp_path, capsys):
     assert "[fp8_layers.md](fp8_layers.md)" in (sweep / "comparison.md").read_text()
     # the main table: each run's worst casts over all its monitored steps; fp32 has none
     table = {ln.split(" | ")[0].lstrip("| "): ln.rstrip(" |").split(" | ")[-3:]
-             for ln in (sweep / "comparison.md").read_text().splitlines() if ln.startswith("| precision=")}
+             for ln in _each_run((sweep / "comparison.md").read_text()) if ln.startswith("| precision=")}
     tw_rows = [r for r in read_rows(sweep / "0") if "fp8/worst/flush" in r]
     assert table["precision=fp8 (0)"] == [f"{100 * max(r['fp8/worst/flush'] for r in tw_rows):.3g}%",
                                           f"{100 * max(r['fp8/worst/saturate'] for r in tw_rows):.3g}%",
@@ -497,8 +497,7 @@ def test_no_fp8_layers_without_fp8_metrics(tmp_path, capsys):
     panels are not reported as missing."""
     for p in ("fp32", "bf16"):
         _synthetic_run(tmp_path / "sweep" / p, p)
-    compare = load_script("compare")
-    assert compare.build_fp8_figure(compare.find_runs([tmp_path / "sweep"])) is None
+    assert build_fp8_figure(find_runs([tmp_path / "sweep"])) is None
     code, out, err = _compare_here(capsys, tmp_path / "sweep")
     assert code == 0, err
     assert not list((tmp_path / "sweep").glob("fp8_layers*"))
@@ -511,12 +510,239 @@ def test_fp8_layers_figure_caps_layers_and_runs():
     the first 8, and says which it left out."""
     from types import SimpleNamespace
 
-    compare = load_script("compare")
     layers = [f"block{i}.mlp.fc" for i in range(14)]
     runs = [(SimpleNamespace(label=f"run{r}"),
              {"layers": {layer: {"input": {"sqnr_db": 40.0 - i}} for i, layer in enumerate(layers)}})
             for r in range(9)]
     runs[0][1]["layers"]["block0.mlp.fc"]["input"]["sqnr_db"] = 10.0  # one run's worst layer is kept
-    shown, kept, dropped_layers, dropped_runs = compare._fp8_selection(runs)
+    shown, kept, dropped_layers, dropped_runs = _fp8_selection(runs)
     assert len(shown) == 8 and dropped_runs == ["run8"]
     assert kept == [layers[0], *layers[3:]] and dropped_layers == layers[1:3]
+
+
+# ------------------------------------------------------------ settings over seeds (#52)
+GOOD_LR, BAD_LR = "0.002", "0.0002"  # at 30 steps the lower one ends ~1.7 nats worse; seeds spread ~0.03
+
+
+@pytest.fixture(scope="module")
+def seed_sweep(tmp_path_factory) -> Path:
+    """One real multirun (one process): optim.lr good and ten times too low, seeds 0, 1, 2;
+    30 steps, a validation loss every 5. Jobs 0-2 are the good lr, 3-5 the low one."""
+    root = tmp_path_factory.mktemp("seed-sweep")
+    r = run_cli("-m", *TINY, "train.max_steps=30", "train.eval_every=5", "train.eval_tokens=2048",
+                "monitor.enabled=false", f"optim.lr={GOOD_LR},{BAD_LR}", "train.seed=0,1,2",
+                f"hydra.sweep.dir={root / 'sweep'}", cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root / "sweep"
+
+
+def _section(md: str, head: str) -> list[str]:
+    """The table rows of comparison.md's section ``### head``, by their first cell."""
+    body = md.split(f"### {head}", 1)[1].split("###", 1)[0]
+    return {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]]
+            for ln in body.splitlines() if ln.startswith("| ") and not ln.startswith("| setting")}
+
+
+def _seed_report(paths, *args):
+    """The settings' report and the figure for ``paths``, in this process, as main makes them."""
+    from mptrain.compare.seedfig import build_seed_figure
+    from mptrain.compare.seeds import report
+
+    runs = find_runs(paths)
+    label_runs(runs)
+    rep = report(runs, *args)
+    return runs, rep, build_seed_figure(runs, rep)
+
+
+def test_a_worse_learning_rate_is_resolved_and_never_reaches_the_target(seed_sweep, capsys):
+    code, out, err = _compare_here(capsys, seed_sweep)
+    assert code == 0, err
+    md = (seed_sweep / "comparison.md").read_text()
+    # the speed at matched quality leads, then the settings over seeds, then each run
+    assert md.index("### Speed at matched quality") < md.index("### Final validation loss over seeds") \
+        < md.index("### Each run")
+    assert out.lstrip().startswith("### Speed at matched quality")
+    good, bad = f"optim.lr={GOOD_LR}", f"optim.lr={BAD_LR}"
+    speed = _section(md, "Speed at matched quality")
+    assert set(speed) == {f"{good} (reference)", bad}
+    assert speed[f"{good} (reference)"][5] == "1.00x"  # the reference's own mean curve ends at the target
+    short = re.search(r"0 of 3; never reached by 3: final val/loss short by \+(\d\.\d+)", speed[bad][2])
+    assert short and float(short.group(1)) > 0.5, speed[bad]
+    assert speed[bad][5].startswith("never (mean curve short by +")
+    seeds = _section(md, "Final validation loss over seeds")
+    assert seeds[good][1] == seeds[bad][1] == "0,1,2" and seeds[good][4] == "(reference)"
+    assert seeds[bad][3].startswith("eval set")  # no whole-split loss in these runs: says which set
+    verdict = seeds[bad][5]
+    assert verdict.startswith("resolved: +") and "worse than the reference" in verdict and "3 paired seeds" in verdict
+    lo, hi = map(float, re.search(r"95% CI ([+-][\d.]+) to ([+-][\d.]+)", seeds[bad][4]).groups())
+    assert 0.5 < lo < hi  # far from zero: the effect is ~1.7 nats against seed noise of ~0.03
+    assert "the reference is the first setting" in md  # no fp32/bf16 pairing in an fp32 lr sweep: said
+
+
+def test_the_seed_figure_reads_back(seed_sweep):
+    from matplotlib.collections import PolyCollection
+
+    runs, rep, fig = _seed_report([seed_sweep])
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles[0].startswith("speed at matched quality")  # leads, before any other panel
+    assert titles[1].startswith("val loss - reference, paired by seed")
+    lead_texts = [t.get_text() for t in fig.axes[0].texts]
+    assert any(t.startswith(f"optim.lr={BAD_LR}: never, short by +") for t in lead_texts), lead_texts
+    assert any(t.startswith(f"optim.lr={GOOD_LR}: ") and t.endswith("1.00x") for t in lead_texts), lead_texts
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "band: range (lowest to highest) over 3 seeds" in legend
+    assert f"optim.lr={GOOD_LR} (3 seeds)" in legend
+    # the validation loss panel: a band per setting spanning its seeds' lowest and highest loss
+    val = next(ax for ax in fig.axes if ax.get_title() == "validation loss")
+    bands = [c for c in val.collections if isinstance(c, PolyCollection)]
+    assert len(bands) == 2
+    for band, s in zip(bands, rep.settings, strict=True):
+        curves = [dict(zip(*r.series("val/loss", "step"), strict=True)) for r in s.runs]
+        ys = band.get_paths()[0].vertices[:, 1]
+        assert min(ys) == pytest.approx(min(min(c.values()) for c in curves))
+        assert max(ys) == pytest.approx(max(max(c.values()) for c in curves))
+    # the difference panel: the worse lr's line is the mean of the seed-by-seed differences
+    diff = fig.axes[1].lines[-1]
+    good, bad = rep.settings
+    last = [bad.by_seed()[k].series("val/loss", "step")[1][-1] - good.by_seed()[k].series("val/loss", "step")[1][-1]
+            for k in (0, 1, 2)]
+    assert diff.get_ydata()[-1] == pytest.approx(sum(last) / 3)
+    assert "not logged" not in fig._suptitle.get_text()
+    width: dict[int, int] = {}  # no empty slot: the panels of each grid row fill its six columns
+    for ax in fig.axes:
+        spec = ax.get_subplotspec()
+        width[spec.rowspan.start] = width.get(spec.rowspan.start, 0) + len(spec.colspan)
+    assert set(width.values()) == {6}, width
+
+
+def _copy_setting(src: list[Path], dst: Path, order: list[int], **changes) -> None:
+    """Copies of ``src`` (one run per seed) under ``dst``, numbered in ``order`` (so that a
+    pairing by position would pair different seeds), with config keys ``changes`` set."""
+    import shutil
+
+    for i, j in enumerate(order):
+        shutil.copytree(src[j], dst / str(i))
+        cfg = yaml.safe_load((dst / str(i) / "config.yaml").read_text())
+        for dotted, v in changes.items():
+            section, key = dotted.split("__")
+            cfg[section][key] = v
+        (dst / str(i) / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_one_setting_against_itself_is_not_resolved(seed_sweep, tmp_path, capsys):
+    """A/A: the good lr's three runs, and the same runs under a key that cannot change a run
+    that never meets a non-finite loss (train.on_nonfinite), numbered in another seed order.
+    Paired by seed, every difference is exactly zero; paired by position it would not be."""
+    good = [seed_sweep / str(i) for i in (0, 1, 2)]
+    _copy_setting(good, tmp_path / "aa" / "a", [0, 1, 2])
+    _copy_setting(good, tmp_path / "aa" / "b", [2, 0, 1], train__on_nonfinite="skip")
+    code, _, err = _compare_here(capsys, tmp_path / "aa", "--reference", "train.on_nonfinite=abort")
+    assert code == 0, err
+    seeds = _section((tmp_path / "aa" / "comparison.md").read_text(), "Final validation loss over seeds")
+    assert set(seeds) == {"train.on_nonfinite=abort", "train.on_nonfinite=skip"}
+    verdict = seeds["train.on_nonfinite=skip"][5]
+    assert verdict.startswith("not resolved at 3 seeds: +0.0000 nats (95% CI +0.0000 to +0.0000, p = 1.00")
+    spread = float(seeds["train.on_nonfinite=abort"][2].split("± ")[1].split(" ")[0])
+    assert spread > 0  # the seeds do differ: only pairing them seed by seed makes the difference zero
+
+
+def test_one_seed_cannot_judge_the_noise(seed_sweep, tmp_path, capsys):
+    code, _, err = _compare_here(capsys, seed_sweep / "0", seed_sweep / "3", "--out", tmp_path)
+    assert code == 0, err
+    md = (tmp_path / "comparison.md").read_text()
+    seeds = _section(md, "Final validation loss over seeds")
+    assert "at 1 seed: cannot judge the noise" in seeds[f"optim.lr={BAD_LR}"][5]
+    assert "One seed per setting: the noise between seeds cannot be judged" in md
+    _, _, fig = _seed_report([seed_sweep / "0", seed_sweep / "3"])
+    assert "one seed per setting: the noise between seeds cannot be judged" in fig._suptitle.get_text()
+    assert fig.axes[0].get_title().startswith("speed at matched quality")  # the per-run figure leads with it too
+
+
+def test_target_loss_and_reference_flags(seed_sweep, tmp_path, capsys):
+    code, _, err = _compare_here(capsys, seed_sweep, "--out", tmp_path, "--target-loss", "5.3",
+                                 "--reference", f"optim.lr={BAD_LR}")
+    assert code == 0, err
+    md = (tmp_path / "comparison.md").read_text()
+    speed = _section(md, "Speed at matched quality")
+    good, bad = f"optim.lr={GOOD_LR}", f"optim.lr={BAD_LR} (reference)"
+    assert speed[good][1] == speed[bad][1] == "5.3000" and speed[good][2] == speed[bad][2] == "3 of 3"
+    tokens = {k: float(v[3].split(" ")[0].replace(",", "")) for k, v in speed.items()}
+    assert tokens[good] < tokens[bad]  # the good lr is there in fewer tokens (steps: no clock in it)
+    assert "Target: --target-loss" in md
+    seeds = _section(md, "Final validation loss over seeds")
+    assert seeds[good][5].startswith("resolved: -") and "better than the reference" in seeds[good][5]
+    assert "the reference is optim.lr=0.0002 (--reference)" in md
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--reference", "optim.lr=9"], "--reference optim.lr=9 names no settings (the settings: "),
+    (["--target-loss", "low"], "argument --target-loss: invalid float value: 'low'"),
+    (["--effect", "-0.1"], "--effect must be a positive number of nats"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+])
+def test_bad_flags_are_one_line_and_exit_2(seed_sweep, tmp_path, capsys, args, words):
+    code, _, err = _compare_here(capsys, seed_sweep, "--out", tmp_path, *args)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("compare: error: ") and words in err, err
+
+
+def test_effect_asks_the_seed_estimate_for_a_given_size(tmp_path, capsys):
+    """Three seeds of fp32 and bf16 whose differences (+0.010, -0.004, +0.006) do not resolve:
+    the seed estimate is for the observed difference, or for --effect's."""
+    runs = {}
+    for k, (a, b) in enumerate([(3.300, 3.310), (3.320, 3.316), (3.310, 3.316)]):
+        runs[f"{2 * k}"] = ({"precision": {"name": "fp32"}, "train": {"seed": k}}, a)
+        runs[f"{2 * k + 1}"] = ({"precision": {"name": "bf16"}, "train": {"seed": k}}, b)
+    root = _sweep_of(tmp_path / "sweep", runs)
+    code, _, err = _compare_here(capsys, root)
+    assert code == 0, err
+    seeds = _section((root / "comparison.md").read_text(), "Final validation loss over seeds")
+    assert seeds["precision=bf16"][5].startswith("not resolved at 3 seeds: +0.0040 nats")
+    assert "would resolve a difference of this size" in seeds["precision=bf16"][5]
+    code, _, err = _compare_here(capsys, root, "--effect", "0.05")
+    seeds = _section((root / "comparison.md").read_text(), "Final validation loss over seeds")
+    assert "would resolve a difference of 0.0500 nats" in seeds["precision=bf16"][5]
+
+
+def test_whole_split_loss_is_used_where_every_run_has_it_and_unpaired_seeds_are_named(tmp_path, capsys):
+    """fp32 and bf16 over seeds 0-2, bf16 also seed 3: seed 3 is left out of the pairing and
+    named; the whole-split loss (final/whole_val_loss) is compared where every run has it."""
+    runs = {}
+    for k in range(4):
+        if k < 3:
+            runs[f"a{k}"] = ({"precision": {"name": "fp32"}, "train": {"seed": k}}, 3.30 + k / 100)
+        runs[f"b{k}"] = ({"precision": {"name": "bf16"}, "train": {"seed": k}}, 3.31 + k / 100)
+    root = _sweep_of(tmp_path / "sweep", runs)
+    code, _, err = _compare_here(capsys, root)
+    md = (root / "comparison.md").read_text()
+    seeds = _section(md, "Final validation loss over seeds")
+    assert seeds["precision=bf16"][1] == "0,1,2,3" and seeds["precision=bf16"][3] == "eval set"
+    assert "3 paired seeds" in seeds["precision=bf16"][5]
+    assert "precision=bf16 against precision=fp32: left out seed 3 (only precision=bf16)." in md
+    for d in (p for p in root.iterdir() if p.is_dir()):  # the whole val split, 0.5 nats below the eval set's loss
+        summary = json.loads((d / "summary.json").read_text())
+        summary.update({"final/whole_val_loss": summary["final/val_loss"] - 0.5, "eval/whole_tokens": 90_000})
+        (d / "summary.json").write_text(json.dumps(summary))
+    code, _, err = _compare_here(capsys, root)
+    seeds = _section((root / "comparison.md").read_text(), "Final validation loss over seeds")
+    assert seeds["precision=fp32"][3] == "whole val split (90,000 tokens)"
+    assert seeds["precision=fp32"][2].startswith("2.8100 ± 0.0100 (sd, 3 seeds)")
+
+
+def test_fp8_layers_of_one_monitored_step_are_a_table_not_a_page_of_points(tmp_path, capsys):
+    """Per-layer casts logged at one step per run: fp8_layers.md has them, and no figure of
+    single-point panels is drawn; a figure that is drawn is saved at most MOST_PIXELS a side."""
+    from mptrain.compare.fp8 import MOST_PIXELS, dpi_for
+
+    _synthetic_run(tmp_path / "sweep" / "0", "fp8", "tensorwise")
+    metrics = tmp_path / "sweep" / "0" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = [r if r["step"] == 4 else {k: v for k, v in r.items() if not k.startswith("fp8")} for r in rows]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _synthetic_run(tmp_path / "sweep" / "1", "bf16")
+    code, _, err = _compare_here(capsys, tmp_path / "sweep")
+    assert code == 0, err
+    assert not (tmp_path / "sweep" / "fp8_layers.png").exists()
+    md = (tmp_path / "sweep" / "fp8_layers.md").read_text()
+    assert md.startswith("One monitored step per run: no curves to draw") and "| block" in md
+    big = SimpleNamespace(get_size_inches=lambda: (21.0, 40.0))
+    assert 40.0 * dpi_for(big) == pytest.approx(MOST_PIXELS)

@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom to top. The package root's modules (mptrain/*.py) are the commands layer above all of these.
-ORDER = ("core", "config", "model", "data", "precision", "plan", "distributed", "observe", "checkpoint", "run", "advice")
+ORDER = ("core", "config", "model", "data", "precision", "plan", "distributed", "observe", "checkpoint", "run", "advice", "compare")
 COMMANDS = len(ORDER)
 
 

@@ -27,7 +27,7 @@ from mptrain.observe.stability import (
     outlier_table_when,
 )
 
-from .conftest import load_script, train
+from .conftest import train
 
 SHAPE = GPTShape(vocab_size=32, n_layer=2, n_head=2, d_model=16, block_size=8)
 DOWN = ("down_in_max", "down_in_max_over_rms", "down_in_kurtosis")
@@ -306,25 +306,27 @@ def _write_run(path, rows):
 
 
 def test_compare_panels_take_the_largest_block(tmp_path):
-    compare = load_script("compare")
+    from mptrain.compare.figure import PANELS, build_figure, panels_with_data
+    from mptrain.compare.runs import find_runs
+
     rows = [{"step": s, "train/loss": 3.0 - s / 10, "stability/down_in_max_over_rms/block0": 5.0 * s,
              "stability/down_in_max_over_rms/block1": 7.0, "stability/down_in_max_over_rms/block1x": 1e9,
              "stability/massive_ratio/block0": 20.0, "stability/massive_ratio/block3": 30.0 + s}
             for s in (1, 2, 3)]
     rows.append({"step": 4, "train/loss": 2.5})  # an unmonitored row: no point
     _write_run(tmp_path / "a", rows)
-    run = compare.find_runs([tmp_path / "a"])[0]
+    run = find_runs([tmp_path / "a"])[0]
     assert run.series("stability/down_in_max_over_rms/block*", "step") == ([1, 2, 3], [7.0, 10.0, 15.0])
     assert run.series("stability/massive_ratio/block*", "step") == ([1, 2, 3], [31.0, 32.0, 33.0])
-    titles = {p[1]: p[0] for p in compare.PANELS}
-    panels, missing = compare.panels_with_data([run])
+    titles = {p[1]: p[0] for p in PANELS}
+    panels, missing = panels_with_data([run])
     assert {"stability/down_in_max_over_rms/block*", "stability/massive_ratio/block*"} <= {p[1] for p in panels}
-    fig = compare.build_figure([run])
+    fig = build_figure([run])
     drawn = {ax.get_title().split("\n")[0] for ax in fig.axes}
     assert titles["stability/down_in_max_over_rms/block*"] in drawn
     assert titles["stability/massive_ratio/block*"] in drawn
     _write_run(tmp_path / "b", [{"step": 1, "train/loss": 3.0}])
-    _, missing = compare.panels_with_data(compare.find_runs([tmp_path / "b"]))
+    _, missing = panels_with_data(find_runs([tmp_path / "b"]))
     assert "stability/massive_ratio/block*" in missing  # said, like any panel no run has
 
 

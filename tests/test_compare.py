@@ -527,9 +527,10 @@ GOOD_LR, BAD_LR = "0.002", "0.0002"  # at 30 steps the lower one ends ~1.7 nats 
 @pytest.fixture(scope="module")
 def seed_sweep(tmp_path_factory) -> Path:
     """One real multirun (one process): optim.lr good and ten times too low, seeds 0, 1, 2;
-    30 steps, a validation loss every 5. Jobs 0-2 are the good lr, 3-5 the low one."""
+    30 steps, a validation loss every 5 and the metrics every 3 (validation rows between
+    logging rows, as in a default run). Jobs 0-2 are the good lr, 3-5 the low one."""
     root = tmp_path_factory.mktemp("seed-sweep")
-    r = run_cli("-m", *TINY, "train.max_steps=30", "train.eval_every=5", "train.eval_tokens=2048",
+    r = run_cli("-m", *TINY, "train.max_steps=30", "train.eval_every=5", "train.log_every=3", "train.eval_tokens=2048",
                 "monitor.enabled=false", f"optim.lr={GOOD_LR},{BAD_LR}", "train.seed=0,1,2",
                 f"hydra.sweep.dir={root / 'sweep'}", cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -566,6 +567,9 @@ def test_a_worse_learning_rate_is_resolved_and_never_reaches_the_target(seed_swe
     speed = _section(md, "Speed at matched quality")
     assert set(speed) == {f"{good} (reference)", bad}
     assert speed[f"{good} (reference)"][5] == "1.00x"  # the reference's own mean curve ends at the target
+    # its best seed ends at or below the mean: a number of tokens and seconds (a validation row
+    # between logging rows must not break the training clock)
+    assert re.match(r"[\d,]+ ± ", speed[f"{good} (reference)"][3]) and re.match(r"[\d.]+", speed[f"{good} (reference)"][4])
     short = re.search(r"0 of 3; never reached by 3: final val/loss short by \+(\d\.\d+)", speed[bad][2])
     assert short and float(short.group(1)) > 0.5, speed[bad]
     assert speed[bad][5].startswith("never (mean curve short by +")

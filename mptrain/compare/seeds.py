@@ -212,8 +212,8 @@ def training_time(run: Run) -> list[tuple[int, float, float]]:
     out: list[tuple[int, float, float]] = []
     for r in run.rows:
         step, dt = r.get("step"), r.get("perf/step_time_s")
-        if not isinstance(step, (int, float)):
-            continue
+        if not isinstance(step, (int, float)) or "train/loss" not in r:
+            continue  # a validation row between logging steps: no step time of its own
         dt = dt if isinstance(dt, (int, float)) else math.nan  # an older run without step times: tokens only
         while out and out[-1][0] >= step:  # a resume repeats steps: the later rows are the run's
             out.pop()

@@ -93,9 +93,9 @@ def _sweep_names(cfg: Any) -> tuple[str, tuple[str, ...]]:
     Outside a Hydra multirun: ``<model>-<precision>-<parallel>`` and no setting. A job of a
     multirun is named by all its overrides (the seed too), and unless ``log.wandb.group`` is
     configured its group is ``sweep-<sweep dir>/<setting>``: the seeds of one setting are one
-    group, over which W&B's own panels draw mean and band. ``/`` parts sweep from setting as
-    in a path: W&B checks project names for it, never group names, and ``_`` already stands
-    for the directory's own slashes. Every job is tagged ``sweep:<sweep dir>`` so the whole
+    group, over which W&B's own panels draw mean and band. A ``/`` separates sweep and setting,
+    as in a path: W&B restricts the characters of project names, not of group names, and the
+    sweep directory's own slashes are already ``_``. Every job is tagged ``sweep:<sweep dir>`` so the whole
     sweep stays one filter away. Both go into the config (``log.wandb.group``/``tags``), so
     config.yaml records where its curves are drawn."""
     name = f"{cfg.model.name}-{cfg.precision.name}-{cfg.parallel.name.value}"

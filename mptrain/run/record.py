@@ -147,7 +147,7 @@ class RunRecord:
         group = plan.log.wandb.group or plan.run_name
         values = {"group": group, "seed": plan.train.seed, "precision": plan.precision.name,
                   "parallel": plan.parallel.name, "model": plan.model.name}
-        values.update(o.lstrip("+~").split("=", 1) for o in plan.setting)
+        values.update(o.lstrip("+~").partition("=")[::2] for o in plan.setting)  # ~key (a deletion): ""
         return group, values
 
     def resolved(self) -> dict:

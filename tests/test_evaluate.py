@@ -134,3 +134,21 @@ def test_evaluate_bad_input_is_one_line(run, tmp_path, capsys):
             evaluate_cmd.main([str(run_dir), *args])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.startswith("evaluate: ") and words in err, err
+
+
+def test_whole_split_draws_none_of_the_runs_random_numbers(tmp_path):
+    """A lab recipe that rounds the forward's input stochastically draws from the default
+    generator in every forward, evaluation's too: the whole-split evaluation puts it back,
+    so the final checkpoint holds the generator a run without it holds."""
+    import torch
+
+    rng = {}
+    for whole in ("true", "false"):
+        run_dir = tmp_path / whole
+        summary, _ = train(run_dir, "precision=lab", "precision.lab.fwd_input=e2m1/1x16/e4m3/stochastic",
+                           "precision.lab.allow_forward_stochastic=true",
+                           "train.max_steps=1", "train.eval_every=1", "train.sample_tokens=0", "monitor.enabled=false",
+                           "checkpoint.at_end=true", f"train.eval_whole_split={whole}")
+        assert ("final/whole_val_loss" in summary) == (whole == "true")
+        rng[whole] = torch.load(run_dir / "checkpoints" / "step-1" / "rng-rank0.pt", weights_only=True)["torch"]
+    assert torch.equal(rng["true"], rng["false"])

@@ -28,9 +28,9 @@ from mptrain.run.build import build_data, build_model, build_policy
 
 from .conftest import make_cfg
 
-SETTINGS = ("fp32", "bf16", "fp8", "nvfp4", "bf16-pure-sr")
-# fp8 with its emulated matmul: the same float8 linears, without timing torch._scaled_mm first (~10 s on a CPU)
-EXTRA = {"fp8": ["precision.fp8.matmul=emulated"]}
+SETTINGS = ("fp32", "bf16", "fp16", "fp8", "fp8-delayed", "nvfp4", "bf16-pure-sr")
+# float8 with its emulated matmul: the same float8 linears, without timing torch._scaled_mm first (~10 s on a CPU)
+EXTRA = {p: ["precision.fp8.matmul=emulated"] for p in ("fp8", "fp8-delayed")}
 STEPS = 3
 
 

@@ -374,7 +374,8 @@ class Reporter:
         """Take the last training and validation figures from metrics.jsonl (rows up
         to ``step``): for a launch that trains nothing but writes the summary of a
         run whose final launch was lost before writing it (the validation figures on
-        the run's set, the same at every launch)."""
+        the run's set, the same at every launch). The whole split's figure
+        (``train.eval_whole_split``) is in no row: such a summary leaves it out."""
         path = self.run_dir / "metrics.jsonl"
         rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
         rows = [r for r in rows if r["step"] <= step]

@@ -111,7 +111,7 @@ def validation_split(meta: dict, eval_tokens: Optional[int], log: Callable[[str]
             "trained on back where its config says (data.* in the checkpoint's meta.json).")
     block = int(meta["model"]["block_size"])
     windows = Windows(tokens.val, block, tokens.vocab_size, functools.partial(tokens.out_of_range, "val"))
-    return ValSet(windows, eval_tokens or windows.n * block)
+    return ValSet(windows, eval_tokens) if eval_tokens else ValSet.whole(windows)
 
 
 def with_progress(batches: Iterator, total: int, log: Callable[[str], None]) -> Iterator:
@@ -143,7 +143,7 @@ def evaluate_checkpoint(a: argparse.Namespace, log: Callable[[str], None]) -> di
     fig = ValFigures.of(loss, val, text_bytes(val, tok))
     return {"checkpoint": str(ckpt), "step": meta["step"], **fig.row(), "eval/tokens": fig.tokens,
             "eval/windows": fig.windows, "eval/bytes": fig.text_bytes, "eval/split_tokens": len(val.w.tokens),
-            "eval/whole_split": val.windows == val.w.n, "precision": a.precision, "device": str(device)}
+            "eval/whole_split": val.is_whole, "precision": a.precision, "device": str(device)}
 
 
 def report(out: dict, block: int) -> str:

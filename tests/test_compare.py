@@ -86,17 +86,43 @@ def test_compare_without_runs_fails_clearly(tmp_path, capsys):
     assert code == 2 and "does not exist" in err
 
 
-def test_sweep_is_one_wandb_group_named_by_overrides(tmp_path):
-    r = run_cli("-m", *TINY, "train.max_steps=2", "precision=fp32,bf16", "log.wandb.enabled=true", cwd=tmp_path)
+def test_sweep_groups_the_seeds_of_each_setting(tmp_path):
+    """``precision=fp32,bf16 train.seed=0,1``: four jobs in two W&B groups, one per
+    precision, each holding both seeds; run names keep the seed; every job tagged with
+    the sweep; TensorBoard's own reader finds the group and the seed in each run's
+    event file (an hparams session start, no subdirectory)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    tiny = [o for o in TINY if not o.startswith("log.tensorboard=")]
+    r = run_cli("-m", *tiny, "train.max_steps=2", "precision=fp32,bf16", "train.seed=0,1", "log.wandb.enabled=true",
+                "log.tensorboard=true", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    jobs = sorted(p for p in (tmp_path / "multirun").glob("*/*/*") if p.is_dir() and p.name.isdigit())
-    assert len(jobs) == 2
+    jobs = sorted((p for p in (tmp_path / "multirun").glob("*/*/*") if p.is_dir() and p.name.isdigit()),
+                  key=lambda p: int(p.name))
+    assert len(jobs) == 4
     cfgs = [yaml.safe_load((j / "config.yaml").read_text()) for j in jobs]
-    groups = {c["log"]["wandb"]["group"] for c in cfgs}
-    assert len(groups) == 1 and groups.pop().startswith("sweep-multirun_")
-    assert [c["run_info"]["run_name"].split("precision=")[1].split(",")[0] for c in cfgs] == ["fp32", "bf16"]
-    for j in jobs:
+    sweep = "_".join(jobs[0].parent.relative_to(tmp_path).parts)  # multirun_<date>_<time>
+    groups: dict = {}
+    for c in cfgs:
+        w, seed = c["log"]["wandb"], c["train"]["seed"]
+        assert f"train.seed={seed}" in c["run_info"]["run_name"].split(",")  # the name keeps every override
+        assert f"sweep:{sweep}" in w["tags"]
+        groups.setdefault(w["group"], set()).add((c["precision"]["name"], seed))
+    assert sorted(map(sorted, groups.values())) == [[("bf16", 0), ("bf16", 1)], [("fp32", 0), ("fp32", 1)]]
+    for g in groups:
+        assert g.startswith(f"sweep-{sweep}/") and len(g) <= 128 and "train.seed" not in g
+    for j, c in zip(jobs, cfgs, strict=True):
         assert len(list((j / "wandb").glob("offline-run-*"))) == 1
+        assert not [p for p in (j / "tensorboard").iterdir() if p.is_dir()]  # one run, not a run and a subrun
+        events = EventAccumulator(str(j / "tensorboard"))
+        events.Reload()
+        start = metadata.parse_session_start_info_plugin_data(
+            events.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG])
+        assert start.group_name == start.hparams["group"].string_value == c["log"]["wandb"]["group"]
+        assert start.hparams["seed"].number_value == c["train"]["seed"]
+        assert start.hparams["precision"].string_value == c["precision"]["name"]
+        assert "run/group/text_summary" in events.Tags()["tensors"]
 
 
 def _plain_labels(fig, only=lambda title: True) -> dict:

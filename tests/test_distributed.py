@@ -582,12 +582,15 @@ def test_submitit_sweep_with_two_tasks_per_job(tmp_path):
 
 def test_validation_loss_is_the_same_on_two_ranks(two_rank_jobs, tmp_path):
     """One set of weights measured by 2 FSDP2 ranks gives the single process's validation
-    loss: the same 9 windows, shared 4 and 5 (one rank evaluates a filler that counts for
+    loss (the run's set and the whole split): the same 9 windows, shared 4 and 5 (one rank evaluates a filler that counts for
     nothing, so both make the same forwards), the token-weighted sums added over ranks."""
     two = json.loads((two_rank_jobs("fsdp")["val-same-weights"] / "summary.json").read_text())
     one, _ = train(tmp_path / "one", *TINY, *SAME_WEIGHTS_VAL, tiny=False)
     assert two["world_size"] == 2 and two["eval/windows"] == one["eval/windows"] == 9
     assert abs(two["final/val_loss"] - one["final/val_loss"]) <= 1e-6 * one["final/val_loss"], (two, one)
+    # the last step's whole split (train.eval_whole_split): the same evaluate() on every window, 261 shared 130/131
+    assert two["eval/whole_windows"] == one["eval/whole_windows"] > 9
+    assert abs(two["final/whole_val_loss"] - one["final/whole_val_loss"]) <= 1e-6 * one["final/whole_val_loss"]
 
 
 # ------------------------------------------ python -m mptrain.torchrun: exit codes, a stop while starting

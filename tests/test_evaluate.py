@@ -58,7 +58,22 @@ def test_perplexity_and_bits_per_byte_beside_the_loss(run):
     log = (run_dir / "train.log").read_text()
     ppl = f"(ppl {last['val/ppl']:.4g}, {last['val/bpb']:.4f} bits/byte)"
     assert f"step {STEPS:>6} | train loss" in log and f"val loss {last['val/loss']:.4f} {ppl}" in log
-    assert any("done in" in ln and ppl in ln for ln in log.splitlines())  # the end-of-run line
+    done = next(ln for ln in log.splitlines() if "done in" in ln)  # the end-of-run line: both figures, each set
+    assert ppl in done and (f"on {tokens:,} tokens (train.eval_tokens) | whole val split "
+                            f"{summary['final/whole_val_loss']:.4f} on {summary['eval/whole_tokens']:,} tokens") in done
+
+
+def test_whole_split_set_is_not_measured_twice(tmp_path):
+    """An ``eval_tokens`` set that already is the whole split: its figures are the whole
+    split's, said once; ``eval_whole_split=false`` leaves the whole figures out."""
+    summary, _ = train(tmp_path / "all", "train.max_steps=1", "train.eval_every=1", "train.eval_tokens=1000000",
+                       "train.sample_tokens=0", "monitor.enabled=false")
+    assert summary["eval/whole_windows"] == summary["eval/windows"]
+    assert summary["final/whole_val_loss"] == summary["final/val_loss"]
+    assert "tokens (the whole val split) | unigram" in (tmp_path / "all" / "train.log").read_text()
+    summary, _ = train(tmp_path / "off", "train.max_steps=1", "train.eval_every=1", "train.eval_whole_split=false",
+                       "train.sample_tokens=0", "monitor.enabled=false")
+    assert "final/val_loss" in summary and not any("whole" in k for k in summary)
 
 
 def test_evaluate_measures_the_whole_split_as_the_trainer_does(run, tmp_path, capsys, monkeypatch):
@@ -73,6 +88,11 @@ def test_evaluate_measures_the_whole_split_as_the_trainer_does(run, tmp_path, ca
     assert out["eval/tokens"] == 64 * out["eval/windows"] > 3 * summary["eval/tokens"]
     assert 0.99 * out["eval/tokens"] < out["eval/bytes"] <= out["eval/tokens"]
     assert out["val/ppl"] == pytest.approx(math.exp(out["val/loss"]), rel=1e-12)
+    # the run's own whole-split figure (train.eval_whole_split), at the checkpoint of its last step
+    assert (summary["eval/whole_tokens"], summary["eval/whole_windows"], summary["eval/whole_bytes"]) == (
+        out["eval/tokens"], out["eval/windows"], out["eval/bytes"])
+    for key in ("loss", "ppl", "bpb"):
+        assert summary[f"final/whole_val_{key}"] == pytest.approx(out[f"val/{key}"], rel=1e-6), key
     assert f"val loss {out['val/loss']:.4f} nats/token | perplexity {out['val/ppl']:.4g}" in printed.out
     assert f"{out['eval/windows']:,} windows of 64 tokens" in printed.out
     assert "evaluate: " in printed.err and " tokens (" in printed.err
@@ -114,3 +134,21 @@ def test_evaluate_bad_input_is_one_line(run, tmp_path, capsys):
             evaluate_cmd.main([str(run_dir), *args])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.startswith("evaluate: ") and words in err, err
+
+
+def test_whole_split_draws_none_of_the_runs_random_numbers(tmp_path):
+    """A lab recipe that rounds the forward's input stochastically draws from the default
+    generator in every forward, evaluation's too: the whole-split evaluation puts it back,
+    so the final checkpoint holds the generator a run without it holds."""
+    import torch
+
+    rng = {}
+    for whole in ("true", "false"):
+        run_dir = tmp_path / whole
+        summary, _ = train(run_dir, "precision=lab", "precision.lab.fwd_input=e2m1/1x16/e4m3/stochastic",
+                           "precision.lab.allow_forward_stochastic=true",
+                           "train.max_steps=1", "train.eval_every=1", "train.sample_tokens=0", "monitor.enabled=false",
+                           "checkpoint.at_end=true", f"train.eval_whole_split={whole}")
+        assert ("final/whole_val_loss" in summary) == (whole == "true")
+        rng[whole] = torch.load(run_dir / "checkpoints" / "step-1" / "rng-rank0.pt", weights_only=True)["torch"]
+    assert torch.equal(rng["true"], rng["false"])

@@ -627,6 +627,22 @@ class TrainConfig:
     (``eval/tokens``, ``eval/windows``). The default is 128 windows of the
     default model's 128 tokens; raise it for a steadier figure (each evaluation
     costs a forward pass per window)."""
+    eval_whole_split: bool = harmless(
+        True, why="one more evaluation after the last step; it reads the model, draws no random numbers")
+    """At the last step's evaluation (``eval_every`` > 0), also measure the loss
+    on every window of the val split, not only the ``eval_tokens`` subset that
+    ``val/loss`` reads: the figure to compare settings by
+    (``scripts/compare.py``), on text that does not depend on ``eval_tokens``.
+    summary.json holds it as ``final/whole_val_loss``, ``final/whole_val_ppl``,
+    ``final/whole_val_bpb`` (where the bytes are known), ``eval/whole_tokens``
+    and ``eval/whole_windows``; ``python -m mptrain.evaluate`` on the final
+    checkpoint gives the same figure. Where the ``eval_tokens`` set already is
+    the whole split it is that figure, not measured again. Paused time, like
+    every evaluation, and it consumes none of the run's random numbers, so
+    the run trains and saves as it would without it. Left out of the summary
+    (not estimated) when the last step's evaluation did not run in this
+    launch: a run stopped early (``stop_after``, a signal), or a launch that
+    only closes a run whose last launch was lost after its last step."""
     z_loss: float = guarded(0.0)
     """Coefficient of the z-loss, ``z_loss * mean(log Z ^ 2)`` added to the
     training loss (log Z: the log-partition of the output logits), which keeps

@@ -270,6 +270,16 @@ class ValSet:
         # Window k * N // n for k < n: from the start of the split to its end, deterministic.
         self.idx = np.arange(n, dtype=np.int64) * windows.n // n
 
+    @classmethod
+    def whole(cls, windows: Windows) -> "ValSet":
+        """Every window of the split, in order: the largest set :class:`ValSet` chooses."""
+        return cls(windows, windows.n * windows.block)
+
+    @property
+    def is_whole(self) -> bool:
+        """Whether the set holds every window of the split."""
+        return len(self.idx) == self.w.n
+
     @property
     def windows(self) -> int:
         """Windows in the set."""

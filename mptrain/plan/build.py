@@ -17,6 +17,7 @@ does. The layers above read them from the plan.
 from __future__ import annotations
 
 import copy
+import hashlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,7 +47,7 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
     cfg = copy.deepcopy(cfg)
     # model.init_from's architecture replaces the preset's (a value the run set itself that differs is refused)
     adopted = adopt_init_from(cfg.model)
-    run_name = _sweep_names(cfg)
+    run_name, setting = _sweep_names(cfg)
     checks.check_ranges(cfg)  # first: the rules below divide by some of these values
     mesh = mesh_shape(cfg.parallel, launch.world, launch.per_node)
     if launch.world > 1 and cfg.parallel.name == ParallelMode.none:
@@ -76,21 +77,47 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
         optim=frozen(s.optim), train=frozen(s.train), data=frozen(s.data), log=frozen(s.log),
         checkpoint=frozen(s.checkpoint), parts=_parts(s, parallel, precision), debug=frozen(s.debug),
         resume_from=str(s.resume.source), allow_changes=tuple(s.resume.allow_changes),
-        run_name=run_name, resolved=frozen(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
+        run_name=run_name, setting=setting,
+        resolved=frozen(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
 
 
-def _sweep_names(cfg: Any) -> str:
-    """The run's name in W&B: ``<model>-<precision>-<parallel>``, or for a job of a Hydra
-    multirun its overrides; the sweep (its directory) becomes ``log.wandb.group`` unless
-    one is configured, so the config records the group its curves are drawn in."""
+SEED_KEY = "train.seed"
+"""The override a seed sweep varies: left out of the group, so the seeds of one setting share it."""
+GROUP_CHARS, TAG_CHARS = 128, 64
+"""The longest W&B group name and tag: the server refuses a longer group, the SDK a longer tag."""
+
+
+def _sweep_names(cfg: Any) -> tuple[str, tuple[str, ...]]:
+    """The run's name in W&B and its setting (a sweep job's overrides but ``train.seed``).
+
+    Outside a Hydra multirun: ``<model>-<precision>-<parallel>`` and no setting. A job of a
+    multirun is named by all its overrides (the seed too), and unless ``log.wandb.group`` is
+    configured its group is ``sweep-<sweep dir>/<setting>``: the seeds of one setting are one
+    group, over which W&B's own panels draw mean and band. A ``/`` separates sweep and setting,
+    as in a path: W&B restricts the characters of project names, not of group names, and the
+    sweep directory's own slashes are already ``_``. Every job is tagged ``sweep:<sweep dir>`` so the whole
+    sweep stays one filter away. Both go into the config (``log.wandb.group``/``tags``), so
+    config.yaml records where its curves are drawn."""
     name = f"{cfg.model.name}-{cfg.precision.name}-{cfg.parallel.name.value}"
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
-        return name
+        return name, ()
     hc = HydraConfig.get()
-    if cfg.log.wandb.group:
-        return name
-    cfg.log.wandb.group = "sweep-" + Path(hc.sweep.dir).as_posix().strip("/").replace("/", "_")
-    return hc.job.override_dirname or f"job{hc.job.num}"
+    # Sorted as Hydra sorts override_dirname: the same setting whatever the command line's order.
+    setting = tuple(sorted(o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] != SEED_KEY))
+    sweep = Path(hc.sweep.dir).as_posix().strip("/").replace("/", "_")
+    if not cfg.log.wandb.group:
+        cfg.log.wandb.group = _capped("/".join(["sweep-" + sweep, *([",".join(setting)] if setting else [])]),
+                                      GROUP_CHARS)
+    cfg.log.wandb.tags = [*cfg.log.wandb.tags, _capped("sweep:" + sweep, TAG_CHARS)]
+    return hc.job.override_dirname or f"job{hc.job.num}", setting
+
+
+def _capped(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters where longer, ending in a hash of the whole, so
+    two long names that differ only past the cut stay two names."""
+    if len(text) <= limit:
+        return text
+    return text[:limit - 9] + "~" + hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
 def _tokenizer_size(d: Any) -> Optional[int]:

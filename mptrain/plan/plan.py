@@ -241,6 +241,9 @@ class Plan:
     """The config as composed and resolved (enums as their values): what config.yaml records and a
     resume compares with the checkpoint's."""
     resume: Resume = field(default=FRESH)
+    setting: tuple = ()
+    """A Hydra multirun job's overrides but ``train.seed`` (sorted): the setting its seeds
+    share, which names its W&B group and TensorBoard's session group; empty outside a sweep."""
 
     def decided(self, resume: Resume) -> "Plan":
         """This plan with the resume decision, taken once the ranks can agree on one."""

@@ -169,6 +169,23 @@ class TensorBoardSink:
         with self._os_errors():
             self.w.add_text(tag, text, step)
 
+    def hparams(self, group: str, values: dict) -> None:
+        """``values`` (str or number each) as the HPARAMS dashboard reads a run's
+        hyperparameters, in this run's own event file (``SummaryWriter.add_hparams``
+        would open a new subdirectory: a second run beside it), with ``group`` as the
+        session group: the dashboard gathers the seeds of one setting into one row
+        and aggregates their metrics (mean, min, max)."""
+        from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+        from torch.utils.tensorboard.summary import hparams
+
+        _, start, _ = hparams(values, {})  # the session's start; the experiment is inferred from every run's
+        data = start.value[0].metadata.plugin_data
+        content = HParamsPluginData.FromString(data.content)
+        content.session_start_info.group_name = group
+        data.content = content.SerializeToString()
+        with self._os_errors():
+            self.w.file_writer.add_summary(start)
+
     def close(self) -> None:
         try:
             with self._os_errors():
@@ -275,6 +292,16 @@ class Metrics:
                 self.tb.text(tag, text, step)
             if self.wandb and wandb:
                 self.wandb.text(tag, text, step)
+
+    def grouping(self, group: str, values: dict) -> None:
+        """Which runs this one is drawn with: TensorBoard's hyperparameters with their
+        session ``group`` and a text entry saying them (W&B has them as its run's group,
+        set at init, and its config)."""
+        if not (self.enabled and self.tb):
+            return
+        with self._writing():
+            self.tb.hparams(group, values)
+            self.tb.text("run/group", "\n".join(f"- {k}: `{v}`" for k, v in values.items()))
 
     def summary(self, summary: dict) -> None:
         if self.enabled and self.wandb:

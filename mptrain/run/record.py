@@ -140,6 +140,16 @@ class RunRecord:
         tags = [f"precision:{plan.precision.name}", f"parallel:{plan.parallel.name}", f"model:{plan.model.name}"]
         return plan.run_name, tags
 
+    def grouping(self) -> tuple[str, dict]:
+        """(group, hyperparameters) for TensorBoard: the W&B group (a sweep job's: the sweep and
+        its setting), else the run's name; the seed, the presets and each override of the setting."""
+        plan = self.plan
+        group = plan.log.wandb.group or plan.run_name
+        values = {"group": group, "seed": plan.train.seed, "precision": plan.precision.name,
+                  "parallel": plan.parallel.name, "model": plan.model.name}
+        values.update(o.lstrip("+~").partition("=")[::2] for o in plan.setting)  # ~key (a deletion): ""
+        return group, values
+
     def resolved(self) -> dict:
         """The resolved config with ``run_info``, as config.yaml and W&B hold it.
         ``data.cache_dir`` is the cache the run used: ``MPTRAIN_CACHE`` when set

@@ -124,6 +124,8 @@ class Latest:
 
     train: dict = field(default_factory=dict)
     val: Optional[ValFigures] = None
+    whole: Optional[ValFigures] = None
+    """The last step's figures on every window of the val split (``train.eval_whole_split``)."""
     wait_s: float = 0.0
     copy_s: float = 0.0
 
@@ -215,7 +217,8 @@ class Reporter:
         self.history: list = []
         # The validation set: the same windows at every evaluation and on any batch or world size.
         self.val_set = ValSet(data.val_windows, plan.train.eval_tokens)
-        self._val_bytes: list = []  # [its text bytes], counted (decoded) at the first evaluation of a launch
+        self.whole_set = ValSet.whole(data.val_windows)  # train.eval_whole_split's, at the last step
+        self._val_bytes: dict = {}  # each set's text bytes, counted (decoded) at its first evaluation in a launch
 
     def _pace_warning(self, steps: int) -> Optional[str]:
         """The banner's run-time estimate, only where the matmuls are predicted
@@ -253,6 +256,7 @@ class Reporter:
         self.metrics = Metrics(run_dir, plan.log, total, self.ctx.is_main, self.record.resolved(), name, tags,
                                start_step=start, runlog=self.runlog,
                                plain_every=plain_cadence(plan.log.plain_every, tc.log_every, tc.max_steps))
+        self.metrics.grouping(*self.record.grouping())
         self.runlog.say(banner(plan, self.ctx, self.record.info, self.facts.dtypes, self.tokens, self.tokens_per_step,
                         run_dir))
         pace = self._pace_warning(total - start)
@@ -305,11 +309,13 @@ class Reporter:
             row["perf/data_copy_s"] = copy / steps
         return row
 
-    def val_figures(self, loss: float) -> ValFigures:
-        """A validation loss with its perplexity and bits per byte on the run's set."""
-        if not self._val_bytes:
-            self._val_bytes.append(text_bytes(self.val_set, self.tokens.tokenizer))
-        return ValFigures.of(loss, self.val_set, self._val_bytes[0])
+    def val_figures(self, loss: float, whole: bool = False) -> ValFigures:
+        """A validation loss with its perplexity and bits per byte on the run's set
+        (``whole``: on every window of the split)."""
+        val = self.whole_set if whole else self.val_set
+        if whole not in self._val_bytes:
+            self._val_bytes[whole] = text_bytes(val, self.tokens.tokenizer)
+        return ValFigures.of(loss, val, self._val_bytes[whole])
 
     def evaluated(self, done: int, loss: float) -> dict:
         """The validation figures of step ``done`` (its mean loss on the set): its console line and its row."""
@@ -318,15 +324,36 @@ class Reporter:
                            f"{val.text()} | unigram baseline {self.tokens.unigram_nats:.4f}")
         return val.row()
 
+    def evaluated_whole(self, done: int, loss: Optional[float]) -> None:
+        """The last step's loss on every window of the val split (``train.eval_whole_split``);
+        None: the run's set is the whole split, its figures are these. Said in a line."""
+        last = self.latest.val
+        whole = self.latest.whole = last if loss is None else self.val_figures(loss, whole=True)
+        subset = ("the val/loss set is the whole split" if whole is last
+                  else f"val/loss reads {last.tokens:,} of them (train.eval_tokens)")
+        self.metrics.write(f"step {done:>6} | whole val split: {whole.text()} on {whole.tokens:,} tokens, "
+                           f"every window; {subset}")
+
     def _val_text(self) -> str:
-        """The closing line's validation figures (``val loss n/a`` when the run never evaluated)."""
-        return self.latest.val.text() if self.latest.val is not None else "val loss n/a"
+        """The closing line's validation figures (``val loss n/a`` when the run never
+        evaluated): the set's, and the whole split's beside them where they differ,
+        each with the tokens it is the mean over (the two are different text)."""
+        val, whole = self.latest.val, self.latest.whole
+        if val is None:
+            return "val loss n/a"
+        if self.val_set.is_whole:
+            return f"{val.text()} on {val.tokens:,} tokens (the whole val split)"
+        text = f"{val.text()} on {val.tokens:,} tokens (train.eval_tokens)"
+        return text + (f" | whole val split {fmt(whole.loss)} on {whole.tokens:,} tokens" if whole else "")
 
     def _val_summary(self) -> dict:
         """summary.json's validation keys: ``final/val_loss`` (null when the run never
-        evaluated), and with a loss its perplexity, bits per byte and set."""
-        val = self.latest.val
-        return {"final/val_loss": None} if val is None else val.final()
+        evaluated), and with a loss its perplexity, bits per byte and set; the whole
+        split's (``final/whole_val_loss``, ...) where the last step measured them."""
+        val, whole = self.latest.val, self.latest.whole
+        if val is None:
+            return {"final/val_loss": None}
+        return {**val.final(), **(whole.final(whole=True) if whole else {})}
 
     def sample(self, done: int, model: nn.Module, policy: PrecisionPolicy) -> None:
         """Continue the fixed prompt (greedy, in the run's precision) so the model's
@@ -347,7 +374,8 @@ class Reporter:
         """Take the last training and validation figures from metrics.jsonl (rows up
         to ``step``): for a launch that trains nothing but writes the summary of a
         run whose final launch was lost before writing it (the validation figures on
-        the run's set, the same at every launch)."""
+        the run's set, the same at every launch). The whole split's figure
+        (``train.eval_whole_split``) is in no row: such a summary leaves it out."""
         path = self.run_dir / "metrics.jsonl"
         rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
         rows = [r for r in rows if r["step"] <= step]

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from omegaconf import DictConfig
 
-from mptrain.data.batches import Prefetcher
+from mptrain.data.batches import Prefetcher, ValSet
 from mptrain.distributed.parallel import DistContext, export_submitit_env, setup
 from mptrain.plan.build import build_plan
 from mptrain.plan.plan import Plan
@@ -223,16 +223,37 @@ class Trainer:
         return row
 
     def evaluate(self, done: int) -> dict:
-        """Validation loss at the eval cadence and at the last step; not counted as training time."""
+        """Validation loss at the eval cadence and at the last step (there also on the
+        whole split, :meth:`evaluate_whole`); not counted as training time."""
         tc = self.tc
         if not (tc.eval_every and (done % tc.eval_every == 0 or done == tc.max_steps)):
             return {}
         with self.report.clock.paused():
-            mbs, ctx, val = self.data.micro_batch, self.ctx, self.report.val_set
-            loss = evaluate(self.model, self.state.policy, ctx, val.batches(mbs, ctx.dp_rank, ctx.dp_world))
-            row = self.report.evaluated(done, loss)
+            row = self.report.evaluated(done, self.val_loss(self.report.val_set))
+            if done == tc.max_steps and tc.eval_whole_split:
+                self.evaluate_whole(done)
             self.report.sample(done, self.model, self.state.policy)
         return row
+
+    def val_loss(self, val: ValSet) -> float:
+        """The model's mean loss on ``val``, each rank its share (the same call under every wrapper)."""
+        mbs, ctx = self.data.micro_batch, self.ctx
+        return evaluate(self.model, self.state.policy, ctx, val.batches(mbs, ctx.dp_rank, ctx.dp_world))
+
+    def evaluate_whole(self, done: int) -> None:
+        """The last step's loss on every window of the val split (``train.eval_whole_split``),
+        or the figure just measured where ``train.eval_tokens`` already covers the split.
+        The run's generators are put back after it (``fork_rng``): a lab recipe that rounds
+        stochastically or draws Hadamard signs in the forward would draw from them, and the
+        checkpoint saved next, with its generator states, must be the one a run without
+        this evaluation saves."""
+        whole = self.report.whole_set
+        loss = None
+        if not self.report.val_set.is_whole:
+            device = self.ctx.device
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                loss = self.val_loss(whole)
+        self.report.evaluated_whole(done, loss)
 
     def observe(self, done: int, row: dict) -> dict:
         """What the parts measured on step ``done`` (numerics monitor, collective

@@ -63,12 +63,15 @@ class ValFigures:
             row["val/bpb"] = self.bpb
         return row
 
-    def final(self) -> dict:
-        """The same figures under summary.json's ``final/`` names, with the set's size."""
-        out = {f"final/val_{k[len('val/'):]}": v for k, v in self.row().items()}
-        out.update({"eval/tokens": self.tokens, "eval/windows": self.windows})
+    def final(self, whole: bool = False) -> dict:
+        """The same figures under summary.json's ``final/`` names, with the set's size:
+        ``final/val_loss``, ``eval/tokens``, ... or, with ``whole`` (the figures of every
+        window of the split), ``final/whole_val_loss``, ``eval/whole_tokens``, ..."""
+        part = "whole_" if whole else ""
+        out = {f"final/{part}val_{k[len('val/'):]}": v for k, v in self.row().items()}
+        out.update({f"eval/{part}tokens": self.tokens, f"eval/{part}windows": self.windows})
         if self.text_bytes:
-            out["eval/bytes"] = self.text_bytes
+            out[f"eval/{part}bytes"] = self.text_bytes
         return out
 
     def text(self) -> str:

@@ -601,7 +601,7 @@ def test_a_worse_learning_rate_is_resolved_and_never_reaches_the_target(seed_swe
     assert speed[bad][5].startswith("never (mean curve short by +")
     seeds = _section(md, "Final validation loss over seeds")
     assert seeds[good][1] == seeds[bad][1] == "0,1,2" and seeds[good][4] == "(reference)"
-    assert seeds[bad][3].startswith("eval set")  # no whole-split loss in these runs: says which set
+    assert seeds[bad][3].startswith("whole val split (")  # the runs' final/whole_val_loss, and it says so
     verdict = seeds[bad][5]
     assert verdict.startswith("resolved: +") and "worse than the reference" in verdict and "3 paired seeds" in verdict
     lo, hi = map(float, re.search(r"95% CI ([+-][\d.]+) to ([+-][\d.]+)", seeds[bad][4]).groups())

@@ -388,6 +388,10 @@ def matched_md(rep: Report) -> str:
         mine, theirs = rep.means[id(s)], rep.means.get(id(ref)) if ref is not None else None
         if mine is not None and not mine.reached:
             speedup = f"never (mean curve short by {short_text(mine.short_by)})"
+            v = rep.versus.get(id(s))
+            if v is not None and v.paired is not None and v.paired.n > 1 and not v.paired.resolved:
+                # a shortfall the paired final losses cannot tell from noise is not a measured loss
+                speedup += "; its final loss is not resolved from the reference's, so this may be noise"
         elif mine is None or theirs is None or not theirs.reached:
             speedup = "n/a"
         else:

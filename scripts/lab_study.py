@@ -353,9 +353,11 @@ def judged(c: Optional[stats.Paired]) -> dict:
     """The columns every table gives a paired comparison: mean difference, its 95% interval,
     p, the seed estimate and the verdict (NaN where one seed or none cannot say)."""
     lo, hi = c.ci if c and c.ci else (math.nan, math.nan)
+    need = c.seeds_needed if c else None
     return {"paired_seeds": c.n if c else 0, "diff": c.mean if c else math.nan, "ci_low": lo, "ci_high": hi,
             "p": c.p if c and c.p is not None else math.nan,
-            "seeds_needed": c.seeds_needed if c and c.seeds_needed else "", "verdict": words(c)}
+            "seeds_needed": "" if not need else f">{stats.MOST_SEEDS}" if need > stats.MOST_SEEDS else need,
+            "verdict": words(c)}
 
 
 def contrast(label: str, a: dict[int, float], b: dict[int, float]) -> dict:

@@ -425,9 +425,9 @@ def figure(a, fig, title: str) -> None:
     """Save ``fig`` as ``<out>/<study>.png`` with where it was measured under it."""
     fig.suptitle(title, fontsize=10)
     note = f"{where()}; llama-nano, {a.steps} steps x {a.batch} x 64 tokens, {a.dtype}" + (
-        f"; {a.note}" if a.note else "")
+        f"\n{a.note}" if a.note else "")  # its own line: both together overrun the figure's width
     fig.text(0.5, 0.005, note, ha="center", va="bottom", fontsize=7, color="0.3")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.06 if a.note else 0.03, 1, 0.95))
     fig.savefig(os.path.join(a.out, f"{a.study}.png"), dpi=90)
     print(f"figure: {os.path.join(a.out, a.study + '.png')}")
 

@@ -12,7 +12,15 @@ loss on fixed held-out windows. A cell's result is written to
 ``<out>/cells/<cell>.json`` and a cell whose file exists is skipped, so a
 study interrupted halfway picks up where it stopped. The baseline (the same
 run with plain linears) is shared by the three studies. Each study then
-writes ``<out>/<study>.csv``, ``<out>/<study>.json`` and ``<out>/<study>.png``.
+writes ``<out>/<study>.csv``, ``<out>/<study>_contrasts.csv``, ``<out>/<study>.json``
+and ``<out>/<study>.png``.
+
+Every loss comparison is paired by seed (seed k of a cell against seed k of
+the baseline, or of another cell: the same initial weights and batches) and
+judged by ``mptrain.core.stats``: the mean difference, its 95% interval, p,
+and either "resolved" with its sign or "not resolved at n seeds" with the
+paired seeds a difference of that size would need. ``--report-only`` judges
+every cell already in ``<out>/cells``, whatever ``--seeds`` says.
 
 - ``roles`` (Kandemir et al., arXiv 2605.09825, "which role breaks first"):
   MXFP4 (``e2m1/1x32/ue8m0/nearest``) on the forward GEMM only, the
@@ -22,19 +30,23 @@ writes ``<out>/<study>.csv``, ``<out>/<study>.json`` and ``<out>/<study>.png``.
   GEMM. Every ``--every`` steps the cell also measures, on one held-out batch
   and the run's own weights, each quantized linear's gradient-to-noise ratio
   ``|g| / |g_q - g|`` (``g``: the weight gradient with plain linears; ``g_q``
-  through the lab's, ``--draws`` times for the random transform).
-- ``fourover6`` (arXiv 2512.02010): along the fp32 baseline run, every
+  through the lab's, ``--draws`` times for the random transform). Each
+  transform is judged against none, and the weight-gradient GEMM alone
+  against the forward and the input-gradient GEMM alone.
+- ``fourover6`` (arXiv 2512.02010): along the first seed's ``recipe=nvfp4`` run, every
   ``--every`` steps, each linear's weight, input activation and output
   gradient are cast as standard NVFP4 (``e2m1/1x16/e4m3/nearest``) and with
   Four Over Six (``e2m1/1x16/e4m3-4over6/nearest``) and their signal-to-noise
-  ratios compared; then the loss of ``recipe=nvfp4`` against ``nvfp4_4over6``.
+  ratios compared; then the loss of ``recipe=nvfp4`` against ``nvfp4_4over6``
+  (and each against the baseline, when it has run).
 - ``expman`` (Sun et al., arXiv 2501.02423): the forward GEMMs alone
   (``fwd_input``, ``fwd_weight``; the backward operands unquantized) in e4m3,
   e5m2, e3m4 (8 bits) and e2m3, e3m2 (6 bits), all in blocks of 32 with
-  power-of-two scales, against the baseline, with the spread between seeds.
+  power-of-two scales, against the baseline; and each pair of formats of one
+  width that trade an exponent bit for a mantissa bit against each other.
 
-``--dtype fp32`` (default) runs the model outside the lab's linears in fp32
-and the baseline in fp32; ``--dtype bf16`` uses bf16 autocast (the lab's
+``--dtype fp32`` runs the model outside the lab's linears in fp32 and the
+baseline in fp32; ``--dtype bf16`` (default) uses bf16 autocast (the lab's
 preset) and a bf16 baseline. The lab's products are fp32 either way.
 Every quantized run quantizes every block's linears (``bf16_last_blocks=0``);
 the output head stays unquantized, as in every lab recipe.
@@ -61,7 +73,7 @@ import torch  # noqa: E402
 
 from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402
 from mptrain.config.checks import compose_checked  # noqa: E402
-from mptrain.core import machine  # noqa: E402
+from mptrain.core import machine, stats  # noqa: E402
 from mptrain.data.batches import Batches, Windows  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
 from mptrain.plan.build import build_plan  # noqa: E402
@@ -305,66 +317,131 @@ def load(out: str, prefix: str) -> dict:
     return res
 
 
-def spread(values: list[float]) -> str:
-    """``mean`` or ``mean +- half the range`` of one cell's seeds."""
-    if len(values) < 2:
-        return f"{values[0]:.4f}" if values else "-"
-    return f"{statistics.fmean(values):.4f} +- {(max(values) - min(values)) / 2:.4f}"
+def seed_of(name: str) -> int:
+    """The seed of the cell ``<stem>_s<seed>``."""
+    return int(name.rsplit("_s", 1)[1])
 
 
-def by_seed(cells: dict, stem: str) -> list[float]:
-    """The held-out losses of ``<stem>_s<seed>`` over the seeds run."""
-    return [r["val_loss"] for n, r in sorted(cells.items()) if n.rsplit("_s", 1)[0] == stem]
+def by_seed(cells: dict, stem: str) -> dict[int, float]:
+    """The held-out losses of ``<stem>_s<seed>`` over the seeds run, by seed."""
+    return {seed_of(n): r["val_loss"] for n, r in sorted(cells.items())
+            if n.rsplit("_s", 1)[0] == stem}
 
 
-def paired(a, cells: dict, stem: str) -> str:
-    """Cell minus baseline, seed by seed (the same initial weights and batches: the
-    seed's own luck cancels), as ``+0.0042 +0.0080``."""
-    base = load(a.out, f"baseline_{a.dtype}")
-    diffs = []
-    for n, r in sorted(cells.items()):
-        stem_n, seed = n.rsplit("_s", 1)
-        b = base.get(f"baseline_{a.dtype}_s{seed}")
-        if stem_n == stem and b:
-            diffs.append(f"{r['val_loss'] - b['val_loss']:+.4f}")
-    return " ".join(diffs)
+def versus(a: dict[int, float], b: dict[int, float]) -> Optional[stats.Paired]:
+    """``a`` against ``b`` seed by seed, over the seeds both have run (the same initial
+    weights and batches, so the seed's own luck cancels); None when they share none."""
+    common = sorted(set(a) & set(b))
+    return stats.paired([a[s] for s in common], [b[s] for s in common]) if common else None
 
 
-def write_table(a, rows: list[dict]) -> None:
-    """``<out>/<study>.csv`` and ``.json`` from ``rows``, and the table printed."""
-    base = os.path.join(a.out, a.study)
-    with open(base + ".csv", "w", newline="") as f:
+def words(c: Optional[stats.Paired]) -> str:
+    """The table's short verdict: which way a resolved difference goes (a higher loss is
+    worse), or how many paired seeds an unresolved one of its size would need."""
+    if c is None or c.n < 2:
+        return "one seed: cannot judge" if c else "no common seed"
+    if c.resolved:
+        return f"resolved, {'worse' if c.mean > 0 else 'better'}"
+    if not c.seeds_needed:
+        return f"not resolved at {c.n} seeds"
+    need = (f"more than {stats.MOST_SEEDS:,}" if c.seeds_needed > stats.MOST_SEEDS
+            else f"about {c.seeds_needed}")
+    return f"not resolved at {c.n} seeds; {need} would resolve it"
+
+
+def judged(c: Optional[stats.Paired]) -> dict:
+    """The columns every table gives a paired comparison: mean difference, its 95% interval,
+    p, the seed estimate and the verdict (NaN where one seed or none cannot say)."""
+    lo, hi = c.ci if c and c.ci else (math.nan, math.nan)
+    need = c.seeds_needed if c else None
+    return {"paired_seeds": c.n if c else 0, "diff": c.mean if c else math.nan, "ci_low": lo, "ci_high": hi,
+            "p": c.p if c and c.p is not None else math.nan,
+            "seeds_needed": "" if not need else f">{stats.MOST_SEEDS}" if need > stats.MOST_SEEDS else need,
+            "verdict": words(c)}
+
+
+def contrast(label: str, a: dict[int, float], b: dict[int, float]) -> dict:
+    """One headline comparison between two cells, judged, with :func:`stats.verdict`'s sentence."""
+    c = versus(a, b)
+    return {"contrast": label, **judged(c), "sentence": stats.verdict(c) if c else "no common seed"}
+
+
+def error_bars(ax, xs: list[float], rows: list[dict], **kw) -> None:
+    """Each row's mean paired difference at ``xs`` with its 95% interval as an error bar."""
+    ys = [r["diff"] for r in rows]
+    err = [[y - r["ci_low"] for y, r in zip(ys, rows)], [r["ci_high"] - y for y, r in zip(ys, rows)]]
+    ax.errorbar(xs, ys, yerr=err, fmt="none", ecolor="k", elinewidth=0.8, capsize=2, **kw)
+
+
+def with_baselines(cells: dict, base_cells: dict) -> dict:
+    """``cells`` and the baselines of their seeds: what a study that trains its own baselines ran."""
+    seeds = {seed_of(n) for n in cells}
+    return {**cells, **{n: r for n, r in base_cells.items() if seed_of(n) in seeds}}
+
+
+def seconds(cells: dict) -> float:
+    """The cells' training time, summed (each cell's own clock, load included)."""
+    return sum(r["seconds"] for r in cells.values())
+
+
+def markdown(rows: list[dict]) -> str:
+    """``rows`` as a Markdown table: differences signed, p to two figures, other floats to four places."""
+    def text(k: str, v) -> str:
+        if not isinstance(v, float):
+            return str(v)
+        if math.isnan(v):
+            return "-"
+        return f"{v:.2g}" if k == "p" else f"{v:+.4f}" if k in ("diff", "ci_low", "ci_high") else f"{v:.4f}"
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    return "\n".join(lines + ["| " + " | ".join(text(k, v) for k, v in r.items()) + " |" for r in rows])
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    """``rows`` (one dict per row, the same keys) as a CSV file."""
+    with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+
+
+def write_table(a, rows: list[dict], contrasts: list[dict], cells: dict) -> None:
+    """``<out>/<study>.csv``, ``<study>_contrasts.csv`` and ``<study>.json`` (with the seeds and
+    the cells' summed training time), and both tables printed."""
+    base = os.path.join(a.out, a.study)
+    write_csv(base + ".csv", rows)
+    write_csv(base + "_contrasts.csv", contrasts)
+    seeds = sorted({seed_of(n) for n in cells})
     with open(base + ".json", "w") as f:
         json.dump({"where": where(), "note": a.note, "steps": a.steps, "batch": a.batch, "dtype": a.dtype,
-                   "rows": rows}, f, indent=1)
-    print("| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
-    for r in rows:
-        print("| " + " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+                   "seeds": seeds, "cells": len(cells), "cell_seconds": seconds(cells), "rows": rows,
+                   "contrasts": contrasts}, f, indent=1)
+    print(markdown(rows) + "\n\n" + markdown([{k: v for k, v in c.items() if k != "sentence"} for c in contrasts]))
+    for c in contrasts:
+        print(f"- {c['contrast']}: {c['sentence']}")
+    print(f"{len(cells)} cells (seeds {seeds}), {seconds(cells):.0f}s of training summed")
 
 
 def figure(a, fig, title: str) -> None:
     """Save ``fig`` as ``<out>/<study>.png`` with where it was measured under it."""
     fig.suptitle(title, fontsize=10)
     note = f"{where()}; llama-nano, {a.steps} steps x {a.batch} x 64 tokens, {a.dtype}" + (
-        f"; {a.note}" if a.note else "")
+        f"\n{a.note}" if a.note else "")  # its own line: both together overrun the figure's width
     fig.text(0.5, 0.005, note, ha="center", va="bottom", fontsize=7, color="0.3")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.06 if a.note else 0.03, 1, 0.95))
     fig.savefig(os.path.join(a.out, f"{a.study}.png"), dpi=90)
     print(f"figure: {os.path.join(a.out, a.study + '.png')}")
 
 
-def baseline_losses(a) -> list[float]:
-    """The unquantized runs' held-out losses, one per seed that has run."""
-    return by_seed(load(a.out, f"baseline_{a.dtype}"), f"baseline_{a.dtype}")
+def baselines(a) -> dict:
+    """The unquantized runs (``--dtype``) that have run, by name."""
+    return load(a.out, f"baseline_{a.dtype}")
 
 
 def roles_report(a, plt) -> None:
-    """Loss and gradient-to-noise ratio per roles x transform cell."""
-    cells, base = load(a.out, "roles_"), baseline_losses(a)
-    ref = statistics.fmean(base) if base else math.nan
+    """Loss against the baseline and gradient-to-noise ratio per roles x transform cell; the
+    transforms against none and the weight-gradient GEMM against the others."""
+    cells, base_cells = load(a.out, "roles_"), baselines(a)
+    base = by_seed(base_cells, f"baseline_{a.dtype}")
     rows = []
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     styles = {"none": "-", "plain": "--", "random": ":"}
@@ -372,43 +449,40 @@ def roles_report(a, plt) -> None:
     for rs in ROLE_SETS:
         for tn in TRANSFORMS:
             stem = f"roles_{rs}_{tn}"
-            got = {n: r for n, r in cells.items() if n.rsplit("_s", 1)[0] == stem}
-            if not got:
+            losses = by_seed(cells, stem)
+            if not losses:
                 continue
-            losses = [r["val_loss"] for r in got.values()]
-            first = next(iter(got.values()))
+            first = cells[f"{stem}_s{min(losses)}"]  # the ratio is the lowest seed's
             ratio = {int(k): v["all"] for k, v in first["measured"].items()}
             steps = sorted(ratio)
-            rows.append({"gemms": rs, "transform": tn, "seeds": len(losses), "val_loss": statistics.fmean(losses),
-                         "minus_baseline": statistics.fmean(losses) - ref,
-                         "paired_per_seed": paired(a, cells, stem), "ratio_first": ratio[steps[0]],
-                         "ratio_last": ratio[steps[-1]],
+            rows.append({"gemms": rs, "transform": tn, "seeds": len(losses),
+                         "val_loss": stats.spread(list(losses.values())).mean, **judged(versus(losses, base)),
+                         "ratio_first": ratio[steps[0]], "ratio_last": ratio[steps[-1]],
                          "ratio_min": min(ratio.values()),
                          "worst_layer_last": min((v, k) for k, v in first["measured"][str(steps[-1])].items()
                                                  if k != "all")[1]})
             ax2.plot(steps, [ratio[s] for s in steps], styles[tn], color=colors[rs], label=f"{rs}, {tn}")
-    def paired_mean(r: dict) -> float:
-        ds = [float(d) for d in r["paired_per_seed"].split()]
-        return statistics.fmean(ds) if ds else math.nan
-
     for i, tn in enumerate(TRANSFORMS):
-        xs = [j + (i - 1) * 0.27 for j, rs in enumerate(ROLE_SETS)]
-        ys = [next((paired_mean(r) for r in rows if r["gemms"] == rs and r["transform"] == tn), math.nan)
-              for rs in ROLE_SETS]
-        ax1.bar(xs, ys, width=0.27, label=f"transform: {tn}")
-    if len(base) > 1:
-        half = (max(base) - min(base)) / 2
-        ax1.axhspan(-half, half, color="0.85", zorder=0, label="+- half the baselines' seed-to-seed gap")
+        got = [r for rs in ROLE_SETS for r in rows if r["gemms"] == rs and r["transform"] == tn]
+        xs = [list(ROLE_SETS).index(r["gemms"]) + (i - 1) * 0.27 for r in got]
+        ax1.bar(xs, [r["diff"] for r in got], width=0.27, label=f"transform: {tn}")
+        error_bars(ax1, xs, got)
+    ax1.axhline(0, color="k", lw=0.6)
     ax1.set_xticks(range(len(ROLE_SETS)), list(ROLE_SETS))
     ax1.set_xlabel("the GEMMs in MXFP4")
-    ax1.set_ylabel("held-out loss minus the same seed's unquantized run")
+    ax1.set_ylabel("held-out loss minus the same seed's unquantized run\n(mean over seeds, 95% interval)")
     ax1.legend(fontsize=7)
     ax2.axhline(math.sqrt(3), color="k", lw=0.8, label="sqrt(3) (2505.19115)")
     ax2.set_yscale("log")
     ax2.set_xlabel("step")
-    ax2.set_ylabel("|g| / |g_q - g|, all quantized linears")
+    ax2.set_ylabel("|g| / |g_q - g|, all quantized linears (first seed)")
     ax2.legend(fontsize=6, ncol=2)
-    write_table(a, rows)
+    loss = {stem: by_seed(cells, f"roles_{stem}") for stem in (f"{rs}_{tn}" for rs in ROLE_SETS for tn in TRANSFORMS)}
+    contrasts = [contrast(f"{rs}: {tn} minus none", loss[f"{rs}_{tn}"], loss[f"{rs}_none"])
+                 for rs in ROLE_SETS for tn in ("plain", "random")]
+    contrasts += [contrast(f"wgrad minus {rs}, no transform", loss["wgrad_none"], loss[f"{rs}_none"])
+                  for rs in ("fwd", "dgrad")]
+    write_table(a, rows, contrasts, with_baselines(cells, base_cells))
     figure(a, fig, "Which GEMM breaks first: MXFP4 per GEMM, with and without Hadamard (arXiv 2605.09825)")
 
 
@@ -424,9 +498,12 @@ def fourover6_report(a, plt) -> None:
         layer, operand = k.rsplit("/", 1)
         rows.append({"layer": layer, "operand": operand, "sqnr_nvfp4_db": nv, "sqnr_4over6_db": f6,
                      "gain_db": f6 - nv, "mse_ratio": 10 ** (-(f6 - nv) / 10)})
-    base = baseline_losses(a)
-    loss_rows = [{"recipe": r, "val_loss_per_seed": by_seed(cells, f"fourover6_{r}")}
-                 for r in ("nvfp4", "nvfp4_4over6")] + [{"recipe": f"unquantized {a.dtype}", "val_loss_per_seed": base}]
+    base = by_seed(baselines(a), f"baseline_{a.dtype}")
+    loss = {r: by_seed(cells, f"fourover6_{r}") for r in ("nvfp4", "nvfp4_4over6")}
+    loss_rows = [{"recipe": r, "val_loss_per_seed": ys} for r, ys in loss.items()]
+    loss_rows.append({"recipe": f"unquantized {a.dtype}", "val_loss_per_seed": base})
+    contrasts = [contrast(f"{r} minus unquantized {a.dtype}", ys, base) for r, ys in loss.items()]
+    contrasts.append(contrast("nvfp4_4over6 minus nvfp4", loss["nvfp4_4over6"], loss["nvfp4"]))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2.2, 1]})
     layers = sorted({r["layer"] for r in rows})
     for i, op in enumerate(("weight", "input", "grad_output")):
@@ -437,17 +514,17 @@ def fourover6_report(a, plt) -> None:
     ax1.axhline(0, color="k", lw=0.6)
     ax1.set_ylabel("SQNR(4over6) - SQNR(NVFP4), dB")
     ax1.legend(fontsize=7)
-    labelled: set = set()
-    for i, lr in enumerate(loss_rows):
-        ys = lr["val_loss_per_seed"]
-        for j, y in enumerate(ys):  # one colour per seed (in seed order), so each seed's runs read together
-            ax2.plot([i], [y], "o", color=f"C{j}", label=None if j in labelled else f"seed #{j + 1}")
-            labelled.add(j)
-        print(f"{lr['recipe']}: held-out loss per seed {[round(y, 4) for y in ys]} -> {spread(ys) if ys else '-'}")
-    ax2.legend(fontsize=7)
-    ax2.set_xticks(range(len(loss_rows)), [lr["recipe"] for lr in loss_rows], fontsize=7)
-    ax2.set_ylabel("held-out loss (one dot per seed)")
-    write_table(a, rows)
+    pairs = [(loss["nvfp4"], base), (loss["nvfp4_4over6"], base), (loss["nvfp4_4over6"], loss["nvfp4"])]
+    for i, (x, y) in enumerate(pairs):  # each seed's own difference, then the mean and its interval
+        ds = [x[s] - y[s] for s in sorted(set(x) & set(y))]
+        ax2.plot([i] * len(ds), ds, "o", color="C0", alpha=0.5, ms=4)
+    ax2.plot(range(len(contrasts)), [c["diff"] for c in contrasts], "_", color="k", ms=14)
+    error_bars(ax2, list(range(len(contrasts))), contrasts)
+    ax2.axhline(0, color="k", lw=0.6)
+    ax2.set_xticks(range(len(contrasts)), ["NVFP4\n- unquantized", "4over6\n- unquantized", "4over6\n- NVFP4"],
+                   fontsize=7)
+    ax2.set_ylabel("held-out loss difference, same seed\n(dots: seeds; bar: mean, 95% interval)")
+    write_table(a, rows, contrasts, cells)
     print("\n| operand | layers | SQNR NVFP4 dB | SQNR 4over6 dB | gain dB, mean (min to max) |\n|---|---|---|---|---|")
     for op in ("weight", "input", "grad_output"):
         rs = [r for r in rows if r["operand"] == op]
@@ -456,6 +533,10 @@ def fourover6_report(a, plt) -> None:
             print(f"| {op} | {len(rs)} | {statistics.fmean(r['sqnr_nvfp4_db'] for r in rs):.2f} | "
                   f"{statistics.fmean(r['sqnr_4over6_db'] for r in rs):.2f} | "
                   f"{statistics.fmean(gains):+.2f} ({min(gains):+.2f} to {max(gains):+.2f}) |")
+    print("\n| run | held-out loss |\n|---|---|")
+    for r in loss_rows:
+        ys = list(r["val_loss_per_seed"].values())
+        print(f"| {r['recipe']} | {stats.spread(ys).text() if ys else '-'} |")
     with open(os.path.join(a.out, "fourover6_loss.json"), "w") as f:
         json.dump(loss_rows, f, indent=1)
     figure(a, fig, "Four Over Six vs NVFP4: the run's own tensors, and the loss (arXiv 2512.02010)")
@@ -473,40 +554,43 @@ def synthetic_sqnr() -> dict:
 
 
 def expman_report(a, plt) -> None:
-    """Held-out loss per forward element format against the baseline, with the seeds' spread."""
-    cells, base = load(a.out, "expman_"), baseline_losses(a)
-    ref = statistics.fmean(base) if base else math.nan
+    """Held-out loss per forward element format against the baseline, paired by seed; one
+    exponent bit against one mantissa bit at the same width."""
+    cells, base_cells = load(a.out, "expman_"), baselines(a)
+    base = by_seed(base_cells, f"baseline_{a.dtype}")
+    blank = dict.fromkeys(judged(None), "")
     rows = [{"format": f"unquantized {a.dtype}", "bits": 16 if a.dtype == "bf16" else 32, "seeds": len(base),
-             "val_loss": ref, "seed_half_range": (max(base) - min(base)) / 2 if base else math.nan,
-             "minus_baseline": 0.0, "paired_per_seed": ""}]
+             "val_loss": stats.spread(list(base.values())).mean if base else math.nan,
+             "val_sd": stats.spread(list(base.values())).sd if len(base) > 1 else math.nan,
+             **blank, "verdict": "the reference"}]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax.plot([0] * len(base), base, "ko")
+    ax.plot([0] * len(base), list(base.values()), "ko", ms=4)
+    loss = {el: by_seed(cells, f"expman_{el}") for el in EXPMAN}
     for i, (el, bits) in enumerate(EXPMAN.items(), start=1):
-        ys = by_seed(cells, f"expman_{el}")
+        ys = loss[el]
         if not ys:
             continue
-        rows.append({"format": el, "bits": bits, "seeds": len(ys), "val_loss": statistics.fmean(ys),
-                     "seed_half_range": (max(ys) - min(ys)) / 2, "minus_baseline": statistics.fmean(ys) - ref,
-                     "paired_per_seed": paired(a, cells, f"expman_{el}")})
+        sp = stats.spread(list(ys.values()))
+        rows.append({"format": el, "bits": bits, "seeds": len(ys), "val_loss": sp.mean,
+                     "val_sd": math.nan if sp.sd is None else sp.sd, **judged(versus(ys, base))})
         color = "C0" if bits == 8 else "C1"
-        ax.plot([i] * len(ys), ys, "o", color=color)
-        ds = [float(d) for d in rows[-1]["paired_per_seed"].split()]
-        ax2.plot([i] * len(ds), ds, "o", color=color)
-        ax2.plot([i], [statistics.fmean(ds)], "_", color="k", ms=14)
+        ax.plot([i] * len(ys), list(ys.values()), "o", color=color, ms=4)
+        ax2.plot([i] * len(ys), [ys[s] - base[s] for s in ys if s in base], "o", color=color, alpha=0.5, ms=4)
+        ax2.plot([i], [rows[-1]["diff"]], "_", color="k", ms=14)
+        error_bars(ax2, [i], rows[-1:])
     names = [f"{e} ({b}b)" for e, b in EXPMAN.items()]
     ax.set_xticks(range(len(EXPMAN) + 1), ["unquantized", *names], fontsize=8)
     ax.set_ylabel("held-out loss (one dot per seed)")
     ax2.axhline(0, color="k", lw=0.6)
-    if len(base) > 1:
-        ax2.axhline(max(base) - min(base), color="0.5", ls="--", lw=0.8,
-                    label="the baselines' own seed-to-seed gap")
-        ax2.legend(fontsize=7)
     ax2.set_xticks(range(1, len(EXPMAN) + 1), names, fontsize=8)
-    ax2.set_ylabel("minus the same seed's baseline (bar: mean)")
+    ax2.set_ylabel("minus the same seed's baseline\n(dots: seeds; bar: mean, 95% interval)")
     sq = synthetic_sqnr()
     for r in rows:
         r.update({f"sqnr_{k}_db": v for k, v in sq.get(r["format"], dict.fromkeys(sq["e4m3"], math.nan)).items()})
-    write_table(a, rows)
+    # one more exponent bit for one fewer mantissa bit, at the same width: the paper's question
+    contrasts = [contrast(f"{x} minus {y}", loss[x], loss[y]) for x, y in
+                 (("e4m3", "e3m4"), ("e5m2", "e4m3"), ("e3m2", "e2m3"))]
+    write_table(a, rows, contrasts, with_baselines(cells, base_cells))
     figure(a, fig, "Exponent vs mantissa on the forward GEMMs, 1x32 blocks, ue8m0 scales (arXiv 2501.02423)")
 
 
@@ -521,7 +605,8 @@ STUDIES = {"roles": roles_cells, "fourover6": fourover6_cells, "expman": expman_
 def where() -> str:
     """The line every figure and table carries: machine, software, date."""
     flags = machine.cpu_flags()
-    simd = ", ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16") if f in flags) or "no avx2"
+    simd = ", ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
+                     if f in flags) or "no avx2"
     return (f"{os.cpu_count()}-core {machine.cpu_name()} ({simd}), Python {platform.python_version()}, "
             f"torch {torch.__version__.split('+')[0]}, {datetime.date.today().isoformat()}")
 

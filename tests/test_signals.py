@@ -17,9 +17,15 @@ from mptrain.run.stop import StopSignal
 
 @pytest.fixture
 def handlers():
-    """The process's handlers as they were, put back after the test whatever it did."""
+    """Each test starts from the handlers a Python started from a terminal has (SIGINT:
+    KeyboardInterrupt, SIGTERM: the default), whatever the suite was started with (a shell
+    starts a background job with SIGINT ignored, which would hide what these tests check);
+    the process's own are put back after the test whatever it did."""
     before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    yield before
+    start = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    for sig, handler in start.items():
+        signal.signal(sig, handler)
+    yield start
     for sig, old in before.items():
         signal.signal(sig, old)
 

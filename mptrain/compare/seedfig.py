@@ -6,13 +6,13 @@ One seed per setting keeps the per-run figure (:func:`figure.build_figure`) with
 same two lead panels, and says that one seed cannot judge the noise."""
 from __future__ import annotations
 
+import statistics
 from typing import Callable, Optional
 
 from mptrain.compare.figure import (FROM_ZERO, build_figure, frame, label_axes, panels_with_data, percent,
                                     plain_axes)
 from mptrain.compare.runs import Run, compared
 from mptrain.compare.seeds import SEED_KEY, Report, mean_curve, short_text
-from mptrain.core import stats
 
 BAND = "band: range (lowest to highest) over {n} seeds"
 ONE_SEED = "one seed per setting: the noise between seeds cannot be judged"
@@ -25,7 +25,7 @@ def _color(i: int) -> str:
 def _band(ax, xs: list, per_seed: list[list[float]], color: str, label: Optional[str] = None, **line) -> None:
     """The mean over seeds of ``per_seed`` (a list per seed, aligned with ``xs``) as a line,
     and, for two seeds or more, the range over them as a band (a ``PolyCollection``)."""
-    means = [stats.spread(col).mean for col in zip(*per_seed, strict=True)]
+    means = [statistics.fmean(col) for col in zip(*per_seed, strict=True)]
     ax.plot(xs, means, color=color, label=label, linewidth=1.5, **line)
     if len(per_seed) > 1:
         lo = [min(col) for col in zip(*per_seed, strict=True)]

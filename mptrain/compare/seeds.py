@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -267,9 +268,9 @@ def mean_curve(s: Setting) -> tuple[list, list[float], list[float], list[float]]
     steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     clocks = [training_time(r) for r in s.runs]
     at = [[_at(c, step) for c in clocks] for step in steps]
-    return (steps, [stats.spread([c[k] for c in curves]).mean for k in steps],
-            [stats.spread([a[0] for a in row]).mean for row in at],
-            [stats.spread([a[1] for a in row]).mean for row in at])
+    return (steps, [statistics.fmean([c[k] for c in curves]) for k in steps],
+            [statistics.fmean([a[0] for a in row]) for row in at],
+            [statistics.fmean([a[1] for a in row]) for row in at])
 
 
 def mean_reach(s: Setting, target: float) -> Reach:
@@ -355,10 +356,6 @@ def _spread_ci(values: list[float], spec: str) -> str:
 
 def _ratio(num: Optional[float], den: Optional[float]) -> str:
     return "n/a" if not num or not den or not math.isfinite(num / den) else f"{num / den:.2f}x"
-
-
-def _mean(values: list) -> Optional[float]:
-    return stats.spread(values).mean if values else None
 
 
 def matched_md(rep: Report) -> str:

@@ -92,9 +92,7 @@ def confirm_verdict(gap: Paired, ratio: float, bytes_per_param: tuple[float, flo
     elif gap.resolved:
         loss = head + verdict(gap, unit="nats/token", spec=".4f", worse="higher") + "; the reference is the baseline"
     else:
-        # stats.verdict opens with "not resolved at N seeds: "; said once, in the advisor's words
-        words = verdict(gap, unit="nats/token", spec=".4f").removeprefix(f"not resolved at {gap.n} seeds: ")
-        loss = head + f"no measurable difference at {gap.n} seeds: " + words
+        loss = head + verdict(gap, unit="nats/token", spec=".4f", unresolved="no measurable difference")
     if same:
         speed = (f"speed {ratio:.2f}x the baseline's; {bytes_per_param[0]:.1f} bytes/param each. The "
                  "recommendation is the baseline's configuration, so this comparison measures only run-to-run "

@@ -228,9 +228,12 @@ def _seeds_text(n: Optional[int]) -> str:
     return f"more than {MOST_SEEDS:,} seeds" if n > MOST_SEEDS else f"about {n} seeds"
 
 
-def verdict(c: Paired, unit: str = "nats", spec: str = ".4f", worse: str = "higher") -> str:
+def verdict(c: Paired, unit: str = "nats", spec: str = ".4f", worse: str = "higher",
+            unresolved: str = "not resolved") -> str:
     """``c`` in words, the interval and p-value with it. ``worse``: which sign of the
-    difference is the setting's loss ("higher": a higher value is worse, as a loss)."""
+    difference is the setting's loss ("higher": a higher value is worse, as a loss);
+    ``unresolved``: the words an unresolved difference opens with, before "at N seeds"
+    (the advisor's "no measurable difference")."""
     if c.n < 2:
         return (f"{_signed(c.mean, spec)} {unit} at 1 seed: cannot judge the noise; "
                 "rerun with two or more seeds (train.seed=0,1,2) to resolve it")
@@ -245,4 +248,4 @@ def verdict(c: Paired, unit: str = "nats", spec: str = ".4f", worse: str = "high
     size = "of this size" if c.size == abs(c.mean) else f"of {c.size:{spec}} {unit}"
     need = _seeds_text(c.seeds_needed)
     hint = f"; {need} would resolve a difference {size}" if need else ""
-    return f"not resolved at {c.n} seeds: {_signed(c.mean, spec)} {unit} ({interval}){hint}"
+    return f"{unresolved} at {c.n} seeds: {_signed(c.mean, spec)} {unit} ({interval}){hint}"

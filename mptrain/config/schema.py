@@ -458,6 +458,57 @@ class LabConfig:
 
 
 @dataclass
+class PhaseConfig:
+    """One entry of ``precision.phases``: from which step on, and what changes
+    (``mptrain/precision/phases.py``; docs/phases.md). A key left null keeps what
+    the phase before had; the model's shape, the mesh and everything outside
+    ``precision`` cannot change within a run (they have no key here)."""
+
+    name: Optional[str] = guarded(None)
+    """A label for the banner, the console and the records (null: ``phase <k>``)."""
+    start: Optional[str] = guarded(None)
+    """When it begins (before that step runs): a step (``1200``), a fraction of
+    ``train.max_steps`` (``0.8``: step round(0.8 * max_steps)), or a point of the
+    learning-rate schedule (``warmup_end``, ``decay_start``: the first step below the
+    peak). With ``when``: the earliest step the signal is looked at (null: at once)."""
+    when: Optional[str] = guarded(None)
+    """Begin when a signal crosses a threshold instead, decided at the monitor's
+    cadence: ``<signal> < <value>`` (or ``>``, ``<=``, ``>=``), the signal a metric
+    name or a short name (``weight_gradient.noise_ratio < 1.732``, the sqrt(3) rule),
+    or ``loss_spike`` (the loss-spike detector's alarm). Recorded with the step and
+    the value; a resumed run keeps the decision."""
+    precision: Optional[str] = guarded(None)
+    """A precision preset (``bf16``, ``fp8``, ``nvfp4``...) this phase runs under,
+    replacing the one before; the keys below change it further."""
+    forward: Optional[str] = guarded(None)
+    """Both operands of the forward matmul: a named recipe's (``mxfp8``), one
+    operand spec for both (``e4m3/tensor/fp32/nearest``), or ``none`` (unquantized)."""
+    input_gradient: Optional[str] = guarded(None)
+    """Both operands of the input-gradient matmul, as ``forward``."""
+    weight_gradient: Optional[str] = guarded(None)
+    """Both operands of the weight-gradient matmul, as ``forward``."""
+    fwd_input: Optional[str] = guarded(None)
+    """One operand (an operand spec or ``none``), over ``forward``; the five keys below likewise."""
+    fwd_weight: Optional[str] = guarded(None)
+    dgrad_grad_output: Optional[str] = guarded(None)
+    dgrad_weight: Optional[str] = guarded(None)
+    wgrad_grad_output: Optional[str] = guarded(None)
+    wgrad_input: Optional[str] = guarded(None)
+    master_weights: Optional[bool] = guarded(None)
+    """fp32 master weights from here on (``true``: a bf16-pure run's weights and
+    moments widen to fp32 exactly), or bf16 storage (``false``: rounded as the
+    phase's ``update_rounding`` rounds)."""
+    update_rounding: Optional[UpdateRounding] = guarded(None)
+    """How updates reach bf16-stored weights from here on (``nearest``, ``stochastic``;
+    ``kahan`` cannot be switched into or out of: its moments are stored debiased)."""
+    state_dtype: Optional[StateDtype] = guarded(None)
+    """Adam's moments' storage from here on (``fp32``, ``bf16``; a quantized
+    storage cannot change within a run)."""
+    loss_scale: Optional[bool] = guarded(None)
+    """Loss scaling on or off from here on (its state carries while it stays on)."""
+
+
+@dataclass
 class PrecisionConfig:
     """What each format is used for; docs/precision.md explains each choice."""
 
@@ -496,6 +547,11 @@ class PrecisionConfig:
     """4-bit linears; see :class:`Fp4Config`."""
     lab: LabConfig = field(default_factory=lambda: LabConfig())
     """The format lab's linears; see :class:`LabConfig`."""
+    phases: list[PhaseConfig] = guarded(factory=list)
+    """Precision that changes during the run: an ordered list of
+    :class:`PhaseConfig`, each from a step (or a signal) on; empty: one precision
+    throughout. A resume refuses a change to a phase that has begun, and allows
+    (and records) a change to phases still ahead."""
 
 
 # ------------------------------------------------------------------------ parallel

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from mptrain.config import checks
 from mptrain.config.mesh import mesh_shape, tp_said
+from mptrain.config.schedule import schedule_points
 from mptrain.config.schema import ParallelMode, debug_set
 from mptrain.core.errors import ConfigError
 from mptrain.core.frozen import frozen
@@ -37,6 +38,8 @@ from mptrain.plan.plan import Batches, Launch, Parallel, Parts, Plan, Vocab
 from mptrain.precision import rules
 from mptrain.precision.mesh_rules import blocks_refusal
 from mptrain.precision.optimizers import choose
+from mptrain.precision import phases as phasing
+from mptrain.precision.phases import CAST_SIGNALS, Phase
 from mptrain.precision.recipe import PrecisionPlan, precision_plan
 
 
@@ -69,11 +72,13 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
     s = OmegaConf.to_object(cfg)  # the typed sections, of which the plan keeps frozen copies
     parallel = Parallel(s.parallel.name, str(s.parallel.backend), mesh, mesh.tp > 1 and sp, said,
                         frozenset(s.debug.unguarded))
+    optimizer = choose(cfg.precision, cfg.optim, parallel.name)
+    phases = _phases(cfg, precision, optimizer, batches, launch.world, mesh.tp, said, sp)
     return Plan(
         launch=launch, device=str(s.train.device), model=frozen(s.model), family=spec, adopted=frozen(adopted),
         vocab=Vocab(s.model.vocab_size, _tokenizer_size(s.data), mesh.tp, said, s.model.init_from),
         batches=batches, parallel=parallel, precision=precision,
-        optimizer=choose(cfg.precision, cfg.optim, parallel.name),
+        optimizer=optimizer, phases=phases,
         optim=frozen(s.optim), train=frozen(s.train), data=frozen(s.data), log=frozen(s.log),
         checkpoint=frozen(s.checkpoint), parts=_parts(s, parallel, precision), debug=frozen(s.debug),
         resume_from=str(s.resume.source), allow_changes=tuple(s.resume.allow_changes),
@@ -118,6 +123,47 @@ def _capped(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     return text[:limit - 9] + "~" + hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
+def _phases(cfg: Any, precision: PrecisionPlan, optimizer, batches: Batches, world: int, tp: int, said: str,
+            sp: bool) -> tuple[Phase, ...]:
+    """The run's precision phases: its own section as phase 0, then ``precision.phases``
+    (``mptrain/precision/phases.py``), each derived here (its precision plan and optimizer)
+    and checked as the run's own precision is: the recipe's shapes, its blocks under
+    tensor parallelism, and a signal the run measures."""
+    out = [phasing.phase_zero(precision, optimizer)]
+    max_steps = int(cfg.train.max_steps)
+    points = schedule_points(cfg.optim, max_steps)
+    section = cfg.precision
+    for i, ph in enumerate(cfg.precision.phases):
+        e = phasing.entry(ph, i, out[-1], section, cfg.optim, max_steps, points)
+        try:
+            plan, choice = precision_plan(e.section), choose(e.section, e.optim, cfg.parallel.name)
+        except ConfigError as err:
+            raise ConfigError(f"{e.key}: {err}") from None
+        out.append(phasing.phase(e, out[-1], plan, choice, cfg.parallel.name.value))
+        rules.validate(cfg.model, e.section, plan.recipe, cfg.monitor.fp8_whatif, batches)
+        problem = (blocks_refusal(cfg.model, out[-1].precision, tp, sp, world, said) if tp > 1 else None) \
+            or _signal_refusal(out[-1], out[-2], cfg.monitor)
+        if problem:
+            raise ConfigError(f"{e.key}: {problem}")
+        section = e.section
+    return tuple(out)
+
+
+def _signal_refusal(ph: Phase, before: Phase, mon: Any) -> Optional[str]:
+    """Why the signal phase ``ph`` waits for would never come in this run, or None."""
+    t = ph.trigger
+    if t is None:
+        return None
+    if not mon.enabled and t.metric != "events/loss_spike":
+        return (f"when={t.said!r} reads {t.metric}, which the numerics monitor measures, and monitor.enabled=false; "
+                "turn the monitor on (monitor.every sets how often the signal is looked at).")
+    if t.metric.startswith(CAST_SIGNALS) and (before.precision.recipe is None or not mon.fp8_casts):
+        why = ("monitor.fp8_casts=false" if before.precision.recipe is not None
+               else f"the phase before it ({before.label}) has no low-precision linears to measure")
+        return f"when={t.said!r} reads {t.metric}, a statistic of the low-precision casts, and {why}: it would never come."
+    return None
 
 
 def _tokenizer_size(d: Any) -> Optional[int]:

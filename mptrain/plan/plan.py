@@ -39,6 +39,7 @@ from mptrain.data.batches import padded_vocab
 from mptrain.model.spec import FamilySpec
 from mptrain.model.tp_rules import vocab_problem
 from mptrain.precision.optimizers import Choice
+from mptrain.precision.phases import Phase
 from mptrain.precision.recipe import PrecisionPlan
 
 
@@ -200,6 +201,10 @@ class Resume:
     """Set when the run reached ``train.max_steps`` but the launch that saved its final checkpoint
     (``path``) ended before writing summary.json: the line to print before the records are written
     without training."""
+    phase: int = 0
+    """The precision phase the checkpoint was saved in (``precision.phases``): the run is built in it."""
+    began: tuple = ()
+    """The phases begun up to the checkpoint (``run/phases.py``'s records), decisions on signals included."""
 
 
 FRESH = Resume()
@@ -244,6 +249,21 @@ class Plan:
     setting: tuple = ()
     """A Hydra multirun job's overrides but ``train.seed`` (sorted): the setting its seeds
     share, which names its W&B group and TensorBoard's session group; empty outside a sweep."""
+    phases: tuple = ()
+    """The precision's phases (:class:`~mptrain.precision.phases.Phase`): phase 0 is the run's own
+    ``precision`` section, then one per ``precision.phases`` entry. ``precision`` and ``optimizer``
+    above are the phase the plan is in (:meth:`in_phase`)."""
+    phase: int = 0
+    """The phase this plan describes (its index in ``phases``)."""
+
+    def in_phase(self, k: int) -> "Plan":
+        """This plan in phase ``k``: its precision, optimizer and what the parts measure."""
+        ph: Phase = self.phases[k]
+        parts = dataclasses.replace(
+            self.parts, casts=bool(self.parts.numerics and self.parts.monitor.fp8_casts
+                                   and ph.precision.recipe is not None),
+            loss_scale=ph.precision.loss_scale)
+        return dataclasses.replace(self, precision=ph.precision, optimizer=ph.optimizer, parts=parts, phase=k)
 
     def decided(self, resume: Resume) -> "Plan":
         """This plan with the resume decision, taken once the ranks can agree on one."""
@@ -265,6 +285,7 @@ class Plan:
             "family": self.family.name,
             "optimizer": plain(self.optimizer),
             "precision": self.precision.name,
+            "phase": self.phase,
             "recipe": None if recipe is None else {"name": recipe.name, "backend": recipe.backend, **recipe.specs},
             "parts": {k: plain(getattr(self.parts, k)) for k in
                       ("numerics", "comm", "casts", "whatif", "audit", "audit_only", "faults", "on_nonfinite")},

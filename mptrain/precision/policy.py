@@ -131,6 +131,14 @@ class LossScaler:
     def state_dict(self) -> dict:
         return {"scaler": self.scaler.state_dict(), "skipped": int(self.skipped)}
 
+    def carry_from(self, old: "LossScaler") -> None:
+        """Continue ``old``'s scaling at a precision phase's boundary: its scale and growth
+        count while both scale the loss; the count of steps it skipped in any case (a run's
+        skipped steps stay counted after fp16 ends)."""
+        if self.enabled and old.enabled:
+            self.scaler.load_state_dict(old.scaler.state_dict())
+        self.skipped.fill_(int(old.skipped))
+
     def load_state_dict(self, sd: dict) -> None:
         """Restore the scale, its growth tracker and the skip counter from :meth:`state_dict`.
 

@@ -249,5 +249,21 @@ def banner(plan: Plan, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: i
         if "matmul" in r:
             lines.append(f"    matmul {r['matmul']} ({r['matmul_why']})")
         lines += [f"    kept high precision: {n} ({why})" for n, why in r["excluded"].items()]
+    lines += phase_lines(plan)
     lines.append(f"  run directory {run_dir}")
     return "\n".join(lines)
+
+
+def phase_lines(plan: Plan) -> list[str]:
+    """The banner's precision phases (``precision.phases``): when each begins, what changes,
+    what its boundary does to the state; none without phases."""
+    if len(plan.phases) < 2:
+        return []
+    lines = [f"  precision phases ({len(plan.phases) - 1} after the start; this launch builds phase {plan.phase}):"]
+    for ph in plan.phases:
+        when = f"when {ph.trigger.said}, from {ph.start_said}" if ph.trigger else ph.start_said
+        lines.append(f"    {ph.index} '{ph.label}' {when}: precision={ph.precision.name}"
+                     + (f"; {'; '.join(ph.changes)}" if ph.changes else ("" if ph.index == 0 else "; nothing changes")))
+        if ph.carry:
+            lines.append(f"      at its boundary: {'; '.join(ph.carry)}")
+    return lines

@@ -130,13 +130,19 @@ class Latest:
     copy_s: float = 0.0
 
 
+def planned_dtypes(plan: Plan, ctx: DistContext, policy: PrecisionPolicy) -> dict:
+    """The dtypes of ``plan``'s phase as configured (the moments too; after a step, as observed)."""
+    choice = plan.optimizer
+    dtypes = {**policy.describe(), **wrapper_dtypes(policy, ctx.mode, ctx.shape if ctx.uses_mesh else None)}
+    dtypes["optimizer_state"] = choice.state + (f" + Kahan compensation {choice.param_dtype}" if choice.kahan else "")
+    return dtypes
+
+
 def describe(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, data: RunData, built: RunModel,
              info: dict) -> RunFacts:
     """run_info (into ``info``) and the run's facts: what the banner prints and config.yaml records."""
     tc, choice, model = plan.train, plan.optimizer, built.model
-    dtypes = {**policy.describe(), **wrapper_dtypes(policy, ctx.mode, ctx.shape if ctx.uses_mesh else None)}
-    # the moments as configured; after step 1, as observed
-    dtypes["optimizer_state"] = choice.state + (f" + Kahan compensation {choice.param_dtype}" if choice.kahan else "")
+    dtypes = planned_dtypes(plan, ctx, policy)
     tokens = data.tokens
     info.update({
         "dtypes": dtypes, "world_size": ctx.world, "device": str(ctx.device), "backend": ctx.backend,
@@ -146,6 +152,9 @@ def describe(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, data: RunDat
         "compile": built.compile_blocks, "activation_checkpointing": tc.activation_checkpointing.value,
         "fused_adamw": any(g.get("fused") for g in built.optimizer.param_groups),
         "optimizer": choice.describe(), "plan": plan.describe()})
+    if len(plan.phases) > 1:  # each phase as planned; its dtypes and first step once it begins
+        info["phases"] = [ph.describe() for ph in plan.phases]
+        info["phases"][plan.phase]["dtypes"] = dict(dtypes)
     if plan.adopted:  # what model.init_from's config.json fixed (adopt_init_from), for the banner
         info["init_from"] = plain(plan.adopted)
     if ctx.uses_mesh:
@@ -240,10 +249,33 @@ class Reporter:
         if history:
             self.record.info["config_history"] = history
 
-    def after_first_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """The dtypes the objects hold once a step has run (optimizer state exists now)."""
-        self.facts.dtypes.update(observed_dtypes(model, optimizer))
-        self.facts.dtypes["compute_observed"] = self.compute_probe.close()
+    def after_first_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, phase: int = 0) -> None:
+        """The dtypes the objects hold once a step has run (optimizer state exists now); with
+        precision phases, also those of ``phase``, the one the step ran in."""
+        observed = {**observed_dtypes(model, optimizer), "compute_observed": self.compute_probe.close()}
+        phases = self.record.info.get("phases")
+        if phases is None or phase == self.plan.phase:
+            self.facts.dtypes.update(observed)  # the launch's own phase: the banner's dtypes, observed
+        if phases is not None:
+            phases[phase].setdefault("dtypes", {}).update(observed)
+        self.record.write_config()
+
+    def phase_began(self, began, plan: Plan, policy: PrecisionPolicy, built: RunModel, carried) -> None:
+        """A precision phase began (``run/phases.py``): its lines on the console, its dtypes
+        and first step into run_info (config.yaml), the new loss scaler read from now on."""
+        self.scaler = built.scaler
+        self.compute_probe = ComputeDtypeProbe(built.model)  # the dtype its first forward computes in
+        ph = plan.phases[began.phase]
+        entry = self.record.info["phases"][began.phase]
+        entry.update(began_at=began.step, dtypes=planned_dtypes(plan, self.ctx, policy))
+        if began.trigger:
+            entry.update(trigger_value=began.value, read_at=began.read_at)
+        write = self.metrics.write if self.metrics is not None else self.runlog.say
+        write(f"step {began.step:>6} | {began.words()}: precision={ph.precision.name}; "
+              + ("; ".join(ph.changes) or "nothing changes"))
+        moved = ph.carry + tuple(f"{what}: {', '.join(keys)}" for what, keys in
+                                 (("start afresh", carried.fresh), ("left behind", carried.dropped)) if keys)
+        write("             | carried over: " + "; ".join(moved))
         self.record.write_config()
 
     # --------------------------------------------------------------- outputs

@@ -91,9 +91,18 @@ def _decide(plan: Plan, run_dir: Path, say) -> Resume:
         return _fresh(plan, run_dir, source)
     meta = read_meta(path)
     saved = meta.get("config", {})
+    at = meta.get("phase") or {}  # the precision phase it was saved in, and every phase begun (run/phases.py)
+    phase, began = int(at.get("current", 0)), tuple(at.get("began", ()))
+    begun = max([phase, *(int(b["phase"]) for b in began)])
     changes, refused = compare({**saved, "world_size": meta.get("world_size")},
-                               {**plain(plan.resolved), "world_size": plan.world}, list(plan.allow_changes))
-    _check_optimizer(plan, path, meta)
+                               {**plain(plan.resolved), "world_size": plan.world}, list(plan.allow_changes), begun)
+    if phase >= len(plan.phases):
+        raise ResumeRefused(f"resume from {path}: it was saved in precision phase {phase}, and this launch's "
+                            f"precision.phases has {len(plan.phases) - 1}; resume with the phases it was saved with.")
+    _check_optimizer(plan.in_phase(phase), path, meta)
+    if PHASES in changes:
+        say(f"{PHASES}: phases that have not begun changed ({_phase_diff(*changes[PHASES], begun)}); they take "
+            "effect when they begin, and the change is recorded in the run's config history.")
     step = int(meta["step"])
     if refused:
         raise ResumeRefused(
@@ -104,7 +113,7 @@ def _decide(plan: Plan, run_dir: Path, say) -> Resume:
     history = list(meta.get("history", []))
     if changes:
         history.append({"from_step": step, "changes": changes})
-    decided = Resume(path=path, step=step, history=tuple(history))
+    decided = Resume(path=path, step=step, history=tuple(history), phase=phase, began=began)
     max_steps, stop_after = plan.train.max_steps, plan.train.stop_after
     saved_max = saved.get("train", {}).get("max_steps", max_steps)
     if step >= max_steps:
@@ -208,7 +217,22 @@ def finished_summary(run_dir: Path) -> dict:
     return _read_summary(run_dir)
 
 
-def compare(saved: dict, now: dict, allow: list[str]) -> tuple[dict, list[str]]:
+PHASES = "precision.phases"
+"""Compared phase by phase: a phase that has begun is guarded like any key, one still ahead may change."""
+
+
+def _phase_diff(old: list, new: list, begun: int) -> str:
+    """The entries of ``precision.phases`` that differ, from entry ``begun - 1`` on (a phase's index is its entry's + 1)."""
+    out = []
+    for i in range(max(len(old), len(new))):
+        a, b = (old[i] if i < len(old) else None), (new[i] if i < len(new) else None)
+        if a != b:
+            shown = [{k: v for k, v in (x or {}).items() if v is not None} or None for x in (a, b)]
+            out.append(f"phases[{i}]: {shown[0]} -> {shown[1]}")
+    return "; ".join(out)
+
+
+def compare(saved: dict, now: dict, allow: list[str], begun: int = 0) -> tuple[dict, list[str]]:
     """(accepted changes ``{key: [before, after]}``, refused changes as text),
     each key judged by its marker in the schema (:func:`on_resume`): guarded ones
     refused unless ``allow`` names them or their section, guarded and recorded
@@ -227,6 +251,12 @@ def compare(saved: dict, now: dict, allow: list[str]) -> tuple[dict, list[str]]:
             raise ConfigError(f"resume.allow_changes: '{entry}' is not a config key or section "
                               "(e.g. precision, optim.lr, train.seed).")
     accepted, refused, kinds = {}, [], on_resume()
+    before, after = list(old.pop(PHASES, None) or []), list(new.pop(PHASES, None) or [])
+    if before != after:  # a phase that has begun (entry begun - 1 and before) is the run's history: guarded
+        if before[:begun] != after[:begun] and not any(a in (PHASES, "precision") for a in allow):
+            refused.append(f"{PHASES} (phases 1 to {begun} have begun): {_phase_diff(before, after, begun)}")
+        else:
+            accepted[PHASES] = [before, after]
     for key in sorted(old.keys() & new.keys()):
         if old[key] == new[key]:
             continue

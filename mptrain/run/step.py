@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 
+from mptrain.config.schedule import schedule_lengths
 from mptrain.distributed.parallel import DistContext
 from mptrain.model.names import canonical_name
 from mptrain.plan.plan import Plan
@@ -33,15 +34,6 @@ from mptrain.run.nonfinite import NO_GUARD, NonFiniteGuard, Unguarded
 
 Guard = Union[NonFiniteGuard, Unguarded]
 """What decides whether a step with inf/nan gradients is applied."""
-
-
-def schedule_lengths(ocfg, max_steps: int) -> tuple[int, int]:
-    """(warmup steps, decay steps) of a ``max_steps`` run: the ``*_steps`` keys
-    when set, else the fractions. The decay is clamped to what follows warmup."""
-    warm = ocfg.warmup_steps if ocfg.warmup_steps is not None else round(ocfg.warmup_fraction * max_steps)
-    after = max(1, max_steps - 1 - max(warm - 1, 0))  # steps from the peak to the last step
-    decay = ocfg.decay_steps if ocfg.decay_steps is not None else round(ocfg.decay_fraction * after)
-    return warm, min(decay, after)
 
 
 def lr_at(step: int, ocfg, max_steps: int) -> float:

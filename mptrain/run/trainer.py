@@ -36,6 +36,7 @@ from mptrain.run.build import build_data, build_model, build_policy
 from mptrain.checkpoint.checkpointer import Checkpointer, Progress
 from mptrain.run.console import LOG_NAME, RunLog
 from mptrain.run.parts import build_parts
+from mptrain.run.phases import Began, PhaseSchedule, switch
 from mptrain.run.report import LoopStep, Reporter, read_back, start_clock
 from mptrain.run.resume import decide, finished_summary
 from mptrain.run.rundir import Claim, check_present, held, run_dir_of
@@ -80,7 +81,9 @@ class Trainer:
     def __init__(self, plan: Plan, ctx: DistContext, run_dir: Path, claim: Optional[Claim] = None,
                  log: Optional[RunLog] = None):
         t_start, mem_start = start_clock(ctx.device)  # wall time and peak memory count from here
+        plan = plan.in_phase(plan.resume.phase)  # a resumed run is built in the phase its checkpoint was saved in
         self.plan, self.ctx, self.run_dir, self.claim = plan, ctx, run_dir, claim
+        self.schedule = PhaseSchedule(plan.phases, plan.phase, plan.resume.began)
         self.runlog = log or RunLog(None, enabled=ctx.is_main)
         policy, hw_warnings = build_policy(plan, ctx)  # refuses the impossible before any work
         self.data = build_data(plan, ctx, self.runlog.say)  # tokens, windows, this rank's batches
@@ -92,6 +95,7 @@ class Trainer:
         self._resume()
         self._open_outputs(([policy.warning] if policy.warning else []) + hw_warnings)
         self.feed: Optional[Prefetcher] = None  # the batches, while the loop runs
+        self.phase_first: Optional[int] = None  # the first step of the phase entered last in this launch
 
     @property
     def tc(self):
@@ -129,6 +133,9 @@ class Trainer:
                                  meta_extra={"tokenizer": {"name": tok.name, "path": tok.path},
                                              "history": list(self.plan.resume.history)},
                                  hooks=self.save_hooks)  # before (bad steps), during and after (debug.* kills)
+        if self.schedule.on:  # where the run is among its precision phases (meta.json has it too, for resume)
+            self.states[PhaseSchedule.state_key] = self.schedule
+            self.ckpt.meta_extra["phase"] = self.schedule.record()
         if self.plan.checkpoint.keep_best:  # its best so far, resumed with the rest; train_state.pt's keys stay
             self.states["best"] = self.ckpt.best  # those of older checkpoints when it is off
         self.last_saved: Optional[int] = None
@@ -177,12 +184,18 @@ class Trainer:
 
     def run_step(self, step: int, micro: list, stop: StopSignal) -> bool:
         """One step and everything scheduled after it; True when the run stops here."""
+        while (began := self.schedule.due(step)) is not None:  # a precision phase begins before this step
+            self.enter_phase(began)
         out = self.train_step(step, micro)
         done = step + 1
         log_now = done == 1 or done % self.tc.log_every == 0 or done == self.tc.max_steps
         row = self.log(done, out) if log_now else {}
         row.update(self.evaluate(done))
         hists = self.observe(done, row)
+        decided = self.schedule.decide(done, row, self.ctx)  # a signal a phase waits on (every rank, the same rows)
+        if decided is not None:
+            self.ckpt.meta_extra["phase"] = self.schedule.record()
+            self.metrics.write(f"step {done:>6} | {decided.words()}")
         if row:
             self.metrics.log(done, row, hists)
         if self.plan.parts.audit_only and done == self.start + 1:
@@ -198,6 +211,25 @@ class Trainer:
                                f"hydra.run.dir={self.run_dir}")
         return self.stopped_by is not None
 
+    def enter_phase(self, began: Began) -> None:
+        """Switch to the precision phase ``began`` names before its step: the phase's model,
+        optimizer, loss scaler and parts built, the state carried over (``phases.switch``),
+        outside the training time."""
+        with self.report.clock.paused():
+            plan, policy, built, carried = switch(self.plan, self.ctx, self.built, self.data, began)
+            self.plan, self.built = plan, built
+            saved = {k: v.state_dict() for k, v in self.parts.states().items()}
+            self._build_parts(policy)  # the parts watch the new model; what they learned so far carries
+            for k, part in self.parts.states().items():
+                if k in saved:
+                    part.load_state_dict(saved[k])
+            self.states.update(scaler=built.scaler, **self.parts.states())
+            self.schedule.entered(began)
+            self.ckpt.plan = plan  # meta.json names the optimizer this phase steps with
+            self.ckpt.meta_extra["phase"] = self.schedule.record()
+            self.phase_first = began.step
+            self.report.phase_began(began, plan, policy, built, carried)
+
     def train_step(self, step: int, micro: list) -> LoopStep:
         """Set the learning rate, run the step's math (``step.train_step``) inside
         what the parts wrap it in, count it."""
@@ -209,8 +241,8 @@ class Trainer:
         self.progress.tokens += self.data.tokens_per_step
         self.report.clock.step()
         self.metrics.console.advance()
-        if step == self.start:
-            self.report.after_first_step(self.model, self.optimizer)
+        if step == self.start or step == self.phase_first:
+            self.report.after_first_step(self.model, self.optimizer, self.plan.phase)
         return LoopStep(result, lr, reads)
 
     def log(self, done: int, out: LoopStep) -> dict:

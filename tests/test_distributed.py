@@ -150,6 +150,10 @@ EXTRA_CASES = {
     },
 }
 EXTRA_CASES["ddp"].update({f"opt-{name}": [*COMMON, *OPTIMIZER_CASES[name]] for name in ("8bit", "kahan")})
+# test_phases_switch_as_one_process: a bf16-pure-sr run's fp32 tail (weights and moments widen at step 10)
+PHASED = [*COMMON, "precision=bf16-pure-sr", "precision.phases=[{start: 10, precision: bf16}]"]
+for _wrapper in ("ddp", "fsdp"):
+    EXTRA_CASES[_wrapper]["phased"] = PHASED
 # test_llama.py::test_two_ranks_follow_one_process_with_the_configured_dtypes, under every wrapper
 # (the same command line as its one-process bf16 run)
 LLAMA_CASE = [*TINY, "model=llama-nano", "monitor.every=100", "monitor.fp8_whatif=[]", "precision=bf16",
@@ -245,6 +249,26 @@ def test_new_optimizers_match_single_process(two_rank_jobs, optimizer_references
     assert s["dist/replicas_identical"] is True
     expected = {"8bit": "8bit,fp32", "sr": "bf16", "kahan": "bf16"}[name]
     assert s["dtypes"]["optimizer_state"] == expected
+
+
+@pytest.fixture(scope="module")
+def phased_reference(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("ref-phased") / "run", *PHASED, tiny=False)[1]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_phases_switch_as_one_process(two_rank_jobs, phased_reference, parallel):
+    """A precision phase on 2 ranks (bf16-pure-sr's bf16 weights and moments widened into an
+    fp32 tail at step 10): both ranks switch at the same step, the curve follows one
+    process across the boundary within the stochastic-rounding bound, replicas stay equal."""
+    run_dir = two_rank_jobs(parallel)["phased"]
+    rows, ref = _matches_one_process(run_dir, phased_reference, OPTIMIZER_TOL["sr"])
+    info = yaml.safe_load((run_dir / "config.yaml").read_text())["run_info"]
+    assert info["phases"][1]["began_at"] == 10 and info["phases"][1]["dtypes"]["parameters"] == "fp32"
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["dist/replicas_identical"] is True
+    log = (run_dir / "train.log").read_text()
+    assert log.count("phase 1 'phases[0]' begins before step 11") == 1  # rank 0's line, once
 
 
 @pytest.mark.parametrize("parallel", WRAPPERS)

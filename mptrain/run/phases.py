@@ -58,7 +58,7 @@ class PhaseSchedule:
         self.phases = phases
         self.current = current
         """The phase the model and optimizer are built for."""
-        self.began: list[Began] = list(began)
+        self.began: list[Began] = [b if isinstance(b, Began) else Began(**b) for b in began]  # meta.json's: dicts
         """Every phase begun, in order; a decided one may be ahead of ``current`` until its step."""
 
     @property
@@ -120,7 +120,7 @@ class PhaseSchedule:
 
     def load_state_dict(self, sd: dict) -> None:
         self.current = int(sd.get("current", 0))
-        self.began = [Began(**b) for b in sd.get("began", [])]
+        self.began = [Began(**b) for b in sd.get("began", [])]  # train_state.pt's: the checkpoint's record
 
 
 def switch(plan: Plan, ctx, built: RunModel, data: RunData, began: Began
@@ -133,11 +133,13 @@ def switch(plan: Plan, ctx, built: RunModel, data: RunData, began: Began
     seeded with the run's seed and the step, the same on every rank."""
     plan = plan.in_phase(began.phase)
     policy, _ = build_policy(plan, ctx)  # the machine could run it: every phase was checked at start-up
+    stochastic = plan.optimizer.rounding == "stochastic"
+    # The carry's state views make the new optimizer's state with one step of zero gradients
+    # at a zero learning rate, which a stochastically rounding AdamW draws for: inside too.
     with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
         new = build_model(plan, ctx, policy, data.vocab, data.tokens.vocab_size)
-    stochastic = plan.optimizer.rounding == "stochastic"
-    carried = carry(built.model, built.optimizer, new.model, new.optimizer,
-                    stochastic_seed=plan.train.seed * 1_000_003 + began.step if stochastic else None)
+        carried = carry(built.model, built.optimizer, new.model, new.optimizer,
+                        stochastic_seed=plan.train.seed * 1_000_003 + began.step if stochastic else None)
     policy.refresh_fp8_scales(new.model)  # float8 all-gather scales must match the carried weights
     new.scaler.carry_from(built.scaler)
     return plan, policy, new, carried

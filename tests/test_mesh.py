@@ -65,9 +65,9 @@ CASES.update({f"{f}-fsdp_tp-{p}": _case(f, "fsdp_tp", p) for f in FAMILIES for p
 # steps: fp8 8.4e-5 (gpt) and 9.9e-4 (llama), nvfp4 4.0e-4 and 1.7e-4; bound 1e-2, 10x the
 # worst: a smoke bound for the trainer's path, not a proof of the scales.
 LOWP_TOL = 1e-2
-# test_a_phase_switch_on_fsdp_tp_equals_one_process: plain bf16 linears, then NVFP4's lab linears from step 2
+# test_a_phase_switch_on_the_mesh_equals_one_process: plain bf16 linears, then NVFP4's lab linears from step 2
 PHASE = ["precision=bf16", "precision.phases=[{start: 2, precision: nvfp4}]"]
-CASES["phase_switch"] = [*_case("gpt", "fsdp_tp", "bf16")[:-1], *PHASE]
+CASES.update({f"phase_switch_{layout}": [*_case("gpt", layout, "bf16")[:-1], *PHASE] for layout in ("fsdp_tp", "hsdp")})
 # The reshard chain (test_checkpoint_reshards_across_layouts): llama on 2 x 2 (dp_shard x tp)
 # for 2 of 8 steps, then 4-way FSDP, then one process, then 2 x 2 again. Its first leg is a
 # job of the shared launch; the straight run is CHAIN in one process.
@@ -106,14 +106,17 @@ def test_low_precision_presets_train_under_fsdp_tp(mesh_jobs, references, family
     assert got[-1] < got[0] - 0.1
 
 
-def test_a_phase_switch_on_fsdp_tp_equals_one_process(mesh_jobs, tmp_path):
-    """2 x 2 (dp_shard x tp) ranks rebuild the model as NVFP4 lab linears before step 3, all at
-    that step, and follow one process (the batch in 2 micro-batches) across the boundary."""
-    run = mesh_jobs["phase_switch"]
-    _, ref = train(tmp_path / "ref", *COMMON, *FAMILIES["gpt"], *PHASE, "train.micro_batch_size=4")
+@pytest.mark.parametrize("layout", ["fsdp_tp", "hsdp"])
+def test_a_phase_switch_on_the_mesh_equals_one_process(mesh_jobs, tmp_path, layout):
+    """2 x 2 ranks (dp_shard x tp, or replicate x shard) rebuild the model as NVFP4 lab linears
+    before step 3, all at that step, and follow one process (the batch in as many
+    micro-batches as there are data-parallel ranks) across the boundary."""
+    run = mesh_jobs[f"phase_switch_{layout}"]
+    dp = LAYOUTS[layout][1]
+    _, ref = train(tmp_path / "ref", *COMMON, *FAMILIES["gpt"], *PHASE, f"train.micro_batch_size={8 // dp}")
     got, want = losses(run), [r["train/loss"] for r in ref if "train/loss" in r]
     diff = max(abs(a - b) for a, b in zip(got, want, strict=True))
-    assert diff < LOWP_TOL, f"fsdp_tp phase switch: max |loss - one process| = {diff:.2e}"
+    assert diff < LOWP_TOL, f"{layout} phase switch: max |loss - one process| = {diff:.2e}"
     rows = [r for r in read_rows(run) if "train/loss" in r]
     assert all(r["dist/rank_mismatch"] == 0 for r in rows)
     info = yaml.safe_load((run / "config.yaml").read_text())["run_info"]

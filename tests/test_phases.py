@@ -192,7 +192,7 @@ def test_a_phase_that_changes_nothing_trains_bit_for_bit_as_none(tmp_path):
 def straight(tmp_path_factory):
     """A bf16-pure-sr run with an fp32 tail from step 4, a checkpoint after every step."""
     d = tmp_path_factory.mktemp("phases") / "straight"
-    train(d, *BASE, "precision=bf16-pure-sr", TAIL)
+    train(d, *BASE, "precision=bf16-pure-sr", TAIL, "train.audit=true")
     return d
 
 
@@ -259,3 +259,20 @@ def test_the_banner_and_run_record_show_each_phase_and_its_dtypes(straight):
     log = (straight / "train.log").read_text()
     assert "precision phases (1 after the start" in log and "1 'phases[0]' step 4: precision=bf16" in log
     assert "phase 1 'phases[0]' begins before step 5" in log and "weights widened bf16 -> fp32 (exactly)" in log
+    # the dtype audit of each phase's first step: bf16 weights updated in bf16, then fp32 masters
+    first, tail = (json.loads((straight / name).read_text())["modules"]["blocks.0.mlp.fc"]
+                   for name in ("audit.json", "audit-phase1.json"))
+    assert (first["update"], tail["update"]) == ("bf16", "fp32") and first["matmul"] == tail["matmul"] == "bf16"
+    assert [r.get("precision/phase") for r in read_rows(straight)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("preset", ["nvfp4-bf16-tail", "bf16-pure-sr-fp32-tail", "fp8-after-bf16"])
+def test_the_published_schedules_are_presets(preset):
+    plan = make_plan(f"precision={preset}", "train.max_steps=100")
+    zero, later = plan.phases
+    want = {"nvfp4-bf16-tail": ("nvfp4", 80, ("forward: unquantized",)),
+            "bf16-pure-sr-fp32-tail": ("bf16", 80, None), "fp8-after-bf16": ("fp8", 5, None)}[preset]
+    assert (later.precision.name.split("-")[0] if preset != "nvfp4-bf16-tail" else "nvfp4", later.start) == want[:2]
+    if want[2]:
+        assert later.changes == want[2]
+    assert zero.precision.name == preset

@@ -165,13 +165,16 @@ class CommPart(Component):
 class AuditPart(Component):
     """``train.audit``: the dtype audit (``observe/audit.py``) of the first step of
     this launch: audit.json, its table and flags (with ``train.audit_only`` the run
-    ends after that step: the trainer reads it from the plan).
+    ends after that step: the trainer reads it from the plan). A precision phase's
+    parts are built anew when it begins, so each phase's first step is audited too,
+    into ``audit-phase<k>.json`` (``name``).
     ``comm_figures``: the audited step's collectives (empty when not counted)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
                  write_json: Callable[[str, dict], object],
-                 comm_figures: Callable[[], dict] = dict, groups: Optional[MeshGroups] = None):
-        self.model, self.optimizer, self.policy, self.groups = model, optimizer, policy, groups
+                 comm_figures: Callable[[], dict] = dict, groups: Optional[MeshGroups] = None,
+                 name: str = "audit.json"):
+        self.model, self.optimizer, self.policy, self.groups, self.name = model, optimizer, policy, groups, name
         self.write_json, self.comm_figures = write_json, comm_figures
         self.first: Optional[int] = None  # the first step this launch runs: the audited one
         self.recorded: Optional[DtypeAudit] = None
@@ -193,7 +196,7 @@ class AuditPart(Component):
         if audit is not None:
             report = audit.report()
             report["comm"] = self.comm_figures()
-            path = self.write_json("audit.json", report)
+            path = self.write_json(self.name, report)
             write(audit.table())
             write(f"step {done:>6} | dtype audit written to {path}")
             row["audit/flags"] = len(report["flags"])
@@ -307,6 +310,7 @@ def build_parts(plan: Plan, ctx: DistContext, built: RunModel, policy: Precision
             members.append(comm)
     if on.audit:
         members.append(AuditPart(model, built.optimizer, policy, write_json,
-                                 comm.step_figures if comm is not None else dict, groups))
+                                 comm.step_figures if comm is not None else dict, groups,
+                                 f"audit-phase{plan.phase}.json" if plan.phase else "audit.json"))
     members.append(StabilityPart(on.monitor, dtype_name(policy.compute_dtype)))
     return RunParts(Components(members), handler.step_guard, faults, (handler, *injector))

@@ -262,6 +262,8 @@ def phase_lines(plan: Plan) -> list[str]:
     lines = [f"  precision phases ({len(plan.phases) - 1} after the start; this launch builds phase {plan.phase}):"]
     for ph in plan.phases:
         when = f"when {ph.trigger.said}, from {ph.start_said}" if ph.trigger else ph.start_said
+        if ph.start >= plan.train.max_steps:
+            when += f", at or after train.max_steps={plan.train.max_steps}: it does not begin in this run"
         lines.append(f"    {ph.index} '{ph.label}' {when}: precision={ph.precision.name}"
                      + (f"; {'; '.join(ph.changes)}" if ph.changes else ("" if ph.index == 0 else "; nothing changes")))
         if ph.carry:

@@ -213,6 +213,7 @@ class Reporter:
     def __init__(self, plan: Plan, ctx: DistContext, run_dir: Path, t_start: float, runlog: RunLog,
                  policy: PrecisionPolicy, data: RunData, built: RunModel, mem_start: Optional[dict] = None):
         self.plan, self.ctx, self.run_dir, self.t_start = plan, ctx, run_dir, t_start
+        self.first_phase = plan.phase  # the precision phase this launch starts in: the banner's dtypes are its
         self.mem_start = mem_start or {}  # what the process held before the run built anything
         self.runlog = runlog
         self.scaler, self.tokens, self.tokens_per_step = built.scaler, data.tokens, data.tokens_per_step
@@ -254,8 +255,8 @@ class Reporter:
         precision phases, also those of ``phase``, the one the step ran in."""
         observed = {**observed_dtypes(model, optimizer), "compute_observed": self.compute_probe.close()}
         phases = self.record.info.get("phases")
-        if phases is None or phase == self.plan.phase:
-            self.facts.dtypes.update(observed)  # the launch's own phase: the banner's dtypes, observed
+        if phases is None or phase == self.first_phase:
+            self.facts.dtypes.update(observed)  # the launch's first phase: the banner's dtypes, observed
         if phases is not None:
             phases[phase].setdefault("dtypes", {}).update(observed)
         self.record.write_config()
@@ -263,7 +264,7 @@ class Reporter:
     def phase_began(self, began, plan: Plan, policy: PrecisionPolicy, built: RunModel, carried) -> None:
         """A precision phase began (``run/phases.py``): its lines on the console, its dtypes
         and first step into run_info (config.yaml), the new loss scaler read from now on."""
-        self.scaler = built.scaler
+        self.plan, self.scaler = plan, built.scaler  # the phase's precision, for the rows and records from now on
         self.compute_probe = ComputeDtypeProbe(built.model)  # the dtype its first forward computes in
         ph = plan.phases[began.phase]
         entry = self.record.info["phases"][began.phase]
@@ -318,6 +319,8 @@ class Reporter:
             skipped = int(self.scaler.skipped)
             row.update({"amp/loss_scale": seen.loss_scale, "amp/skipped_steps": skipped,
                         "amp/skip_rate": skipped / done})
+        if len(self.plan.phases) > 1:  # which precision phase ran this step (a curve's boundaries)
+            row["precision/phase"] = self.plan.phase
         if ctx.world > 1:
             # Every rank must have the same global grad norm and skip count; a
             # disagreement means the ranks are no longer training one model.

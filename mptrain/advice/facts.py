@@ -247,9 +247,13 @@ class Advice:
     part of :attr:`overrides`: lab recipes are emulated, a study, not a speed-up."""
     layout: Optional[Decision] = None
     """What the mesh changes (:func:`layout_plan`); None without one."""
+    schedule: Optional[Decision] = None
+    """float8 until a phase switch where the probe shows it failing only late (``rules.schedule_plan``);
+    None when nothing does. Part of :attr:`overrides` when float8 is the advice."""
 
     def decisions(self) -> list[Decision]:
-        return [self.precision, self.fp16, self.float8, self.state, *([self.layout] if self.layout else []),
+        return [self.precision, self.fp16, self.float8, *([self.schedule] if self.schedule else []), self.state,
+                *([self.layout] if self.layout else []),
                 *([self.lab] if self.lab else []), *self.risks]
 
     def to_json(self) -> dict:

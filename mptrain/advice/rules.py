@@ -12,7 +12,7 @@ comes from, are :class:`Thresholds`' docstrings and ``docs/advise.md``; the data
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 from mptrain.advice.facts import (  # noqa: F401  the data the rules read and give, importable from here too
@@ -102,26 +102,122 @@ def float8_plan(facts: Facts, target: Target, th: Thresholds) -> tuple[Decision,
     recipe = max(FP8_CANDIDATES, key=lambda r: (coverage[r], -FP8_CANDIDATES.index(r)))
     share = coverage[recipe]
     failing = [lin for lin in candidates if recipe not in layers[lin.name]["passes"]]
+    late = {x.what for x in late_failures(facts, recipe, th)}  # these stay in float8 until a phase switch
+    for name, d in layers.items():
+        d["late"] = name in late
+    early = [lin for lin in failing if lin.name not in late]
     # against what the linears would run in otherwise: bf16 where native, else fp32
     compute = "bf16" if target.support.get("bf16") == "native" and "bf16" in target.matmul_time else "fp32"
     ratio = target.matmul_time.get("fp8", math.inf) / (target.matmul_time[compute] if compute == "bf16" else 1.0)
     gain = speedup(share, ratio) if math.isfinite(ratio) else 0.0
     kept = [f"{lin.name} ({lin.kept_out})" for lin in facts.linears if lin.kept_out]
-    why = "; ".join(f"{lin.name}: {_failure(lin.casts.get(recipe), th, recipe)}" for lin in failing)
+    why = {lin.name: f"{lin.name}: {_failure(lin.casts.get(recipe), th, recipe)}" for lin in failing}
     evidence = (f"{len(candidates) - len(failing)} of {len(candidates)} linears within thresholds with {recipe} "
                 f"({share:.0%} of the step's FLOPs in float8)")
-    if failing:
-        evidence += f"; kept in bf16 for their casts: {why}"
+    if early:
+        evidence += f"; kept in bf16 for their casts: {'; '.join(why[lin.name] for lin in early)}"
+    if late:
+        evidence += ("; in float8 until the schedule's switch, failing only late in the probe: "
+                     + "; ".join(why[lin.name] for lin in failing if lin.name in late))
     if kept:
         evidence += f"; kept out by the configuration's rules: {', '.join(kept)}"
     gain_text = speed_words(gain) if gain else "none (no float8 matmul on the target)"
     evidence += f"; expected speed on {target.name}: {gain_text} (matmul time only, {target.source})"
-    choice = recipe + (f", excluding {', '.join(lin.name for lin in failing)}" if failing else "")
+    choice = recipe + (f", excluding {', '.join(lin.name for lin in early)}" if early else "")
     decision = Decision("float8", choice, evidence,
                         f"flush <= {th.fp8_flush:.2%}, saturate <= {th.fp8_saturate:.3%}, "
                         f"SQNR >= {th.fp8_sqnr_db:g} dB per operand")
-    decision.overrides = _exclude_overrides(facts, failing)
+    decision.overrides = _exclude_overrides(facts, early)
     return decision, layers, recipe, share, gain
+
+
+# -------------------------------------------------------------------- schedule
+GEMM_KEYS = ("forward", "input_gradient", "weight_gradient")
+"""The matmuls as ``precision.phases`` names them (its per-matmul keys), in order."""
+OPERAND_GEMMS = {"input": ("forward", "weight_gradient"), "weight": ("forward", "input_gradient"),
+                 "grad_output": ("input_gradient", "weight_gradient")}
+"""The matmuls each operand the cast statistics measure enters."""
+
+
+@dataclass(frozen=True)
+class Late:
+    """A float8 linear, or a noise-ratio signal, that passes early in the probe and fails late."""
+
+    what: str
+    """The linear's name, or the signal's metric."""
+    gemms: tuple[str, ...]
+    """The matmuls that fail (:data:`GEMM_KEYS`)."""
+    good_until: int
+    """The last monitored step before its first failure."""
+    first_bad: int
+    said: str
+    """Its figures at the first failing step, in words."""
+
+
+def _late_span(series: list[tuple[int, bool]], steps: int, th: Thresholds) -> Optional[tuple[int, int]]:
+    """(the last passing step, the first failing one) of a per-step series of
+    (step, fails), when it passes at every monitored step up to ``late_from`` of the
+    probe's ``steps`` and fails at a later one; None when it never fails or fails early."""
+    first = next((s for s, bad in series if bad), None)
+    before = [s for s, _ in series if first is not None and s < first]
+    if first is None or first <= th.late_from * steps or not before:
+        return None
+    return before[-1], first
+
+
+def late_failures(facts: Facts, recipe: str, th: Thresholds) -> list[Late]:
+    """The converted linears whose ``recipe`` casts pass the float8 thresholds at
+    every monitored step of the probe's earlier part and fail later (the matmuls
+    their failing operands enter), and the matmuls whose noise-ratio signal stays at
+    or above ``noise_ratio`` early and falls below it later."""
+    out = []
+    for lin in facts.linears:
+        series = lin.by_step.get(recipe, ()) if lin.kept_out is None else ()
+        bad = [(sc.step, {op: c for op, c in sc.operands.items() if not passes(c, th)}) for sc in series]
+        span = _late_span([(s, bool(ops)) for s, ops in bad], facts.steps, th)
+        if span:
+            ops = {op for _, o in bad for op in o}
+            gemms = tuple(g for g in GEMM_KEYS if any(g in OPERAND_GEMMS.get(op, ()) for op in ops))
+            first = dict(bad)[span[1]]
+            out.append(Late(lin.name, gemms, *span, "; ".join(_failure(c, th, recipe) for c in first.values())))
+    for gemm, values in facts.signals.items():
+        span = _late_span([(s, v < th.noise_ratio) for s, v in values], facts.steps, th)
+        if span:
+            low = min(v for s, v in values if s >= span[1])
+            out.append(Late(f"numerics/quant/{gemm}/noise_ratio", (gemm,), *span,
+                            f"falls to {low:.3g} < {th.noise_ratio:.3f}"))
+    return out
+
+
+def schedule_plan(facts: Facts, recipe: str, th: Thresholds) -> Optional[Decision]:
+    """A precision schedule where the probe shows float8 failing only late
+    (:func:`late_failures`): float8 with ``recipe`` from the start, bf16 from the
+    fraction of the run where the probe last passed, instead of giving the failing
+    linears up for the whole run. None when nothing fails late (a linear that fails
+    from the start keeps the float8 decision's exclusion)."""
+    late = late_failures(facts, recipe, th)
+    if not late:
+        return None
+    until = min(x.good_until for x in late)
+    # rounded down to a twentieth: switching early costs speed, switching late costs the numbers
+    start = max(0.05, math.floor(20 * until / facts.steps) / 20)
+    gemms = [g for g in GEMM_KEYS if any(g in x.gemms for x in late)]
+    per = ", ".join(f"{g}: none" for g in gemms)
+    evidence = "; ".join(f"{x.what}: passes up to step {x.good_until}, fails from step {x.first_bad} of "
+                         f"{facts.steps} ({x.said})" for x in late)
+    evidence += (f"; the switch comes at the last step that passed, {until} of {facts.steps}, as a fraction of the "
+                 "run (the probe runs the run's schedule over fewer steps; a longer run may drift sooner or later); "
+                 f"only the failing matmuls unquantized instead: 'precision.phases=[{{start: {start:g}, {per}}}]' "
+                 "(on the lab's emulated linears: a study of the numbers, slower than bf16)")
+    signals = [g for g in gemms if g in facts.signals]
+    if signals:
+        evidence += (f"; or the run decides on its own signal: 'precision.phases=[{{when: \"{signals[0]}.noise_ratio "
+                     f"< {th.noise_ratio:.3f}\", precision: bf16}}]' monitor.enabled=true monitor.fp8_casts=true")
+    return Decision("schedule", f"float8 ({recipe}) until {start:g} of the run, then bf16: {', '.join(gemms)} "
+                    "fail only late", evidence,
+                    f"within the float8 thresholds (and a noise ratio >= {th.noise_ratio:.3f} where measured) at "
+                    f"every monitored step up to {th.late_from:.0%} of the probe, outside them later",
+                    [f"precision.phases=[{{start: {start:g}, precision: bf16}}]"])
 
 
 def lab_plan(facts: Facts, th: Thresholds) -> Optional[Decision]:
@@ -421,8 +517,9 @@ def advise(facts: Facts, target: Target, budget_gib: Optional[float] = None,
     preset = next(o for o in prec.overrides if o.startswith("precision=")).split("=", 1)[1]
     state, opt = state_choice(facts, preset, budget_gib, th)
     overrides = list(prec.overrides)
+    sched = schedule_plan(facts, recipe, th)
     if prec.choice.startswith("float8"):
-        overrides += f8.overrides
+        overrides += f8.overrides + (sched.overrides if sched else [])
     if prec.choice == "fp16":
         overrides += f16.overrides
     # a state option that names its own precision preset (bf16 weights) replaces the precision line
@@ -434,4 +531,5 @@ def advise(facts: Facts, target: Target, budget_gib: Optional[float] = None,
     if opt is not None:
         expected.update(gib_per_rank=opt.gib_per_rank, bytes_per_param=opt.bytes_per_param)
     lay = layout_plan(facts, recipe, preset, prec.choice.startswith("float8"))
-    return Advice(prec, f16, f8, state, risks(facts, th), overrides, layers, expected, lab_plan(facts, th), lay)
+    return Advice(prec, f16, f8, state, risks(facts, th), overrides, layers, expected, lab_plan(facts, th), lay,
+                  sched)

@@ -9,7 +9,9 @@
 Prints, per rank, the bytes (GiB and bytes per parameter) of the weights,
 gradients, Adam moments, Kahan buffers, gathered copies and activations of a
 training step under that config: the same estimate the trainer checks before
-it allocates (``train.memory_check``). Under the table: what the estimate
+it allocates (``train.memory_check``). With ``precision.phases`` the table is
+the largest phase's, named in the header; under it each phase's total and each
+switch's (both phases' weights and optimizer state at once), and which decides. Under the table: what the estimate
 leaves out (the framework's own memory, measured in this process; allocator
 slack; transient buffers; the data), and where a run reports its measured
 peak. ``--world``: the number of ranks (default 1); ``--tp``, ``--replicate``:
@@ -33,7 +35,8 @@ from mptrain.config.mesh import MESH_MODES
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import wants_help
-from mptrain.observe.memory import estimate, format_table, left_out, mesh_overrides
+from mptrain.observe.memory import format_table, left_out, mesh_overrides
+from mptrain.observe.memory_phases import phase_estimates
 from mptrain.plan.build import build_plan
 from mptrain.plan.plan import Launch
 from mptrain.observe.traffic import format_traffic, traffic
@@ -78,20 +81,25 @@ def main(argv: list[str]) -> None:
         cfg = compose_checked([*rest, *mesh_overrides(flags.get("tp"), flags.get("replicate"))])
         plan = build_plan(cfg, Launch(world=world, per_node=flags.get("per_node", world)))
         vocab = flags.get("vocab") or plan.vocab.given or 4096
-        e = estimate(plan, vocab)
+        phased = phase_estimates(plan, vocab)
         flows = traffic(plan, vocab) if comm else []
     except UserError as err:
         print(f"mptrain: {err.one_line()}", file=sys.stderr)
         sys.exit(2)
-    state, mesh, mode, m = plan.optim.state_dtype, plan.parallel.mesh, plan.parallel.name, plan.model
+    mesh, mode, m = plan.parallel.mesh, plan.parallel.name, plan.model
+    # the table is the largest phase's: its precision and moments in the header
+    e, big = phased.estimate, plan.in_phase(phased.largest + plan.phase) if plan.phases else plan
+    state = big.optimizer.state if len(plan.phases) > 1 else plan.optim.state_dtype
     micro = plan.batches.micro_batch
     on = f" mesh={mesh.text()}" + (" sequence_parallel" if plan.parallel.sequence_parallel else "") \
         if mode in MESH_MODES else ""
-    print(f"memory per rank: model={m.name} precision={plan.precision.name} "
+    which = f" ({phased.names[phased.largest].split(' (')[0]} of {len(plan.phases)}, the largest)" \
+        if len(plan.phases) > 1 else ""
+    print(f"memory per rank: model={m.name} precision={big.precision.name}{which} "
           f"optim.state_dtype={getattr(state, 'value', state) or 'null'} "
           f"parallel={mode} world={world}{on} vocab={vocab} "
           f"micro_batch={micro}x{m.block_size} tokens")
-    print("\n".join(format_table(e) + left_out(e, micro, m.block_size, vocab)))
+    print("\n".join(format_table(e) + phased.lines() + left_out(e, micro, m.block_size, vocab)))
     if comm:
         print("\n".join(format_traffic(flows, mesh)))
 

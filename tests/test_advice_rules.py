@@ -2,7 +2,8 @@
 
 The facts are built by hand (no probe, no torch): :func:`facts` gives a healthy
 model and each test changes one field with ``dataclasses.replace``. Thresholds
-are crossed with ``math.nextafter`` so "just above" is the next float up.
+are crossed with ``math.nextafter`` so "just above" is the next float up. A
+recommended schedule is also planned (``make_plan``): the line must run.
 """
 from __future__ import annotations
 
@@ -824,3 +825,146 @@ def test_layout_gives_the_advised_presets_bytes_per_dimension():
         in a.layout.evidence
     assert "layout" in [d["topic"] for d in a.to_json()["decisions"]]
     assert a.overrides == advise(facts(), H100).overrides  # the layout changes the text, not the line to paste
+
+
+# ------------------------------------------------------------------ schedule: failing only late
+MONITORED = (1, 10, 20, 21, 30, 40)
+"""The probe's monitored steps in these tests (40 steps; the earlier part ends at step 20)."""
+FAILS_LATE = {1: GOOD, 10: GOOD, 20: GOOD, 21: GOOD, 30: BAD, 40: BAD}
+
+
+def stepped(name: str, at: dict[int, Cast], f: Facts | None = None) -> Facts:
+    """``f`` (default: healthy) with linear ``name``'s output-gradient casts ``at`` each
+    monitored step (its input and weight healthy), the same under every candidate
+    recipe, and its worst over the probe as its casts, as the probe reads them."""
+    from mptrain.advice.rules import StepCasts
+
+    f = f or facts()
+    series = tuple(StepCasts(s, {"input": GOOD, "weight": GOOD, "grad_output": c}) for s, c in sorted(at.items()))
+    worst = min(at.values(), key=lambda c: (c is GOOD, c.sqnr_db))
+    lins = tuple(dataclasses.replace(lin, casts=casts(**dict.fromkeys(FP8_CANDIDATES, worst)),
+                                     by_step=dict.fromkeys(FP8_CANDIDATES, series)) if lin.name == name else lin
+                 for lin in f.linears)
+    return dataclasses.replace(f, linears=lins)
+
+
+def big(f: Facts) -> Facts:
+    """``f`` for a 2B-parameter model, so that float8 is the advice on an H100."""
+    return dataclasses.replace(f, params=2_000_000_000)
+
+
+def test_a_linear_failing_only_late_gets_a_schedule_not_an_exclusion():
+    """QKV's output gradient passes up to step 21 of 40 and fails from 30: it stays in
+    float8, and the advice switches to bf16 from the fraction where it last passed
+    (21/40, rounded down to a twentieth: 0.5), for the two matmuls that operand enters."""
+    from mptrain.advice.rules import schedule_plan
+
+    a = advise(big(stepped(QKV, FAILS_LATE)), H100)
+    assert a.precision.choice == "float8 (tensorwise)"
+    assert a.float8.choice == "tensorwise" and a.float8.overrides == []  # not given up for the whole run
+    assert "failing only late in the probe" in a.float8.evidence and a.float8_layers[QKV]["late"]
+    assert a.schedule.choice == "float8 (tensorwise) until 0.5 of the run, then bf16: input_gradient, " \
+                                "weight_gradient fail only late"
+    assert f"{QKV}: passes up to step 21, fails from step 30 of 40" in a.schedule.evidence
+    assert a.overrides == ["precision=fp8", "precision.phases=[{start: 0.5, precision: bf16}]", "optim.state_dtype=fp32"]
+    assert [d.topic for d in a.decisions()][:4] == ["precision", "fp16", "float8", "schedule"]
+    # the earlier part ends at late_from of the probe: a first failure at step 20 is early, at 21 late
+    assert schedule_plan(stepped(QKV, {**FAILS_LATE, 20: BAD}), "tensorwise", TH) is None
+    assert schedule_plan(stepped(QKV, {**FAILS_LATE, 21: BAD}), "tensorwise", TH).overrides == [
+        "precision.phases=[{start: 0.5, precision: bf16}]"]
+
+
+def test_a_linear_failing_throughout_or_early_keeps_the_exclusion():
+    """Failing at every step, or early and then recovering: the float8 decision's exclusion, no schedule."""
+    for at in (dict.fromkeys(MONITORED, BAD), {**dict.fromkeys(MONITORED, GOOD), 10: BAD}):
+        a = advise(big(stepped(QKV, at)), H100)
+        assert a.schedule is None and not a.float8_layers[QKV]["late"]
+        assert a.float8.choice == f"tensorwise, excluding {QKV}"
+        assert a.overrides == ["precision=fp8", f"precision.fp8.exclude=[{HEAD},{QKV}]", "optim.state_dtype=fp32"]
+
+
+def test_a_linear_passing_throughout_gets_no_schedule():
+    a = advise(big(stepped(QKV, dict.fromkeys(MONITORED, GOOD))), H100)
+    assert a.schedule is None and a.overrides == ["precision=fp8", "optim.state_dtype=fp32"]
+
+
+def test_one_linear_failing_throughout_and_one_failing_late():
+    """Each gets its own advice: the exclusion for the first, the schedule for the second."""
+    a = advise(big(stepped(FC, FAILS_LATE, stepped(QKV, dict.fromkeys(MONITORED, BAD)))), H100)
+    assert a.float8.choice == f"tensorwise, excluding {QKV}"
+    assert a.overrides == ["precision=fp8", f"precision.fp8.exclude=[{HEAD},{QKV}]",
+                           "precision.phases=[{start: 0.5, precision: bf16}]", "optim.state_dtype=fp32"]
+    assert FC in a.schedule.evidence and QKV not in a.schedule.evidence
+
+
+def test_the_noise_ratio_signal_falling_late_gets_a_schedule():
+    """The weight gradient's noise ratio above sqrt(3) in the probe's first half and
+    below it from step 30 (casts healthy throughout): a schedule for that matmul, with
+    the form that lets the run decide on the same signal; below it early: none."""
+    from mptrain.advice.rules import schedule_plan
+
+    series = ((1, 3.0), (10, 2.5), (20, 2.0), (30, down(math.sqrt(3))), (40, 1.2))
+    a = advise(big(facts(signals={"weight_gradient": series})), H100)
+    assert a.schedule.choice.endswith("until 0.5 of the run, then bf16: weight_gradient fail only late")
+    assert "numerics/quant/weight_gradient/noise_ratio: passes up to step 20, fails from step 30" in a.schedule.evidence
+    assert "'precision.phases=[{when: \"weight_gradient.noise_ratio < 1.732\", precision: bf16}]'" in a.schedule.evidence
+    assert "precision.phases=[{start: 0.5, precision: bf16}]" in a.overrides
+    at_threshold = ((1, 3.0), (20, 2.0), (30, math.sqrt(3)), (40, math.sqrt(3)))  # not below: passes
+    assert schedule_plan(facts(signals={"weight_gradient": at_threshold}), "tensorwise", TH) is None
+    early = ((1, 3.0), (10, 1.5), (30, 1.2), (40, 1.1))
+    assert schedule_plan(facts(signals={"weight_gradient": early}), "tensorwise", TH) is None
+
+
+def test_the_schedule_stays_out_of_the_line_unless_float8_is_advised():
+    """Like the float8 exclusions: a 120k-parameter model gets bf16 on an H100, and the
+    schedule is reported, not applied."""
+    a = advise(stepped(QKV, FAILS_LATE), H100)
+    assert a.precision.choice == "bf16" and a.schedule is not None
+    assert a.overrides == ["precision=bf16", "optim.state_dtype=fp32"]
+
+
+def test_every_recommended_schedule_builds_a_plan():
+    """The override line (as pasted: its phases word quoted for the shell), the
+    per-matmul alternative and the signal form in the evidence, each composed with
+    ``train.py``'s config and planned: the phases the advice names exist and pass the
+    plan's checks."""
+    import re
+    import shlex
+
+    from mptrain.advice.answer import experiment_yaml, override_line
+
+    from .conftest import make_plan
+
+    a = advise(big(stepped(QKV, FAILS_LATE, facts(signals={"weight_gradient": (
+        (1, 3.0), (20, 2.0), (30, 1.5), (40, 1.2))}))), H100)
+    line = override_line(a)
+    assert "'precision.phases=[{start: 0.5, precision: bf16}]'" in line and shlex.split(line) == a.overrides
+    plan = make_plan(*a.overrides)
+    assert [ph.precision.name for ph in plan.phases] == ["fp8", "bf16"]
+    assert plan.phases[1].start == plan.train.max_steps // 2
+    per, when = re.findall(r"'(precision\.phases=[^']*)'", a.schedule.evidence)
+    assert per == "precision.phases=[{start: 0.5, input_gradient: none, weight_gradient: none}]"
+    lab = make_plan("precision=fp8", per).phases[1].precision.recipe
+    assert (lab.specs["dgrad_grad_output"], lab.specs["wgrad_input"], lab.specs["fwd_input"] != "none") == \
+        ("none", "none", True)
+    signal = make_plan("precision=fp8", when, "monitor.enabled=true", "monitor.fp8_casts=true").phases[1]
+    assert signal.trigger.metric == "numerics/quant/weight_gradient/noise_ratio"
+    assert signal.trigger.threshold == 1.732 and signal.precision.name == "bf16"
+    assert "phases:\n  - start: 0.5\n    precision: bf16" in experiment_yaml(a.overrides)
+
+
+def test_the_probe_reads_per_step_casts_and_the_signal():
+    """probe.py's readers on hand-made metrics rows: each monitored step's casts per
+    operand (what :func:`late_failures` reads), and the noise ratio where a row has it."""
+    from mptrain.advice.probe import signals, step_casts
+
+    rows = [{"step": 1, "fp8.blocks.0.attn.qkv/input/flush": 0.0, "fp8.blocks.0.attn.qkv/input/saturate": 0.0,
+             "fp8.blocks.0.attn.qkv/input/sqnr_db": 30.0, "numerics/quant/weight_gradient/noise_ratio": 2.5},
+            {"step": 2},
+            {"step": 3, "fp8.blocks.0.attn.qkv/input/rowwise/flush": 0.5,
+             "fp8.blocks.0.attn.qkv/input/rowwise/saturate": 0.0, "fp8.blocks.0.attn.qkv/input/rowwise/sqnr_db": 3.0,
+             "numerics/quant/weight_gradient/noise_ratio": float("nan")}]
+    own = step_casts(rows, "blocks.0.attn.qkv", None)
+    assert [(sc.step, sc.operands["input"].sqnr_db) for sc in own] == [(1, 30.0)]
+    assert [sc.step for sc in step_casts(rows, "blocks.0.attn.qkv", "rowwise")] == [3]
+    assert signals(rows) == {"weight_gradient": ((1, 2.5),)}  # the NaN left out, the other matmuls absent

@@ -414,7 +414,8 @@ def test_the_fit_check_gives_both_figures_and_can_be_switched_off():
     from mptrain.config.schema import ParallelMode
     from mptrain.core.errors import NotEnoughMemory
     from mptrain.distributed.parallel import DistContext
-    from mptrain.observe.memory import fit_check, fit_problem, host_available
+    from mptrain.observe.memory import fit_problem, host_available
+    from mptrain.observe.memory_phases import fit_check
     from mptrain.run.build import check_memory
 
     gib = 2**30
@@ -518,7 +519,7 @@ def test_the_run_checks_memory_on_its_mesh():
     mesh of ``cfg.parallel`` and names it: a model too big for this host on
     2 x 2 (dp_shard x tp) is refused with the mesh's estimate, not one rank's
     whole model; on 2 replicas the fixes add more sharding."""
-    from mptrain.observe.memory import fit_check
+    from mptrain.observe.memory_phases import fit_check
 
     plan = make_plan(*TOO_BIG, "parallel=fsdp_tp", "parallel.tp=2", "parallel.dp_shard=-1", world=4)
     said = fit_check(plan, 4096, torch.device("cpu"))
@@ -528,6 +529,109 @@ def test_the_run_checks_memory_on_its_mesh():
     assert f"needs about {need / 2**30:.1f} GiB per rank" in said and "mesh 1 x 2 x 2" in said
     hsdp = make_plan(*TOO_BIG, "parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=2", world=4)
     assert "a smaller parallel.dp_replicate=2" in fit_check(hsdp, 4096, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- precision phases
+FP32_TAIL = ("precision=bf16-pure-sr", "precision.phases=[{start: 0.9, precision: fp32}]")
+"""bf16 weights and moments with stochastic rounding, then fp32 weights and moments for the last tenth."""
+
+
+def test_a_plan_with_phases_is_priced_at_its_largest_phase():
+    """A bf16-pure-sr run with an fp32 tail needs the tail's memory (fp32 weights,
+    gradients and moments: 16 bytes per parameter, not 8), priced exactly as a plain
+    fp32 run's and named; a run whose first phase is the larger is priced there."""
+    from mptrain.observe.memory_phases import phase_estimates
+
+    plan = make_plan(*FP32_TAIL)
+    phased = phase_estimates(plan, VOCAB)
+    head, tail = phased.estimates
+    assert phased.largest == 1 and phased.estimate is tail
+    assert tail.parts() == estimate(make_plan("precision=fp32"), VOCAB).parts()  # the tail is an fp32 run's
+    assert head.parts() == estimate(plan, VOCAB).parts()  # phase 0 is the run's own precision
+    assert tail.bytes_per_param()["state"] == 16.0 and head.bytes_per_param()["state"] == 8.0
+    assert phased.peak == tail.total > head.total
+    assert phased.names[1] == "phase 1 'phases[0]' (fp32, from 0.9 of the run (step 450 of 500))"
+    assert phased.decides() == f"its largest phase, {phased.names[1]}"
+    # the switch holds both phases' weights and moments (no gradients, no activations)
+    assert phased.switches == (head.weights + head.exp_avg + head.exp_avg_sq
+                               + tail.weights + tail.exp_avg + tail.exp_avg_sq,)
+    # the other way round: the fp32 head is the largest, and a named phase keeps its name
+    down = phase_estimates(make_plan("precision=fp32", "precision.phases=[{name: lean, start: 0.5, "
+                                     "precision: bf16-pure-sr}]"), VOCAB)
+    assert down.largest == 0 and down.names[1].startswith("phase 1 'lean' (bf16-pure-sr, from 0.5")
+    assert down.decides() == "its largest phase, phase 0 'fp32' (fp32, from the start)"
+
+
+def test_a_plan_without_phases_is_priced_as_before():
+    """One phase: the estimate itself, no phase lines, nothing to name."""
+    from mptrain.observe.memory_phases import phase_estimates
+
+    plan = make_plan("precision=bf16")
+    phased = phase_estimates(plan, VOCAB)
+    assert len(phased.estimates) == 1 and phased.estimate.parts() == estimate(plan, VOCAB).parts()
+    assert phased.peak == phased.estimate.total and phased.switches == ()
+    assert phased.lines() == [] and phased.decides() == ""
+
+
+def test_a_switch_can_be_the_peak():
+    """With almost no activations (one sequence of 8 tokens) the switch, holding
+    bf16-pure-sr's 6 bytes per parameter beside fp32's 12, outweighs either phase's
+    step, and the run is priced there."""
+    from mptrain.observe.memory_phases import phase_estimates
+
+    phased = phase_estimates(make_plan(*FP32_TAIL, "train.global_batch_size=1", "model.block_size=8"), VOCAB)
+    assert phased.peak == phased.switches[0] > max(e.total for e in phased.estimates)
+    assert phased.decides(short=True) == ("the switch into phase 1 'phases[0]', which holds two phases' weights "
+                                          "and optimizer state")
+
+
+def test_the_fit_check_refuses_on_the_largest_phase_and_names_it():
+    """A model too big for this host whose bf16 start is 8 bytes per parameter and
+    whose fp32 tail is 16: the refusal gives the tail's figure and says which phase it is."""
+    from mptrain.observe.memory_phases import fit_check, phase_estimates
+
+    plan = make_plan(*TOO_BIG, *FP32_TAIL)
+    phased = phase_estimates(plan, 4096)
+    said = fit_check(plan, 4096, torch.device("cpu"))
+    assert f"{phased.peak / 2**30:.1f}" != f"{estimate(plan, 4096).total / 2**30:.1f}"  # the figures differ
+    assert f"needs about {phased.peak / 2**30:.1f} GiB per rank" in said, said
+    assert "; at its largest phase, phase 1 'phases[0]' (fp32, from 0.9 of the run" in said, said
+
+
+def test_cli_prints_the_largest_phase_and_every_phase(capsys):
+    """The table is the largest phase's, named in the header; under it each phase and the switch."""
+    main(["model=gpt-nano", *FP32_TAIL, "--vocab", "322"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "precision=fp32 (phase 1 'phases[0]' of 2, the largest) optim.state_dtype=fp32" in lines[0], lines[0]
+    total = float(next(line for line in lines if line.strip().startswith("total")).split()[-1])
+    start = lines.index("precision phases, per rank (the table above is the largest phase's):")
+    tail = next(line for line in lines[start:] if line.strip().startswith("phase 1"))
+    assert tail.endswith("<- the largest") and f"{total:10.3f} GiB" in tail
+    assert any(line.strip().startswith("switch into phase 1 'phases[0]': both phases' weights")
+               for line in lines[start:])
+    assert lines[start + 5] == f"the run needs about {total:.3f} GiB per rank: its largest phase, phase 1 'phases[0]'"
+
+
+def test_a_run_with_phases_records_its_largest_phase(tmp_path):
+    """run_info holds the largest phase's rows and every phase's total; the summary's
+    ``mem/estimate_gib`` and the closing line are the run's peak over its phases, not
+    its first phase's, and the line says where it is."""
+    from omegaconf import OmegaConf
+
+    from mptrain.observe.memory_phases import phase_estimates
+
+    from .conftest import train
+
+    over = ("train.max_steps=2", "precision=bf16-pure-sr", "precision.phases=[{start: 1, precision: fp32}]")
+    summary, _ = train(tmp_path / "run", *over)
+    info = OmegaConf.to_container(OmegaConf.load(tmp_path / "run" / "config.yaml").run_info)
+    phased = phase_estimates(make_plan(*over), info["vocab_size"])
+    assert summary["mem/estimate_gib"] == phased.peak / 2**30
+    assert info["memory_estimate_gib"]["total"] == round(phased.estimates[1].total / 2**30, 4)
+    assert info["memory_estimate_phases"]["largest"].startswith("phase 1 'phases[0]' (fp32, from step 1")
+    assert list(info["memory_estimate_phases"]["phases_gib"]) == list(phased.names)
+    closing = next(line for line in (tmp_path / "run" / "train.log").read_text().splitlines() if "memory: " in line)
+    assert f"estimate {phased.peak / 2**30:.3f} GiB at its largest phase, phase 1 'phases[0]':" in closing, closing
 
 
 # ---------------------------------------------------- communication, on paper

@@ -29,6 +29,8 @@ def float8_table(advice: Advice) -> list[str]:
     for name, d in advice.float8_layers.items():
         if d["kept_out"]:
             verdict = f"kept out: {d['kept_out']}"
+        elif d.get("late"):
+            verdict = "float8, bf16 from the schedule's switch"
         else:
             verdict = "float8" if recipe in d["passes"] else "bf16 (its casts)"
         rows.append([name, f"{d['in_features']}x{d['out_features']}", f"{d['flops_share']:.1%}",
@@ -129,8 +131,15 @@ def confirm_report(rec: Side, base: Side, seeds: tuple[int, ...], steps: int, sa
     return lines, record
 
 
+def shell_word(override: str) -> str:
+    """``override`` as one word of a shell command line: quoted where it holds a space
+    or braces (``'precision.phases=[{start: 0.8, precision: bf16}]'``), as it is otherwise."""
+    return f"'{override}'" if any(ch in override for ch in " {}") else override
+
+
 def override_line(advice: Advice) -> str:
-    return " ".join(advice.overrides)
+    """The advice's overrides as a command line's words, ready to paste after ``python train.py``."""
+    return " ".join(shell_word(o) for o in advice.overrides)
 
 
 def lab_line(user: list[str], advice: Advice) -> str:

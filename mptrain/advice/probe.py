@@ -30,6 +30,7 @@ from mptrain.advice.rules import (
     Layout,
     LinearFacts,
     StateOption,
+    StepCasts,
     Target,
 )
 from mptrain.config.checks import compose_checked
@@ -249,21 +250,48 @@ def read_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def _worst(rows: list[dict], layer: str, whatif: Optional[str]) -> Optional[Cast]:
-    """The worst figures of ``layer``'s operands over the monitored rows, for one recipe."""
+def step_casts(rows: list[dict], layer: str, whatif: Optional[str]) -> tuple[StepCasts, ...]:
+    """``layer``'s casts at each monitored row that measured them, per operand, for
+    one recipe (``whatif``: a what-if's name; None: the probe's own tensorwise casts)."""
+    out = []
+    for r in rows:
+        ops = {}
+        for op in ("input", "weight", "grad_output"):
+            pre = f"fp8.{layer}/{op}/" + (f"{whatif}/" if whatif else "")
+            if pre + "flush" in r:
+                ops[op] = Cast(r[pre + "flush"], r[pre + "saturate"], r[pre + "sqnr_db"], op)
+        if ops:
+            out.append(StepCasts(int(r["step"]), ops))
+    return tuple(out)
+
+
+def _worst(series: tuple[StepCasts, ...]) -> Optional[Cast]:
+    """The worst figures of a linear's operands over the monitored steps (``series``), for one recipe."""
     flush = sat = -1.0
     sqnr = math.inf
     worst_op = ""
-    for r in rows:
-        for op in ("input", "weight", "grad_output"):
-            pre = f"fp8.{layer}/{op}/" + (f"{whatif}/" if whatif else "")
-            if pre + "flush" not in r:
-                continue
-            f, s, q = r[pre + "flush"], r[pre + "saturate"], r[pre + "sqnr_db"]
-            if f > flush or s > sat or q < sqnr:
+    for sc in series:
+        for op, c in sc.operands.items():
+            if c.flush > flush or c.saturate > sat or c.sqnr_db < sqnr:
                 worst_op = op
-            flush, sat, sqnr = max(flush, f), max(sat, s), min(sqnr, q)
+            flush, sat, sqnr = max(flush, c.flush), max(sat, c.saturate), min(sqnr, c.sqnr_db)
     return Cast(flush, sat, sqnr, worst_op) if flush >= 0 else None
+
+
+SIGNAL_GEMMS = ("forward", "input_gradient", "weight_gradient")
+"""The matmuls whose ``numerics/quant/<matmul>/noise_ratio`` the probe reads where its rows hold it."""
+
+
+def signals(rows: list[dict]) -> dict[str, tuple[tuple[int, float], ...]]:
+    """Per matmul, its noise ratio at each monitored row that logged a finite one, as (step, value)."""
+    out = {}
+    for g in SIGNAL_GEMMS:
+        key = f"numerics/quant/{g}/noise_ratio"
+        got = tuple((int(r["step"]), float(r[key])) for r in rows
+                    if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]))
+        if got:
+            out[g] = got
+    return out
 
 
 def _series(rows: list[dict], key: str) -> tuple[float, ...]:
@@ -307,16 +335,14 @@ def read_facts(run_dir: Path, plan: Plan, options: dict[str, tuple[StateOption, 
     flops_tok = summary["flops_per_token"]
     linears = []
     for name, (fin, fout) in linear_shapes(plan, vocab).items():
-        casts = {}
-        if name in fp8.get("converted", []):
-            for recipe in FP8_CANDIDATES:
-                c = _worst(rows, layer_name(name), None if recipe == "tensorwise" else recipe)
-                if c is not None:
-                    casts[recipe] = c
+        by_step = {r: step_casts(rows, layer_name(name), None if r == "tensorwise" else r)
+                   for r in FP8_CANDIDATES} if name in fp8.get("converted", []) else {}
+        by_step = {r: series for r, series in by_step.items() if series}
+        casts = {r: _worst(series) for r, series in by_step.items()}
         kept = excluded.get(name) if name not in fp8.get("converted", []) else None
-        labs = {r: c for r in lab if (c := _worst(rows, layer_name(name), r)) is not None}
+        labs = {r: c for r in lab if (c := _worst(step_casts(rows, layer_name(name), r))) is not None}
         linears.append(LinearFacts(name, fin, fout, 6.0 * fin * fout / flops_tok, casts,
-                                   kept or (None if casts else "not converted by the probe"), labs))
+                                   kept or (None if casts else "not converted by the probe"), labs, by_step))
     blocks = {g: max(v) for g, v in _by_group(rows, "stability/act_max_over_rms/").items() if g.startswith("block")}
     # Adam's second moment is young in a probe's first steps (g^2 > 10 v-hat is common
     # until it has seen a few dozen gradients): the median over the probe's second half.
@@ -333,7 +359,7 @@ def read_facts(run_dir: Path, plan: Plan, options: dict[str, tuple[StateOption, 
                  g2_over_v=adam,
                  act_max_over_rms=blocks, state_options=options,
                  loss_scale_init_log2=int(round(math.log2(ls.init_scale))), growth_interval=int(ls.growth_interval),
-                 lab_candidates=tuple(lab))
+                 lab_candidates=tuple(lab), signals=signals(rows))
 
 
 def finished_summary(run_dir: Path, max_steps: int) -> Optional[dict]:

@@ -6,13 +6,27 @@ it read and the threshold it compared against.
 No torch, no files, no clock: the same inputs give the same advice, which is
 what lets every rank of a torchrun job agree and lets each rule be tested at
 its threshold (``tests/test_advice_rules.py``). The thresholds, and where each
-comes from, are :class:`Thresholds`' docstrings and ``docs/advise.md``.
+comes from, are :class:`Thresholds`' docstrings and ``docs/advise.md``; the data types are
+``facts.py``'s.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
+
+from mptrain.advice.facts import (  # noqa: F401  the data the rules read and give, importable from here too
+    Advice,
+    Cast,
+    Decision,
+    Facts,
+    Layout,
+    LinearFacts,
+    StateOption,
+    StepCasts,
+    Target,
+    Thresholds,
+)
 
 FP16_MAX_LOG2 = 15
 """Values below 2^16 fit fp16 (its largest is 65504 = 2^16 - 2^5): a bin
@@ -30,227 +44,8 @@ FP8_CANDIDATES = ("tensorwise", "rowwise", "mxfp8")
 PRESET_OF = {"tensorwise": "fp8", "rowwise": "fp8-rowwise", "mxfp8": "mxfp8"}
 
 
-@dataclass(frozen=True)
-class Thresholds:
-    """Every number a rule compares against. ``docs/advise.md`` gives each one's source."""
-
-    fp8_flush: float = 0.01
-    """A linear stays out of float8 when a recipe flushes more than this share
-    of an operand's non-zero elements (worst operand, worst monitored step).
-    Ours: 20x the 0.05% the float8 study's healthy runs reached (docs/fp8.md)."""
-    fp8_saturate: float = 1e-4
-    """... or clamps more than this share at the format's max (current scaling
-    clamps nothing; anything above 0 is an amax the scale did not see)."""
-    fp8_sqnr_db: float = 20.0
-    """... or its round trip's signal-to-noise ratio falls below this. E5M2's
-    two mantissa bits alone give ~25 dB on well-scaled data, E4M3's three ~31 dB."""
-    fp8_min_params: float = 1e9
-    """float8 is recommended only for models at least this large: below it the
-    casts (an amax and a scaled copy of each operand) eat the matmul's gain
-    (torchao's float8 training README; the doctor's own rule)."""
-    fp8_min_speedup: float = 1.1
-    """... and only when the matmul time it saves promises at least this speed-up."""
-    speed_noise: float = 0.10
-    """A ``--confirm`` speed ratio within this of 1 is called within noise, not
-    a speed-up or slowdown: two short runs of one configuration on a busy
-    2-core CPU measured 1.06x each other's tokens/s."""
-    fp16_underflow: float = 1e-3
-    """fp16 is safe at a loss scale when at most this share of the non-zero
-    gradients would flush below 2^-24 (ours; the numerics monitor's own count)."""
-    fp16_headroom_binades: int = 1
-    """The initial loss scale leaves the largest gradient seen this many
-    binades below fp16's max, for growth between steps."""
-    fp16_act_over_max: float = 0.5
-    """fp16 is unsafe when an activation or logit reaches this share of 65504
-    (loss scaling scales gradients, not the forward pass)."""
-    cpu_bf16_max_time: float = 1.0
-    """On a CPU, bf16 is recommended when native and its measured matmul takes
-    at most this many times fp32's."""
-    lost_updates: float = 0.01
-    """bf16 weights without stochastic rounding or Kahan summation are ruled out
-    when the probe shows more than this share of updates rounded away."""
-    attn_logit: float = 50.0
-    """Attention logits above this (half the monitor's warning at 100) are a
-    risk (Dehghani et al. 2023, Wortsman et al. 2023: their growth precedes
-    divergence); fix: ``model.qk_norm=true``."""
-    output_logit: float = 50.0
-    """Output logits above this are a risk (Wortsman et al. 2023: logit
-    divergence); fix: ``train.z_loss=1e-4`` (PaLM's coefficient)."""
-    logit_growth: float = 2.0
-    """... as is logits growing this many times over the probe, to at least 10
-    (growth among logits of a few units is the early training of any model)."""
-    g2_over_v: float = 0.05
-    """A layer group with more than this share of elements whose g^2 exceeds
-    10x Adam's second moment is a risk (Wortsman et al. 2023, arXiv 2304.13013:
-    the underestimate before loss spikes); fix: ``optim.update_clip=1.0``."""
-    massive_activation: float = 100.0
-    """A block whose output's max over RMS exceeds this holds massive
-    activations (Sun et al. 2024, arXiv 2402.17762, report 10^3-10^4x the
-    median); per-tensor float8 scales suffer there."""
-
-
-@dataclass(frozen=True)
-class Target:
-    """The hardware the advice is for: this machine (``cpu``) or a named GPU."""
-
-    name: str
-    """``cpu`` or a GPU key (``h100``, ``a100``, ...)."""
-    device: str
-    """``cpu`` or ``cuda``."""
-    support: dict[str, str]
-    """``native`` / ``emulated`` / ``unavailable`` for ``bf16``, ``fp16``, ``fp8``."""
-    matmul_time: dict[str, float]
-    """A matmul's time relative to fp32's for ``bf16``, ``fp16``, ``fp8`` (those
-    that run): measured by the doctor on this machine, peak ratios for a GPU."""
-    source: str
-    """Where ``support`` and ``matmul_time`` come from, in words."""
-
-
-@dataclass(frozen=True)
-class Cast:
-    """What one recipe's casts did to a linear: its worst operand over the probe."""
-
-    flush: float
-    saturate: float
-    sqnr_db: float
-    operand: str = ""
-    """The operand that gave the worst figure (``input``, ``weight``, ``grad_output``)."""
-
-
-@dataclass(frozen=True)
-class LinearFacts:
-    """One linear of the model, as the probe saw it."""
-
-    name: str
-    """Module name (``blocks.0.attn.qkv``): the name ``precision.fp8.exclude`` matches."""
-    in_features: int
-    out_features: int
-    flops_share: float
-    """Share of the training step's FLOPs in this linear's three matmuls."""
-    casts: dict[str, Cast] = field(default_factory=dict)
-    """Per float8 candidate (:data:`FP8_CANDIDATES`); empty when the probe kept it out."""
-    kept_out: Optional[str] = None
-    """Why the configuration's own rules keep it out of float8 (name, size,
-    position), or None when the probe converted it."""
-    lab: dict[str, Cast] = field(default_factory=dict)
-    """Per lab candidate (``--lab``, :attr:`Facts.lab_candidates`), its worst operand."""
-
-
-@dataclass(frozen=True)
-class StateOption:
-    """One way to store weights and optimizer state, with its memory estimate."""
-
-    name: str
-    overrides: tuple[str, ...]
-    gib_per_rank: float
-    """The memory estimator's total per rank (``python -m mptrain.memory``)."""
-    bytes_per_param: float
-    """Weights + gradients + optimizer state, per parameter."""
-    rounds_updates: bool = False
-    """bf16 weights updated without stochastic rounding or Kahan summation."""
-    problem: Optional[str] = None
-    """Why this configuration cannot run, when the config checks refuse it."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The device mesh the advice is for (``--world``, ``--tp``, ``--replicate``,
-    ``parallel.*``) and what follows from it (``probe.layout_facts``). The probe
-    itself runs without it: the layout changes the advice, not the measurements."""
-
-    mesh: dict[str, int]
-    """``dp_replicate``, ``dp_shard``, ``tp`` sizes."""
-    sequence_parallel: bool
-    split: dict[str, Optional[int]]
-    """Per linear name: the weight dimension tensor parallelism splits (0: its
-    output rows, 1: its input columns), None where every TP rank holds it whole."""
-    comm: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per precision preset: bytes per step per rank by mesh dimension, on paper
-    (``observe/traffic.py``'s payloads)."""
-
-
 BLOCK_OF = {"MX (mxfp8, mxfp4)": 32, "NVFP4": 16}
 """Elements per scaling block along a matmul's dimensions: MX formats' 1x32, NVFP4's 16 (and 16x16 weight tiles)."""
-
-
-@dataclass(frozen=True)
-class Facts:
-    """Everything the probe measured (``probe.py`` reads it from its run directory)."""
-
-    model: str
-    params: int
-    world: int
-    steps: int
-    monitored_steps: int
-    grad_hist_lo: int
-    """log2 of the lower edge of ``grad_hist``'s first bin."""
-    grad_hist: tuple[int, ...]
-    """Counts of floor(log2|g|) over every monitored step's gradients (unscaled);
-    the first and last bins also hold everything beyond them."""
-    grad_top_log2: tuple[int, ...]
-    """Per monitored step, the bin of its largest gradient."""
-    act_over_fp16_max: float
-    """The largest activation or logit over fp16's max, over the probe."""
-    update_lost_bf16: float
-    """The largest share of updates bf16 weights would have rounded away."""
-    linears: tuple[LinearFacts, ...]
-    attn_logit_max: tuple[float, ...]
-    output_logit_max: tuple[float, ...]
-    g2_over_v: dict[str, float]
-    """Per layer group, the median share over the monitored steps of the probe's
-    second half (its first steps are Adam's warm-up, when the share is high anyway)."""
-    act_max_over_rms: dict[str, float]
-    """Per block, the largest max/RMS of its output."""
-    state_options: dict[str, tuple[StateOption, ...]]
-    """Per precision preset the advice can pick (``fp32``, ``bf16``, ``fp16``,
-    ``fp8``, ``fp8-rowwise``, ``mxfp8``), the options under it, in the order
-    the advice prefers them (most faithful first)."""
-    loss_scale_init_log2: int = 16
-    growth_interval: int = 2000
-    lab_candidates: tuple[str, ...] = ()
-    """The named lab recipes the probe measured as what-ifs (``--lab``), in the order given."""
-    layout: Optional[Layout] = None
-    """The mesh the advice is for; None on one rank or without an FSDP2 mesh."""
-
-
-@dataclass
-class Decision:
-    """One answer: what to do, why (the figures), and the rule's threshold."""
-
-    topic: str
-    choice: str
-    evidence: str
-    threshold: str
-    overrides: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Advice:
-    precision: Decision
-    fp16: Decision
-    float8: Decision
-    state: Decision
-    risks: list[Decision]
-    overrides: list[str]
-    """The one line to paste: precision, float8 exclusions, loss scale, state."""
-    float8_layers: dict[str, dict]
-    """Per linear: ``passes`` (candidate recipes within thresholds), ``kept_out``, figures."""
-    expected: dict[str, float]
-    """The figures the choice promises: ``fp8_flops_share``, ``fp8_speedup``,
-    ``fp16_skip_rate``, ``fp16_init_scale``, ``gib_per_rank``, ``bytes_per_param``."""
-    lab: Optional[Decision] = None
-    """The lab candidates ranked (``--lab``), the best as its own command line; not
-    part of :attr:`overrides`: lab recipes are emulated, a study, not a speed-up."""
-    layout: Optional[Decision] = None
-    """What the mesh changes (:func:`layout_plan`); None without one."""
-
-    def decisions(self) -> list[Decision]:
-        return [self.precision, self.fp16, self.float8, self.state, *([self.layout] if self.layout else []),
-                *([self.lab] if self.lab else []), *self.risks]
-
-    def to_json(self) -> dict:
-        return {"decisions": [asdict(d) for d in self.decisions()], "overrides": self.overrides,
-                "float8_layers": self.float8_layers, "expected": self.expected}
 
 
 # ---------------------------------------------------------------------- float8
@@ -307,26 +102,122 @@ def float8_plan(facts: Facts, target: Target, th: Thresholds) -> tuple[Decision,
     recipe = max(FP8_CANDIDATES, key=lambda r: (coverage[r], -FP8_CANDIDATES.index(r)))
     share = coverage[recipe]
     failing = [lin for lin in candidates if recipe not in layers[lin.name]["passes"]]
+    late = {x.what for x in late_failures(facts, recipe, th)}  # these stay in float8 until a phase switch
+    for name, d in layers.items():
+        d["late"] = name in late
+    early = [lin for lin in failing if lin.name not in late]
     # against what the linears would run in otherwise: bf16 where native, else fp32
     compute = "bf16" if target.support.get("bf16") == "native" and "bf16" in target.matmul_time else "fp32"
     ratio = target.matmul_time.get("fp8", math.inf) / (target.matmul_time[compute] if compute == "bf16" else 1.0)
     gain = speedup(share, ratio) if math.isfinite(ratio) else 0.0
     kept = [f"{lin.name} ({lin.kept_out})" for lin in facts.linears if lin.kept_out]
-    why = "; ".join(f"{lin.name}: {_failure(lin.casts.get(recipe), th, recipe)}" for lin in failing)
+    why = {lin.name: f"{lin.name}: {_failure(lin.casts.get(recipe), th, recipe)}" for lin in failing}
     evidence = (f"{len(candidates) - len(failing)} of {len(candidates)} linears within thresholds with {recipe} "
                 f"({share:.0%} of the step's FLOPs in float8)")
-    if failing:
-        evidence += f"; kept in bf16 for their casts: {why}"
+    if early:
+        evidence += f"; kept in bf16 for their casts: {'; '.join(why[lin.name] for lin in early)}"
+    if late:
+        evidence += ("; in float8 until the schedule's switch, failing only late in the probe: "
+                     + "; ".join(why[lin.name] for lin in failing if lin.name in late))
     if kept:
         evidence += f"; kept out by the configuration's rules: {', '.join(kept)}"
     gain_text = speed_words(gain) if gain else "none (no float8 matmul on the target)"
     evidence += f"; expected speed on {target.name}: {gain_text} (matmul time only, {target.source})"
-    choice = recipe + (f", excluding {', '.join(lin.name for lin in failing)}" if failing else "")
+    choice = recipe + (f", excluding {', '.join(lin.name for lin in early)}" if early else "")
     decision = Decision("float8", choice, evidence,
                         f"flush <= {th.fp8_flush:.2%}, saturate <= {th.fp8_saturate:.3%}, "
                         f"SQNR >= {th.fp8_sqnr_db:g} dB per operand")
-    decision.overrides = _exclude_overrides(facts, failing)
+    decision.overrides = _exclude_overrides(facts, early)
     return decision, layers, recipe, share, gain
+
+
+# -------------------------------------------------------------------- schedule
+GEMM_KEYS = ("forward", "input_gradient", "weight_gradient")
+"""The matmuls as ``precision.phases`` names them (its per-matmul keys), in order."""
+OPERAND_GEMMS = {"input": ("forward", "weight_gradient"), "weight": ("forward", "input_gradient"),
+                 "grad_output": ("input_gradient", "weight_gradient")}
+"""The matmuls each operand the cast statistics measure enters."""
+
+
+@dataclass(frozen=True)
+class Late:
+    """A float8 linear, or a noise-ratio signal, that passes early in the probe and fails late."""
+
+    what: str
+    """The linear's name, or the signal's metric."""
+    gemms: tuple[str, ...]
+    """The matmuls that fail (:data:`GEMM_KEYS`)."""
+    good_until: int
+    """The last monitored step before its first failure."""
+    first_bad: int
+    said: str
+    """Its figures at the first failing step, in words."""
+
+
+def _late_span(series: list[tuple[int, bool]], steps: int, th: Thresholds) -> Optional[tuple[int, int]]:
+    """(the last passing step, the first failing one) of a per-step series of
+    (step, fails), when it passes at every monitored step up to ``late_from`` of the
+    probe's ``steps`` and fails at a later one; None when it never fails or fails early."""
+    first = next((s for s, bad in series if bad), None)
+    before = [s for s, _ in series if first is not None and s < first]
+    if first is None or first <= th.late_from * steps or not before:
+        return None
+    return before[-1], first
+
+
+def late_failures(facts: Facts, recipe: str, th: Thresholds) -> list[Late]:
+    """The converted linears whose ``recipe`` casts pass the float8 thresholds at
+    every monitored step of the probe's earlier part and fail later (the matmuls
+    their failing operands enter), and the matmuls whose noise-ratio signal stays at
+    or above ``noise_ratio`` early and falls below it later."""
+    out = []
+    for lin in facts.linears:
+        series = lin.by_step.get(recipe, ()) if lin.kept_out is None else ()
+        bad = [(sc.step, {op: c for op, c in sc.operands.items() if not passes(c, th)}) for sc in series]
+        span = _late_span([(s, bool(ops)) for s, ops in bad], facts.steps, th)
+        if span:
+            ops = {op for _, o in bad for op in o}
+            gemms = tuple(g for g in GEMM_KEYS if any(g in OPERAND_GEMMS.get(op, ()) for op in ops))
+            first = dict(bad)[span[1]]
+            out.append(Late(lin.name, gemms, *span, "; ".join(_failure(c, th, recipe) for c in first.values())))
+    for gemm, values in facts.signals.items():
+        span = _late_span([(s, v < th.noise_ratio) for s, v in values], facts.steps, th)
+        if span:
+            low = min(v for s, v in values if s >= span[1])
+            out.append(Late(f"numerics/quant/{gemm}/noise_ratio", (gemm,), *span,
+                            f"falls to {low:.3g} < {th.noise_ratio:.3f}"))
+    return out
+
+
+def schedule_plan(facts: Facts, recipe: str, th: Thresholds) -> Optional[Decision]:
+    """A precision schedule where the probe shows float8 failing only late
+    (:func:`late_failures`): float8 with ``recipe`` from the start, bf16 from the
+    fraction of the run where the probe last passed, instead of giving the failing
+    linears up for the whole run. None when nothing fails late (a linear that fails
+    from the start keeps the float8 decision's exclusion)."""
+    late = late_failures(facts, recipe, th)
+    if not late:
+        return None
+    until = min(x.good_until for x in late)
+    # rounded down to a twentieth: switching early costs speed, switching late costs the numbers
+    start = max(0.05, math.floor(20 * until / facts.steps) / 20)
+    gemms = [g for g in GEMM_KEYS if any(g in x.gemms for x in late)]
+    per = ", ".join(f"{g}: none" for g in gemms)
+    evidence = "; ".join(f"{x.what}: passes up to step {x.good_until}, fails from step {x.first_bad} of "
+                         f"{facts.steps} ({x.said})" for x in late)
+    evidence += (f"; the switch comes at the last step that passed, {until} of {facts.steps}, as a fraction of the "
+                 "run (the probe runs the run's schedule over fewer steps; a longer run may drift sooner or later); "
+                 f"only the failing matmuls unquantized instead: 'precision.phases=[{{start: {start:g}, {per}}}]' "
+                 "(on the lab's emulated linears: a study of the numbers, slower than bf16)")
+    signals = [g for g in gemms if g in facts.signals]
+    if signals:
+        evidence += (f"; or the run decides on its own signal: 'precision.phases=[{{when: \"{signals[0]}.noise_ratio "
+                     f"< {th.noise_ratio:.3f}\", precision: bf16}}]' monitor.enabled=true monitor.fp8_casts=true")
+    return Decision("schedule", f"float8 ({recipe}) until {start:g} of the run, then bf16: {', '.join(gemms)} "
+                    "fail only late", evidence,
+                    f"within the float8 thresholds (and a noise ratio >= {th.noise_ratio:.3f} where measured) at "
+                    f"every monitored step up to {th.late_from:.0%} of the probe, outside them later",
+                    [f"precision.phases=[{{start: {start:g}, precision: bf16}}]"])
 
 
 def lab_plan(facts: Facts, th: Thresholds) -> Optional[Decision]:
@@ -626,8 +517,9 @@ def advise(facts: Facts, target: Target, budget_gib: Optional[float] = None,
     preset = next(o for o in prec.overrides if o.startswith("precision=")).split("=", 1)[1]
     state, opt = state_choice(facts, preset, budget_gib, th)
     overrides = list(prec.overrides)
+    sched = schedule_plan(facts, recipe, th)
     if prec.choice.startswith("float8"):
-        overrides += f8.overrides
+        overrides += f8.overrides + (sched.overrides if sched else [])
     if prec.choice == "fp16":
         overrides += f16.overrides
     # a state option that names its own precision preset (bf16 weights) replaces the precision line
@@ -639,4 +531,5 @@ def advise(facts: Facts, target: Target, budget_gib: Optional[float] = None,
     if opt is not None:
         expected.update(gib_per_rank=opt.gib_per_rank, bytes_per_param=opt.bytes_per_param)
     lay = layout_plan(facts, recipe, preset, prec.choice.startswith("float8"))
-    return Advice(prec, f16, f8, state, risks(facts, th), overrides, layers, expected, lab_plan(facts, th), lay)
+    return Advice(prec, f16, f8, state, risks(facts, th), overrides, layers, expected, lab_plan(facts, th), lay,
+                  sched)

@@ -26,9 +26,10 @@ norms by ``tp`` too under sequence parallelism; the linears' gathered inputs
 and the head's gathered logits are whole on every TP rank.
 
 The same figure guards a run before it allocates anything
-(:func:`fit_check`, ``train.memory_check``): a configuration whose estimate
-exceeds the device's free memory, or the host's available memory, is refused
-with both figures instead of climbing into the out-of-memory killer.
+(``mptrain/observe/memory_phases.py``'s ``fit_check``, ``train.memory_check``,
+over every precision phase): a configuration whose estimate exceeds the
+device's free memory, or the host's available memory, is refused with both
+figures (:func:`fit_problem`) instead of climbing into the out-of-memory killer.
 """
 from __future__ import annotations
 
@@ -414,7 +415,7 @@ keep (gpt-6.7b bf16 with checkpointed blocks, micro-batch 2 x 2048 on an H200:
 through: a refusal means it cannot fit, not that it might not."""
 
 
-def _gib(n: float) -> str:
+def gib_text(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
@@ -504,7 +505,7 @@ def fit_problem(needed: int, available: Optional[int], what: str, where: str, fi
     figure; ``fixes`` are the ways out, to which the check's own override is added."""
     if available is None or available >= REFUSE_BELOW * needed:
         return None
-    return (f"{what} needs about {_gib(needed)} per rank but {where} {_gib(available)} free{detail}. "
+    return (f"{what} needs about {gib_text(needed)} per rank but {where} {gib_text(available)} free{detail}. "
             f"Fixes: {', '.join(fixes)}; train.memory_check=false skips this check.")
 
 
@@ -520,35 +521,6 @@ def fit_fixes(plan: Plan) -> list[str]:
     if micro_batch > 1:
         fixes.append(f"a smaller micro-batch (train.micro_batch_size={micro_batch // 2})")
     return fixes + ["a smaller model"]
-
-
-def fit_check(plan: Plan, vocab: int, device) -> Optional[str]:
-    """Why one rank of the run ``plan`` cannot start on ``device``, or None.
-
-    The estimate per rank against the memory that will hold it: a CUDA
-    device's free memory; for any other device the host's available memory,
-    shared by the ranks of this node (the launch's ``per_node``). A CUDA run keeps no
-    copy of the model on the host, but initialisation draws each weight whole
-    in fp32 on the CPU (``GPT.reset_parameters``), which is also the most a
-    checkpoint write stages there at once: the largest weight must fit in the
-    host's share of each local rank."""
-    mesh, world, mode, m = plan.parallel.mesh, plan.world, plan.parallel.name, plan.model
-    e = estimate(plan, vocab)
-    on = f"mesh {mesh.text()}" if mode in MESH_MODES and world > 1 else f"{world} rank{'s' if world > 1 else ''}"
-    what = (f"model={m.name} (parallel={mode}, {on}, "
-            f"micro-batch {plan.batches.micro_batch} x {m.block_size}; estimate: python -m mptrain.memory)")
-    host = host_available()
-    local_world = max(1, plan.launch.per_node)
-    share = None if host is None else host // local_world  # the ranks of one node share its memory
-    among = f" per rank ({_gib(host)} shared by {local_world} ranks)" if host is not None and local_world > 1 else ""
-    if device.type != "cuda":
-        return fit_problem(e.total, share, what, "this host has", fit_fixes(plan), among)
-    problem = fit_problem(e.total, device_free(device), what, f"{device} has", fit_fixes(plan))
-    if problem:
-        return problem
-    largest = 4 * max((math.prod(s) for s in shapes(m, vocab)[0]), default=0)
-    return fit_problem(largest, share, f"initialising model={m.name} (its largest weight, whole, in fp32 "
-                       "on the CPU)", "this host has", ["fewer ranks per node", "a host with more memory"], among)
 
 
 # ------------------------------------------------- what the estimate leaves out
@@ -589,11 +561,12 @@ def left_out(e: Estimate, micro_batch: int, block_size: int, vocab: int) -> list
     ]
 
 
-def measured_line(estimate_bytes: int, figures: dict) -> str:
+def measured_line(estimate_bytes: int, figures: dict, at: str = "") -> str:
     """The end-of-run line that puts a run's measured peak (``figures``, the
-    summary's ``mem/*`` keys) beside the estimate; empty when nothing was measured."""
-    est = (f"estimate {estimate_bytes / 2**30:.3f} GiB: weights, gradients, optimizer state, activations "
-           "(python -m mptrain.memory says what it leaves out)")
+    summary's ``mem/*`` keys) beside the estimate (``at``: where a run of several
+    precision phases peaks, in words); empty when nothing was measured."""
+    est = (f"estimate {estimate_bytes / 2**30:.3f} GiB{' at ' + at if at else ''}: weights, gradients, optimizer "
+           "state, activations (python -m mptrain.memory says what it leaves out)")
     if "mem/peak_gib" in figures:  # CUDA: what tensors held, and what the caching allocator held for them
         reserved = figures.get("mem/peak_reserved_gib")
         held = f", {reserved:.3f} GiB reserved by CUDA's caching allocator" if reserved is not None else ""

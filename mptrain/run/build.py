@@ -22,7 +22,7 @@ from mptrain.data.batches import Batches, Windows
 from mptrain.data.store import TokenData, prepare
 from mptrain.distributed.parallel import DistContext, wrap
 from mptrain.model.families import pretrained_weights
-from mptrain.observe.memory import fit_check
+from mptrain.observe.memory_phases import fit_check
 from mptrain.plan.plan import Plan
 from mptrain.precision.optimizers import Choice
 from mptrain.precision.policy import LossScaler, PrecisionPolicy

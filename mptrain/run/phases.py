@@ -132,6 +132,10 @@ def switch(plan: Plan, ctx, built: RunModel, data: RunData, began: Began
     Weights narrowed into stochastically rounded storage are rounded from a generator
     seeded with the run's seed and the step, the same on every rank."""
     plan = plan.in_phase(began.phase)
+    # The last step's gradients are no part of the state carried over: freed before the
+    # new model exists, the switch holds two phases' weights and optimizer state, no more
+    # (what observe/memory_phases.py's switch_bytes counts).
+    built.model.zero_grad(set_to_none=True)
     policy, _ = build_policy(plan, ctx)  # the machine could run it: every phase was checked at start-up
     stochastic = plan.optimizer.rounding == "stochastic"
     # The carry's state views make the new optimizer's state with one step of zero gradients

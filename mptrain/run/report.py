@@ -39,8 +39,8 @@ from mptrain.distributed.parallel import DistContext, wrapper_dtypes
 from mptrain.distributed.tensor_parallel import float8_gathers
 from mptrain.model.common import gelu_kernel_text
 from mptrain.model.generate import generate
-from mptrain.observe.memory import Estimate, measured_line, summary_figures
-from mptrain.observe.memory import estimate as memory_estimate
+from mptrain.observe.memory import measured_line, summary_figures
+from mptrain.observe.memory_phases import Phased, phase_estimates
 from mptrain.plan.plan import Plan
 from mptrain.observe.perf import SLOW_AT, Pace, Throughput, flops_per_token, matmul_kind, mfu, peak_flops, predict_pace
 from mptrain.precision.formats import dtype_name
@@ -112,7 +112,9 @@ class RunFacts:
     flops_tok: float
     peak: Optional[float]
     """The device's peak FLOP/s for MFU, None where unknown."""
-    mem_est: Estimate
+    mem: Phased
+    """The memory estimate of each precision phase ahead (one without phases): the summary
+    gives the largest's rows and the run's peak over them."""
     pace: Optional[Pace]
     """How much slower than fp32 this CPU run's matmuls are predicted to be; None where not predicted."""
 
@@ -175,13 +177,15 @@ def describe(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, data: RunDat
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     kind = matmul_kind(dtype_name(policy.compute_dtype), policy.fp8_enabled,
                        ctx.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
-    mem_est = memory_estimate(plan, data.vocab)
+    mem = phase_estimates(plan, data.vocab)  # every phase ahead: the largest is what the run must hold
     info["flops_per_token"] = flops_tok
     info["stability"] = {"model.qk_norm": m.qk_norm, "train.z_loss": tc.z_loss,
                          "optim.update_clip": plan.optim.update_clip}
-    info["memory_estimate_gib"] = {k: round(v / 2**30, 4) for k, v in mem_est.parts().items()}
+    info["memory_estimate_gib"] = {k: round(v / 2**30, 4) for k, v in mem.estimate.parts().items()}
+    if len(mem.estimates) > 1:
+        info["memory_estimate_phases"] = mem.describe()
     return RunFacts(built.n_params, dtypes, lowp, lowp_key, flops_tok, peak_flops(device_name, kind, tc.peak_tflops),
-                    mem_est, _predict_pace(plan, ctx, policy, model, flops_tok))
+                    mem, _predict_pace(plan, ctx, policy, model, flops_tok))
 
 
 def _predict_pace(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, model: nn.Module, flops_tok: float
@@ -445,8 +449,8 @@ class Reporter:
             "perf/tokens_per_s": tps,
             "wall_time_s": time.perf_counter() - self.t_start,
             "params": f.n_params,  # excluding position embeddings: the N of 6N
-            "flops_per_token": f.flops_tok, "mem/estimate_gib": f.mem_est.total / 2**30,
-            **summary_figures(f.mem_est),  # bytes per parameter of weights, gradients, moments
+            "flops_per_token": f.flops_tok, "mem/estimate_gib": f.mem.peak / 2**30,
+            **summary_figures(f.mem.estimate),  # bytes per parameter of weights, gradients, moments
             "precision": plan.precision.name, "parallel": plan.parallel.name, "model": plan.model.name,
             "world_size": ctx.world, "dtypes": f.dtypes, **self._measured_memory(),
             **self._dist_summary(model),
@@ -475,7 +479,7 @@ class Reporter:
 
     def _say_memory(self, summary: dict) -> None:
         """The closing line that puts the measured peak beside the estimate (``observe.memory.measured_line``)."""
-        line = measured_line(self.facts.mem_est.total, summary)
+        line = measured_line(self.facts.mem.peak, summary, self.facts.mem.decides(short=True))
         if line:
             self.runlog.say(line)
 

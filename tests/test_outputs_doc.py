@@ -5,7 +5,7 @@ names" (backticked; ``<placeholder>`` stands for one path segment or part of
 one, ``{a,b}`` for a closed set), and matched against the keys of two tiny
 in-process runs that between them switch on every optional family a CPU run
 can have in one process: fp16 loss scaling, the numerics and stability
-monitors, evaluation, z-loss and update clipping; float8 linears with cast
+monitors, evaluation, z-loss and update clipping, a precision phase; float8 linears with cast
 statistics, a one-rank process group (collective bytes), the dtype audit,
 ``train.on_nonfinite=skip`` and an early stop. A key that no table names fails
 here, so a new metric cannot go undocumented.
@@ -72,7 +72,8 @@ def root(tmp_path_factory) -> Path:
 def runs(root):
     """(metrics.jsonl keys, summary.json keys) over the two runs."""
     half = train(root / "fp16", "precision=fp16", "train.max_steps=3", "monitor.every=2", "train.eval_every=3",
-                 "train.eval_tokens=512", "train.z_loss=1e-4", "optim.update_clip=1.0")
+                 "train.eval_tokens=512", "train.z_loss=1e-4", "optim.update_clip=1.0",
+                 "precision.phases=[{start: 2, precision: fp16}]")  # a phase: precision/phase
     fp8 = train(root / "fp8", "precision=fp8", "parallel=ddp", "train.max_steps=2", "train.stop_after=1",
                 "monitor.every=1", "monitor.fp8_whatif=[rowwise]", "train.audit=true", "train.on_nonfinite=skip")
     metrics = {k for _, rows in (half, fp8) for r in rows for k in r}
@@ -84,7 +85,7 @@ def test_the_runs_cover_every_optional_family(runs):
     """Guards the test itself: each family it claims to cover was really written."""
     metrics, summary = runs
     for prefix in ("amp/", "numerics/", "stability/", "fp8.", "fp8/worst/", "comm/", "val/loss", "audit/flags",
-                   "train/z_loss", "train/update_clip_max", "train/nonfinite_skipped"):
+                   "train/z_loss", "train/update_clip_max", "train/nonfinite_skipped", "precision/phase"):
         assert any(k.startswith(prefix) for k in metrics), prefix
     for key in ("amp/final_loss_scale", "final/train_loss", "baseline/unigram_val_loss", "wall_time_s", "fp8",
                 "fp8_casts", "stopped_early", "comm/total_bytes", "train/nonfinite_skipped"):

@@ -95,6 +95,12 @@ class Component:
     def load_state_dict(self, sd: dict) -> None:
         pass
 
+    def take_over(self, old: "Component") -> None:
+        """Continue where ``old``, this part's predecessor, left off: a precision phase
+        builds the run's parts anew for its model. By default its resumable state."""
+        if self.state_key is not None:
+            self.load_state_dict(old.state_dict())
+
 
 class Components(Component):
     """The run's parts in a fixed order; each hook is called on every member in
@@ -141,6 +147,13 @@ class Components(Component):
 
     def summarize(self, write: Write) -> dict:
         return {k: v for m in self.members for k, v in m.summarize(write).items()}
+
+    def take_over(self, old: "Component") -> None:
+        """Each member continues from the member of its kind in ``old`` (one that is new here starts fresh)."""
+        before = {type(m): m for m in getattr(old, "members", [])}
+        for m in self.members:
+            if type(m) in before:
+                m.take_over(before[type(m)])
 
 
 NO_PARTS = Components()

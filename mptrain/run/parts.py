@@ -97,6 +97,11 @@ class NumericsPart(Component):
             self.outliers = (done, scalars)  # the last monitored step's, for the closing table
         return hists
 
+    def take_over(self, old: Component) -> None:
+        """Across a precision phase's boundary, the closing tables stay the run's: the last
+        monitored step's cast and outlier figures, whichever phase measured them."""
+        self.fp8_casts, self.outliers, self.last = old.fp8_casts, old.outliers, old.last
+
     def summarize(self, write: Write) -> dict:
         if self.fp8_casts is not None:
             write(fp8watch.table(self.fp8_casts))

@@ -220,11 +220,9 @@ class Trainer:
         with self.report.clock.paused():
             plan, policy, built, carried = switch(self.plan, self.ctx, self.built, self.data, began)
             self.plan, self.built = plan, built
-            saved = {k: v.state_dict() for k, v in self.parts.states().items()}
+            old_parts = self.parts
             self._build_parts(policy)  # the parts watch the new model; what they learned so far carries
-            for k, part in self.parts.states().items():
-                if k in saved:
-                    part.load_state_dict(saved[k])
+            self.parts.take_over(old_parts)
             self.states.update(scaler=built.scaler, **self.parts.states())
             self.schedule.entered(began)
             self.ckpt.plan = plan  # meta.json names the optimizer this phase steps with

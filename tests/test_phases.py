@@ -71,7 +71,7 @@ REFUSED = {
     "no casts": (["precision=bf16", "precision.phases=[{when: 'weight_gradient.noise_ratio < 1.732'}]"],
                  "the phase before it (bf16) has no low-precision linears to measure"),
     "constant": (["optim.schedule=constant", "precision.phases=[{start: decay_start, precision: fp32}]"],
-                 "optim.schedule=constant never decays"),
+                 "the learning rate does not decay within train.max_steps=20 (optim.schedule=constant"),
     "spec": (["precision.phases=[{start: 3, forward: e9m9/tensor/fp32/nearest}]"], "precision.phases[0].fwd_input"),
 }
 
@@ -276,3 +276,18 @@ def test_the_published_schedules_are_presets(preset):
     if want[2]:
         assert later.changes == want[2]
     assert zero.precision.name == preset
+
+
+@pytest.mark.parametrize("override, words", [
+    ("precision.phases=[{start: 2, precison: fp32}]",
+     "Unknown key 'precision.phases[0].precison'. Did you mean 'precision.phases[0].precision'?"),
+    ("precision.phases.0.foo=1", "Unknown config key 'precision.phases.0.foo'."),
+    ("precision.phases.start=1", "'precision.phases' is a list: 'precision.phases.start' needs an entry's index"),
+])
+def test_a_misspelt_phase_key_on_the_command_line_is_named(override, words):
+    from mptrain.config.checks import CONFIG_DIR, check_overrides
+
+    with pytest.raises(ConfigError) as e:
+        check_overrides([override], CONFIG_DIR)
+    assert words in str(e.value), str(e.value)
+    check_overrides(["precision.phases.0.start=decay_start"], CONFIG_DIR)  # an entry's key, indexed: fine

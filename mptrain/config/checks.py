@@ -21,6 +21,7 @@ import typing
 from enum import Enum
 from typing import Any, Optional
 
+import yaml
 from omegaconf import ListConfig, OmegaConf
 
 from mptrain.config.mesh import check_unguarded
@@ -39,13 +40,45 @@ scripts, the tests); a user adds folders with ``hydra.searchpath`` or
 # Every error found here is one line, "<problem>. Did you mean '<fix>'? Valid <what>: <choices>."
 # (the suggestion only for a near miss): under torchrun every rank checks the same
 # command line, and one line per rank is the most a console should get.
+@dataclasses.dataclass(frozen=True)
+class _Items:
+    """A list of sections (``precision.phases``): its entries are indexed, ``precision.phases.0.start``."""
+
+    of: type
+
+
 def _schema_child(node: Any, key: str) -> Any:
-    """The dataclass type (or a leaf marker) of ``node.key``, or raise KeyError."""
+    """The dataclass type (or a leaf marker: None; a list of sections: :class:`_Items`) of
+    ``node.key``, or raise KeyError."""
+    if isinstance(node, _Items):
+        if not key.isdigit():
+            raise KeyError(key)
+        return node.of
     fields = {f.name: f for f in dataclasses.fields(node)}
     if key not in fields:
         raise KeyError(key)
+    hint = typing.get_type_hints(node)[key]
+    if typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+        return _Items(typing.get_args(hint)[0])
     default = fields[key].default_factory() if fields[key].default_factory is not dataclasses.MISSING else None
     return type(default) if dataclasses.is_dataclass(default) else None
+
+
+def _check_items(ov: str, node: _Items, key: str) -> None:
+    """A whole list of sections given at once (``precision.phases=[{start: 5, forward: none}]``):
+    each entry's keys against the section's, one ConfigError for a misspelt one. A value
+    that is not plain YAML is left to Hydra's own parser and the schema."""
+    try:
+        items = yaml.safe_load(ov.split("=", 1)[1])
+    except yaml.YAMLError:
+        return
+    choices = [f.name for f in dataclasses.fields(node.of)]
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        for k in (item if isinstance(item, dict) else {}):
+            if k not in choices:
+                hint = _did_you_mean(str(k), choices, lambda c: f"{key}[{i}].{c}")
+                raise ConfigError(f"Unknown key '{key}[{i}].{k}'.{hint} Valid keys of an entry of {key}: "
+                                  f"{', '.join(choices)}.")
 
 
 def _config_dirs(overrides: list[str], config_dir: str) -> Optional[list[str]]:
@@ -144,8 +177,13 @@ def check_override_keys(overrides: list[str], config_dir: str) -> None:
             try:
                 node = _schema_child(node, p)
             except KeyError:
+                if isinstance(node, _Items):
+                    raise ConfigError(f"'{'.'.join(parts[:i])}' is a list: '{typed}' needs an entry's index there "
+                                      f"({'.'.join(parts[:i])}.0.{p}), or set the whole list.") from None
                 choices = [f.name for f in dataclasses.fields(node)]
                 raise ConfigError(_unknown(ov, p, choices, f"keys of '{'.'.join(parts[:i])}'", set())) from None
+        if isinstance(node, _Items):
+            _check_items(ov, node, key)
 
 
 def _did_you_mean(bad: str, choices: list[str], fix) -> str:

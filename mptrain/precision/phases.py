@@ -144,9 +144,10 @@ def _start(said: Optional[str], has_trigger: bool, points: dict[str, int], max_s
     if s in points:
         step = points[s]
         if s == "decay_start" and step >= max_steps:
-            raise ConfigError(f"{key}.start=decay_start names no step: optim.schedule="
-                              f"{getattr(optim.schedule, 'value', optim.schedule)} never decays in this run; give a "
-                              "step or a fraction of the run.")
+            raise ConfigError(f"{key}.start=decay_start names no step: the learning rate does not decay within "
+                              f"train.max_steps={max_steps} (optim.schedule="
+                              f"{getattr(optim.schedule, 'value', optim.schedule)}, optim.decay_fraction="
+                              f"{optim.decay_fraction:g}); give a step or a fraction of the run.")
         return step, f"{s} (step {step})"
     if re.fullmatch(r"\d+", s):
         return int(s), f"step {int(s)}"

@@ -39,7 +39,7 @@ from mptrain.precision import rules
 from mptrain.precision.mesh_rules import blocks_refusal
 from mptrain.precision.optimizers import choose
 from mptrain.precision import phases as phasing
-from mptrain.precision.phases import CAST_SIGNALS, Phase
+from mptrain.precision.phases import CAST_SIGNALS, MONITOR_SIGNALS, Phase
 from mptrain.precision.recipe import PrecisionPlan, precision_plan
 
 
@@ -156,7 +156,7 @@ def _signal_refusal(ph: Phase, before: Phase, mon: Any) -> Optional[str]:
     t = ph.trigger
     if t is None:
         return None
-    if not mon.enabled and t.metric != "events/loss_spike":
+    if not mon.enabled and t.metric.startswith(MONITOR_SIGNALS):
         return (f"when={t.said!r} reads {t.metric}, which the numerics monitor measures, and monitor.enabled=false; "
                 "turn the monitor on (monitor.every sets how often the signal is looked at).")
     if t.metric.startswith(CAST_SIGNALS) and (before.precision.recipe is None or not mon.fp8_casts):

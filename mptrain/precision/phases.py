@@ -57,6 +57,8 @@ SIGNALS = {
 metric name is taken as it is)."""
 CAST_SIGNALS = ("numerics/quant/", "fp8/")
 """Metric prefixes measured on the low-precision linears' casts (``monitor.fp8_casts``)."""
+MONITOR_SIGNALS = ("numerics/", "stability/", "fp8/", "fp8.")
+"""Metric prefixes only the numerics monitor writes (``monitor.enabled``)."""
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _WHEN = re.compile(r"^\s*([A-Za-z0-9_./-]+)\s*(<=|>=|<|>)\s*([-+0-9.eE]+|inf)\s*$")
 

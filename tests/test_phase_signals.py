@@ -238,6 +238,27 @@ def test_norm_bias_of_weights_on_the_e2m1_grid():
     assert got["numerics/quant/norm_bias"] == 0 and got["numerics/quant/norm_bias_max"] == 0  # 1.0 is on the grid
 
 
+def test_the_norm_weights_are_read_inside_any_wrapper():
+    """A wrapper repeats a norm's name (FSDP1 wraps each norm, and reshards its weight
+    before the wrapper's own hooks): the bias is read from the module inside, whose
+    forward multiplies by the weight, and from one module per name."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from mptrain.observe.stability import norm_modules
+
+    model = _Normed(build_recipe("mxfp4"))
+    inner = [model.ln_1, model.ln_f]
+    model.ln_1, model.ln_f = checkpoint_wrapper(model.ln_1), checkpoint_wrapper(model.ln_f)
+
+    def ids(mods) -> set[int]:
+        return {id(m) for m in mods}
+
+    outer = [m for mods in norm_modules(model).values() for m in mods]
+    assert ids(outer) == ids([model.ln_1, model.ln_f])  # the stability monitor's choice stays the outermost
+    assert ids(m for mods in norm_modules(model, innermost=True).values() for m in mods) == ids(inner)
+    assert ids(_monitor(model, ["fc"], build_recipe("mxfp4")).fp8.signals.norms) == ids(inner)
+
+
 @pytest.fixture(scope="module")
 def nvfp4_runs(tmp_path_factory):
     """A tiny nvfp4 run (gpt-nano: width 64, 2 layers, 64 tokens a sequence), monitored

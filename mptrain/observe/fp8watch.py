@@ -170,8 +170,11 @@ class CastWatch:
                 seen = w.detach()
                 w, scale = self._weight(layer, mod, seen)
                 self._add(layer, "weight", w, scale)
-                self.signals.weight(layer, w, scale, self.master[layer], whole=not isinstance(seen, DTensor))
-                if isinstance(out, torch.Tensor):
+                split = isinstance(seen, DTensor)  # a tensor-parallel part
+                self.signals.weight(layer, w, scale, self.master[layer], whole=not split)
+                if isinstance(out, torch.Tensor) and not split:
+                    # (a split layer's hooks see its input and output gradient in its styles'
+                    # layouts, positions split or heads regrouped, not as its matmuls take them)
                     self.signals.products(layer, x, w, out)
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 # The output's gradient is the layer's grad_output (a bias adds after the matmul).

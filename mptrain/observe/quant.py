@@ -127,13 +127,14 @@ class QuantSignals:
     - the norm weights: one cast of each, a few thousand elements.
 
     Sums over what each rank sees go to ``sum_all`` (its own micro-batch's
-    products; under tensor parallelism the products of its parts, a rowwise
-    layer's forward and a colwise one's input gradient being partial sums
-    there, each cast with its part's scales), the weight codes' counts to
-    ``sum`` (over the ranks that shard the parameters), the largest norm shift
-    to ``max_all``. Every figure is a ratio of sums: a tensor every rank
-    holds whole (a norm weight, a weight under FSDP1) is counted on each, in
-    numerator and denominator alike."""
+    products), the weight codes' counts to ``sum`` (over the ranks that shard
+    the parameters), the largest norm shift to ``max_all``. Every figure is a
+    ratio of sums: a tensor every rank holds whole (a norm weight, a weight
+    under FSDP1) is counted on each, in numerator and denominator alike. A
+    linear split by tensor parallelism is left out of the noise ratios (its
+    hooks see its input and output gradient in its styles' layouts, not as its
+    matmuls take them); its weight codes are those of this rank's part, cast
+    with the part's own scales."""
 
     def __init__(self, model: nn.Module, layers: list[str], recipe: Recipe,
                  weight_op: Optional[lab.Operand], owned: Callable[[torch.Tensor], torch.Tensor] = local_shard):
@@ -142,7 +143,9 @@ class QuantSignals:
         # a matmul with both operands unquantized adds no noise: left out
         self.gemms = [g for g, roles in GEMMS.items() if any(recipe.op(role) is not None for role in roles)]
         self.weight_op = weight_op
-        self.norms = [m for mods in norm_modules(model).values() for m in mods] if weight_op is not None else []
+        # the modules that multiply by the norm weights, inside any wrapper (see _norm_hook)
+        self.norms = ([m for mods in norm_modules(model, innermost=True).values() for m in mods]
+                      if weight_op is not None else [])
         self.owned = owned
         self._codes: dict[str, torch.Tensor] = {}  # layer -> the codes of the last monitored step
         self.clear()
@@ -157,7 +160,7 @@ class QuantSignals:
 
     def start(self, device: torch.device) -> list:
         """Zeros for every figure in a fixed order (every rank packs the same
-        layout for the collectives), and a forward hook per norm module."""
+        layout for the collectives), and a forward pre-hook per norm module."""
         self.clear()
 
         def zeros(n: int) -> torch.Tensor:
@@ -171,7 +174,7 @@ class QuantSignals:
         if self.norms:
             self.sum_all["quant/norm"] = zeros(2)
             self.max_all["quant/norm_max"] = zeros(1)
-        return [m.register_forward_hook(self._norm_hook(i)) for i, m in enumerate(self.norms)]
+        return [m.register_forward_pre_hook(self._norm_hook(i)) for i, m in enumerate(self.norms)]
 
     # -- the matmuls
     def products(self, layer: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -188,7 +191,7 @@ class QuantSignals:
             out.register_hook(lambda g: self._backward(layer, x2, w, g))
 
     def _backward(self, layer: str, x2: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> None:
-        g2 = local_shard(g).detach().reshape(-1, w.shape[0])
+        g2 = g.detach().reshape(-1, w.shape[0])
         self._add(layer, "input gradient", g2, w)
         self._add(layer, "weight gradient", g2, x2)
 
@@ -243,14 +246,16 @@ class QuantSignals:
 
     # -- the norm weights
     def _norm_hook(self, i: int):
-        """The shift of norm ``i``'s weight, at its first forward of the step (where
-        FSDP holds it whole)."""
-        def hook(mod, args, out):
-            if i in self._normed:
+        """The shift of norm ``i``'s weight as its first forward of the step is about
+        to use it. Before the forward, not after: FSDP2 may reshard a group of norms
+        once the last of them has run, in a hook that comes before this one's."""
+        def hook(mod, args):
+            gamma = local_shard(mod.weight.detach())
+            if i in self._normed or gamma.numel() == 0:  # empty: not the weight a forward multiplies by
                 return
             self._normed.add(i)
             with observing(), torch.no_grad():
-                s = norm_shift(local_shard(mod.weight.detach()), self.weight_op)
+                s = norm_shift(gamma, self.weight_op)
                 self.sum_all["quant/norm"] = self.sum_all["quant/norm"] + s
                 rel = torch.where(s[1] > 0, s[0].abs() / s[1], 0.0).reshape(1)
                 self.max_all["quant/norm_max"] = torch.maximum(self.max_all["quant/norm_max"], rel)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from mptrain.compare.runs import Run, _flat, compared
+from mptrain.observe.quant import SQRT3
 
 # (panel title, metric, x axis, y scale, y axis label with its unit). A "what-if: " title is a
 # counterfactual the monitor computes on the run's own tensors (what a cast to that format
@@ -63,7 +64,7 @@ ONLY_WHERE_THEY_APPLY = {"numerics/update_lost_expected", "numerics/kahan_held_o
                          *(p[1] for p in PANELS if p[1].startswith("numerics/quant/"))}
 # Horizontal lines drawn dashed on a metric's panel, at (value, label): a threshold the curves are read against.
 THRESHOLDS = {"numerics/quant/weight_gradient/noise_ratio":
-              (math.sqrt(3.0), "sqrt(3): below it, quantized training stops making progress")}
+              (SQRT3, "sqrt(3): below it, quantized training stops making progress")}
 # Metrics read as ratios between runs (fp8 at 0.4x fp32's tokens/s): their y axis starts at
 # zero, so a run twice as fast sits twice as high instead of at the other edge of a zoomed axis.
 FROM_ZERO = {"perf/tokens_per_s"}

@@ -110,8 +110,9 @@ class QuantSignals:
     - the matmuls of each converted linear's first forward of the step whose
       output needs a gradient (the first micro-batch under gradient
       accumulation), and of that forward's backward: per linear, the three
-      matmuls twice (exact and quantized) and the six operand casts, about
-      twice the linear's own matmul work for one micro-batch. Each input, and
+      matmuls twice (exact and quantized) and the six operand casts, about as
+      much again as the linear's own forward and backward of that micro-batch
+      in the lab's emulation (docs/numerics.md measures it). Each input, and
       the weight where the statistics measure a copy of it, is held from that
       forward to its backward (under autocast a copy of the input in the
       autocast dtype). A stochastic spec draws inside
@@ -191,11 +192,13 @@ class QuantSignals:
             out.register_hook(lambda g: self._backward(layer, x2, w, g))
 
     def _backward(self, layer: str, x2: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> None:
+        """The backward matmuls' sums, from ``layer``'s output gradient ``g``."""
         g2 = g.detach().reshape(-1, w.shape[0])
         self._add(layer, "input gradient", g2, w)
         self._add(layer, "weight gradient", g2, x2)
 
     def _add(self, layer: str, gemm: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Add :func:`gemm_noise` of one matmul to ``layer``'s sums (nothing for a matmul left out)."""
         if gemm not in self.gemms:
             return
         # observing(): not the step's ops (the dtype audit skips them); autocast off: the

@@ -434,15 +434,28 @@ def _fp8_row(casts: dict) -> dict:
     return row
 
 
-def _synthetic_run(path: Path, precision: str, recipe: str = "", summary_casts: bool = False) -> None:
+def _signals_row(step: int) -> dict:
+    """The numerics/quant keys of a monitored ``step``: made-up ratios far above sqrt(3),
+    falling; weight flips from the second monitored step on (the first has nothing to compare)."""
+    row = {"numerics/quant/weight_gradient/noise_ratio": 40.0 / step, "numerics/quant/forward/noise_ratio": 7.0 - step / 10,
+           "numerics/quant/input_gradient/noise_ratio": 6.0, "numerics/quant/norm_bias": -0.001 * step,
+           "numerics/quant/norm_bias_max": 0.002 * step}
+    return row if step == 1 else {**row, "numerics/quant/weight_flips": 0.2 / step}
+
+
+def _synthetic_run(path: Path, precision: str, recipe: str = "", summary_casts: bool = False,
+                   signals: bool = False) -> None:
     """A run directory as the trainer writes it, 4 steps, float8 casts monitored at steps 2
-    and 4 when ``recipe`` is given (in summary.json too when ``summary_casts``)."""
+    and 4 when ``recipe`` is given (in summary.json too when ``summary_casts``), the
+    quantization signals at every step with ``signals``."""
     path.mkdir(parents=True)
     rows = []
     for step in range(1, 5):
         row = {"step": step, "train/loss": 5.0 - step / 10 - {"tensorwise": 0.01, "rowwise": 0.02}.get(recipe, 0)}
         if recipe and step % 2 == 0:
             row.update(_fp8_row(_fp8_casts(recipe, step, exact=recipe == "rowwise" and step == 4)))
+        if signals:
+            row.update(_signals_row(step))
         rows.append(row)
     path.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # inf: Infinity
     summary = {"final/train_loss": rows[-1]["train/loss"]}
@@ -544,6 +557,30 @@ def test_fp8_layers_figure_caps_layers_and_runs():
     shown, kept, dropped_layers, dropped_runs = _fp8_selection(runs)
     assert len(shown) == 8 and dropped_runs == ["run8"]
     assert kept == [layers[0], *layers[3:]] and dropped_layers == layers[1:3]
+
+
+def test_the_signals_that_say_when_get_panels_where_a_run_has_them(tmp_path):
+    """A run with the quantization signals beside an fp32 run without: a panel each (the
+    fp32 run not reported missing them); the weight gradient's noise ratio on a log axis
+    with sqrt(3) dashed and labelled, inside the axis though every point is far above it."""
+    _synthetic_run(tmp_path / "sweep" / "0", "lab", "tensorwise", signals=True)
+    _synthetic_run(tmp_path / "sweep" / "1", "fp32")
+    runs = find_runs([tmp_path / "sweep"])
+    label_runs(runs)
+    panels, missing = panels_with_data(runs)
+    quant = [f"numerics/quant/{m}" for m in ("weight_gradient/noise_ratio", "forward/noise_ratio",
+                                             "input_gradient/noise_ratio", "weight_flips", "norm_bias")]
+    assert set(quant) <= {p[1] for p in panels} and not any(m.startswith("numerics/quant") for m in missing)
+    axes = _plain_labels(build_figure(runs))
+    wg = axes["weight gradient: product over its quantization noise"]
+    assert wg.get_yscale() == "log"
+    dashed = [ln for ln in wg.get_lines() if ln.get_linestyle() == "--" and ln.get_color() == "black"]
+    assert len(dashed) == 1 and list(dashed[0].get_ydata()) == [math.sqrt(3)] * 2
+    assert [t.get_text() for t in wg.texts] == ["sqrt(3): below it, quantized training stops making progress (1.73)"]
+    assert wg.get_ylim()[0] <= math.sqrt(3) < 10 <= min(40.0 / s for s in range(1, 5))
+    assert not axes["forward: product over its quantization noise"].texts  # the line is the weight gradient's
+    flips = axes["weight codes changed since the last monitored step"].get_lines()
+    assert list(flips[0].get_ydata()) == pytest.approx([10.0, 0.2 / 3 * 100, 5.0])  # percent, from step 2
 
 
 # ------------------------------------------------------------ settings over seeds (#52)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from mptrain.compare.runs import Run, _flat, compared
+from mptrain.observe.quant import SQRT3
 
 # (panel title, metric, x axis, y scale, y axis label with its unit). A "what-if: " title is a
 # counterfactual the monitor computes on the run's own tensors (what a cast to that format
@@ -44,11 +45,26 @@ PANELS = [
     ("fp8 casts: largest share of non-zeros saturated (any layer)", "fp8/worst/saturate", "step", "linear",
      "% of non-zero elements"),
     ("fp8 casts: lowest SQNR of any layer", "fp8/worst/sqnr_db", "step", "linear", "SQNR (dB)"),
+    # the signals that say when (docs/numerics.md): a product over its quantization noise, per matmul
+    ("weight gradient: product over its quantization noise", "numerics/quant/weight_gradient/noise_ratio", "step",
+     "log", "ratio (x)"),
+    ("forward: product over its quantization noise", "numerics/quant/forward/noise_ratio", "step", "log",
+     "ratio (x)"),
+    ("input gradient: product over its quantization noise", "numerics/quant/input_gradient/noise_ratio", "step",
+     "log", "ratio (x)"),
+    ("weight codes changed since the last monitored step", "numerics/quant/weight_flips", "step", "linear",
+     "% of converted weight elements"),
+    ("what-if: mean shift of the norm weights, quantized", "numerics/quant/norm_bias", "step", "linear",
+     "% of the norm weights' sum |gamma|"),
 ]
-# Metrics only some configurations have (stochastic rounding, Kahan summation, float8
+# Metrics only some configurations have (stochastic rounding, Kahan summation, float8 or 4-bit
 # linears): a sweep without those is not missing them, so their absence is not reported.
 ONLY_WHERE_THEY_APPLY = {"numerics/update_lost_expected", "numerics/kahan_held_over_update",
-                         "fp8/worst/flush", "fp8/worst/saturate", "fp8/worst/sqnr_db"}
+                         "fp8/worst/flush", "fp8/worst/saturate", "fp8/worst/sqnr_db",
+                         *(p[1] for p in PANELS if p[1].startswith("numerics/quant/"))}
+# Horizontal lines drawn dashed on a metric's panel, at (value, label): a threshold the curves are read against.
+THRESHOLDS = {"numerics/quant/weight_gradient/noise_ratio":
+              (SQRT3, "sqrt(3): below it, quantized training stops making progress")}
 # Metrics read as ratios between runs (fp8 at 0.4x fp32's tokens/s): their y axis starts at
 # zero, so a run twice as fast sits twice as high instead of at the other edge of a zoomed axis.
 FROM_ZERO = {"perf/tokens_per_s"}
@@ -312,6 +328,8 @@ def _panel(ax, runs: list[Run], spec: tuple, same: list[list[str]]) -> None:
                      f"points: sampled every {'/'.join(map(str, every))} steps")
     notes = [n for n in notes if n] + [f"same curve: {' = '.join(g)}" for g in same]
     ax.set_title("\n".join([title, *(textwrap.fill(n, 70) for n in notes)]), fontsize=10 if notes else None)
+    if metric in THRESHOLDS:
+        threshold(ax, *THRESHOLDS[metric])
     label_axes(ax, x, scale, unit)
     if metric in FROM_ZERO:
         ax.set_ylim(0, max(values, default=1.0) * 1.05)
@@ -319,6 +337,14 @@ def _panel(ax, runs: list[Run], spec: tuple, same: list[list[str]]) -> None:
         min_span(ax, values)
     plain_axes(ax, x, scale)
     ax.grid(alpha=0.3)
+
+
+def threshold(ax, value: float, label: str) -> None:
+    """A dashed black line across the panel at ``value``, its ``label`` written just
+    above it at the left; the y axis then spans it, whatever the curves do."""
+    ax.axhline(value, color="black", linestyle="--", linewidth=1.0, zorder=1)
+    ax.text(0.01, value, f"{label} ({plain_number(value, sig=3)})", transform=ax.get_yaxis_transform(),
+            va="bottom", ha="left", fontsize=8)
 
 
 def _single_points_table(ax, runs: list[Run]) -> None:

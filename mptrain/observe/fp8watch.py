@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from mptrain.core.shards import local_shard
 from mptrain.core.text import text_table
 from mptrain.model.names import canonical_name, layer_name
 from mptrain.core.observer import observing
+from mptrain.observe.quant import QuantSignals
 from mptrain.precision import lab
 from mptrain.precision.elements import element
 from mptrain.precision.formats import FLOAT8, FORMATS
@@ -95,22 +97,29 @@ class CastWatch:
     weight, measured at the step's first forward, is measured on every rank,
     since each holds it whole) adds the same counts to numerator and
     denominator.
+
+    The same hooks hand each linear's operands to ``signals``
+    (:class:`~mptrain.observe.quant.QuantSignals`, the ``numerics/quant/*``
+    figures), whose stores the monitor reduces beside these.
     """
 
     @classmethod
-    def of_run(cls, lowp, model: nn.Module, whatif: list[str]) -> Optional["CastWatch"]:
+    def of_run(cls, lowp, model: nn.Module, whatif: list[str],
+               owned: Callable[[torch.Tensor], torch.Tensor] = local_shard) -> Optional["CastWatch"]:
         """The watch of a run's converted linears (``lowp``: the policy's
         :class:`~mptrain.precision.policy.Fp8Linears` or
         :class:`~mptrain.precision.labtrain.LabLinears`), their own casts measured
         with their recipe's specs. None for torchao's NVFP4 linears (Blackwell
         only), which wrap their weight in a tensor subclass the statistics have
-        never run against."""
+        never run against. ``owned``: the monitor's part of a parameter this rank
+        sums (:class:`~mptrain.observe.quant.QuantSignals` keeps the weight codes of that part)."""
         own: Recipe = lowp.definition
         if own.backend == TORCHAO_MX and own.name == "nvfp4":
             return None
-        return cls(model, lowp.report["converted"], own, whatifs(own, whatif))
+        return cls(model, lowp.report["converted"], own, whatifs(own, whatif), owned)
 
-    def __init__(self, model: nn.Module, converted: list[str], own: Recipe, whatif: list[str]):
+    def __init__(self, model: nn.Module, converted: list[str], own: Recipe, whatif: list[str],
+                 owned: Callable[[torch.Tensor], torch.Tensor] = local_shard):
         wanted = {canonical_name(c) for c in converted}
         self.layers: dict[str, nn.Module] = {}
         for name, mod in model.named_modules():
@@ -127,12 +136,15 @@ class CastWatch:
         self.casts: dict[tuple[str, str], Optional[lab.Operand]] = {(RUN, k): v for k, v in measured(own).items()}
         for name in whatif:
             self.casts.update({(name, k): v for k, v in measured(name, own.formats()).items()})
+        # The signals that say when, measured from the operands these hooks see.
+        self.signals = QuantSignals(model, list(self.layers), own, self.casts[(RUN, "weight")], owned)
         self.clear()
 
     def clear(self) -> None:
         self._weighed: set[str] = set()
         self.sum_all: dict[str, torch.Tensor] = {}
         self.max_all: dict[str, torch.Tensor] = {}
+        self.signals.clear()
 
     def start(self, device: torch.device) -> list:
         """Zeros for every figure, in a fixed order (every rank packs the same
@@ -144,7 +156,8 @@ class CastWatch:
                     self.sum_all[f"fp8s/{layer}/{op}/{tag}"] = torch.zeros(len(SUMS), dtype=torch.float64,
                                                                             device=device)
                     self.max_all[f"fp8m/{layer}/{op}/{tag}"] = torch.tensor([0.0, 0.0, -math.inf], device=device)
-        return [mod.register_forward_hook(self._hook(layer)) for layer, mod in self.layers.items()]
+        hooks = self.signals.start(device)
+        return hooks + [mod.register_forward_hook(self._hook(layer)) for layer, mod in self.layers.items()]
 
     def _hook(self, layer: str):
         def hook(mod, args, out):
@@ -154,22 +167,33 @@ class CastWatch:
             self._add(layer, "input", x, _own_scale(mod, "input", x))
             if layer not in self._weighed:  # once per step: the weight does not change within one
                 self._weighed.add(layer)
-                w = w.detach()
-                if _is_float8(w):
-                    # All-gathered already cast: measure the fp32 master, gathered whole (one
-                    # all-gather, monitored steps only: block what-ifs must not be cut at shard
-                    # edges), with the scale every rank cast its shard with.
-                    master = self.master[layer].detach()
-                    with observing():  # the monitor's gather, not the step's: out of the comm/* figures
-                        full = master.full_tensor() if hasattr(master, "full_tensor") else master
-                    self._add(layer, "weight", full, w._scale)
-                else:
-                    self._add(layer, "weight", local_shard(w), _own_scale(mod, "weight", w))
+                seen = w.detach()
+                w, scale = self._weight(layer, mod, seen)
+                self._add(layer, "weight", w, scale)
+                split = isinstance(seen, DTensor)  # a tensor-parallel part
+                self.signals.weight(layer, w, scale, self.master[layer], whole=not split)
+                if isinstance(out, torch.Tensor) and not split:
+                    # (a split layer's hooks see its input and output gradient in its styles'
+                    # layouts, positions split or heads regrouped, not as its matmuls take them)
+                    self.signals.products(layer, x, w, out)
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 # The output's gradient is the layer's grad_output (a bias adds after the matmul).
                 out.register_hook(lambda g: self._add(layer, "grad_output", local_shard(g),
                                                       _own_scale(mod, "grad_output", g)))
         return hook
+
+    def _weight(self, layer: str, mod: nn.Module, w: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The weight ``w`` as the forward received it, as the statistics measure it,
+        and the scale the run cast it with (None: its rule's)."""
+        if _is_float8(w):
+            # All-gathered already cast: measure the fp32 master, gathered whole (one
+            # all-gather, monitored steps only: block what-ifs must not be cut at shard
+            # edges), with the scale every rank cast its shard with.
+            master = self.master[layer].detach()
+            with observing():  # the monitor's gather, not the step's: out of the comm/* figures
+                full = master.full_tensor() if hasattr(master, "full_tensor") else master
+            return full, w._scale
+        return local_shard(w), _own_scale(mod, "weight", w)
 
     def _add(self, layer: str, op: str, t: torch.Tensor, own_scale: Optional[torch.Tensor]) -> None:
         with observing():  # the statistics' ops are not the step's: a dtype audit of this step skips them
@@ -193,7 +217,8 @@ class CastWatch:
         """``fp8.<layer>/<operand>/<stat>`` for the run's casts,
         ``fp8.<layer>/<operand>/<recipe>/<stat>`` for the what-ifs, and the worst
         over layers and operands as ``fp8/worst/[<recipe>/]<stat>``. The layer
-        leads the name so that TensorBoard and W&B make one section per layer."""
+        leads the name so that TensorBoard and W&B make one section per layer.
+        With them, the ``numerics/quant/*`` figures of ``signals``."""
         out: dict[str, float] = {}
         worst: dict[str, dict[str, float]] = {}
         for layer in self.layers:
@@ -213,6 +238,7 @@ class CastWatch:
         for tag, w in worst.items():
             prefix = "fp8/worst/" if tag == RUN else f"fp8/worst/{tag}/"
             out.update({prefix + k: v for k, v in w.items()})
+        out.update(self.signals.scalars(vals))
         return out
 
 

@@ -294,7 +294,8 @@ class NumericsMonitor:
         if self.enabled and getattr(mcfg, "stability", False):
 
             self.stability = StabilityMonitor(model, owned)
-        # The float8 casts' statistics (fp8stats.CastWatch), when the run has float8 linears.
+        # The float8 casts' statistics and the quantization signals (fp8watch.CastWatch), when the
+        # run has float8 or 4-bit linears.
         self.fp8 = fp8_watch if self.enabled else None
         self._on = False
         self._hooks: list = []
@@ -546,8 +547,10 @@ class NumericsMonitor:
         sums, maxes_all, sums_all = self._sum, self._max_all, {}
         if stab is not None:  # the same collectives carry the stability figures (and one more kind)
             sums, maxes_all, sums_all = {**sums, **stab.sum}, {**maxes_all, **stab.max_all}, stab.sum_all
-        if fp8 is not None:  # and the float8 casts' (over every rank: each casts its own data)
-            maxes_all, sums_all = {**maxes_all, **fp8.max_all}, {**sums_all, **fp8.sum_all}
+        if fp8 is not None:  # and the float8 casts' (over every rank: each casts its own data), and the
+            q = fp8.signals  # quantization signals' (their weight codes' counts over the shards, like the weights')
+            maxes_all, sums_all = {**maxes_all, **fp8.max_all, **q.max_all}, {**sums_all, **fp8.sum_all, **q.sum_all}
+            sums = {**sums, **q.sum}
         for store, reduce in ((sums, self.reduce_sum), (self._max, self.reduce_max),
                               (maxes_all, self.reduce_max_all), (sums_all, self.reduce_sum_all)):
             if not store:

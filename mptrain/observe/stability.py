@@ -198,14 +198,16 @@ def massive_stats(out: torch.Tensor, sample: int = MEDIAN_SAMPLE) -> torch.Tenso
 
 
 # ----------------------------------------------------------------- monitor
-def _outermost(model: nn.Module, want) -> dict[str, nn.Module]:
+def _outermost(model: nn.Module, want, innermost: bool = False) -> dict[str, nn.Module]:
     """``{canonical name: module}`` for the modules whose canonical name
-    ``want`` accepts, the outermost one per name (wrappers repeat a name)."""
+    ``want`` accepts, the outermost one per name (wrappers repeat a name), or
+    with ``innermost`` the innermost one: the module whose own forward runs,
+    inside any wrapper (FSDP1's reshards the parameters before its own hooks)."""
     found: dict[str, nn.Module] = {}
-    for name, mod in model.named_modules():
+    for name, mod in model.named_modules():  # a wrapper comes before what it wraps
         canon = canonical_name(name)
         if want(canon, mod):
-            found.setdefault(canon, mod)
+            found[canon] = mod if innermost else found.get(canon, mod)
     return found
 
 
@@ -232,11 +234,12 @@ def down_projections(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def norm_modules(model: nn.Module) -> dict[str, list[nn.Module]]:
+def norm_modules(model: nn.Module, innermost: bool = False) -> dict[str, list[nn.Module]]:
     """``{layer group: [its norm modules]}`` (:data:`NORM_NAMES`, those with a
-    ``weight``), groups in the order of :func:`~mptrain.model.names.layer_groups`."""
+    ``weight``), groups in the order of :func:`~mptrain.model.names.layer_groups`;
+    the outermost module of each name, or the innermost (see :func:`_outermost`)."""
     found = _outermost(model, lambda canon, mod: canon.split(".")[-1] in NORM_NAMES
-                       and isinstance(getattr(mod, "weight", None), torch.Tensor))
+                       and isinstance(getattr(mod, "weight", None), torch.Tensor), innermost)
     return {g: [m for _, m in mods] for g, mods in layer_groups(found.items()).items()}
 
 

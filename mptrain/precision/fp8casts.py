@@ -87,13 +87,14 @@ def measured(recipe: Union[str, Recipe], run_formats: Optional[dict[str, str]] =
     return out
 
 
-def cast_counts(t: torch.Tensor, op: lab.Operand, *, scale: Optional[torch.Tensor] = None,
-                error: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sums, maxima)`` of casting ``t`` as ``op`` says (fp64 ``SUMS`` and fp32
-    ``MAXES``, see the module docstring), with the lab's own cast. ``t``'s last
-    dimension is the contraction dimension; leading ones are flattened into rows.
-    ``scale``: the multipliers the run cast with, instead of the rule's (an
-    ``fp32`` scale only). ``error``: 4over6's measure."""
+def statistic_cast(t: torch.Tensor, op: lab.Operand, *, scale: Optional[torch.Tensor] = None,
+                   error: str = "mse") -> lab.LabCast:
+    """``t`` cast as ``op`` says the way every statistic casts (the module
+    docstring): rounding to nearest, a transform with the fixed sign vector, and
+    ``t`` as a 2-D ``(rows, K)`` tensor (``t``'s last dimension the contraction
+    dimension, leading ones flattened into rows, a 0-d or 1-D ``t`` one row)
+    padded with zeros to whole blocks. ``scale``: the multipliers the run cast
+    with, instead of the rule's (an ``fp32`` scale only). ``error``: 4over6's measure."""
     if op.stochastic:
         op = dataclasses.replace(op, rounding="nearest")
     x = t.detach().float()
@@ -102,7 +103,15 @@ def cast_counts(t: torch.Tensor, op: lab.Operand, *, scale: Optional[torch.Tenso
     if pad_c or pad_r:
         x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
     signs = None if op.transform in ("", "hadamard-plain") else lab.fixed_signs(x.device)
-    c = lab.cast(x, op, signs=signs, error=error, scale=scale)
+    return lab.cast(x, op, signs=signs, error=error, scale=scale)
+
+
+def cast_counts(t: torch.Tensor, op: lab.Operand, *, scale: Optional[torch.Tensor] = None,
+                error: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sums, maxima)`` of casting ``t`` as ``op`` says (fp64 ``SUMS`` and fp32
+    ``MAXES``, see the module docstring), with the lab's own cast
+    (:func:`statistic_cast`, whose arguments these are)."""
+    c = statistic_cast(t, op, scale=scale, error=error)
     # The round trip's error in fp32 is exact: a value cast within a factor of 2 of itself
     # subtracts exactly (Sterbenz), a flushed one leaves itself, a clamped one comes back
     # from at most 2x the largest value. Sums of squares accumulate in fp64 (vector_norm's

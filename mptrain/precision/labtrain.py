@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,13 @@ def _signs(r: Recipe, gemm: str, device, tp=None) -> Optional[torch.Tensor]:
     return tp.same_signs(signs) if tp is not None and op.transform == "hadamard-random" else signs
 
 
+def forked_rng(device: torch.device) -> ContextManager:
+    """Draws made inside come from a copy of the default generators (the CPU's,
+    and ``device``'s when it is a GPU), which are put back as they were on leaving:
+    the run's own streams go on as if nothing had drawn."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
 _TP_AMAX = True
 """Scales of a tensor-parallel part over the whole tensor (tests switch it off to show why)."""
 _TP_SIGNS = True
@@ -141,7 +148,7 @@ class _TP:
         Hadamard signs) stays in step across the group, and a resumed run, whose
         checkpoint holds that generator, repeats the same streams."""
         seed = int(torch.randint(0, 2 ** 62, (), device=device))
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with forked_rng(device):
             torch.manual_seed(seed + dist.get_rank(self.group))
             yield
 
@@ -157,6 +164,41 @@ def _square(op: Optional[lab.Operand]) -> bool:
     return op is not None and op.block[0] == op.block[1] and not op.transform
 
 
+def product(gemm: str, a: torch.Tensor, b: torch.Tensor, r: Recipe, tp: Optional[_TP] = None) -> torch.Tensor:
+    """One matmul of a linear (a key of :data:`~mptrain.precision.recipe.GEMMS`) on
+    ``r``'s quantized operands, in fp32, its operands 2-D as the layer holds them:
+    ``forward`` is ``x W^T`` (``a`` = x, ``b`` = W), ``input gradient`` is ``dy W``
+    (``a`` = dy, ``b`` = W), ``weight gradient`` is ``dy^T x`` (``a`` = dy, ``b`` = x).
+    Each operand is laid out with its contraction dimension last before its cast
+    (the module docstring's table); an operand ``r`` leaves unquantized is
+    multiplied as it is. Random draws, where a spec makes them, come in the
+    order training has always made them: the matmul's sign vector, then the
+    operands left to right (the input gradient's weight first). The training
+    matmuls and the numerics monitor's quantization noise both call this."""
+    if gemm == "forward":
+        s = _signs(r, gemm, a.device, tp)
+        return _q(a, r.op("fwd_input"), r, s, tp, "fwd_input") @ _q(b, r.op("fwd_weight"), r, s, tp, "fwd_weight").t()
+    if gemm == "input gradient":
+        s, wop = _signs(r, gemm, a.device, tp), r.op("dgrad_weight")
+        if _square(wop) or wop is None:  # the forward's layout: split along the other dimension
+            wq = _q(b, wop, r, None, tp, "dgrad_weight", transposed=True)
+        else:
+            wq = _q(b.t().contiguous(), wop, r, s, tp, "dgrad_weight").t()
+        return _q(a, r.op("dgrad_grad_output"), r, s, tp, "dgrad_grad_output") @ wq
+    if gemm != "weight gradient":
+        raise ValueError(f"product: {gemm!r} is not one of {', '.join(GEMMS)}")
+    # Both operands with the tokens as their last (contraction) dimension.
+    s = _signs(r, gemm, a.device, tp)
+    return (_q(a.float().t().contiguous(), r.op("wgrad_grad_output"), r, s, tp, "wgrad_grad_output")
+            @ _q(b.float().t().contiguous(), r.op("wgrad_input"), r, s, tp, "wgrad_input").t())
+
+
+def unquantized(r: Recipe) -> Recipe:
+    """``r`` with every operand left unquantized: :func:`product` of it is the exact
+    fp32 product, laid out as ``r``'s is."""
+    return replace(r, ops=(None,) * len(ROLES))
+
+
 class _LabMatmul(torch.autograd.Function):
     """``x W^T + b`` on lab-quantized operands, for 2-D ``x`` (tokens x in features)."""
 
@@ -166,8 +208,7 @@ class _LabMatmul(torch.autograd.Function):
         ctx.r, ctx.has_bias, ctx.tp = r, bias is not None, tp
         ctx.save_for_backward(x, w)
         with torch.autocast(x.device.type, enabled=False):  # the products are fp32's, not autocast's
-            s = _signs(r, "forward", x.device, tp)
-            y = _q(x, r.op("fwd_input"), r, s, tp, "fwd_input") @ _q(w, r.op("fwd_weight"), r, s, tp, "fwd_weight").t()
+            y = product("forward", x, w, r, tp)
             if bias is not None:
                 y = y + bias.float()
         return y.to(x.dtype)
@@ -179,17 +220,9 @@ class _LabMatmul(torch.autograd.Function):
         r, tp = ctx.r, ctx.tp
         with torch.autocast(gy.device.type, enabled=False):
             g = gy.float()
-            s, wop = _signs(r, "input gradient", g.device, tp), r.op("dgrad_weight")
-            if _square(wop) or wop is None:  # the forward's layout: split along the other dimension
-                wq = _q(w, wop, r, None, tp, "dgrad_weight", transposed=True)
-            else:
-                wq = _q(w.t().contiguous(), wop, r, s, tp, "dgrad_weight").t()
-            dx = _q(g, r.op("dgrad_grad_output"), r, s, tp, "dgrad_grad_output") @ wq
-            # Weight gradient: both operands with the tokens as their last (contraction) dimension.
-            s, a_op, b_op = (_signs(r, "weight gradient", g.device, tp), r.op("wgrad_grad_output"),
-                             r.op("wgrad_input"))
-            dw = (_q(g.t().contiguous(), a_op, r, s, tp, "wgrad_grad_output")
-                  @ _q(x.float().t().contiguous(), b_op, r, s, tp, "wgrad_input").t())
+            # the input gradient's draws before the weight gradient's (a resumed run repeats them)
+            dx = product("input gradient", g, w, r, tp)
+            dw = product("weight gradient", g, x, r, tp)
             db = g.sum(0) if ctx.has_bias else None
         return dx.to(x.dtype), dw.to(w.dtype), db, None, None
 

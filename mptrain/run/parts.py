@@ -117,11 +117,12 @@ class NumericsPart(Component):
 def numerics_monitor(parts: Parts, model: nn.Module, optimizer: torch.optim.Optimizer, choice,
                      policy: PrecisionPolicy, ctx: DistContext) -> NumericsMonitor:
     """The numerics monitor of the run (``monitor.*``), with the float8 cast
-    watch when the run casts to float8 and ``monitor.fp8_casts`` is on."""
-    fp8_watch = (fp8watch.CastWatch.of_run(policy.lowp, model, list(parts.whatif))
-                 if policy.lowp and parts.casts else None)
+    watch (and its quantization signals) when the run casts to float8 or 4-bit
+    and ``monitor.fp8_casts`` is on."""
     # owned_shard: the part of each parameter this rank sums, so that replicas (HSDP's
     # replicate groups, the TP ranks' copies of what TP does not split) count once.
+    fp8_watch = (fp8watch.CastWatch.of_run(policy.lowp, model, list(parts.whatif), owned=ctx.owned_shard)
+                 if policy.lowp and parts.casts else None)
     # Sums of what each rank sees are over every rank under TP: the TP ranks of a data-parallel
     # group share a batch but hold different heads (the attention probes) and, with sequence
     # parallelism, different positions. These sums feed means (a sum over its count), which

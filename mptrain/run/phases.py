@@ -43,10 +43,13 @@ class Began:
     """The step whose row held that value."""
 
     def words(self) -> str:
-        """``phase 1 'bf16 tail' begins at step 40`` (with what started it)."""
-        why = (f": {self.trigger.split()[0]} = {self.value:.4g} at step {self.read_at} ({self.trigger})"
-               if self.trigger else "")
-        return f"phase {self.phase} '{self.label}' begins before step {self.step + 1}{why}"
+        """``phase 1 'bf16 tail' begins before step 41``."""
+        return f"phase {self.phase} '{self.label}' begins before step {self.step + 1}"
+
+    def decision(self) -> str:
+        """What a signal decided: its value, the rule, and the phase it begins."""
+        return (f"{self.trigger.split()[0]} = {self.value:.4g} at step {self.read_at} ({self.trigger}): "
+                f"{self.words()}")
 
 
 class PhaseSchedule:

@@ -197,7 +197,7 @@ class Trainer:
         decided = self.schedule.decide(done, row, self.ctx)  # a signal a phase waits on (every rank, the same rows)
         if decided is not None:
             self.ckpt.meta_extra["phase"] = self.schedule.record()
-            self.metrics.write(f"step {done:>6} | {decided.words()}")
+            self.metrics.write(f"step {done:>6} | {decided.decision()}")
         if row:
             self.metrics.log(done, row, hists)
         if self.plan.parts.audit_only and done == self.start + 1:

@@ -73,6 +73,9 @@ REFUSED = {
     "constant": (["optim.schedule=constant", "precision.phases=[{start: decay_start, precision: fp32}]"],
                  "the learning rate does not decay within train.max_steps=20 (optim.schedule=constant"),
     "spec": (["precision.phases=[{start: 3, forward: e9m9/tensor/fp32/nearest}]"], "precision.phases[0].fwd_input"),
+    "tp noise": (["precision=nvfp4", "parallel=fsdp_tp", "parallel.tp=2", "model.n_head=4",
+                  "precision.phases=[{when: 'weight_gradient.noise_ratio < 1.732', precision: bf16}]"],
+                 "which is not measured under tensor parallelism"),
 }
 
 
@@ -80,7 +83,7 @@ REFUSED = {
 def test_what_a_phase_cannot_do_is_refused_in_one_sentence(case):
     overrides, words = REFUSED[case]
     with pytest.raises(ConfigError) as e:
-        make_plan("train.max_steps=20", *overrides)
+        make_plan("train.max_steps=20", *overrides, world=2 if "parallel.tp=2" in overrides else 1)
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
@@ -292,3 +295,17 @@ def test_a_misspelt_phase_key_on_the_command_line_is_named(override, words):
         check_overrides([override], CONFIG_DIR)
     assert words in str(e.value), str(e.value)
     check_overrides(["precision.phases.0.start=decay_start"], CONFIG_DIR)  # an entry's key, indexed: fine
+
+
+def test_a_resumed_launch_is_told_a_weight_flips_decision_may_come_later():
+    from pathlib import Path
+
+    from mptrain.plan.plan import Resume
+    from mptrain.run.phases import phase_warnings
+
+    plan = make_plan("precision=nvfp4", "precision.phases=[{when: 'weight_flips < 0.3', precision: bf16}]")
+    assert phase_warnings(plan) == []  # a fresh start measures flips from its second monitored step, as always
+    said = phase_warnings(plan.decided(Resume(path=Path("ckpt"), step=4)))
+    assert len(said) == 1 and "may begin up to monitor.every=" in said[0] and "precision.phases[0]" in said[0]
+    decided = Resume(path=Path("ckpt"), step=4, began=({"phase": 1, "step": 3, "label": "x"},))
+    assert phase_warnings(plan.decided(decided)) == []  # decided already: kept, nothing to warn of

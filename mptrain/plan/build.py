@@ -144,18 +144,22 @@ def _phases(cfg: Any, precision: PrecisionPlan, optimizer, batches: Batches, wor
         out.append(phasing.phase(e, out[-1], plan, choice, cfg.parallel.name.value))
         rules.validate(cfg.model, e.section, plan.recipe, cfg.monitor.fp8_whatif, batches)
         problem = (blocks_refusal(cfg.model, out[-1].precision, tp, sp, world, said) if tp > 1 else None) \
-            or _signal_refusal(out[-1], out[-2], cfg.monitor)
+            or _signal_refusal(out[-1], out[-2], cfg.monitor, tp)
         if problem:
             raise ConfigError(f"{e.key}: {problem}")
         section = e.section
     return tuple(out)
 
 
-def _signal_refusal(ph: Phase, before: Phase, mon: Any) -> Optional[str]:
+def _signal_refusal(ph: Phase, before: Phase, mon: Any, tp: int) -> Optional[str]:
     """Why the signal phase ``ph`` waits for would never come in this run, or None."""
     t = ph.trigger
     if t is None:
         return None
+    if tp > 1 and t.metric.endswith("/noise_ratio"):
+        return (f"when={t.said!r} reads {t.metric}, which is not measured under tensor parallelism (a split "
+                "linear's hooks see its operands in the split's layouts): it would never come; use another "
+                "signal, a start step, or a mesh without parallel.tp.")
     if not mon.enabled and t.metric.startswith(MONITOR_SIGNALS):
         return (f"when={t.said!r} reads {t.metric}, which the numerics monitor measures, and monitor.enabled=false; "
                 "turn the monitor on (monitor.every sets how often the signal is looked at).")

@@ -36,7 +36,7 @@ from mptrain.run.build import build_data, build_model, build_policy
 from mptrain.checkpoint.checkpointer import Checkpointer, Progress
 from mptrain.run.console import LOG_NAME, RunLog
 from mptrain.run.parts import build_parts
-from mptrain.run.phases import Began, PhaseSchedule, switch
+from mptrain.run.phases import Began, PhaseSchedule, phase_warnings, switch
 from mptrain.run.report import LoopStep, Reporter, read_back, start_clock
 from mptrain.run.resume import decide, finished_summary
 from mptrain.run.rundir import Claim, check_present, held, run_dir_of
@@ -88,6 +88,7 @@ class Trainer:
         policy, hw_warnings = build_policy(plan, ctx)  # refuses the impossible before any work
         for k in range(plan.phase + 1, len(plan.phases)):  # a later phase too, rather than hours into the run
             hw_warnings += [f"precision phase {k}: {w}" for w in build_policy(plan.in_phase(k), ctx)[1]]
+        hw_warnings += phase_warnings(plan)
         self.data = build_data(plan, ctx, self.runlog.say)  # tokens, windows, this rank's batches
         self.built = build_model(plan, ctx, policy, self.data.vocab, self.data.tokens.vocab_size)
         # run_info and the dtype table: what the banner prints and config.yaml records

@@ -816,3 +816,18 @@ def test_fp8_layers_of_one_monitored_step_are_a_table_not_a_page_of_points(tmp_p
     assert md.startswith("One monitored step per run: no curves to draw") and "| block" in md
     big = SimpleNamespace(get_size_inches=lambda: (21.0, 40.0))
     assert 40.0 * dpi_for(big) == pytest.approx(MOST_PIXELS)
+
+
+def test_the_sqrt3_line_stands_in_the_figure_over_seeds_too(tmp_path):
+    """Settings over seeds draw their own panels (mean and band): the weight gradient's
+    noise ratio keeps its dashed sqrt(3) inside the axis there as well."""
+    for seed in (0, 1):
+        run = tmp_path / "sweep" / str(seed)
+        _synthetic_run(run, "lab", "tensorwise", signals=True)
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        (run / "config.yaml").write_text(yaml.safe_dump({**cfg, "train": {"seed": seed}}))
+    _, rep, fig = _seed_report([tmp_path / "sweep"])
+    assert not rep.one_seed
+    wg = next(ax for ax in fig.axes if ax.get_title() == "weight gradient: product over its quantization noise")
+    dashed = [ln for ln in wg.get_lines() if ln.get_linestyle() == "--" and ln.get_color() == "black"]
+    assert len(dashed) == 1 and wg.get_ylim()[0] <= math.sqrt(3)

@@ -324,20 +324,23 @@ def _panel(ax, runs: list[Run], spec: tuple, same: list[list[str]]) -> None:
                      f"points: sampled every {'/'.join(map(str, every))} steps")
     notes = [n for n in notes if n] + [f"same curve: {' = '.join(g)}" for g in same]
     ax.set_title("\n".join([title, *(textwrap.fill(n, 70) for n in notes)]), fontsize=10 if notes else None)
-    if metric in THRESHOLDS:
-        threshold(ax, *THRESHOLDS[metric])
     label_axes(ax, x, scale, unit)
     if metric in FROM_ZERO:
         ax.set_ylim(0, max(values, default=1.0) * 1.05)
     elif scale != "log2":  # (the loss scale's powers of 2 keep matplotlib's own, wider, axis)
         min_span(ax, values)
     plain_axes(ax, x, scale)
+    if metric in THRESHOLDS:  # last: the axis limits above are the curves'; the line widens them
+        threshold(ax, *THRESHOLDS[metric])
     ax.grid(alpha=0.3)
 
 
 def threshold(ax, value: float, label: str) -> None:
     """A dashed black line across the panel at ``value``, its ``label`` written just
     above it at the left; the y axis then spans it, whatever the curves do."""
+    lo, hi = ax.get_ylim()
+    if not lo <= value <= hi:  # curves far from the threshold: how far is the point, so show both
+        ax.set_ylim(min(lo, value * 0.8 if value > 0 else value), max(hi, value * 1.2 if value > 0 else value))
     ax.axhline(value, color="black", linestyle="--", linewidth=1.0, zorder=1)
     ax.text(0.01, value, f"{label} ({plain_number(value, sig=3)})", transform=ax.get_yaxis_transform(),
             va="bottom", ha="left", fontsize=8)

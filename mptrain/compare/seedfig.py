@@ -9,8 +9,8 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Optional
 
-from mptrain.compare.figure import (FROM_ZERO, build_figure, frame, label_axes, panels_with_data, percent,
-                                    plain_axes)
+from mptrain.compare.figure import (FROM_ZERO, THRESHOLDS, build_figure, frame, label_axes, panels_with_data,
+                                    percent, plain_axes, threshold)
 from mptrain.compare.runs import Run, compared
 from mptrain.compare.seeds import SEED_KEY, Report, mean_curve, short_text
 
@@ -117,6 +117,8 @@ def _metric_panel(ax, rep: Report, spec: tuple) -> None:
     if metric in FROM_ZERO:
         ax.set_ylim(bottom=0)
     plain_axes(ax, x, scale)  # (a log axis gets its 1-2-5 ticks there)
+    if metric in THRESHOLDS:  # the line a signal is read against, in view however far the curves are
+        threshold(ax, *THRESHOLDS[metric])
     ax.grid(alpha=0.3)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -130,6 +131,8 @@ def test_old_checkpoint_continues_as_the_old_code_did(fixture, tmp_path):
     # The fixture's own CPU kind: every value of every continued row, bit for bit (timings aside).
     for new_row, old_row in zip(rows[STOP:], old[STOP:], strict=True):
         new_row, old_row = (_without_timings(r) for r in (new_row, old_row))
+        # the quantization signals (numerics/quant*) are newer than the fixture: only in the new rows
+        new_row = {k: v for k, v in new_row.items() if not re.match(r"numerics/quant[/.]", k)}
         assert new_row.keys() == old_row.keys(), (new_row["step"], new_row.keys() ^ old_row.keys())
         moved = {k: (old_row[k], new_row[k]) for k in old_row if not before_plan.same_value(old_row[k], new_row[k])}
         assert not moved, (new_row["step"], len(moved), dict(list(moved.items())[:5]))

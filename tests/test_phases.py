@@ -297,7 +297,7 @@ def test_a_misspelt_phase_key_on_the_command_line_is_named(override, words):
     check_overrides(["precision.phases.0.start=decay_start"], CONFIG_DIR)  # an entry's key, indexed: fine
 
 
-def test_a_resumed_launch_is_told_a_weight_flips_decision_may_come_later():
+def test_a_launch_resumed_on_another_world_size_is_told_a_weight_flips_decision_may_come_later():
     from pathlib import Path
 
     from mptrain.plan.plan import Resume
@@ -305,7 +305,10 @@ def test_a_resumed_launch_is_told_a_weight_flips_decision_may_come_later():
 
     plan = make_plan("precision=nvfp4", "precision.phases=[{when: 'weight_flips < 0.3', precision: bf16}]")
     assert phase_warnings(plan) == []  # a fresh start measures flips from its second monitored step, as always
-    said = phase_warnings(plan.decided(Resume(path=Path("ckpt"), step=4)))
+    same = Resume(path=Path("ckpt"), step=4, history=({"from_step": 4, "changes": {"optim.lr": [1, 2]}},))
+    assert phase_warnings(plan.decided(same)) == []  # each rank takes its codes back: the same flips
+    other = Resume(path=Path("ckpt"), step=4, history=({"from_step": 4, "changes": {"world_size": [2, 1]}},))
+    said = phase_warnings(plan.decided(other))
     assert len(said) == 1 and "may begin up to monitor.every=" in said[0] and "precision.phases[0]" in said[0]
-    decided = Resume(path=Path("ckpt"), step=4, began=({"phase": 1, "step": 3, "label": "x"},))
+    decided = Resume(path=Path("ckpt"), step=4, history=other.history, began=({"phase": 1, "step": 3, "label": "x"},))
     assert phase_warnings(plan.decided(decided)) == []  # decided already: kept, nothing to warn of

@@ -11,6 +11,8 @@ Layout of one checkpoint (``<run>/checkpoints/step-N/``):
                             progress, spike detector, skip-rate warning): whatever
                             the trainer hands ``save`` as ``states``
     rng-rank<R>.pt          each rank's RNG states (stochastic rounding draws from them)
+    parts-rank<R>.pt        each rank's own state of the run's parts, where one has some (the
+                            numerics monitor's weight codes), restored on the same world size
     manifest.json           every file above with its size and CRC-32 (:mod:`mptrain.checkpoint.integrity`)
     meta.json               step, world size, parallel, precision, model shape, resolved config,
                             and the CRC-32 of manifest.json; written last
@@ -193,7 +195,8 @@ class Checkpointer:
         return True
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, model, optimizer, states: dict[str, Stateful]) -> Path:
+    def save(self, step: int, model, optimizer, states: dict[str, Stateful],
+             rank_states: Optional[dict[str, Stateful]] = None) -> Path:
         """Write ``step-N`` (a collective: every rank must call it). ``states``
         names the loop's resumable objects; it must hold ``scaler`` and ``progress``.
         Raises :class:`CheckpointSaveError` on every rank when the OS refused a write."""
@@ -207,7 +210,7 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         optim_sd, _ = plain_optim_state(optim_sd)  # DCP sees plain tensors only (nothing of torchao is pickled)
         fs = _KeepOSError()
-        phase(lambda: self._write(tmp, fs, {"model": model_sd, "optim": optim_sd}, states), fs)
+        phase(lambda: self._write(tmp, fs, {"model": model_sd, "optim": optim_sd}, states, rank_states or {}), fs)
         sizes = phase(lambda: file_sizes(tmp) if main else None)[0]
         shares = phase(lambda: hash_files(tmp, rank_share(sizes, ctx.rank, ctx.world)))
         phase(lambda: self._seal(tmp, step, {k: v for part in shares for k, v in part.items()}, model_sd,
@@ -223,12 +226,16 @@ class Checkpointer:
             if stale.exists():
                 shutil.rmtree(stale)
 
-    def _write(self, tmp: Path, fs: "_KeepOSError", state: dict, states: dict[str, Stateful]) -> None:
+    def _write(self, tmp: Path, fs: "_KeepOSError", state: dict, states: dict[str, Stateful],
+               rank_states: dict[str, Stateful]) -> None:
         writer = FileSystemWriter(str(tmp))
         writer.fs = fs  # DCP's own file system, keeping the OS error a failed write raises (see _KeepOSError)
         with _single_process_ok(self.ctx):
             dcp.save(state, storage_writer=writer)
         write_file(tmp / f"rng-rank{self.ctx.rank}.pt", _serialized(_rng_state()))
+        own = {name: sd for name, obj in rank_states.items() if (sd := obj.rank_state_dict())}
+        if own:
+            write_file(tmp / f"parts-rank{self.ctx.rank}.pt", _serialized(own))
         if self.ctx.is_main:
             write_file(tmp / "train_state.pt", _serialized({name: obj.state_dict() for name, obj in states.items()}))
 
@@ -320,7 +327,8 @@ class Checkpointer:
                     shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
-    def load(self, path: Path, model, optimizer, states: dict[str, Stateful], policy) -> None:
+    def load(self, path: Path, model, optimizer, states: dict[str, Stateful], policy,
+             rank_states: Optional[dict[str, Stateful]] = None) -> None:
         """Restore everything saved at ``path`` into ``model``, ``optimizer`` and ``states``."""
         meta = read_meta(path)
         m = self.plan.model
@@ -352,10 +360,16 @@ class Checkpointer:
         for name, obj in states.items():
             if name in ts:
                 obj.load_state_dict(ts[name])
-        rng = path / f"rng-rank{self.ctx.rank}.pt"
+        rng, own = path / f"rng-rank{self.ctx.rank}.pt", path / f"parts-rank{self.ctx.rank}.pt"
         if meta["world_size"] == self.ctx.world and rng.is_file():
             with _read_errors(rng):
                 _set_rng_state(load_plain(rng))
+        if meta["world_size"] == self.ctx.world and own.is_file():  # each rank's part of what it kept
+            with _read_errors(own):
+                saved = load_plain(own)
+            for name, obj in (rank_states or {}).items():
+                if name in saved:
+                    obj.load_rank_state_dict(saved[name])
         # (after a change of world size, ranks keep the seeds of this launch: only
         # dropout draws differ; data order depends on the step alone)
         policy.refresh_fp8_scales(model)  # float8 all-gather scales must match the loaded weights
@@ -510,7 +524,7 @@ def load_full_state(path: str | Path, log: Callable[[str], None] = print) -> dic
 
     path = Path(path)
     verify(path, log)
-    for f in [path / "train_state.pt", *sorted(path.glob("rng-rank*.pt"))]:
+    for f in [path / "train_state.pt", *sorted(path.glob("rng-rank*.pt")), *sorted(path.glob("parts-rank*.pt"))]:
         # Not needed for the weights, but a checkpoint holding code anywhere is refused whole.
         if f.is_file():
             with _read_errors(f):

@@ -151,6 +151,15 @@ class QuantSignals:
         self._codes: dict[str, torch.Tensor] = {}  # layer -> the codes of the last monitored step
         self.clear()
 
+    def codes_state(self) -> dict[str, torch.Tensor]:
+        """The codes the next monitored step compares with (this rank's part): what a
+        checkpoint keeps per rank, so a resumed run counts the same flips."""
+        return dict(self._codes)
+
+    def load_codes(self, codes: dict[str, torch.Tensor]) -> None:
+        """Take back :meth:`codes_state` (a checkpoint of the same world size, the same layers)."""
+        self._codes = {k: v for k, v in codes.items() if k in self.layers}
+
     def clear(self) -> None:
         """Drop the step's stores (not the codes the next monitored step compares with)."""
         self.sum: dict[str, torch.Tensor] = {}

@@ -61,6 +61,9 @@ class Component:
     are saved and restored under that name."""
 
     state_key: Optional[str] = None
+    rank_state_key: Optional[str] = None
+    """Set for a part with state of its own on every rank (its ``rank_state_dict``): saved in
+    each rank's file of a checkpoint and restored on the same world size."""
 
     def around_step(self, step: int) -> ContextManager:
         """A context around step ``step`` (0-based); none by default."""
@@ -95,6 +98,12 @@ class Component:
     def load_state_dict(self, sd: dict) -> None:
         pass
 
+    def rank_state_dict(self) -> dict:
+        return {}
+
+    def load_rank_state_dict(self, sd: dict) -> None:
+        pass
+
     def take_over(self, old: "Component") -> None:
         """Continue where ``old``, this part's predecessor, left off: a precision phase
         builds the run's parts anew for its model. By default its resumable state."""
@@ -115,6 +124,10 @@ class Components(Component):
     def states(self) -> dict[str, Component]:
         """The resumable members by their ``train_state.pt`` key."""
         return {m.state_key: m for m in self.members if m.state_key is not None}
+
+    def rank_states(self) -> dict[str, Component]:
+        """The members with per-rank state, by their key in each rank's checkpoint file."""
+        return {m.rank_state_key: m for m in self.members if m.rank_state_key is not None}
 
     @contextlib.contextmanager
     def around_step(self, step: int) -> Iterator[None]:

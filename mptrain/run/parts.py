@@ -97,9 +97,22 @@ class NumericsPart(Component):
             self.outliers = (done, scalars)  # the last monitored step's, for the closing table
         return hists
 
+    rank_state_key = "numerics"
+
+    def rank_state_dict(self) -> dict:
+        """The weight codes the next monitored step counts flips against (this rank's part)."""
+        watch = self.monitor.fp8
+        return {"codes": watch.signals.codes_state()} if watch is not None else {}
+
+    def load_rank_state_dict(self, sd: dict) -> None:
+        watch = self.monitor.fp8
+        if watch is not None and "codes" in sd:
+            watch.signals.load_codes(sd["codes"])
+
     def take_over(self, old: Component) -> None:
         """Across a precision phase's boundary, the closing tables stay the run's: the last
-        monitored step's cast and outlier figures, whichever phase measured them."""
+        monitored step's cast and outlier figures, whichever phase measured them. (Not the
+        weight codes: the new phase casts with another recipe, or builds new layers.)"""
         self.fp8_casts, self.outliers, self.last = old.fp8_casts, old.outliers, old.last
 
     def summarize(self, write: Write) -> dict:

@@ -153,15 +153,18 @@ def switch(plan: Plan, ctx, built: RunModel, data: RunData, began: Began
 
 
 def phase_warnings(plan: Plan) -> list[str]:
-    """What a launch of ``plan`` should know about its phases before it trains. A resumed
-    launch has no weight codes from before it, so its first monitored step measures no
+    """What a launch of ``plan`` should know about its phases before it trains. A launch
+    resumed on another world size cannot take back the weight codes each rank kept
+    (``parts-rank<R>.pt``: they are its shard's), so its first monitored step measures no
     ``weight_flips``: a phase still waiting on that signal can begin one monitored step
     later than in a run that was never interrupted (a decision already taken is kept)."""
     waiting = [ph for ph in plan.phases[plan.phase + 1:]
                if ph.trigger is not None and ph.trigger.metric == "numerics/quant/weight_flips"]
     decided = {int(b["phase"]) for b in plan.resume.began}  # meta.json's records
-    if plan.resume.path is None or not waiting or waiting[0].index in decided:
+    resharded = any(h["from_step"] == plan.resume.step and "world_size" in h["changes"]
+                    for h in plan.resume.history)
+    if plan.resume.path is None or not resharded or not waiting or waiting[0].index in decided:
         return []
-    return [f"{waiting[0].key} waits on weight_flips, which this resumed launch first measures on its second "
-            f"monitored step (it has no codes from before it): the phase may begin up to monitor.every="
-            f"{plan.parts.monitor.every} steps later than in an uninterrupted run."]
+    return [f"{waiting[0].key} waits on weight_flips, which this launch, resumed on another world size, first "
+            "measures on its second monitored step (the codes each rank kept are its old shard's): the phase "
+            f"may begin up to monitor.every={plan.parts.monitor.every} steps later than in an uninterrupted run."]

@@ -149,7 +149,8 @@ class Trainer:
         compared with this config by rank 0 before anything was built)."""
         r = self.plan.resume
         if r.path is not None:
-            self.ckpt.load(r.path, self.model, self.optimizer, self.states, self.state.policy)
+            self.ckpt.load(r.path, self.model, self.optimizer, self.states, self.state.policy,
+                           self.parts.rank_states())
         self.report.resumed(r.path, list(r.history))
         self.start = self.progress.step
         if r.closing:
@@ -309,7 +310,7 @@ class Trainer:
         after a bad step, and not counted as training time."""
         check_present(self.run_dir)  # a save into a removed run directory would make it again, for itself alone
         with self.report.clock.paused():
-            self.ckpt.save(done, self.model, self.optimizer, self.states)
+            self.ckpt.save(done, self.model, self.optimizer, self.states, self.parts.rank_states())
         self.last_saved = done
         self.metrics.write(f"step {done:>6} | checkpoint saved: {self.ckpt.root / f'step-{done}'}"
                            + (" (the best validation loss so far, kept: checkpoint.keep_best)" if best else ""))

@@ -41,6 +41,13 @@ def _hermetic_cache(tmp_path_factory):
     # Tests are offline: the hub is never contacted (a hub name must be in the local cache).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    # The GELU kernel (two kernels, one function, not the same bits) is chosen here, in this
+    # process, before any test starts a subprocess: every run of the session, in this process
+    # or launched from it, then reads the one kept choice (mptrain/model/common.py).
+    from mptrain.model.common import cpu_gelu_kernel
+
+    cpu_gelu_kernel.cache_clear()
+    cpu_gelu_kernel()
     yield
 
 

@@ -102,3 +102,28 @@ def test_the_choice_is_kept_for_every_later_process_on_this_machine(tmp_path, mo
         assert cpu_gelu_kernel().kernel in ("sigmoid", "torch") and json.loads(path.read_text())["kernel"]
     finally:
         cpu_gelu_kernel.cache_clear()  # the rest of the session measures in its own cache again
+
+
+def test_a_process_that_measured_at_the_same_moment_takes_the_choice_written_first(tmp_path, monkeypatch):
+    """Two processes that find no kept choice (the ranks of a launch, a test's in-process
+    run beside a subprocess) both measure; on a busy host they can pick different kernels.
+    The one that writes second must take the first one's choice, as every later process
+    will, instead of keeping its own bits (a resumed run then differed from the straight one
+    at step 1 in fp32, the busy suite's one failure)."""
+    monkeypatch.setenv("MPTRAIN_CACHE", str(tmp_path))
+    path = common.gelu_choice_file()
+
+    def measured_while_another_wrote():  # timings that favour "torch"; meanwhile another process kept "sigmoid"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"kernel": "sigmoid", "why": "the other process's timing", "measured": "now"}))
+        return {"sigmoid": 2.0, "torch": 1.0}
+
+    monkeypatch.setattr(common, "_gelu_seconds", measured_while_another_wrote)
+    cpu_gelu_kernel.cache_clear()
+    try:
+        choice = cpu_gelu_kernel()
+        assert choice.kernel == "sigmoid" and "the other process's timing" in choice.why
+        assert json.loads(path.read_text())["kernel"] == "sigmoid"  # the first writer's file, untouched
+        assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    finally:
+        cpu_gelu_kernel.cache_clear()

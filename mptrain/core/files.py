@@ -46,6 +46,31 @@ def write_text(path: Path, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
+def write_first(path: Path, data: bytes) -> bool:
+    """Create ``path`` holding ``data`` unless it exists; False (and ``path`` left as
+    it is) when another writer created it first, even one that finished a moment
+    ago. For a choice several processes may make at once, where all must end up
+    using the first one written: the loser reads the winner's file.
+
+    The data goes to a temporary file first and is linked into place, so a reader
+    never sees half of it; a filesystem without hard links falls back to a rename
+    (the last writer then wins, as :func:`write_bytes` does)."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with open(_create_new(tmp), "wb") as f:
+            f.write(data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here (some network and FUSE filesystems)
+            os.replace(tmp, path)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import sys
 
 import pytest
@@ -9,7 +10,7 @@ from omegaconf import OmegaConf
 
 from mptrain.config.schema import Config, DType
 from mptrain.core.errors import ConfigError
-from mptrain.config.checks import check_override_keys, check_overrides, micro_steps
+from mptrain.config.checks import check_override_keys, check_overrides, check_ranges, micro_steps
 from mptrain.plan.build import build_plan
 from mptrain.plan.plan import Launch
 
@@ -388,3 +389,77 @@ def test_an_added_key_no_code_reads_is_refused_by_name(capsys):
     with pytest.raises(ConfigError) as e:
         check_overrides(["train.max_step=50"], str(CONFIGS))
     assert "'+" not in str(e.value)
+
+
+# --- float keys past what float32 holds where they are used -----------------------------
+# (key, a finite value past its use's float32 range, extra overrides). Each key reaches a
+# float32 tensor or a C float in torch; a Python float passes the range check and then
+# failed deep in torch (optim.lr=1e38: Adam's "value cannot be converted to type float
+# without overflow") or silently became inf.
+OVERFLOWING = [
+    ("optim.lr", 1e38, {}), ("optim.lr", 3e38, {}), ("optim.eps", 1e39, {}), ("optim.weight_decay", 1e39, {}),
+    ("optim.update_clip", 1e39, {}), ("train.grad_clip", 1e39, {}), ("train.z_loss", 1e39, {}),
+    ("precision.loss_scale.init_scale", 1e39, {}), ("precision.loss_scale.growth_factor", 1e39, {}),
+    ("model.norm_eps", 1e39, {}), ("model.rope_theta", 1e39, {}), ("debug.loss_multiplier", 1e39, {}),
+    ("debug.outlier_scale", -1e39, {"debug.outlier_module": "blocks.0.mlp.c_fc"}),
+]
+
+
+@pytest.mark.parametrize("key,value,extra", OVERFLOWING, ids=[f"{k}={v:g}" for k, v, _ in OVERFLOWING])
+def test_a_float_past_float32_where_it_is_used_is_refused_naming_the_largest_usable_value(fp16_cfg, key, value,
+                                                                                         extra):
+    import re
+
+    cfg = _with(fp16_cfg, **{k.replace(".", "__"): v for k, v in extra.items()})
+    with pytest.raises(ConfigError) as e:
+        build_plan(_with(cfg, **{key.replace(".", "__"): value}))
+    msg = str(e.value)
+    assert msg.startswith(f"{key}={value:g} overflows float32") and "\n" not in msg, msg
+    limit = float(re.fullmatch(r".*; set it to at most (\S+)\.", msg).group(1))
+    assert limit < abs(value)
+    # The figure it names passes every range (a GPT config takes no model.norm_eps: the check alone).
+    check_ranges(_with(cfg, **{key.replace(".", "__"): math.copysign(limit, value)}))
+
+
+def test_the_learning_rate_limit_is_adams_own():
+    """The limit said for optim.lr is where torch's AdamW (the run's optimizer) starts to
+    fail: it takes the value named, and fails just past it; a larger beta1 lowers it."""
+    import re
+
+    import torch
+
+    for beta1 in (0.9, 0.99):
+        with pytest.raises(ConfigError) as e:
+            build_plan(make_cfg(f"optim.lr=1e38", f"optim.beta1={beta1}"))
+        limit = float(re.fullmatch(r".*; set it to at most (\S+)\.", str(e.value)).group(1))
+
+        def adam_step(lr):
+            p = torch.nn.Parameter(torch.ones(4))
+            p.grad = torch.ones(4)
+            torch.optim.AdamW([p], lr=lr, betas=(beta1, 0.95), weight_decay=0.1).step()
+
+        adam_step(limit)
+        with pytest.raises(RuntimeError, match="without overflow"):
+            adam_step(limit * 1.0001)
+
+
+def test_every_float_key_has_an_overflow_rule_or_a_reason_it_cannot_overflow():
+    """A new float key needs a row in checks._OVERFLOWS (it reaches float32) or an entry
+    in checks._HOST_FLOATS saying why it does not."""
+    import dataclasses
+    import typing
+
+    from mptrain.config.checks import _HOST_FLOATS, _OVERFLOWS
+
+    def float_keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(hint):
+                yield from float_keys(hint, f"{prefix}{f.name}.")
+            elif float in (typing.get_args(hint) or (hint,)):
+                yield f"{prefix}{f.name}"
+
+    keys = set(float_keys(Config))
+    ruled = {k for k, *_ in _OVERFLOWS}
+    assert {"optim.lr", "optim.eps", "precision.loss_scale.init_scale"} <= ruled
+    assert keys == ruled | set(_HOST_FLOATS) and not ruled & set(_HOST_FLOATS)

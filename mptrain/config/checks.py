@@ -28,7 +28,7 @@ from mptrain.core.errors import ConfigError, require_extra
 
 __all__ = ["CONFIG_DIR", "RENAMED_RECIPES", "check_override_keys", "check_override_values", "check_overrides",
            "composition_error", "check_ranges", "validate", "micro_steps", "compose_checked", "given_model_keys",
-           "expand_shorthands"]
+           "expand_shorthands", "check_overflow", "FLOAT32_MAX"]
 
 CONFIG_DIR = str(importlib.resources.files("mptrain") / "configs")
 """Where the YAML configs are: ``mptrain/configs/``, package data that ships with
@@ -177,8 +177,9 @@ def _finite(value: Any) -> bool:
 
 
 def check_ranges(cfg: Any) -> None:
-    """Every numeric key against its valid range (``_RANGES``); the first one
-    out of range raises :class:`ConfigError` naming the key, its value and the range."""
+    """Every numeric key against its valid range (``_RANGES``), then every float key
+    against what float32 holds where it is used (:func:`check_overflow`); the first
+    one out of range raises :class:`ConfigError` naming the key, its value and the range."""
     for key, valid, words, applies in _RANGES:
         if applies is not None and not applies(cfg):
             continue
@@ -189,6 +190,96 @@ def check_ranges(cfg: Any) -> None:
             raise ConfigError(f"{key}={value} is not a finite number; set {words}.")
         if not valid(value):
             raise ConfigError(f"{key}={value} is out of range; set {words}.")
+    check_overflow(cfg)
+
+
+FLOAT32_MAX = (2.0 - 2.0 ** -23) * 2.0 ** 127
+"""The largest finite float32, ``torch.finfo(torch.float32).max`` (written out: no torch import here)."""
+
+
+def _one(cfg) -> float:
+    return 1.0
+
+
+# (key, factor(cfg), the use in words, when the rule applies). A finite Python float
+# can still be past float32's range, and each of these keys reaches a float32 tensor
+# or a C float inside torch, multiplied by ``factor``: past FLOAT32_MAX / factor the
+# run fails there with a traceback (optim.lr=1e38: "value cannot be converted to type
+# float without overflow" from Adam's first step) or, worse, silently turns a figure
+# into inf (a rotary base, an RMSNorm epsilon, a z-loss coefficient). A key with
+# several uses has several rows; the smallest limit of its rows is the one to say.
+# Float keys that stay on the host (thresholds compared with Python floats, shares
+# in [0, 1]) have no row: _HOST_FLOATS says why for each, and a test holds the two
+# lists to the schema.
+_OVERFLOWS: tuple = (
+    ("optim.lr", lambda c: 1.0 / (1.0 - c.optim.beta1),
+     "Adam's first step is optim.lr / (1 - optim.beta1), in float32", None),
+    ("optim.lr", lambda c: c.optim.weight_decay,
+     "decoupled weight decay multiplies the float32 weights by 1 - optim.lr * optim.weight_decay", None),
+    ("optim.eps", _one, "Adam adds it to the float32 square root of its second moment", None),
+    ("optim.weight_decay", _one, "the update rules add optim.weight_decay * weight to a float32 step", None),
+    ("optim.update_clip", _one, "update clipping divides a float32 update RMS by it", None),
+    ("train.grad_clip", _one, "gradient clipping divides it by the float32 gradient norm", None),
+    ("train.z_loss", _one, "it multiplies the float32 z-loss term", None),
+    ("precision.loss_scale.init_scale", _one, "the loss scale is a float32 tensor", _loss_scaling),
+    ("precision.loss_scale.growth_factor", _one, "torch's scale update multiplies the float32 scale by it",
+     _loss_scaling),
+    ("model.norm_eps", _one, "RMSNorm adds it to a float32 mean square", None),
+    ("model.rope_theta", _one, "the rotary frequencies are float32 powers of it", None),
+    ("debug.loss_multiplier", _one, "it multiplies the float32 loss", None),
+    ("debug.outlier_scale", _one, "it multiplies a float32 input feature", _outlier),
+)
+
+# Float keys with no _OVERFLOWS row, each with why it cannot overflow float32.
+_HOST_FLOATS = {
+    "model.dropout": "a probability in [0, 1)",
+    "model.ffn_dim_multiplier": "it sizes a layer (an integer width), on the host",
+    "precision.loss_scale.backoff_factor": "a factor in (0, 1)",
+    "precision.loss_scale.min_loss_scale": "compared on the host with the scale read back",
+    "precision.loss_scale.warn_skip_rate": "a share in [0, 1]",
+    "data.val_fraction": "a share in (0, 0.5)",
+    "train.peak_tflops": "the host's MFU arithmetic, in Python floats",
+    "optim.min_lr_ratio": "a fraction in [0, 1] of optim.lr, whose limit covers it",
+    "optim.warmup_fraction": "a fraction in [0, 1]",
+    "optim.decay_fraction": "a fraction in [0, 1]",
+    "optim.beta1": "a value in [0, 1)",
+    "optim.beta2": "a value in [0, 1)",
+    "monitor.spike_factor": "compared on the host with losses read back",
+    "monitor.warn_attn_logit": "compared on the host with the monitor's figures",
+    "monitor.warn_update_rms": "compared on the host with the monitor's figures",
+    "debug.inject_grad_value": "any float is a value to inject, inf and nan included",
+}
+
+
+def _round_down(x: float) -> str:
+    """``x`` in 6 significant digits, never above it: the figure a user copies must pass."""
+    for digits in range(6, 18):
+        text = f"{x:.{digits}g}"
+        if float(text) <= x:
+            return text
+    return repr(x)
+
+
+def check_overflow(cfg: Any) -> None:
+    """Every float key of ``_OVERFLOWS`` at most FLOAT32_MAX over its largest factor;
+    the first that is not raises :class:`ConfigError` naming the key, the use that
+    overflows and the largest usable value. Run after the ranges: the factors read
+    keys (optim.beta1 < 1, optim.weight_decay >= 0) those have checked."""
+    limits: dict = {}  # key -> (its smallest limit, the factor and the use that set it)
+    for key, factor, use, applies in _OVERFLOWS:
+        if applies is not None and not applies(cfg):
+            continue
+        f = factor(cfg)
+        limit = FLOAT32_MAX / f if f > 0 else math.inf
+        if key not in limits or limit < limits[key][0]:
+            limits[key] = (limit, f, use)
+    for key, (limit, f, use) in limits.items():
+        value = OmegaConf.select(cfg, key)
+        if value is None or abs(value) <= limit:
+            continue
+        reaches = f", {abs(value) * f:g} here" if f != 1 else ""
+        raise ConfigError(f"{key}={value:g} overflows float32 where it is used ({use}{reaches}; float32 holds up "
+                          f"to {_round_down(FLOAT32_MAX)}); set it to at most {_round_down(limit)}.")
 
 
 # ---------------------------------------------------------------- cross-field rules

@@ -59,7 +59,9 @@ def test_jsonl_tensorboard_and_wandb(tmp_path, capsys):
     # train.log keeps every console line (timestamped), the banner through the final line.
     kept = [ln[20:] for ln in (run_dir / "train.log").read_text().splitlines()]
     assert kept == console.out.splitlines(), (kept, console.out)
-    assert any(k.startswith("mptrain | gpt-nano") for k in kept) and kept[-2].startswith("done in ")
+    assert any(k.startswith("mptrain | gpt-nano") for k in kept) and kept[-3].startswith("done in ")
+    # An offline W&B run ends with the command that uploads it, naming its own folder.
+    assert kept[-1] == f"W&B run saved offline; upload it with: wandb sync {runs[0]}", kept[-2:]
 
 
 def test_metric_that_does_not_apply_is_absent(tmp_path):

@@ -1,5 +1,8 @@
 """Third-party messages that say nothing about a run, silenced where they are raised.
 
+Most are import noise; one is a note torch makes about a gather mptrain makes
+on purpose (its entry says why it is harmless).
+
 Importing torchao on a machine without its optional CUDA kernels, or without
 Triton, logs warnings about kernels a CPU run never uses, and torch logs a
 deprecation about how torchao registers an enum. They filled the console
@@ -25,6 +28,16 @@ SILENCED: tuple[tuple[str, str], ...] = (
     ("torchao.kernel.intmm", r"Detected no triton"),
     # torchao registers an enum with torch's pytree, which newer torch deprecates: torchao's to fix.
     ("torch.utils._pytree", r"is an Enum subclass and is now natively supported by torch.compile"),
+    # Gathering a whole parameter of FSDP2 x tensor parallelism (the replicas' fingerprint at the
+    # end of a run, the float8 monitor's master weights) goes from (_StridedShard, Shard) to
+    # (Replicate, Replicate) in two all-gathers instead of one, and torch says so on every rank,
+    # adding that the results "may differ between ranks due to different reduction orders". An
+    # all-gather copies values and reduces nothing, so they cannot: the second gather costs one
+    # collective's latency on a gather made once per run. Only that gather's text is dropped; the
+    # same warning about a reduce-scatter or an all-reduce (a real order question) still prints.
+    ("torch.distributed.tensor._redistribute",
+     r"^While redistributing from \(_StridedShard\(.*\) to \((Replicate\(\)(, )?)+\), \d+ sequential "
+     r"all_gather operations will be performed\."),
 )
 
 

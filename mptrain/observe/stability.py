@@ -551,12 +551,17 @@ def outlier_table(row: dict, step: int) -> str:
                       *text_table(head, rows)])
 
 
-def outlier_table_when(step: int, last: int, every: int) -> str:
-    """The line under the outlier table when it is not from the run's last step
+def outlier_table_when(step: int, last: int, every: int, end: int = 0) -> str:
+    """The line under the outlier table when it is not from the launch's last step
     ``last``: which step it is from, why (``monitor.every``: the first step, then
-    every ``every``-th), and the setting that scans later; empty when it is from ``last``."""
+    every ``every``-th), and the setting that scans later; empty when it is from ``last``.
+    A launch stopped before the run's ``end`` (a signal, ``train.stop_after``) is told
+    only that: another cadence is no fix for a step the stop chose."""
     if step >= last:
         return ""
+    if last < end:
+        return (f"the outlier table is from step {step}, the last step the monitor scanned before the run "
+                f"stopped at step {last}")
     cadence = (f"step 1, then every monitor.every={every} steps" if every > 0
                else "step 1 only, monitor.every=0")
     return (f"the outlier table is from step {step} of {last}, the last step the monitor scanned ({cadence}); "

@@ -213,6 +213,10 @@ class WandbSink:
             config=config,
             settings=wandb.Settings(console="off", quiet=True),
         )
+        # An offline run reaches W&B only through `wandb sync` on its own folder; quiet=True keeps
+        # wandb from saying so, so the closing lines do (sync_command).
+        self.offline = wcfg.mode.value == "offline"
+        self.sync_dir = Path(self.run.settings.sync_dir)
 
     def log(self, step: int, metrics: dict, hists: Optional[dict] = None) -> None:
         data = dict(metrics)
@@ -232,6 +236,10 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+
+    def sync_command(self) -> Optional[str]:
+        """``wandb sync <this run's offline folder>`` for an offline run; None online."""
+        return f"wandb sync {self.sync_dir}" if self.offline else None
 
 
 class Metrics:
@@ -306,6 +314,12 @@ class Metrics:
     def summary(self, summary: dict) -> None:
         if self.enabled and self.wandb:
             self.wandb.summary(summary)
+
+    def closing_notes(self) -> list[str]:
+        """What the user still has to do with the sinks' output once the run is over:
+        the upload command of an offline W&B run."""
+        sync = self.wandb.sync_command() if self.enabled and self.wandb else None
+        return [f"W&B run saved offline; upload it with: {sync}"] if sync else []
 
     def close(self) -> None:
         """Close every sink, each even when another fails. A refused write is raised

@@ -50,8 +50,9 @@ class NumericsPart(Component):
     operators the audit records."""
 
     def __init__(self, monitor: NumericsMonitor, model: nn.Module, compile_blocks: bool, fp8_recipe: Optional[str],
-                 audit_first: bool):
+                 audit_first: bool, max_steps: int = 0):
         self.monitor, self.model, self.compile_blocks, self.fp8_recipe = monitor, model, compile_blocks, fp8_recipe
+        self.max_steps = max_steps  # the run's end: a launch that stopped before it gets no cadence advice
         self.audit_first = audit_first
         self.started = False
         self.stepping = False  # the optimizer is stepping this step (the guard did not skip it on the host)
@@ -121,7 +122,7 @@ class NumericsPart(Component):
         outliers = outlier_table(self.outliers[1], self.outliers[0]) if self.outliers is not None else ""
         if outliers:
             write(outliers)
-            when = outlier_table_when(self.outliers[0], self.last, self.monitor.every)
+            when = outlier_table_when(self.outliers[0], self.last, self.monitor.every, self.max_steps)
             if when:
                 write(when)
         return {"fp8_casts": self.fp8_casts} if self.fp8_casts else {}
@@ -323,7 +324,8 @@ def build_parts(plan: Plan, ctx: DistContext, built: RunModel, policy: Precision
     if on.numerics:
         monitor = numerics_monitor(on, model, built.optimizer, built.opt_choice, policy, ctx)
         members.append(NumericsPart(monitor, model, built.compile_blocks,
-                                    policy.lowp.recipe if policy.lowp else None, audit_first=on.audit))
+                                    policy.lowp.recipe if policy.lowp else None, audit_first=on.audit,
+                                    max_steps=plan.train.max_steps))
         if on.comm:
             comm = CommPart(monitor.active, groups)
             members.append(comm)

@@ -437,6 +437,8 @@ class Reporter:
                  f"{self._val_text()} | unigram baseline {self.tokens.unigram_nats:.4f} nats/token"
                  + self._skip_text(summary))
         self.runlog.say(f"run directory: {self.run_dir}")
+        for note in self.metrics.closing_notes():
+            self.runlog.say(note)
         return summary
 
     def _summary(self, model: nn.Module, progress, stopped_by: Optional[str], figures: dict) -> dict:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 import time
 from pathlib import Path
@@ -160,12 +161,43 @@ def report(out: dict, block: int) -> str:
     ])
 
 
+def run_figures(out: dict) -> Optional[str]:
+    """The run's own validation figures for the checkpoint ``out`` evaluated, from its
+    summary.json when the run ended at that step, each said beside whether it is a mean
+    over the tokens just evaluated or over others (the ``train.eval_tokens`` subset is
+    other text than the whole split, so its mean differs and says nothing is wrong);
+    None where the run wrote no summary of that step."""
+    path = Path(out["checkpoint"]).parent.parent / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if summary.get("steps") != out["step"]:
+        return None
+    whole_tokens = summary.get("eval/whole_tokens")
+    figures = [(summary.get("final/whole_val_loss"), whole_tokens, True, "the whole val split")]
+    if summary.get("eval/tokens") != whole_tokens:  # a subset that is the whole split is said once
+        figures.append((summary.get("final/val_loss"), summary.get("eval/tokens"), False,
+                        "its train.eval_tokens subset"))
+    said = []
+    for loss, tokens, whole, where in figures:
+        if loss is None or tokens is None:
+            continue
+        same = whole == out["eval/whole_split"] and tokens == out["eval/tokens"]
+        said.append(f"{loss:.4f} on {where} ({tokens:,} tokens; "
+                    + ("the tokens above)" if same else "other tokens than above, so another mean)"))
+    return f"the run's own val loss at step {out['step']}: " + " | ".join(said) if said else None
+
+
 def run(argv: Optional[list[str]] = None) -> dict:
     """Evaluate as the command line ``argv`` asks: print the figures (and write them with ``--json``); returns them."""
     with one_line_errors("evaluate"):
         a = parse_args(argv)
         out = evaluate_checkpoint(a, log=lambda line: print(line, file=sys.stderr))
         print(report(out, out["eval/tokens"] // max(out["eval/windows"], 1)), flush=True)
+        own = run_figures(out)  # beside ours: two figures of one checkpoint, each with its tokens
+        if own:
+            print(own, flush=True)
         if a.json is not None:
             try:
                 files.write_json(a.json, out)

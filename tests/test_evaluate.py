@@ -59,8 +59,10 @@ def test_perplexity_and_bits_per_byte_beside_the_loss(run):
     ppl = f"(ppl {last['val/ppl']:.4g}, {last['val/bpb']:.4f} bits/byte)"
     assert f"step {STEPS:>6} | train loss" in log and f"val loss {last['val/loss']:.4f} {ppl}" in log
     done = next(ln for ln in log.splitlines() if "done in" in ln)  # the end-of-run line: both figures, each set
-    assert ppl in done and (f"on {tokens:,} tokens (train.eval_tokens) | whole val split "
-                            f"{summary['final/whole_val_loss']:.4f} on {summary['eval/whole_tokens']:,} tokens") in done
+    assert (f"val loss {summary['final/whole_val_loss']:.4f} (ppl {summary['final/whole_val_ppl']:.4g}, "
+            f"{summary['final/whole_val_bpb']:.4f} bits/byte) on the whole val split "
+            f"({summary['eval/whole_tokens']:,} tokens) | train.eval_tokens subset {last['val/loss']:.4f} on "
+            f"{tokens:,} tokens") in done
 
 
 def test_whole_split_set_is_not_measured_twice(tmp_path):

@@ -360,7 +360,7 @@ class Reporter:
         """The validation figures of step ``done`` (its mean loss on the set): its console line and its row."""
         val = self.latest.val = self.val_figures(loss)
         self.metrics.write(f"step {done:>6} | train loss {fmt(self.latest.train.get('train/loss'))} | "
-                           f"{val.text()} | unigram baseline {self.tokens.unigram_nats:.4f}")
+                           f"{val.text()}{self._subset_words(val)} | unigram baseline {self.tokens.unigram_nats:.4f}")
         return val.row()
 
     def evaluated_whole(self, done: int, loss: Optional[float]) -> None:
@@ -373,17 +373,29 @@ class Reporter:
         self.metrics.write(f"step {done:>6} | whole val split: {whole.text()} on {whole.tokens:,} tokens, "
                            f"every window; {subset}")
 
+    def _subset_words(self, val: ValFigures) -> str:
+        """`` on the train.eval_tokens subset (4,096 of 60,544 tokens)`` after a figure on
+        the run's set where that set is not the whole split: a mean over other text than
+        ``python -m mptrain.evaluate`` reads, said where the figure is."""
+        if self.val_set.is_whole:
+            return ""
+        return f" on the train.eval_tokens subset ({val.tokens:,} of {self.whole_set.tokens:,} tokens)"
+
     def _val_text(self) -> str:
         """The closing line's validation figures (``val loss n/a`` when the run never
-        evaluated): the set's, and the whole split's beside them where they differ,
-        each with the tokens it is the mean over (the two are different text)."""
+        evaluated): the whole split's first where the last step measured it (the figure
+        ``python -m mptrain.evaluate`` gives for the final checkpoint), the
+        ``train.eval_tokens`` subset's beside it; each with the tokens it is the mean
+        over (the two are different text, so different means)."""
         val, whole = self.latest.val, self.latest.whole
         if val is None:
             return "val loss n/a"
         if self.val_set.is_whole:
             return f"{val.text()} on {val.tokens:,} tokens (the whole val split)"
-        text = f"{val.text()} on {val.tokens:,} tokens (train.eval_tokens)"
-        return text + (f" | whole val split {fmt(whole.loss)} on {whole.tokens:,} tokens" if whole else "")
+        if whole is None:  # not measured: train.eval_whole_split=false, or the run stopped before its end
+            return f"{val.text()}{self._subset_words(val)}"
+        return (f"{whole.text()} on the whole val split ({whole.tokens:,} tokens) | train.eval_tokens subset "
+                f"{fmt(val.loss)} on {val.tokens:,} tokens")
 
     def _val_summary(self) -> dict:
         """summary.json's validation keys: ``final/val_loss`` (null when the run never

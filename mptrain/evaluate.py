@@ -25,7 +25,11 @@ ln 2 over ``eval/bytes``, the UTF-8 bytes the evaluated target tokens decode to,
 window by window, special tokens (end-of-text) counting none
 (:mod:`mptrain.run.validation`, which the trainer's figures come from too).
 With the byte tokenizer every other token is one byte. A long evaluation says
-how far it is on stderr every :data:`PROGRESS_EVERY_S` seconds.
+how far it is on stderr every :data:`PROGRESS_EVERY_S` seconds. Under its
+figures it prints the run's own for the same checkpoint (:func:`run_figures`,
+from summary.json when the run ended at that step), each marked as measured on
+the tokens just evaluated or on others: the run's ``final/val_loss`` is a mean
+over its ``train.eval_tokens`` subset, other text than the whole split.
 
 ``--precision run`` computes as the run trained (autocast to its
 ``precision.compute_dtype``; float8 linears are not rebuilt, their matmuls run

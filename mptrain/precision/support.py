@@ -273,7 +273,8 @@ def fp8_matmul_shape(tokens: int, d_model: int, hidden: int) -> tuple[int, int, 
 def fp8_auto_path(m: Fp8MatmulSpeed) -> tuple[str, str]:
     """``(path, why)`` auto takes on a CPU from the measurement ``m``: the one rule the
     run and the doctor both apply, worded with the figures and the size they were taken at."""
-    said = (f"torch._scaled_mm measured {m.slowdown:.3g}x the fp32 emulation's time at {m.size} "
+    ratio = f"{m.slowdown:,.0f}" if m.slowdown >= 100 else f"{m.slowdown:.3g}"
+    said = (f"torch._scaled_mm measured {ratio}x the fp32 emulation's time at {m.size} "
             f"({m.scaled_mm * 1e3:.2f} ms vs {m.emulated * 1e3:.2f} ms) on this CPU")
     if m.slowdown >= FP8_EMULATE_AT:
         return "emulated", f"precision.fp8.matmul=auto: {said}, {FP8_EMULATE_AT:g}x or more: emulated"

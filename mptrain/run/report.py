@@ -243,8 +243,7 @@ class Reporter:
         """The busy-machine check (``threads.py``), timing the run's forward pass on
         the first validation micro-batch when it has to."""
         guard = threads_guard(plan, ctx.device.type)
-        bits = (f", in a new run: resuming with another count is refused ({next(iter(guard.values()))})"
-                if guard else "")
+        bits = ", for a new run: a resume refuses another count in bf16/fp16 on a CPU" if guard else ""
         check = ThreadCheck(ctx.device, ctx.world, bits)
         first = next(iter(self.val_set.batches(micro_batch, 0, 1)), None)
         if first is not None:

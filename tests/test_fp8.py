@@ -127,56 +127,6 @@ def test_fp8_refused_without_float8_dtypes(monkeypatch):
     assert "no float8 dtypes" in fp8_software_problem()
 
 
-def test_doctor_on_this_machine(capsys):
-    # main() is all ``python -m mptrain.doctor`` runs; called here, without the start-up of a launch
-    from mptrain.doctor import main
-
-    from mptrain.doctor import FASTER, SIZE
-
-    assert main([]) == 0
-    stdout = capsys.readouterr().out
-    out = {line.split()[0]: line.split()[1] for line in stdout.splitlines()
-           if line.startswith("  ") and line.split()[1] in ("native", "supported", "emulated", "unavailable")}
-    flags = {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split(":", 1)[1].split()}
-    # Every measured ratio names the size it was taken at (two sizes are measured: 512 and auto's 256).
-    measured = stdout.split("measured ", 1)[1].split("\nload ", 1)[0].splitlines()
-    ratios = {line.split()[0]: float(line.split()[1].rstrip("x")) for line in measured if line.startswith("  ")}
-    assert set(ratios) == {"bf16", "fp16", "fp8"}
-    for line in measured[1:]:
-        assert line.count(f"x at {SIZE}x{SIZE}") == line.count("x at ") >= 1 or line.startswith("fp8 matmul"), line
-    assert measured[-1].startswith("fp8 matmul") and measured[-1].endswith("at 256x256)"), measured
-    # The verdict follows the CPU's own instruction-set flags, read independently here, and on a CPU
-    # "native" only where the measured matmul was faster than fp32's (fp16 at 1.00x was called native).
-    for fmt, cpu_has in (("bf16", {"avx512_bf16", "amx_bf16"}), ("fp16", {"avx512_fp16", "amx_fp16"})):
-        assert out[fmt] == ("emulated" if not flags & cpu_has else "native" if ratios[fmt] <= FASTER
-                            else "supported"), (fmt, stdout)
-    assert out["fp8"] == "emulated"  # torchao is installed; no CPU has float8 matmul
-    # The load beside the figures, and the warning exactly when it says others competed.
-    load = next(line for line in stdout.splitlines() if line.startswith("load "))
-    assert " usable core" in load and "over the measurement" in load and float(load.split()[3]) >= 0
-    assert ("warning: these figures are unreliable: " in stdout) == ("is above the" in stdout or "steal)" in stdout)
-    assert f"torch        {torch.__version__}" in stdout and "device       cpu" in stdout
-    assert "recommended  precision=" in stdout and "measured 512x512 matmul" in stdout
-    # the optimizers behind stochastic rounding, Kahan and quantized moments (both installed by .[dev])
-    assert "optimizers   torchao _AdamW, AdamW8bit, AdamW4bit, AdamWFp8; torch-optimi " in stdout
-
-
-def test_doctor_calls_a_cpu_format_native_only_where_it_was_faster():
-    from mptrain.doctor import FASTER, measured_verdict, recommend
-    from mptrain.precision.support import Verdict
-
-    cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    has = Verdict("native", "CPU has avx512_fp16, amx_fp16")
-    assert measured_verdict(has, 0.28, cpu) is has and measured_verdict(has, FASTER, cpu) is has
-    slow = measured_verdict(has, 1.01, cpu)  # the Intel Xeon's fp16: instructions, never faster
-    assert slow.status == "supported" and "yet its 512x512 matmul took 1.01x fp32's time here" in slow.why
-    assert measured_verdict(has, 1.01, gpu) is has  # tensor cores are not judged on one small matmul
-    emulated = Verdict("emulated", "CPU has neither")
-    assert measured_verdict(emulated, 0.5, cpu) is emulated
-    v = {"bf16": measured_verdict(has, 1.2, cpu), "fp16": slow, "fp8": emulated}
-    assert recommend(cpu, v).startswith("fp32 (bf16's matmul measured no faster")
-
-
 def test_emulated_precision_warns(tmp_path, capsys):
     train(tmp_path / "run", "precision=fp8", "train.max_steps=1")
     assert "fp8 is emulated on this cpu" in capsys.readouterr().out

@@ -248,6 +248,7 @@ class Checkpointer:
             "step": step,
             "tokens": progress.tokens,
             "world_size": self.ctx.world,
+            "threads": torch.get_num_threads(),  # part of a CPU run's arithmetic: a resume compares it (resume.py)
             "parallel": self.ctx.mode.value,
             "mesh": self.ctx.shape.as_dict(),  # how the tensors were split (per-rank quantized moments follow it)
             "precision": self.plan.precision.name,

@@ -716,6 +716,22 @@ class TrainConfig:
     Values are read back to the host only then."""
     device: str = recorded("auto")
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``."""
+    threads: int = recorded(0)
+    """Intra-op threads torch computes with (``torch.set_num_threads``). 0: torch's
+    choice (``OMP_NUM_THREADS`` when set, else about one per core). The count in
+    use is in the banner, ``run_info.threads`` and ``summary.json``. It is part
+    of the run's arithmetic on a CPU: how a matmul splits over threads decides
+    where bf16/fp16 round (on an AMD EPYC with avx512_bf16, 2 threads differ from
+    1 after 10 steps, and 1 thread equals a 2-rank DDP run bit for bit). So a
+    resume compares the count in use, not this setting: another count is said
+    and recorded in the config history, and refused where the run computes in
+    bf16 or fp16 on a CPU (autocast's half precision, fp8's bf16 around its
+    float8 matmuls) unless ``resume.allow_changes=[train.threads]``; fp32 runs
+    and GPU runs (whose math is on the device) take it. On a busy machine (the
+    load average above the usable cores, or CPU steal) the run measures its
+    own forward pass at its count and at 1 thread and says so at start-up and
+    in the progress line: 2 threads fighting other processes for 2 cores can
+    take twice the time of 1."""
     seed: int = guarded(1337)
     """Seed for initialisation and for the order of training windows."""
     on_nonfinite: NonFinite = recorded(NonFinite.abort)

@@ -2,14 +2,19 @@
 the folder where mptrain keeps what it builds once per machine (tokenizers,
 token caches, a measured kernel choice), and how busy it is while something is
 measured (load average and CPU steal), which the doctor and every benchmark
-print beside their figures."""
+print beside their figures; which of the README's CPU kinds it is; and the
+thread count a run computes with, with the line that says when other processes
+compete for its cores and what one thread measured instead."""
 from __future__ import annotations
 
+import math
 import os
 import platform
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 DEFAULT_CACHE = "~/.cache/mptrain"
 """The cache when neither ``MPTRAIN_CACHE`` nor ``data.cache_dir`` names another."""
@@ -158,3 +163,134 @@ class LoadMeter:
         if self._ticks is not None and now is not None and now[1] > self._ticks[1]:
             steal = (now[0] - self._ticks[0]) / (now[1] - self._ticks[1])
         return Load(load, self.cores, steal)
+
+
+# --------------------------------------------------------------------- CPU kind
+CPU_KINDS = (
+    # (vendor_id, the README's row, the flags that make the row: all of ``has``, none of ``lacks``).
+    # Most specific first: the Intel row's flags include the second AMD row's.
+    ("GenuineIntel", "Intel Xeon | avx512_bf16, avx512_fp16, AMX", {"avx512_bf16", "avx512_fp16", "amx_bf16"}, set()),
+    ("AuthenticAMD", "AMD EPYC | avx512f, avx512_bf16; no avx512_fp16, no AMX", {"avx512f", "avx512_bf16"},
+     {"avx512_fp16", "amx_bf16"}),
+    ("AuthenticAMD", "AMD EPYC | avx2, fma; no avx512", {"avx2", "fma"}, {"avx512f"}),
+)
+"""The kinds of CPU the README's per-kind table has figures for, by the flags that
+decide their speed (native bf16, fp16, AMX). A kind is named only where the
+vendor matches too: an Intel laptop with avx2 is not the AMD EPYC row."""
+
+
+def cpu_vendor() -> str:
+    """``/proc/cpuinfo``'s vendor_id (GenuineIntel, AuthenticAMD, ...), or what the platform says elsewhere."""
+    return _cpuinfo("vendor_id") or platform.machine() or "unknown vendor"
+
+
+def cpu_kind(flags: Optional[set[str]] = None, vendor: Optional[str] = None) -> Optional[str]:
+    """The README row (``"AMD EPYC | avx2, fma; no avx512"``, ...) this CPU is, from its
+    ``flags`` and ``vendor`` (this machine's when not given); None for a kind the table lacks."""
+    flags = cpu_flags() if flags is None else flags
+    vendor = cpu_vendor() if vendor is None else vendor
+    for want_vendor, row, has, lacks in CPU_KINDS:
+        if vendor == want_vendor and has <= flags and not lacks & flags:
+            return row
+    return None
+
+
+def cpu_kind_text(flags: Optional[set[str]] = None, vendor: Optional[str] = None) -> str:
+    """One line for a report: the README row, or that the kind is not one of its rows, with
+    the flags that would decide where it stands."""
+    flags = cpu_flags() if flags is None else flags
+    vendor = cpu_vendor() if vendor is None else vendor
+    row = cpu_kind(flags, vendor)
+    if row:
+        return f"{row} (a row of the README's per-kind table)"
+    said = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags]
+    return (f"unknown: not a row of the README's per-kind table ({vendor}; {', '.join(said) or 'none of'} "
+            "avx2, fma, avx512f, avx512_bf16, avx512_fp16, amx_bf16); its speeds are not the table's")
+
+
+# ---------------------------------------------------------------------- threads
+@contextmanager
+def use_threads(count: int) -> Iterator[int]:
+    """Run the block on ``count`` intra-op threads (``torch.set_num_threads``), 0 keeping
+    torch's choice; yields the count in use and puts the previous one back after,
+    so that one run's setting does not leak into the next in the same process (a
+    multirun, a test session)."""
+    import torch
+
+    if count < 0:
+        from mptrain.core.errors import ConfigError
+
+        raise ConfigError(f"train.threads={count}: give a count of threads (1, 2, ...) or 0 for torch's choice.")
+    before = torch.get_num_threads()
+    if count:
+        torch.set_num_threads(count)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def threads_source(setting: int) -> str:
+    """Where the count came from: ``train.threads``, or torch's choice (and the
+    ``OMP_NUM_THREADS`` that made it, when set)."""
+    if setting:
+        return f"train.threads={setting}"
+    omp = os.environ.get("OMP_NUM_THREADS")
+    return f"torch's choice, OMP_NUM_THREADS={omp}" if omp else "torch's choice"
+
+
+def seconds_at_threads(fn: Callable[[], object], counts: tuple[int, ...], rounds: int = 2) -> dict[int, float]:
+    """Seconds per call of ``fn`` at each of ``counts`` threads, the fastest of
+    ``rounds`` after one untimed call at each (its first call at a count warms
+    that count's thread pool). The counts take turns, so a neighbour that starts
+    or stops mid-measurement slows them alike; the previous count is put back."""
+    import torch
+
+    before = torch.get_num_threads()
+    best = dict.fromkeys(counts, math.inf)
+    try:
+        for r in range(rounds + 1):
+            for n in counts:
+                torch.set_num_threads(n)
+                t0 = time.perf_counter()
+                fn()
+                if r:  # round 0 warms up
+                    best[n] = min(best[n], time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return best
+
+
+FEWER_THREADS_AT = 1.2
+"""One thread is suggested only where it measured at least this much faster than
+the run's count: closer than that, the two are within a busy machine's noise."""
+
+
+def threads_notice(load: Load, threads: int, timing: Optional[dict[int, float]], what: str,
+                   bits: str = "", short: bool = False) -> Optional[str]:
+    """The line that says the machine is busy and what the thread count does about it,
+    or None when nothing competes (``load.busy``). ``timing``: seconds of ``what`` (the
+    run's forward pass, the doctor's matmul) per thread count, None where not measured;
+    ``bits``: what changing the count does to the run's arithmetic, where it does;
+    ``short``: the few words a progress line has room for."""
+    why = load.busy
+    if why is None:
+        return None
+    if short:
+        steal = f", steal {load.steal:.0%}" if load.steal is not None and load.steal > STEAL_BUSY else ""
+        head = f"busy: load {load.load:.2f} on {load.cores} core{'s' * (load.cores != 1)}{steal}"
+    else:
+        head = f"busy machine: {why}; this uses {threads} thread{'s' * (threads != 1)}"
+    if threads == 1:
+        return head + (", 1 thread" if short else " already (the fewest)")
+    if not timing or 1 not in timing or threads not in timing:
+        return head + ("" if short else "; one thread was not measured here")
+    now, one = timing[threads], timing[1]
+    faster = now >= FEWER_THREADS_AT * one
+    if short:
+        return head + (f", 1 thread measured {now / one:.1f}x faster (train.threads=1)" if faster
+                       else f", 1 thread no faster")
+    said = f"; {what} measured {now * 1e3:.1f} ms at {threads} threads, {one * 1e3:.1f} ms at 1"
+    if faster:
+        return head + said + f": 1 thread is {now / one:.1f}x faster now (train.threads=1{bits})"
+    return head + said + f": no faster on 1 thread, keep {threads}"

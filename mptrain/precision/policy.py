@@ -195,7 +195,8 @@ class Fp8Linears:
     """
 
     def __init__(self, recipe: Recipe, rules: LinearRules, fsdp2: bool,
-                 device: torch.device = torch.device("cpu"), float8_gather: str = ""):
+                 device: torch.device = torch.device("cpu"), float8_gather: str = "",
+                 shape: Optional[tuple[int, int, int]] = None):
         problem = fp8_software_problem()
         if problem:
             raise ConfigError(f"precision=fp8 cannot run: {problem}")
@@ -211,7 +212,7 @@ class Fp8Linears:
             self.matmul, self.matmul_why = fp8mx.matmul_path(self.recipe, device, recipe.matmul)
             return
         # "scaled_mm" or "emulated": which kernel multiplies the float8 operands (support.choose_fp8_matmul)
-        self.matmul, self.matmul_why = choose_fp8_matmul(recipe.matmul, device)
+        self.matmul, self.matmul_why = choose_fp8_matmul(recipe.matmul, device, shape)
         if recipe.backend == DELAYED:
             return  # our own layers (fp8delayed.py): no torchao config
         from torchao.float8 import Float8LinearConfig
@@ -361,13 +362,15 @@ class PrecisionPolicy:
     """The dtypes of one run and its low-precision linears, from its
     :class:`~mptrain.precision.recipe.PrecisionPlan` and the device."""
 
-    def __init__(self, plan: PrecisionPlan, device: torch.device, fsdp2: bool = False, float8_gather: str = ""):
+    def __init__(self, plan: PrecisionPlan, device: torch.device, fsdp2: bool = False, float8_gather: str = "",
+                 fp8_shape: Optional[tuple[int, int, int]] = None):
         self.plan = plan
         r = plan.recipe
         # Float8 linears (torchao's or the delayed ones), the lab's (precision=nvfp4, mxfp4, lab:
         # one implementation of the emulation), or neither: the model is converted and stepped
         # through the same calls either way.
-        self.fp8 = Fp8Linears(r, plan.rules, fsdp2, device, float8_gather) if r and r.backend != LAB else None
+        # fp8_shape: the run's own float8 matmul, which precision.fp8.matmul=auto is measured at on a CPU
+        self.fp8 = Fp8Linears(r, plan.rules, fsdp2, device, float8_gather, fp8_shape) if r and r.backend != LAB else None
         self.lab: Optional[LabLinears] = LabLinears(r, plan.rules) if r and r.backend == LAB else None
         self.fp8_enabled = self.fp8 is not None
         # The run's low-precision linears, float8 or the lab's, for what treats them alike:

@@ -26,12 +26,25 @@ from mptrain.core.machine import cpu_flags, cpu_name  # noqa: F401 (the doctor a
 
 MIN_TORCHAO = (0, 10)
 
-FP8_EMULATE_AT = 8.0
+FP8_EMULATE_AT = 1.5
 """``precision.fp8.matmul=auto`` emulates the float8 matmuls on a CPU where
-``torch._scaled_mm`` takes this many times as long as the emulation. The two
-kinds of CPU are far apart (about 1x on an AMD EPYC, 100x or more on an Intel
-Xeon whose oneDNN float8 path is a reference loop), so a busy host's noise
-cannot flip the choice."""
+``torch._scaled_mm`` takes this many times as long as the emulation, measured
+at the run's own matmul (:func:`fp8_matmul_shape`). A path measured 1.5x slower
+is never taken (at 8x, auto had kept ``_scaled_mm`` on an AMD EPYC where it
+took 2.8x the emulation's time at 512x512); closer than 1.5x the two paths
+cost about the same, and the interleaved timings, slowed alike by a busy
+host, rarely move by half. The Intel Xeon's oneDNN float8 path, a reference
+loop at hundreds of times the emulation's time, is far from it."""
+
+FP8_SETTLED_AT = 20.0
+"""Once ``torch._scaled_mm`` has measured this many times the emulation's time, the
+measurement stops calling it: a busy host's noise is far below such a gap, and
+each call of a reference-loop float8 matmul costs a large share of a second."""
+
+FP8_PROBE_MACS = 256 ** 3
+"""The multiply-adds auto's measurement takes at most per call: rows of the run's
+matmul are dropped down to this (both paths' time grows with the rows alike), so
+the measurement stays a fraction of a second where ``_scaled_mm`` is a reference loop."""
 
 
 @dataclass
@@ -125,10 +138,12 @@ def verdicts(device: torch.device, check_fp8: bool = True) -> dict[str, Verdict]
     return out
 
 
-def _seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """The fastest of ``reps`` timed calls of ``fn`` after one warm-up call (a
-    shared host adds time, never removes it, so the minimum is the estimate)."""
-    fn()
+def _seconds(fn: Callable[[], object], device: torch.device, reps: int, warm: bool = True) -> float:
+    """The fastest of ``reps`` timed calls of ``fn`` after one warm-up call (``warm``;
+    a caller that warmed it up already says False). A shared host adds time, never
+    removes it, so the minimum is the estimate."""
+    if warm:
+        fn()
     best = float("inf")
     for _ in range(reps):
         if device.type == "cuda":
@@ -191,12 +206,21 @@ def matmul_seconds(device_str: str, m: int, k: int, n: int, reps: int = 3,
 
 @dataclass(frozen=True)
 class Fp8MatmulSpeed:
-    """Seconds per n x n x n float8 matmul (bf16 out) both ways, and fp32's."""
+    """Seconds per float8 matmul (bf16 out) both ways, and fp32's, of an n x n x n
+    product, or of ``shape`` (rows, k, n) where it is given."""
 
     n: int
     scaled_mm: float
     emulated: float
     fp32: float
+    shape: tuple = ()
+
+    @property
+    def size(self) -> str:
+        """The product's size as reports name it: ``512x512`` (square), ``256x128x512`` (rows x k x n)."""
+        if not self.shape or len(set(self.shape)) == 1:
+            return f"{self.n}x{self.n}"
+        return "x".join(str(d) for d in self.shape)
 
     @property
     def slowdown(self) -> float:
@@ -205,44 +229,70 @@ class Fp8MatmulSpeed:
 
 
 @functools.lru_cache(maxsize=None)
-def measure_fp8_matmul(device_str: str = "cpu", n: int = 256, reps: int = 7) -> Fp8MatmulSpeed:
-    """Time ``torch._scaled_mm`` and :func:`emulated_scaled_mm` on one n x n x n
-    float8 product (per-tensor scales, bf16 out), and an fp32 matmul, in turns,
-    keeping each one's fastest: a busy host slows all three alike. Once per
-    process and device (about 0.2 s on a CPU whose ``_scaled_mm`` is slow)."""
+def measure_fp8_matmul(device_str: str = "cpu", n: int = 256, reps: int = 7,
+                       shape: Optional[tuple[int, int, int]] = None) -> Fp8MatmulSpeed:
+    """Time ``torch._scaled_mm`` and :func:`emulated_scaled_mm` on one float8
+    product (per-tensor scales, bf16 out), and an fp32 matmul, in turns, keeping
+    each one's fastest: a busy host slows all three alike. The product is n x n x n,
+    or ``shape`` = (rows, k, n) where given. Once per process, device and size
+    (about 0.2 s on a CPU whose ``_scaled_mm`` is slow)."""
     device = torch.device(device_str)
+    rows, k, cols = shape or (n, n, n)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        a = torch.randn(n, n, device=device)
+        a = torch.randn(rows, k, device=device)
+        b = torch.randn(cols, k, device=device)
     a8 = a.to(torch.float8_e4m3fn)
-    b8 = a.t().contiguous().to(torch.float8_e4m3fn).t()
+    b8 = b.to(torch.float8_e4m3fn).t()  # column-major, as a linear's weight is and _scaled_mm wants it
+    bt = b.t()
     one = torch.ones((), device=device)
-    calls = {"scaled_mm": lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-             "emulated": lambda: emulated_scaled_mm(a8, b8, one, one, torch.bfloat16),
-             "fp32": lambda: a @ a}
+    # the emulation first: once it has a time, a far slower _scaled_mm is settled after one call
+    calls = {"emulated": lambda: emulated_scaled_mm(a8, b8, one, one, torch.bfloat16),
+             "scaled_mm": lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+             "fp32": lambda: a @ bt}
     best = dict.fromkeys(calls, math.inf)
     with torch.autocast(device.type, enabled=False):
+        for fn in calls.values():
+            fn()  # warm-up, once: a call of a reference-loop _scaled_mm at 512x512 takes seconds
         for _ in range(reps):
             for name, fn in calls.items():
-                best[name] = min(best[name], _seconds(fn, device, 1))
-    return Fp8MatmulSpeed(n, **best)
+                settled = math.isfinite(best["scaled_mm"]) and best["scaled_mm"] >= FP8_SETTLED_AT * best["emulated"]
+                if name == "scaled_mm" and settled:
+                    continue  # no noise takes back a gap this wide: its further calls would only cost
+                best[name] = min(best[name], _seconds(fn, device, 1, warm=False))
+    return Fp8MatmulSpeed(n if shape is None else cols, **best, shape=tuple(shape or ()))
 
 
-def choose_fp8_matmul(setting: str, device: torch.device) -> tuple[str, str]:
+def fp8_matmul_shape(tokens: int, d_model: int, hidden: int) -> tuple[int, int, int]:
+    """The product auto measures for a run: its largest float8 linear's (the MLP's
+    up projection: ``tokens`` rows of ``d_model`` into ``hidden``), its rows cut to
+    keep within :data:`FP8_PROBE_MACS`, in multiples of 16 (what ``_scaled_mm`` takes)."""
+    rows = max(16, min(tokens, FP8_PROBE_MACS // max(1, d_model * hidden)) // 16 * 16)
+    return rows, d_model, hidden
+
+
+def fp8_auto_path(m: Fp8MatmulSpeed) -> tuple[str, str]:
+    """``(path, why)`` auto takes on a CPU from the measurement ``m``: the one rule the
+    run and the doctor both apply, worded with the figures and the size they were taken at."""
+    ratio = f"{m.slowdown:,.0f}" if m.slowdown >= 100 else f"{m.slowdown:.3g}"
+    said = (f"torch._scaled_mm measured {ratio}x the fp32 emulation's time at {m.size} "
+            f"({m.scaled_mm * 1e3:.2f} ms vs {m.emulated * 1e3:.2f} ms) on this CPU")
+    if m.slowdown >= FP8_EMULATE_AT:
+        return "emulated", f"precision.fp8.matmul=auto: {said}, {FP8_EMULATE_AT:g}x or more: emulated"
+    return "scaled_mm", f"precision.fp8.matmul=auto: {said}, under {FP8_EMULATE_AT:g}x: torch._scaled_mm"
+
+
+def choose_fp8_matmul(setting: str, device: torch.device,
+                      shape: Optional[tuple[int, int, int]] = None) -> tuple[str, str]:
     """``(path, why)`` for ``precision.fp8.matmul=setting`` on ``device``: path
     ``scaled_mm`` (``torch._scaled_mm``, float8 tensor cores on a GPU) or
     ``emulated`` (:func:`emulated_scaled_mm`). ``auto`` takes ``scaled_mm`` on a
-    GPU, and on a CPU whichever the measurement says, ``emulated`` only where
-    ``_scaled_mm`` is :data:`FP8_EMULATE_AT` times slower."""
+    GPU, and on a CPU whichever :func:`fp8_auto_path` says of the measurement at
+    ``shape`` (the run's, :func:`fp8_matmul_shape`; 256x256 where not given)."""
     if setting != "auto":
         return setting, f"precision.fp8.matmul={setting}"
     if device.type != "cpu":
         return "scaled_mm", "precision.fp8.matmul=auto on a GPU"
-    m = measure_fp8_matmul(str(device))
-    if m.slowdown >= FP8_EMULATE_AT:
-        return "emulated", (f"precision.fp8.matmul=auto: torch._scaled_mm measured {m.slowdown:.0f}x slower than "
-                            "the fp32 emulation on this CPU")
-    return "scaled_mm", (f"precision.fp8.matmul=auto: torch._scaled_mm measured {m.slowdown:.2g}x the emulation's "
-                         "time on this CPU")
+    return fp8_auto_path(measure_fp8_matmul(str(device), shape=shape))
 
 
 def cpu_rowwise_fp8_problem() -> Optional[str]:

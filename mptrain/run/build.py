@@ -21,12 +21,12 @@ from mptrain.core.text import quiet
 from mptrain.data.batches import Batches, Windows
 from mptrain.data.store import TokenData, prepare
 from mptrain.distributed.parallel import DistContext, wrap
-from mptrain.model.families import pretrained_weights
+from mptrain.model.families import ffn_hidden, pretrained_weights
 from mptrain.observe.memory_phases import fit_check
 from mptrain.plan.plan import Plan
 from mptrain.precision.optimizers import Choice
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
-from mptrain.precision.support import check_precision
+from mptrain.precision.support import check_precision, fp8_matmul_shape
 from mptrain.run.step import build_optimizer, decay_names
 
 
@@ -129,8 +129,17 @@ def build_policy(plan: Plan, ctx: DistContext) -> tuple[PrecisionPolicy, list[st
     """The precision policy and this machine's warnings about it; what the
     machine cannot do at all (fp8 without fp8 hardware or software) is refused
     here, before any work."""
-    policy = PrecisionPolicy(plan.precision, ctx.device, fsdp2=ctx.uses_mesh, float8_gather=_no_float8_gather(plan, ctx))
+    policy = PrecisionPolicy(plan.precision, ctx.device, fsdp2=ctx.uses_mesh, float8_gather=_no_float8_gather(plan, ctx),
+                             fp8_shape=_fp8_shape(plan))
     return policy, check_precision(policy, ctx.device)
+
+
+def _fp8_shape(plan: Plan) -> tuple[int, int, int]:
+    """The product ``precision.fp8.matmul=auto`` is measured at on a CPU: the run's MLP
+    up projection (``support.fp8_matmul_shape``), the family's hidden width."""
+    m = plan.model
+    hidden = ffn_hidden(m) if plan.family.name == "llama" else 4 * int(m.d_model)
+    return fp8_matmul_shape(plan.batches.tokens_per_micro, int(m.d_model), hidden)
 
 
 def _no_float8_gather(plan: Plan, ctx: DistContext) -> str:

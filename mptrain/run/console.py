@@ -181,6 +181,7 @@ class Console:
         self.bar: Optional[tqdm] = None
         self.t0, self.first = time.perf_counter(), 0
         self._shown = False
+        self.note: Optional[str] = None  # a line the reporter wants on the progress line (a busy machine)
 
     def start(self, initial: int = 0) -> None:
         """Show the bar (after the start-up banner, so the two do not interleave)."""
@@ -211,7 +212,7 @@ class Console:
         if step % self.every == 0 or step == self.total or not self._shown:
             self._shown = True  # the first logged step too: the run is under way, at this loss
             line = f"step {step:>6}/{self.total} | " + " | ".join(f"{k} {v}" for k, v in post.items())
-            line += f" | {self._eta(step)}"
+            line += f" | {self._eta(step)}" + (f" | {self.note}" if self.note else "")
             (self.log.to_file if self.bar is not None else self.log.say)(line)
 
     def _eta(self, step: int) -> str:

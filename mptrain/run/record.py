@@ -29,6 +29,7 @@ from mptrain.precision.formats import dtype_name
 from mptrain.precision.optimizers import stored_as
 from mptrain.run.rundir import writing
 from mptrain.run.step import describe_schedule
+from mptrain.run.threads import threads_text
 
 
 def git_commit() -> str:
@@ -218,7 +219,7 @@ def banner(plan: Plan, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: i
         f"{m.n_layer}x{m.d_model}, {m.n_head} heads, block {m.block_size}, vocab {info['vocab_size']})"
         + plan.family.banner(m) + init_from_banner(info.get("init_from")),
         f"  device {ctx.device} | world size {ctx.world} | parallel={plan.parallel.name}"
-        + (f" ({ctx.backend})" if ctx.backend else ""),
+        + (f" ({ctx.backend})" if ctx.backend else "") + (f" | {threads_text(info['threads'])}" if "threads" in info else ""),
         f"  data {info['corpus']} | tokenizer {tokens.tokenizer.name} | {info['train_tokens']:,} train / "
         f"{info['val_tokens']:,} val tokens | unigram baseline {tokens.unigram_nats:.4f} nats/token",
         f"  batch {t.global_batch_size} seqs = {tokens_per_step:,} tokens/step | micro-batch "

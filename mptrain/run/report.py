@@ -50,7 +50,9 @@ from mptrain.run.console import RunLog, plain_cadence
 from mptrain.run.metrics import Metrics
 from mptrain.run.record import (ComputeDtypeProbe, RunRecord, banner, mesh_info, observed_dtypes, peak_memory,
                                reset_peak_memory, start_memory)
+from mptrain.run.resume import threads_guard
 from mptrain.run.step import StepResult
+from mptrain.run.threads import ThreadCheck, forward_pass, threads_info
 from mptrain.run.validation import ValFigures, text_bytes
 
 
@@ -153,7 +155,8 @@ def describe(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, data: RunDat
         "train_tokens": int(len(tokens.train)), "val_tokens": int(len(tokens.val)), "params": built.n_params,
         "compile": built.compile_blocks, "activation_checkpointing": tc.activation_checkpointing.value,
         "fused_adamw": any(g.get("fused") for g in built.optimizer.param_groups),
-        "optimizer": choice.describe(), "plan": plan.describe()})
+        "optimizer": choice.describe(), "plan": plan.describe(),
+        "threads": threads_info(tc.threads)})  # part of a CPU run's arithmetic: recorded, and compared on resume
     if len(plan.phases) > 1:  # each phase as planned; its dtypes and first step once it begins
         info["phases"] = [ph.describe() for ph in plan.phases]
         info["phases"][plan.phase]["dtypes"] = dict(dtypes)
@@ -233,6 +236,26 @@ class Reporter:
         self.val_set = ValSet(data.val_windows, plan.train.eval_tokens)
         self.whole_set = ValSet.whole(data.val_windows)  # train.eval_whole_split's, at the last step
         self._val_bytes: dict = {}  # each set's text bytes, counted (decoded) at its first evaluation in a launch
+        self.threads = self._thread_check(plan, ctx, policy, built.model, data.micro_batch)
+
+    def _thread_check(self, plan: Plan, ctx: DistContext, policy: PrecisionPolicy, model: nn.Module,
+                      micro_batch: int) -> ThreadCheck:
+        """The busy-machine check (``threads.py``), timing the run's forward pass on
+        the first validation micro-batch when it has to."""
+        guard = threads_guard(plan, ctx.device.type)
+        bits = ", for a new run: a resume refuses another count in bf16/fp16 on a CPU" if guard else ""
+        check = ThreadCheck(ctx.device, ctx.world, bits)
+        first = next(iter(self.val_set.batches(micro_batch, 0, 1)), None)
+        if first is not None:
+            self._probe_batch = first[:2]
+            check.forward = forward_pass(model, policy, *self._probe_batch, ctx)
+        return check
+
+    def busy_note(self, short: bool = False) -> Optional[str]:
+        """The busy-machine line for the time since the last one (None: nothing competed;
+        ``short``: the progress line's), any timing it takes kept out of the training time."""
+        with self.clock.paused():
+            return self.threads.notice(short)
 
     def _pace_warning(self, steps: int) -> Optional[str]:
         """The banner's run-time estimate, only where the matmuls are predicted
@@ -269,6 +292,8 @@ class Reporter:
         """A precision phase began (``run/phases.py``): its lines on the console, its dtypes
         and first step into run_info (config.yaml), the new loss scaler read from now on."""
         self.plan, self.scaler = plan, built.scaler  # the phase's precision, for the rows and records from now on
+        if self.threads.forward is not None:  # the busy check times the phase's model from now on
+            self.threads.forward = forward_pass(built.model, policy, *self._probe_batch, self.ctx)
         self.compute_probe = ComputeDtypeProbe(built.model)  # the dtype its first forward computes in
         ph = plan.phases[began.phase]
         entry = self.record.info["phases"][began.phase]
@@ -297,7 +322,8 @@ class Reporter:
         self.runlog.say(banner(plan, self.ctx, self.record.info, self.facts.dtypes, self.tokens, self.tokens_per_step,
                         run_dir))
         pace = self._pace_warning(total - start)
-        for w in warnings + ([pace] if pace else []):
+        busy = self.busy_note()  # before step 1: the count can still be changed for a fresh run
+        for w in warnings + ([pace] if pace else []) + ([busy] if busy else []):
             self.runlog.say(f"WARNING: {w}")
         if self.resumed_from is not None:
             self.runlog.say(f"resumed from {self.resumed_from} at step {start} ({tokens_seen:,} tokens seen)")
@@ -331,6 +357,7 @@ class Reporter:
             mine = torch.stack([r.grad_norm.float(), self.scaler.skipped.float()])
             row["dist/rank_mismatch"] = 0 if ctx.ranks_agree(mine) else 1
         self.latest.train = row.copy()  # the summary's final training figures
+        self.metrics.console.note = self.busy_note(short=True)  # said on the progress line while others compete
         return row
 
     def _data_wait(self, feed, elapsed: float, steps: int) -> dict:
@@ -466,7 +493,8 @@ class Reporter:
             "flops_per_token": f.flops_tok, "mem/estimate_gib": f.mem.peak / 2**30,
             **summary_figures(f.mem.estimate),  # bytes per parameter of weights, gradients, moments
             "precision": plan.precision.name, "parallel": plan.parallel.name, "model": plan.model.name,
-            "world_size": ctx.world, "dtypes": f.dtypes, **self._measured_memory(),
+            "world_size": ctx.world, "threads": self.record.info["threads"]["count"], "dtypes": f.dtypes,
+            **self._measured_memory(),
             **self._dist_summary(model),
             **({f.lowp_key: f.lowp} if f.lowp else {}),
             **({"resumed_from": str(self.resumed_from)} if self.resumed_from is not None else {}),

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from omegaconf import OmegaConf
 
@@ -43,6 +43,7 @@ from mptrain.config.schema import GUARDED, RECORDED, OptimConfig, on_resume
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.frozen import plain
 from mptrain.plan.plan import FRESH, Plan, Resume
+from mptrain.precision.formats import dtype_name
 from mptrain.run.step import describe_schedule, lr_at
 
 # Facts of a launch compared as if they were keys, with their marker: another
@@ -75,7 +76,7 @@ def decide(plan: Plan, run_dir: Path, ctx, say: Callable[[str], None]) -> Resume
     decided: tuple = (None, None)
     if ctx.is_main:
         try:
-            decided = (_decide(plan, Path(run_dir), say), None)
+            decided = (_decide(plan, Path(run_dir), say, ctx.device.type), None)
         except UserError as e:
             decided = (None, e)
     result, error = ctx.broadcast_object(decided)
@@ -84,7 +85,7 @@ def decide(plan: Plan, run_dir: Path, ctx, say: Callable[[str], None]) -> Resume
     return result
 
 
-def _decide(plan: Plan, run_dir: Path, say) -> Resume:
+def _decide(plan: Plan, run_dir: Path, say, device_type: str = "cpu") -> Resume:
     source = plan.resume_from
     path = resolve_resume(source, run_dir, log=say)
     if path is None:
@@ -94,8 +95,9 @@ def _decide(plan: Plan, run_dir: Path, say) -> Resume:
     at = meta.get("phase") or {}  # the precision phase it was saved in, and every phase begun (run/phases.py)
     phase, began = int(at.get("current", 0)), tuple(at.get("began", ()))
     begun = max([phase, *(int(b["phase"]) for b in began)])
-    changes, refused = compare({**saved, "world_size": meta.get("world_size")},
-                               {**plain(plan.resolved), "world_size": plan.world}, list(plan.allow_changes), begun)
+    saved, now = _threads_in_use(saved, plain(plan.resolved), meta)
+    changes, refused = compare({**saved, "world_size": meta.get("world_size")}, {**now, "world_size": plan.world},
+                               list(plan.allow_changes), begun, guard=threads_guard(plan, device_type))
     if phase >= len(plan.phases):
         raise ResumeRefused(f"resume from {path}: it was saved in precision phase {phase}, and this launch's "
                             f"precision.phases has {len(plan.phases) - 1}; resume with the phases it was saved with.")
@@ -133,6 +135,10 @@ def _decide(plan: Plan, run_dir: Path, say) -> Resume:
             f"{path} is at step {step} and train.stop_after={stop_after}: nothing to train in "
             "this launch; the run's records are left as they are. Raise train.stop_after above "
             f"{step}, or drop it, to continue."))
+    if THREADS in changes:
+        before, after = changes[THREADS]
+        say(f"{THREADS}: this launch computes with {after} thread{'s' * (after != 1)}, the steps before {step} "
+            f"with {before}; recorded in the run's config history.")
     if "train.max_steps" in changes:
         say(schedule_change(plan, saved.get("optim", {}), changes["train.max_steps"][0], step))
     return decided
@@ -232,14 +238,52 @@ def _phase_diff(old: list, new: list, begun: int) -> str:
     return "; ".join(out)
 
 
-def compare(saved: dict, now: dict, allow: list[str], begun: int = 0) -> tuple[dict, list[str]]:
+THREADS = "train.threads"
+"""Compared as the count of threads in use (meta.json's ``threads``), not the setting (0: torch's choice)."""
+
+
+def _threads_in_use(saved: dict, now: dict, meta: dict) -> tuple[dict, dict]:
+    """The two configs with ``train.threads`` the count each launch computed with: the
+    checkpoint's from its meta.json, this launch's from torch (``use_threads`` has set it).
+    A checkpoint from before the count was recorded leaves it out of the comparison."""
+    import torch
+
+    if meta.get("threads") is None:
+        return saved, now
+    return ({**saved, "train": {**saved.get("train", {}), "threads": int(meta["threads"])}},
+            {**now, "train": {**now.get("train", {}), "threads": torch.get_num_threads()}})
+
+
+def threads_guard(plan: Plan, device_type: str) -> dict[str, str]:
+    """``{train.threads: why}`` where another thread count changes this run's bits, else empty.
+
+    The rule: a CPU run that computes in bf16 or fp16 (autocast's half precision,
+    and fp8's bf16 around its float8 matmuls). A CPU's half-precision matmul splits
+    its sums over the threads, and where the partial sums round to bf16/fp16 depends
+    on the split (measured: an AMD EPYC with avx512_bf16, 2 threads against 1). An
+    fp32 run measured the same losses at 1 and 2 threads, and a GPU run's math is on
+    the device: for those another count is recorded, not refused."""
+    import torch
+
+    half = plan.precision.compute_dtype in (torch.bfloat16, torch.float16)
+    if device_type != "cpu" or not half:
+        return {}
+    return {THREADS: f"the count in use; a CPU's {dtype_name(plan.precision.compute_dtype)} matmuls round by how "
+                     "they split over threads"}
+
+
+def compare(saved: dict, now: dict, allow: list[str], begun: int = 0,
+            guard: Optional[dict[str, str]] = None) -> tuple[dict, list[str]]:
     """(accepted changes ``{key: [before, after]}``, refused changes as text),
     each key judged by its marker in the schema (:func:`on_resume`): guarded ones
     refused unless ``allow`` names them or their section, guarded and recorded
     ones accepted into the history, harmless ones left out. Keys absent on one
     side (a checkpoint from an older version) are not compared, except the
     STRUCTURAL ones: a checkpoint saved before such a key existed ran with the
-    value it has there (round to nearest, moments in the parameters' dtype)."""
+    value it has there (round to nearest, moments in the parameters' dtype).
+    ``guard``: keys guarded in this launch whatever their marker, each with why
+    (``train.threads`` where the run's bits depend on it, :func:`threads_guard`)."""
+    guard = guard or {}
     old, new = flatten(saved), flatten(now)
     if old.get("precision.lab.recipe") in RENAMED_RECIPES:  # a checkpoint from before the one vocabulary:
         old["precision.lab.recipe"] = RENAMED_RECIPES[old["precision.lab.recipe"]]  # the same casts, renamed
@@ -267,10 +311,10 @@ def compare(saved: dict, now: dict, allow: list[str], begun: int = 0) -> tuple[d
                                     f"optimizer state ({why}), so this checkpoint cannot be loaded under it "
                                     "(even with resume.allow_changes); resume with the value it was saved "
                                     "with, or start a new run.")
-        kind = LAUNCH.get(key) or kinds.get(key, (GUARDED, ""))[0]  # a key without a marker is guarded
+        kind = LAUNCH.get(key) or (GUARDED if key in guard else kinds.get(key, (GUARDED, ""))[0])  # unmarked: guarded
         allowed = any(key == a or key.startswith(a + ".") for a in allow)
         if kind == GUARDED and not allowed:
-            refused.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+            refused.append(f"{key}: {old[key]!r} -> {new[key]!r}" + (f" ({guard[key]})" if key in guard else ""))
         elif kind in (GUARDED, RECORDED):
             accepted[key] = [old[key], new[key]]
     return accepted, refused

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from omegaconf import DictConfig
 
+from mptrain.core.machine import use_threads
 from mptrain.data.batches import Prefetcher, ValSet
 from mptrain.distributed.parallel import DistContext, export_submitit_env, setup
 from mptrain.plan.build import build_plan
@@ -58,7 +59,8 @@ def run(cfg: DictConfig, run_dir: Optional[str | Path] = None, claims: Optional[
         ctx = setup(plan)
         log = RunLog(run_dir / LOG_NAME, enabled=ctx.is_main)  # the console, kept in <run>/train.log
         try:
-            with log.capturing():
+            # train.threads from here to the run's end (the resume compares the count in use), then torch's again
+            with log.capturing(), use_threads(plan.train.threads):
                 plan = plan.decided(decide(plan, run_dir, ctx, log.say))  # rank 0 decides, every rank agrees
                 if plan.resume.finished:
                     log.say(plan.resume.finished)

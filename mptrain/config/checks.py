@@ -132,6 +132,7 @@ _RANGES: tuple = (
      lambda cfg: cfg.train.eval_every > 0),
     ("train.log_every", _positive, "a positive integer", None),
     ("train.seed", lambda v: 0 <= v < 2**64, "an integer in [0, 2^64)", None),
+    ("train.threads", _non_negative, "a thread count >= 1, or 0 for torch's own choice", None),
     ("train.peak_tflops", _optional(_positive), "a value > 0, or null to look the device up", None),
     ("train.stop_after", _optional(_positive), "a positive integer, or null", None),
     ("optim.lr", _non_negative, "a value >= 0 (0 leaves the weights unchanged)", None),

@@ -89,6 +89,18 @@ def latest_run(run_dir: Path, label: str, log) -> Path:
     return Path(run)
 
 
+def resume_line(run_dir: Optional[Path]) -> str:
+    """Where a rerun continues: the run directory's newest complete checkpoint (the one
+    ``resume=auto`` verifies and loads), or that none was saved."""
+    if run_dir is None:
+        return "no run directory was chosen yet (or it is known to another node's launcher): nothing to resume"
+    done = complete_checkpoints(run_dir / "checkpoints")
+    if not done:
+        return f"no checkpoint was saved yet in {run_dir}: a rerun there starts from step 0"
+    return (f"the run resumes from step {step_of(done[-1])} ({done[-1]}, its newest complete checkpoint): "
+            f"rerun with hydra.run.dir={run_dir} (resume=auto, the default)")
+
+
 def checkpoints_dir_problem(run_dir: Path) -> Optional[str]:
     """Why ``run_dir/checkpoints`` can neither be read nor saved into, as a
     sentence naming it and the fix, or None when it is a directory or absent.

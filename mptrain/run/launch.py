@@ -282,7 +282,10 @@ def launch(argv: list[str], startup: Optional[Startup] = None) -> int:
         startup.stop.install()  # until training starts, a SIGTERM leaves the run directory as it was
         startup.register_resolvers()
         startup.hydra_errors.raise_while_composing()
-        return _run_hydra(startup)
+        code = _run_hydra(startup)
+        if code == 2:  # refused before training: what a rank above 0 made goes, if still empty
+            startup.claims.remove_made()
+        return code
     finally:
         startup.close()
 

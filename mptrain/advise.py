@@ -63,7 +63,7 @@ from mptrain.advice.advisor import Advisor, Interrupted, interrupted_line, stop_
 from mptrain.advice.command import Args
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.process_exit import run_then_leave
-from mptrain.core.signals import SignalHandler
+from mptrain.core.signals import SignalHandler, ignore_stop_signals
 from mptrain.core.text import wants_help
 from mptrain.observe.memory import mesh_overrides
 from mptrain.precision.recipe import NAMED
@@ -132,7 +132,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             startup.agreement.say_once(f"mptrain.advise: {e.one_line()}")
             return 2
         except (Interrupted, KeyboardInterrupt) as e:  # KeyboardInterrupt: a second Ctrl-C inside a step
-            # exit 0, as train.py's on a signal: the user asked for the stop, and nothing is lost
+            # exit 0, as train.py's on a signal: the user asked for the stop, and nothing is lost.
+            ignore_stop_signals()  # a signal repeated now would raise again, past this line, as a traceback
             startup.agreement.say_once(interrupted_line(e, advisor))
             return 0
     return 0

@@ -56,12 +56,15 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from torch.distributed.elastic.agent.server import api as _agent
 from torch.distributed.elastic.multiprocessing import api as _elastic
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main as _torch_main
 
-from mptrain.checkpoint.integrity import complete_checkpoints, step_of
+from mptrain.checkpoint.resolve import resume_line
 from mptrain.core.process_exit import run_then_leave
+from mptrain.core.signals import ignore_stop_signals, stop_exit_code
 from mptrain.run.startup import PEER_LOST, LauncherReport
 
 REPORTED = (2, 3)
@@ -78,6 +81,8 @@ class Forwarder:
         self.context = None  # the PContext whose workers are running (None until they are spawned)
         self.forwarded = False
         self.torch_stops = False  # a signal went to torch's handler: its shutdown is the user's doing
+        self.stopped_by = 0  # that signal's number
+        self.repeat_said = False  # whether a repeated SIGTERM was said (once is enough)
         self._torch_handler = _elastic._terminate_process_handler
         self._torch_start = _elastic.PContext.start
 
@@ -99,9 +104,20 @@ class Forwarder:
         _elastic.PContext.start = start
 
     def handle(self, signum: int, frame) -> None:
-        """Forward the first stop signal to the workers; anything else raises as torch does."""
+        """Forward the first stop signal to the workers and let a repeated SIGTERM (or
+        SIGHUP) go, said in one line; anything else raises as torch does (a second
+        SIGINT, a signal while no workers run): :func:`main` says that in one line."""
+        if self.forwarded and self.context is not None and FORWARD.get(signum) == signal.SIGTERM:
+            # A repeat of the stop already under way (a scheduler signals every process of a job, and
+            # may signal again): shutting the workers down now would cut their save short for nothing.
+            if not self.repeat_said:
+                self.repeat_said = True
+                os.write(2, f"mptrain.torchrun: {signal.Signals(signum).name} again: the workers are already "
+                            f"stopping and saving; waiting for them (a SIGINT stops them at once)\n".encode())
+            return
         if self.forwarded or self.context is None or signum not in FORWARD:
             self.torch_stops = True
+            self.stopped_by = signum
             self._torch_handler(signum, frame)  # raises SignalException
             return
         self.forwarded = True
@@ -116,23 +132,37 @@ class Forwarder:
         name = signal.Signals(signum).name
         # os.write, not print: a handler may interrupt a print on this thread.
         os.write(2, f"mptrain.torchrun: {name} forwarded to workers {pids}; training ones finish the step, "
-                    f"save and exit, starting ones exit at once (a second signal shuts them down)\n".encode())
+                    f"save and exit, starting ones exit at once (a second SIGINT stops them at once)\n".encode())
+
+    def stopped_line(self, report: LauncherReport) -> str:
+        """The one line for a job torch's agent shut down on a signal (after :meth:`handle` let it through)."""
+        name = signal.Signals(self.stopped_by).name
+        if self.forwarded:
+            what = f"stopped at once by {name}: the workers were shut down without saving the step in progress"
+        else:
+            what = f"stopped by {name} while no workers were training (the rendezvous, or their start)"
+        return f"mptrain.torchrun: {what}; {resume_line(report.run_dir())}"
 
 
 class _AgentReport(logging.Filter):
     """Holds back the lines torch's agent logs when a worker fails (``failed
     (exitcode: N) local_rank: ...``, ``Sending process N closing signal SIGTERM``)
     until :func:`main` knows whether it reports the failure itself; released as they
-    were otherwise. Not while a signal stops the job: those lines are the news then."""
+    were otherwise. While a signal makes the agent shut the workers down, its lines
+    about that (``Received N death signal``, ``Sending process N closing signal``) are
+    held too, and dropped: :func:`main`'s one line says what happened."""
 
     HELD = ("failed (exitcode: ", "Sending process ")
+    SHUTDOWN = ("Received ", "Sending process ")
 
     def __init__(self, forwarder: Forwarder):
         self.forwarder = forwarder
         self.held: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.forwarder.torch_stops or not str(record.msg).startswith(self.HELD):
+        if self.forwarder.torch_stops:
+            return not str(record.msg).startswith(self.SHUTDOWN)
+        if not str(record.msg).startswith(self.HELD):
             return True
         self.held.append(record)
         return False
@@ -156,18 +186,6 @@ def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure
     died from one that lost its peer in the same poll; those are passed over."""
     primary = {r: f for r, f in failures.items() if not _secondary(f)} or failures
     return min(primary.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
-
-
-def resume_line(run_dir: Optional[Path]) -> str:
-    """Where a rerun continues: the run directory's newest complete checkpoint (the one
-    ``resume=auto`` verifies and loads), or that none was saved."""
-    if run_dir is None:
-        return "no run directory was chosen yet (or it is known to another node's launcher): nothing to resume"
-    done = complete_checkpoints(run_dir / "checkpoints")
-    if not done:
-        return f"no checkpoint was saved yet in {run_dir}: a rerun there starts from step 0"
-    return (f"the run resumes from step {step_of(done[-1])} ({done[-1]}, its newest complete checkpoint): "
-            f"rerun with hydra.run.dir={run_dir} (resume=auto, the default)")
 
 
 def explain(failures: dict[int, ProcessFailure], report: LauncherReport) -> Optional[int]:
@@ -202,6 +220,7 @@ def main(args=None) -> None:
     agent_log = logging.getLogger(_elastic.__name__)
     held = _AgentReport(forwarder)
     agent_log.addFilter(held)
+    logging.getLogger(_agent.__name__).addFilter(held)  # where "Received N death signal" is logged
     with tempfile.TemporaryDirectory(prefix="mptrain-torchrun-") as folder:
         os.environ[LauncherReport.ENV] = folder  # the workers inherit it
         try:
@@ -212,6 +231,10 @@ def main(args=None) -> None:
                 held.release(agent_log)
                 raise
             sys.exit(code)
+        except SignalException:  # torch's agent has shut the workers down (the signal, then SIGKILL)
+            ignore_stop_signals()  # the line and the exit go through whatever comes next
+            print(forwarder.stopped_line(LauncherReport(Path(folder))), file=sys.stderr, flush=True)
+            sys.exit(stop_exit_code(forwarder.stopped_by))
 
 
 if __name__ == "__main__":

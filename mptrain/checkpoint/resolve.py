@@ -69,24 +69,76 @@ def latest_run(run_dir: Path, label: str, log) -> Path:
     last (by its meta.json's time: the run a user stopped or finished most recently),
     named in one line through ``log``; this launch's own ``run_dir`` left out. A
     launch resumes from it into its own new run directory, as from any run directory
-    named by its path. None there is a :class:`CheckpointError` naming the folder."""
+    named by its path. None there is a :class:`CheckpointError` naming the folder.
+
+    That run must hold an intact checkpoint (its newest, or an older one that
+    ``resume=auto``'s rule falls back to). When every checkpoint it holds is damaged,
+    an older run is *not* taken in its place, since that is another run, maybe of another
+    config: the :class:`CheckpointError` names the damage, the newest intact
+    checkpoint of the other runs, and the ``resume=<run>`` that takes it."""
     root = Path.cwd() / LATEST_ROOT
     found = []
     for folder, subdirs, _ in os.walk(root):
         if "checkpoints" in subdirs and Path(folder).resolve() != Path(run_dir).resolve():
             ckpts = complete_checkpoints(Path(folder) / "checkpoints")
             if ckpts:
-                found.append(((ckpts[-1] / "meta.json").stat().st_mtime, folder, ckpts[-1]))
+                found.append(((ckpts[-1] / "meta.json").stat().st_mtime, folder, ckpts))
         # a run's own folders hold no other run: not walked (its checkpoints' shards, .hydra/)
         subdirs[:] = [d for d in subdirs if d != "checkpoints" and not d.startswith(".")]
     if not found:
         raise CheckpointError(f"{label}: no run under {root} holds a complete checkpoint (runs started from this "
                               "folder with the default hydra.run.dir go there); train one first, or name a run "
                               "directory or checkpoint with resume=<path>.")
-    saved, run, ckpt = max(found)  # (time, then path: the same answer for two saves in one clock tick)
-    log(f"{label}: {run} (checkpoint {ckpt.name}, saved {datetime.datetime.fromtimestamp(saved):%Y-%m-%d %H:%M:%S})"
+    # newest first, by time, then path: the same answer for two saves in one clock tick
+    found.sort(key=lambda f: (f[0], f[1]), reverse=True)
+    saved, run, ckpts = found[0]
+    damage = _damage(ckpts)
+    if len(damage) == len(ckpts):  # nothing there to resume from: say so, and where an intact one is
+        what = "; ".join(f"{e.ckpt.name}: {e.file} {e.reason}" for e in damage)
+        older = next(((r, c) for _, r, cs in found[1:] for c in reversed(cs) if not _damage([c])), None)
+        if older is None:
+            offer = (f"no other run under {root} holds an intact one: restore the damaged files from a copy, or "
+                     "start afresh with resume=none")
+        else:
+            r, c = older
+            offer = (f"the newest intact checkpoint of another run is {c.name} of {r} (saved {_when(c)}): resume "
+                     f"from it with resume={r}, or restore the damaged files from a copy")
+        raise CheckpointError(f"{label}: {run}, the run under {root} that saved a checkpoint last, holds no intact "
+                              f"checkpoint ({what}); {offer}.")
+    log(f"{label}: {run} (checkpoint {ckpts[-1].name}, saved {_when(ckpts[-1])})"
         f", the newest complete checkpoint under {root}")
     return Path(run)
+
+
+def _damage(ckpts: list[Path]) -> list[CheckpointDamaged]:
+    """What is wrong with each of ``ckpts``, newest first, up to the first intact one (which
+    ends the list). One that predates manifests cannot be checked and counts as intact, as
+    ``resume=auto`` takes it."""
+    damaged = []
+    for ckpt in reversed(ckpts):
+        try:
+            verify(ckpt, log=quiet)
+            break
+        except CheckpointDamaged as e:
+            damaged.append(e)
+    return damaged
+
+
+def _when(ckpt: Path) -> str:
+    """When ``ckpt`` was saved (its meta.json's time), as the lines of :func:`latest_run` say it."""
+    return f"{datetime.datetime.fromtimestamp((ckpt / 'meta.json').stat().st_mtime):%Y-%m-%d %H:%M:%S}"
+
+
+def resume_line(run_dir: Optional[Path]) -> str:
+    """Where a rerun continues: the run directory's newest complete checkpoint (the one
+    ``resume=auto`` verifies and loads), or that none was saved."""
+    if run_dir is None:
+        return "no run directory was chosen yet (or it is known to another node's launcher): nothing to resume"
+    done = complete_checkpoints(run_dir / "checkpoints")
+    if not done:
+        return f"no checkpoint was saved yet in {run_dir}: a rerun there starts from step 0"
+    return (f"the run resumes from step {step_of(done[-1])} ({done[-1]}, its newest complete checkpoint): "
+            f"rerun with hydra.run.dir={run_dir} (resume=auto, the default)")
 
 
 def checkpoints_dir_problem(run_dir: Path) -> Optional[str]:

@@ -18,6 +18,8 @@ import sys
 import threading
 from typing import Any, Callable, NoReturn
 
+from mptrain.core.signals import end_on_first_signal, ignore_stop_signals, signal_of, stop_exit_code, stopped_line
+
 
 def leave(code: Any = 0, exit_handlers: bool = True) -> NoReturn:
     """End the process as ``sys.exit(code)`` would, without the interpreter's teardown.
@@ -53,12 +55,32 @@ def leave(code: Any = 0, exit_handlers: bool = True) -> NoReturn:
     os._exit(code)
 
 
-def run_then_leave(main: Callable[..., Any], *args: Any) -> NoReturn:
+def command_name() -> str:
+    """How the user called this command: ``mptrain.sample`` for ``python -m mptrain.sample``,
+    else the script's file name (the one line a command says starts with it)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec.name if spec is not None and spec.name else os.path.basename(sys.argv[0] or "mptrain")
+
+
+def run_then_leave(main: Callable[..., Any], *args: Any,
+                   stopped: str = "nothing it had not finished was written; rerun the same command") -> NoReturn:
     """``sys.exit(main(*args))`` for a command's ``__main__`` block, leaving through
     :func:`leave`; a ``SystemExit`` raised inside ``main`` gives its code the same
-    way. Any other exception propagates: Python prints its traceback and exits 1."""
+    way. Any other exception propagates: Python prints its traceback and exits 1.
+
+    A SIGTERM or SIGINT that ``main`` does not take itself ends the command with one
+    line (``<command>: stopped by SIGTERM before it finished; <stopped>``) and exit
+    code 128 + the signal's number, and the signals that follow it are ignored while it
+    leaves: without this, SIGTERM ended the process without a word and SIGINT (or the
+    second of two) printed a KeyboardInterrupt traceback from wherever it landed."""
     try:
-        code = main(*args)
-    except SystemExit as e:
-        code = e.code
+        with end_on_first_signal():
+            try:
+                code = main(*args)
+            except SystemExit as e:
+                code = e.code
+    except KeyboardInterrupt as e:  # Stopped, or Python's own SIGINT where main had put it back
+        ignore_stop_signals()  # for good (the handler above is given back by now): the line and the exit go through
+        print(stopped_line(command_name(), e, stopped), file=sys.stderr, flush=True)
+        code = stop_exit_code(signal_of(e))
     leave(code)

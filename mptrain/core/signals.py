@@ -5,6 +5,13 @@ signal before training undoes the launch), the loop (a signal asks the run to
 checkpoint and stop) and the advisor (a signal stops the whole command). Each
 takes both signals, acts in its own way, and gives the old handlers back;
 :class:`SignalHandler` is the taking and giving back, the action is theirs.
+
+What a signal that comes *again* does is decided here too, once for every
+command (:func:`stop_exit_code`, :class:`Stopped`, :func:`end_on_first_signal`):
+a repeated SIGTERM asks for nothing new (a scheduler sends it to every process
+of a job, so a rank often gets two), a second SIGINT (Ctrl-C twice) stops at
+once; either way the command ends with one line and exit code 128 + the
+signal's number, never a traceback.
 """
 from __future__ import annotations
 
@@ -19,6 +26,74 @@ Handler = Union[Callable[[int, Optional[FrameType]], object], int, None]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """The signals that ask a command to stop: a scheduler's or ``kill``'s SIGTERM, Ctrl-C's SIGINT."""
+
+
+def stop_exit_code(signum: int) -> int:
+    """The exit code of a command a signal ended before it finished: 128 + the signal's
+    number (130 for SIGINT, 143 for SIGTERM), as a shell reports a process the signal killed."""
+    return 128 + int(signum)
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal ends the command where it stands. A KeyboardInterrupt (what Python
+    raises for an unhandled SIGINT), so that every ``except Exception`` on the way lets
+    it through and the entry point that catches KeyboardInterrupt catches this too."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+def signal_of(stop: KeyboardInterrupt) -> int:
+    """The signal behind a KeyboardInterrupt: :class:`Stopped`'s own, else SIGINT (Python's handler)."""
+    return getattr(stop, "signum", signal.SIGINT)
+
+
+def stop_in(e: BaseException) -> Optional[KeyboardInterrupt]:
+    """The KeyboardInterrupt (a signal's stop) that ``e`` is or carries, or None. torch's
+    distributed checkpoint catches every BaseException inside a save or load and raises a
+    ``CheckpointException`` holding it in ``failures`` (rank -> (exception, stack)), so a
+    second Ctrl-C that lands in a save reaches the entry point wrapped."""
+    if isinstance(e, KeyboardInterrupt):
+        return e
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(inner, KeyboardInterrupt):
+                return inner
+    return None
+
+
+def end_on_first_signal() -> "SignalHandler":
+    """A handler (not yet installed) for a command with nothing to save: the first SIGTERM
+    or SIGINT raises :class:`Stopped` where the command stands, and every later one is
+    ignored, so that a second signal cannot interrupt the command while it says its one
+    line and leaves (``core/process_exit.py``'s ``run_then_leave`` installs it)."""
+    seen: list[int] = []
+
+    def stop(signum: int, frame) -> None:
+        if seen:  # already on its way out: the exit must not be cut short by a traceback
+            return
+        seen.append(signum)
+        raise Stopped(signum)
+
+    return SignalHandler(stop)
+
+
+def ignore_stop_signals() -> None:
+    """Ignore SIGTERM and SIGINT from now on, for a command already leaving after a stop:
+    its one line and its exit must not be cut short by the next signal. Main thread only
+    (elsewhere Python changes no handler, and this does nothing)."""
+    for sig in STOP_SIGNALS:
+        with contextlib.suppress(ValueError):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def stopped_line(prog: str, stop: KeyboardInterrupt, what: str) -> str:
+    """The one line a command says when a signal ended it: ``<prog>: stopped by <SIGNAL>
+    before it finished; <what>`` (``what``: what was or was not written)."""
+    return f"{prog}: stopped by {signal.Signals(signal_of(stop)).name} before it finished; {what}"
 
 
 class SignalHandler:

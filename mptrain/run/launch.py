@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -31,8 +32,10 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from mptrain.config.checks import CONFIG_DIR, composition_error, expand_shorthands
+from mptrain.checkpoint.resolve import resume_line
 from mptrain.core import files
 from mptrain.core.errors import NO_ROOM_FIXES, DiskError, UserError
+from mptrain.core.signals import ignore_stop_signals, signal_of, stop_exit_code, stop_in
 from mptrain.core.text import fmt, text_table
 from mptrain.run.rundir import RunDirCallback
 from mptrain.run.startup import PEER_LOST, LauncherReport, RunRefused, Startup
@@ -187,12 +190,14 @@ class Task:
     def __init__(self, startup: Startup):
         self.startup = startup
         self.sweep = Sweep(startup.rank)
+        self.run_dir: Optional[Path] = None  # the job's run directory, once Hydra has chosen it
 
     def __call__(self, cfg: DictConfig) -> None:
         """Hydra calls this once per job with the composed config: composition is over, the run starts."""
         self.startup.hydra_errors.give_back()
         job = Sweep.current()
-        LauncherReport.from_env().note_run_dir(Path(HydraConfig.get().runtime.output_dir))
+        self.run_dir = Path(HydraConfig.get().runtime.output_dir)
+        LauncherReport.from_env().note_run_dir(self.run_dir)
         code, said, signal = self._run(cfg, in_sweep=job is not None)
         if job is not None:
             job.signal = signal
@@ -240,6 +245,20 @@ class Task:
             print(f"mptrain: {line}", file=sys.stderr, flush=True)
         return PEER_LOST, line
 
+    def stopped_at_once(self, stop: KeyboardInterrupt) -> int:
+        """A signal ended the launch where it stood (a second SIGINT, a Ctrl-C twice, which
+        the loop lets interrupt the step): one line naming the signal and where the run
+        resumes, said by rank 0 (none under ``python -m mptrain.torchrun``, whose own line
+        says it for the job), and exit code 128 + the signal's number. Later signals are
+        ignored, so that this line and the exit go through."""
+        ignore_stop_signals()
+        signum = signal_of(stop)
+        if self.startup.rank == 0 and LauncherReport.from_env().folder is None:
+            where = resume_line(self.run_dir) if self.run_dir is not None else "nothing was trained"
+            print(f"mptrain: stopped at once by {signal.Signals(signum).name}: the step in progress was not saved "
+                  f"(nothing saved before it is lost); {where}", file=sys.stderr, flush=True)
+        return stop_exit_code(signum)
+
     def __reduce__(self):
         """Pickled as "make the task anew": the start-up object (signals, threads, a store client) stays here."""
         return (_task_in_job, ())
@@ -263,7 +282,10 @@ def launch(argv: list[str], startup: Optional[Startup] = None) -> int:
         startup.stop.install()  # until training starts, a SIGTERM leaves the run directory as it was
         startup.register_resolvers()
         startup.hydra_errors.raise_while_composing()
-        return _run_hydra(startup)
+        code = _run_hydra(startup)
+        if code == 2:  # refused before training: what a rank above 0 made goes, if still empty
+            startup.claims.remove_made()
+        return code
     finally:
         startup.close()
 
@@ -294,3 +316,8 @@ def _run_hydra(startup: Startup) -> int:
         return startup.refuse(DiskError(f"Hydra could not write its .hydra/ files in {where}: {e.strerror}; "
                                         f"{NO_ROOM_FIXES[e.errno]}, then run the command again (nothing was "
                                         "trained, and the directory is as it was)."))
+    except BaseException as e:  # a signal the loop lets interrupt (Ctrl-C twice): one line, not a traceback
+        stop = stop_in(e)  # (it may come wrapped by torch's checkpoint save it landed in)
+        if stop is None:
+            raise
+        return task.stopped_at_once(stop)

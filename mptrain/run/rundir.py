@@ -412,8 +412,12 @@ def acquire(run_dir: Path, claims: Claims) -> Optional[Claim]:
     """Lock ``run_dir`` for this process (rank 0 only; a no-op when ``claims`` holds it
     already). Raises :class:`RunDirError` when another run holds it or it is not
     writable. The claim joins ``claims`` (the start-up's, ``run/startup.py``), so
-    that a signal before training can undo it."""
+    that a signal before training can undo it. A rank above 0 locks nothing; it notes
+    whether the directory is still to be made (``Claims.note_absent``), for a refused
+    launch to remove what its Hydra makes."""
     if not _is_rank0():
+        if claims is not None:
+            claims.note_absent(Path(run_dir))
         return None
     key = Path(run_dir).resolve()
     if key not in claims:

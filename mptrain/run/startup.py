@@ -213,6 +213,26 @@ class Claims(dict):
     def __init__(self, agreement: Optional[Agreement] = None):
         super().__init__()
         self.agreement = agreement or Agreement()
+        # A rank above 0 claims nothing, but its Hydra makes the run directory too (and the folders
+        # above it), maybe after rank 0 undid a refused launch: what it found absent, innermost first.
+        self.made: list[Path] = []
+
+    def note_absent(self, run_dir: Path) -> None:
+        """A rank above 0 is about to let Hydra make ``run_dir``: remember it and the
+        folders above it that do not exist yet, for :meth:`remove_made`."""
+        absent = [p for p in (Path(run_dir), *Path(run_dir).parents) if not p.exists()]
+        self.made.extend(p for p in absent if p not in self.made)
+
+    def remove_made(self) -> None:
+        """A rank above 0 whose launch was refused (or stopped) before training: the folders
+        :meth:`note_absent` found absent go again, each only while empty (``rmdir``), so
+        that nothing a run wrote (rank 0's records) and no directory that existed before
+        is ever removed. Without this, a rank slower than rank 0 re-made the run directory
+        after rank 0 had removed it, and the refused launch left it behind, empty."""
+        for folder in self.made:  # innermost first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        self.made = []
 
     def pop(self, key, default=None):
         """Release ``key``'s claim from the set, remembering whether its run had trained."""
@@ -367,6 +387,7 @@ class StopBeforeTraining:
             for folder in [*reversed(self.agreement.created_dirs), *reversed(self.agreement.created_parents)]:
                 with contextlib.suppress(OSError):
                     folder.rmdir()
+            self.claims.remove_made()  # a rank above 0: what its Hydra made, if still empty
             if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # under torchrun its launcher says what happened
                 os.write(2, f"mptrain: stopped by {signal.Signals(signum).name} before training started: nothing "
                             "was written, the run directory is as it was; rerun the same command to launch it "

@@ -383,13 +383,15 @@ def _not_a_marker(record, out: Path, also: frozenset[str] = frozenset()) -> Opti
         if name == ".." or Path(name).name != name:
             return (f"it names {name}, a path outside {out} (an export lists only the names of the files it "
                     "wrote there)")
-        if not is_export_name(name, also):
-            # Sizes and checksums only say a file is unchanged; a planted marker can give a file of
-            # the user's its true ones, so only the names an export writes are ever deleted.
-            return (f"it lists {name}, which is no file an export writes (the model's config, weights and "
-                    "tokenizer files)")
     if fmt == UNCHECKED_FORMAT:
-        return None
+        return None  # refused as such by previous_export, whatever it lists
+    # Sizes and checksums only say a file is unchanged; a planted marker can give a file of the
+    # user's its true ones, so only the names an export writes are ever deleted.
+    listed = [*files, *(previous if isinstance(previous, dict) else [])]  # each a plain name (checked above)
+    strange = [name for name in listed if not is_export_name(name, also)]
+    if strange:
+        return (f"it lists {strange[0]}, which is no file an export writes (the model's config, weights and "
+                "tokenizer files)")
     lists = previous.values() if isinstance(previous, dict) else [None]
     entries = [*files.values(), *(e for v in lists for e in (v if isinstance(v, list) else [None]))]
     if not all(isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("crc32"), str)

@@ -76,7 +76,11 @@ naming it and the fix, and says what was left: nothing, or an incomplete
 overwrite that running it again finishes.
 
 The checkpoint, its weights and its tokenizer are found by the functions
-``python -m mptrain.sample`` uses (``mptrain/checkpoint/readers.py``). A user error (no
+``python -m mptrain.sample`` uses (``mptrain/checkpoint/readers.py``), and
+checked as it checks them (``mptrain/checkpoint/trained.py``): a checkpoint in
+a run's ``checkpoints/`` that is not the model the run's ``config.yaml``
+describes (another run's, copied there) is refused before anything is
+written, and the step printed is the one its ``meta.json`` records. A user error (no
 checkpoint there, a damaged one, a tokenizer refused or missing, an output
 directory that cannot be written, holds the checkpoint, holds files of its
 own or a previous export without ``--overwrite``) is one line,

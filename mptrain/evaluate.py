@@ -3,10 +3,15 @@
     python -m mptrain.evaluate <run dir | checkpoint dir> [--json PATH] [--eval-tokens N]
         [--batch-size 16] [--precision run|fp32] [--device auto|cpu|cuda] [--trust-remote-code]
 
-The checkpoint is found and read as ``python -m mptrain.sample`` finds and
-reads it (the newest intact checkpoint of a run directory, or a
-``checkpoints/step-N`` directory itself, verified against its manifest; a live
-run's pruning is survived the same way). The validation split is the run's
+The checkpoint is found, checked and read by the loader ``python -m
+mptrain.sample`` and the Python API (``mptrain.load``) use
+(:func:`mptrain.checkpoint.trained.load`): the newest intact checkpoint of a
+run directory, or a ``checkpoints/step-N`` directory itself, verified against
+its manifest (a live run's pruning is survived), and inside a run's
+``checkpoints/`` refused in one line when it does not hold the model the run's
+``config.yaml`` describes (another run's, copied there). The step printed is
+the one its ``meta.json`` records, with the folder's name beside it when that
+says another. The validation split is the run's
 own: its data settings, from the checkpoint's ``meta.json``, prepared as the
 trainer prepares them (from the token cache when it is there, tokenized again
 otherwise). Every window of it is evaluated, where the trainer's ``val/loss``
@@ -41,6 +46,7 @@ directory, no checkpoint there, a file that is not one) is one line,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -51,7 +57,7 @@ from typing import Callable, Iterator, Optional
 
 from omegaconf import OmegaConf
 
-from mptrain.checkpoint.readers import build_model, read_newest
+from mptrain.checkpoint.trained import load, step_words
 from mptrain.config.schema import DataConfig, ParallelMode
 from mptrain.core import files
 from mptrain.core.errors import UserError
@@ -61,14 +67,7 @@ from mptrain.data.store import prepare
 from mptrain.distributed.parallel import DistContext
 from mptrain.run.step import evaluate
 from mptrain.run.validation import ValFigures, text_bytes
-from mptrain.sample import (
-    OneLineParser,
-    add_model_args,
-    forward_autocast,
-    one_line_errors,
-    pick_device,
-    read_checkpoint,
-)
+from mptrain.sample import OneLineParser, add_model_args, one_line_errors, pick_device
 
 PROGRESS_EVERY_S = 10.0
 """Seconds between two progress lines on stderr (none for an evaluation shorter than that)."""
@@ -138,15 +137,16 @@ def with_progress(batches: Iterator, total: int, log: Callable[[str], None]) -> 
 def evaluate_checkpoint(a: argparse.Namespace, log: Callable[[str], None]) -> dict:
     """The figures of the checkpoint ``a.src`` names on its run's validation split
     (all of it unless ``a.eval_tokens``)."""
-    device = pick_device(a.device)
-    ckpt, (meta, tok, weights) = read_newest(a.src, lambda c: read_checkpoint(c, a.trust_remote_code, log), log)
+    # The checked loader sample and the API use: the model computes in the asked precision itself.
+    trained = load(a.src, precision=a.precision, device=pick_device(a.device), trust_remote_code=a.trust_remote_code,
+                   log=log)
+    meta, device = trained.meta, trained.device
     val = validation_split(meta, a.eval_tokens, log)
-    model = build_model(meta, weights).to(device)
-    policy = SimpleNamespace(autocast=forward_autocast(meta, a.precision, device))  # all evaluate() asks of one
+    policy = SimpleNamespace(autocast=contextlib.nullcontext)  # all evaluate() asks of one; the model autocasts
     ctx = DistContext(mode=ParallelMode.none, device=device)  # this process alone
-    loss = evaluate(model, policy, ctx, with_progress(val.batches(a.batch_size, 0, 1), val.tokens, log))
-    fig = ValFigures.of(loss, val, text_bytes(val, tok))
-    return {"checkpoint": str(ckpt), "step": meta["step"], **fig.row(), "eval/tokens": fig.tokens,
+    loss = evaluate(trained.model, policy, ctx, with_progress(val.batches(a.batch_size, 0, 1), val.tokens, log))
+    fig = ValFigures.of(loss, val, text_bytes(val, trained.tokenizer))
+    return {"checkpoint": str(trained.checkpoint), "step": trained.step, **fig.row(), "eval/tokens": fig.tokens,
             "eval/windows": fig.windows, "eval/bytes": fig.text_bytes, "eval/split_tokens": len(val.w.tokens),
             "eval/whole_split": val.is_whole, "precision": a.precision, "device": str(device)}
 
@@ -156,7 +156,7 @@ def report(out: dict, block: int) -> str:
     bpb = f" | {out['val/bpb']:.4f} bits/byte" if "val/bpb" in out else " | bits/byte n/a (tokens not decodable)"
     left = out["eval/split_tokens"] - 1 - out["eval/tokens"]
     return "\n".join([
-        f"checkpoint {out['checkpoint']} (step {out['step']})",
+        f"checkpoint {out['checkpoint']} ({step_words(Path(out['checkpoint']), out)})",
         f"validation split: {out['eval/windows']:,} windows of {block} tokens = {out['eval/tokens']:,} target tokens "
         + (f"(all {out['eval/split_tokens']:,} but the first and the last {left}), " if out["eval/whole_split"] else
            f"(evenly spaced over its {out['eval/split_tokens']:,}), ")

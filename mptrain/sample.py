@@ -27,14 +27,18 @@ as the run trained (autocast to its ``precision.compute_dtype``; float8
 linears are not rebuilt, their matmuls run in that dtype), ``fp32`` computes
 everything in fp32.
 
-Finding the checkpoint, its weights and its tokenizer is the checkpoint
-layer's (``mptrain/checkpoint/readers.py``), shared with ``scripts/export_hf.py``;
-the decoding is ``mptrain/model/generate.py``'s, which the trainer's own samples
-use too. This module holds the command line, and the one-line errors and argument
-parser that ``scripts/export_hf.py`` uses too; ``python -m mptrain.evaluate``
-shares the checkpoint's reading (:func:`read_checkpoint`), the options of how
-its model runs (:func:`add_model_args`, :func:`pick_device`,
-:func:`forward_autocast`) and the one-line errors.
+A checkpoint inside a run's ``checkpoints/`` must hold the model the run's
+``config.yaml`` describes (family, shape, vocabulary, tokenizer): another
+run's checkpoint copied there is refused in one line naming each difference,
+as training refuses to resume it.
+
+Finding the checkpoint, checking it against its run and building its model is
+:func:`mptrain.checkpoint.trained.load`, the loader ``python -m mptrain.evaluate``
+and the Python API (``mptrain.load``) use too; the decoding is
+``mptrain/model/generate.py``'s, which the trainer's own samples use too. This
+module holds the command line, and the one-line errors and argument parser that
+``scripts/export_hf.py`` and ``python -m mptrain.evaluate`` use too, with the
+options of how the model runs (:func:`add_model_args`, :func:`pick_device`).
 """
 from __future__ import annotations
 
@@ -47,12 +51,9 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from mptrain.checkpoint.integrity import read_meta
-from mptrain.checkpoint.readers import build_model, checkpoint_tokenizer, model_weights, read_newest
-from mptrain.config.schema import DType
+from mptrain.checkpoint.trained import load, step_words
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.process_exit import run_then_leave
-from mptrain.data.tokenizers import ByteTokenizer, HFTokenizer
 from mptrain.model.generate import sample_ids
 
 
@@ -123,37 +124,21 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def read_checkpoint(ckpt: Path, trust_remote_code: bool, log: Callable[[str], None]) -> tuple[dict, object, dict]:
-    """What a tool reads of checkpoint ``ckpt``: its meta.json, the tokenizer it names
-    (:class:`ByteTokenizer` or :class:`HFTokenizer`) and its weights in fp32."""
-    meta = read_meta(ckpt)
-    tok = checkpoint_tokenizer(ckpt, meta, trust_remote_code, byte=ByteTokenizer)
-    if not isinstance(tok, ByteTokenizer):
-        tok = HFTokenizer(tok, meta["tokenizer"].get("name", ""), meta["tokenizer"]["path"])
-    return meta, tok, model_weights(ckpt, log)
-
-
-def forward_autocast(meta: dict, precision: str, device: torch.device) -> Callable:
-    """The forward context: autocast to the run's compute dtype, or nothing (fp32)."""
-    dtype = DType[meta["config"]["precision"]["compute_dtype"]].torch
-    if precision == "fp32" or dtype == torch.float32:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=dtype)
-
-
 def sample_text(a: argparse.Namespace, log: Callable[[str], None],
                 picked: Callable[[Path], None] = lambda ckpt: None) -> str:
     """The prompt followed by the model's continuation, for parsed arguments ``a``
     (``picked``: :func:`read_newest`'s seam)."""
-    device = pick_device(a.device)
-    ckpt, (meta, tok, weights) = read_newest(a.src, lambda c: read_checkpoint(c, a.trust_remote_code, log), log,
-                                             picked)
-    model = build_model(meta, weights).to(device)
+    # The checked loader the API and evaluate use: the model computes in the asked precision itself.
+    trained = load(a.src, precision=a.precision, device=pick_device(a.device), trust_remote_code=a.trust_remote_code,
+                   log=log, picked=picked)
+    words = step_words(trained.checkpoint, trained.meta)
+    if words != f"step {trained.step}":  # a folder renamed or copied: say which step's weights write the text
+        log(f"note: checkpoint {trained.checkpoint} is {words}")
+    tok = trained.tokenizer
     # An empty prompt starts a new document: training put end-of-text before every one.
     prompt_ids = tok.encode_batch([a.prompt])[0] if a.prompt else [tok.eos_id]
-    new = sample_ids(model, prompt_ids, a.tokens, temperature=a.temperature, top_k=a.top_k,
-                     generator=torch.Generator().manual_seed(a.seed), autocast=forward_autocast(meta, a.precision, device),
-                     device=device, stop_id=tok.eos_id)
+    new = sample_ids(trained.model, prompt_ids, a.tokens, temperature=a.temperature, top_k=a.top_k,
+                     generator=torch.Generator().manual_seed(a.seed), device=trained.device, stop_id=tok.eos_id)
     if new and new[-1] == tok.eos_id:
         new = new[:-1]
     # One decode of the whole sequence, as the trainer's samples are: a tokenizer need not

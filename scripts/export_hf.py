@@ -55,10 +55,15 @@ files is refused; one holding a previous export (its ``mptrain_export.json``)
 is refused unless ``--overwrite`` is given, and then only the files that
 export listed are replaced (anything else in it stays), and only when each is
 still what it wrote: its size and CRC-32 as the marker records them. Anyone
-who can write into the directory can plant a marker, so these are refused in
-one line saying which, and nothing is deleted: a marker naming a path outside
-the directory, one listing a file whose size or checksum differs (edited
-since, or a file of the user's), and one written before markers recorded
+who can write into the directory can plant a marker, and can give a file of
+yours its true size and checksum in it, so only the names an export writes are
+ever deleted (``EXPORT_NAMES``: the model's config, generation config and
+weights, whole or in shards, and the tokenizer's files, with the vocabulary
+files the exported tokenizer's class declares). These are refused in one line
+saying which, and nothing is deleted: a marker naming a path outside the
+directory, one listing any other name (``user.txt``), one listing a file whose
+size or checksum differs (edited since, or a file of the user's), and one
+written before markers recorded
 checksums (``mptrain-export-1``), whose files cannot be told from the user's
 (delete that export's files yourself). The export is built and checked in a
 hidden sibling directory first (``.<out>.export-tmp...``), then renamed into
@@ -71,7 +76,11 @@ naming it and the fix, and says what was left: nothing, or an incomplete
 overwrite that running it again finishes.
 
 The checkpoint, its weights and its tokenizer are found by the functions
-``python -m mptrain.sample`` uses (``mptrain/checkpoint/readers.py``). A user error (no
+``python -m mptrain.sample`` uses (``mptrain/checkpoint/readers.py``), and
+checked as it checks them (``mptrain/checkpoint/trained.py``): a checkpoint in
+a run's ``checkpoints/`` that is not the model the run's ``config.yaml``
+describes (another run's, copied there) is refused before anything is
+written, and the step printed is the one its ``meta.json`` records. A user error (no
 checkpoint there, a damaged one, a tokenizer refused or missing, an output
 directory that cannot be written, holds the checkpoint, holds files of its
 own or a previous export without ``--overwrite``) is one line,
@@ -84,6 +93,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -103,6 +113,7 @@ from mptrain.checkpoint.readers import (  # noqa: E402
     model_weights,
     read_newest,
 )
+from mptrain.checkpoint.trained import check_against_run, step_words  # noqa: E402
 from mptrain.core.errors import NO_ROOM_FIXES, ConfigError, UserError, os_error_of  # noqa: E402
 from mptrain.core.files import write_json  # noqa: E402
 from mptrain.data.tokenizers import EOT  # noqa: E402
@@ -121,6 +132,19 @@ UNCHECKED_FORMAT = "mptrain-export-1"
 # What a full disk is called, per "no room" error (the fix is NO_ROOM_FIXES').
 _NO_ROOM = {errno.ENOSPC: "the disk is full at", errno.EDQUOT: "the disk quota is used up at",
             errno.EFBIG: "a file is over the file-size limit at"}
+# The names an export writes, and so the only ones --overwrite deletes whatever a
+# marker lists: what transformers' save_pretrained writes for the model (config,
+# generation config, weights whole or in shards) and for a tokenizer (the files
+# every one writes, and the vocabulary files of the common kinds). A tokenizer
+# class declares its own vocabulary files (vocab_files_names): those of the one
+# being exported count too (:func:`tokenizer_names`).
+EXPORT_NAMES = frozenset({
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt",
+    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+})
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # Moved into an existing directory last (before the marker): until they are in,
 # transformers cannot load the directory, so it never loads a partial export.
 _LOADED_FIRST = ("config.json", "tokenizer_config.json")
@@ -177,18 +201,21 @@ def export(src: Path, out: Path, trust_remote_code: bool = False, overwrite: boo
 
     def read(ckpt: Path):
         meta = read_meta(ckpt)
+        check_against_run(ckpt, meta)  # another run's checkpoint in this run's folder, as evaluate and sample refuse
         hf_config(meta, src)  # a model its transformers class cannot compute is refused before any work
         _check_out(ckpt, out)
-        _check_target(out, overwrite)
-        # The tokenizer first: a refused one stops the export before the weights are read.
-        return meta, checkpoint_tokenizer(ckpt, meta, trust_remote_code, byte=byte_tokenizer), model_weights(ckpt)
+        # The tokenizer before the weights: a refused one stops the export before they are read;
+        # and before the output directory's check, which takes its file names as an export's too.
+        tokenizer = checkpoint_tokenizer(ckpt, meta, trust_remote_code, byte=byte_tokenizer)
+        _check_target(out, overwrite, tokenizer_names(tokenizer))
+        return meta, tokenizer, model_weights(ckpt)
 
     ckpt, (meta, tokenizer, sd) = read_newest(src, read)
     _check_finite(ckpt, sd)
     m = meta["config"]["model"]
     name = family_spec(model_section(meta)).name
     family = "" if name == "gpt" else f"{name} "  # a GPT's line is as it always was
-    print(f"export_hf: {ckpt} (step {meta['step']}, {family}{m['n_layer']}x{m['d_model']}, "
+    print(f"export_hf: {ckpt} ({step_words(ckpt, meta)}, {family}{m['n_layer']}x{m['d_model']}, "
           f"vocab {meta['vocab_size']})")
     staging = _staging_dir(out)
     try:
@@ -300,13 +327,28 @@ def _staging_dir(out: Path) -> Path:
     return staging
 
 
-def previous_export(out: Path) -> Optional[dict]:
+def tokenizer_names(tokenizer) -> frozenset[str]:
+    """The vocabulary files ``tokenizer``'s class declares it saves (transformers'
+    ``vocab_files_names``): names this export writes, beside :data:`EXPORT_NAMES`."""
+    declared = getattr(tokenizer, "vocab_files_names", None) or {}
+    return frozenset(v for v in declared.values() if isinstance(v, str))
+
+
+def is_export_name(name: str, also: frozenset[str] = frozenset()) -> bool:
+    """Whether ``name`` is a file an export writes (:data:`EXPORT_NAMES`, a weights
+    shard, or one of ``also``: the files this export's own tokenizer writes)."""
+    return name in EXPORT_NAMES or name in also or _SHARD.fullmatch(name) is not None
+
+
+def previous_export(out: Path, also: frozenset[str] = frozenset()) -> Optional[dict]:
     """The marker of the export ``out`` holds, or None when it holds none.
 
     A marker decides what --overwrite deletes, and anyone who can write into
     ``out`` can plant one, so one that no export of this version wrote is an
     :class:`ExportError` that says why (a link, not JSON, another format, a name
-    leading outside ``out``, files listed without their sizes and checksums),
+    leading outside ``out``, a name no export writes (``also``: names this one's
+    tokenizer writes, beside :data:`EXPORT_NAMES`), files listed without their
+    sizes and checksums),
     and so is one of the version before checksums, whose files cannot be told
     from the user's."""
     marker = out / MARKER
@@ -319,7 +361,7 @@ def previous_export(out: Path) -> Optional[dict]:
         except (OSError, ValueError) as e:
             why = f"it cannot be read as JSON ({e})"
         else:
-            why = _not_a_marker(record, out)
+            why = _not_a_marker(record, out, also)
     if why:
         raise ExportError(f"the output directory {out} holds {MARKER}, but {why}, so it is no export's marker "
                           "and nothing there is replaced; remove it if you did not put it there, or give another "
@@ -332,7 +374,7 @@ def previous_export(out: Path) -> Optional[dict]:
     return record
 
 
-def _not_a_marker(record, out: Path) -> Optional[str]:
+def _not_a_marker(record, out: Path, also: frozenset[str] = frozenset()) -> Optional[str]:
     """Why ``record`` (a marker's JSON) was not written by an export, or None
     when it may have been."""
     fmt = record.get("format") if isinstance(record, dict) else None
@@ -346,7 +388,14 @@ def _not_a_marker(record, out: Path) -> Optional[str]:
             return (f"it names {name}, a path outside {out} (an export lists only the names of the files it "
                     "wrote there)")
     if fmt == UNCHECKED_FORMAT:
-        return None
+        return None  # refused as such by previous_export, whatever it lists
+    # Sizes and checksums only say a file is unchanged; a planted marker can give a file of the
+    # user's its true ones, so only the names an export writes are ever deleted.
+    listed = [*files, *(previous if isinstance(previous, dict) else [])]  # each a plain name (checked above)
+    strange = [name for name in listed if not is_export_name(name, also)]
+    if strange:
+        return (f"it lists {strange[0]}, which is no file an export writes (the model's config, weights and "
+                "tokenizer files)")
     lists = previous.values() if isinstance(previous, dict) else [None]
     entries = [*files.values(), *(e for v in lists for e in (v if isinstance(v, list) else [None]))]
     if not all(isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("crc32"), str)
@@ -383,18 +432,20 @@ def _not_written(out: Path, accepted: dict[str, list[dict]]) -> Optional[tuple[s
     return None
 
 
-def _check_target(out: Path, overwrite: bool) -> None:
+def _check_target(out: Path, overwrite: bool, also: frozenset[str] = frozenset()) -> None:
     """Refuse an output directory whose files the export would mix with or
     replace without being asked: one holding anything but a previous export, a
-    previous export without ``overwrite``, or one whose listed files are not
-    all what it wrote (their sizes and checksums in its marker)."""
+    previous export without ``overwrite``, one whose marker lists a name no
+    export writes (``also``: the names this export's tokenizer writes), or one
+    whose listed files are not all what it wrote (their sizes and checksums in
+    its marker)."""
     if not out.is_dir():
         if out.exists():
             raise ExportError(f"the output directory {out} is a file; give a directory path (new or empty).")
         return
     if not any(out.iterdir()):
         return
-    record = previous_export(out)
+    record = previous_export(out, also)
     if record is None:
         raise ExportError(f"the output directory {out} is not empty and holds no previous export (no {MARKER}), "
                           "so the export would mix with its files; give another directory (new or empty), or "
@@ -432,8 +483,10 @@ def publish(staging: Path, out: Path, ckpt: Path, meta: dict) -> None:
             write_json(staging / MARKER, record)
             os.replace(staging, out)
             return
-        _check_target(out, overwrite=True)  # again: the directory may have changed while the export was built
-        record_before = previous_export(out)
+        # Again: the directory may have changed while the export was built. The names staged are
+        # the export's own, whatever its tokenizer (they replace their namesakes in any case).
+        _check_target(out, overwrite=True, also=frozenset(names))
+        record_before = previous_export(out, frozenset(names))
         old = _contents(record_before) if record_before else {}
         theirs = [n for n in names if n not in old and os.path.lexists(out / n)]
         if theirs:

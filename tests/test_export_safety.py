@@ -138,7 +138,10 @@ def test_overwrite_deletes_only_what_the_export_wrote(trained, tmp_path, capsys)
     since, makes --overwrite refuse in one line and delete nothing: a marker of the
     previous version (no checksums: it cannot tell the export's files from the
     user's), a file whose size or checksum is not what the marker records, a name
-    leading outside the folder (said as such, not as "no marker")."""
+    leading outside the folder (said as such, not as "no marker"), and a name no
+    export writes even with the file's true size and CRC-32 (in the export's own
+    list or in an interrupted overwrite's ``previous``): checksums only say a
+    file is unchanged, and a planted marker can give a file of the user's its own."""
     out = tmp_path / "hf"
     out.mkdir()
     thesis, victim = out / "thesis.txt", tmp_path / "victim.txt"
@@ -147,9 +150,12 @@ def test_overwrite_deletes_only_what_the_export_wrote(trained, tmp_path, capsys)
     head = {"checkpoint": str(trained), "step": 2, "time": "2026-01-01T00:00:00+0000", "complete": True}
     cases = [
         ({"format": "mptrain-export-1", "files": ["thesis.txt"]}, "records no checksums"),
-        ({"format": "mptrain-export-2", "files": {"config.json": _entry(b'{"edited": false}'),
-                                                  "thesis.txt": _entry(b"years of work")}},
+        ({"format": "mptrain-export-2", "files": {"config.json": _entry(b'{"edited": false}')}},
          "config.json is not the file the export wrote"),
+        ({"format": "mptrain-export-2", "files": {"thesis.txt": _entry(b"years of work")}},
+         "it lists thesis.txt, which is no file an export writes"),
+        ({"format": "mptrain-export-2", "files": {"config.json": _entry(b"{}")}, "complete": False,
+          "previous": {"thesis.txt": [_entry(b"years of work")]}}, "it lists thesis.txt, which is no file"),
         ({"format": "mptrain-export-1", "files": ["../victim.txt"]}, "../victim.txt, a path outside"),
         ({"format": "mptrain-export-2", "files": {"/tmp/../" + str(victim): _entry(b"keep")}}, "a path outside"),
     ]

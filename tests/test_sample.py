@@ -82,7 +82,7 @@ def test_the_prompt_and_its_continuation_are_decoded_as_one_text(trained, monkey
         drawn_after.append(list(prompt_ids))
         return [*cont, tok.eos_token_id]
 
-    monkeypatch.setattr("mptrain.sample.checkpoint_tokenizer", lambda *a, **kw: tok)
+    monkeypatch.setattr("mptrain.checkpoint.trained.checkpoint_tokenizer", lambda *a, **kw: tok)
     monkeypatch.setattr("mptrain.sample.sample_ids", draw)
     capsys.readouterr()
     main([str(trained[0]), "--prompt", PROMPT])

@@ -16,6 +16,10 @@ matmuls then take twice the repeats). Takes no arguments; ``--help`` prints this
 """
 from __future__ import annotations
 
+from mptrain.core.usage import answer_help
+
+answer_help(__name__, __doc__)  # --help before the imports below load torch (seconds; 20 s on a busy machine)
+
 import sys
 
 import torch

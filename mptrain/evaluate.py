@@ -44,18 +44,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterator, Optional
 
-from omegaconf import OmegaConf
-
-from mptrain.checkpoint.readers import build_model, read_newest
-from mptrain.config.schema import DataConfig, ParallelMode
-from mptrain.core import files
 from mptrain.core.errors import UserError
 from mptrain.core.process_exit import run_then_leave
-from mptrain.data.batches import ValSet, Windows
-from mptrain.data.store import prepare
-from mptrain.distributed.parallel import DistContext
-from mptrain.run.step import evaluate
-from mptrain.run.validation import ValFigures, text_bytes
+from mptrain.core.usage import usage_only
 from mptrain.sample import (
     OneLineParser,
     add_model_args,
@@ -64,6 +55,18 @@ from mptrain.sample import (
     pick_device,
     read_checkpoint,
 )
+
+if not usage_only():  # --help needs only the parser: answered without torch's import (20 s when busy)
+    from omegaconf import OmegaConf
+
+    from mptrain.checkpoint.readers import build_model, read_newest
+    from mptrain.config.schema import DataConfig, ParallelMode
+    from mptrain.core import files
+    from mptrain.data.batches import ValSet, Windows
+    from mptrain.data.store import prepare
+    from mptrain.distributed.parallel import DistContext
+    from mptrain.run.step import evaluate
+    from mptrain.run.validation import ValFigures, text_bytes
 
 PROGRESS_EVERY_S = 10.0
 """Seconds between two progress lines on stderr (none for an evaluation shorter than that)."""

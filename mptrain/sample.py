@@ -45,15 +45,18 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-import torch
-
-from mptrain.checkpoint.integrity import read_meta
-from mptrain.checkpoint.readers import build_model, checkpoint_tokenizer, model_weights, read_newest
-from mptrain.config.schema import DType
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.process_exit import run_then_leave
-from mptrain.data.tokenizers import ByteTokenizer, HFTokenizer
-from mptrain.model.generate import sample_ids
+from mptrain.core.usage import usage_only
+
+if not usage_only():  # --help needs only the parser below: answered without torch's import (20 s when busy)
+    import torch
+
+    from mptrain.checkpoint.integrity import read_meta
+    from mptrain.checkpoint.readers import build_model, checkpoint_tokenizer, model_weights, read_newest
+    from mptrain.config.schema import DType
+    from mptrain.data.tokenizers import ByteTokenizer, HFTokenizer
+    from mptrain.model.generate import sample_ids
 
 
 class SampleError(UserError):

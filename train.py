@@ -14,6 +14,10 @@ if __name__ == "__main__":
     refused = startup.check_command_line(sys.argv[1:])
     if refused is not None:
         sys.exit(refused)
+    from mptrain.run.help import asks_hydra_help, hydra_help
+
+    if asks_hydra_help(sys.argv[1:]):  # Hydra's usage needs the configs, not torch
+        sys.exit(hydra_help(sys.argv[1:], startup))
     from mptrain.train import main  # loads torch: only for a command line that passed
 
     main(sys.argv[1:], startup)

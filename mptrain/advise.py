@@ -36,8 +36,11 @@ is the baseline's configuration, the comparison measures only run-to-run
 noise, and it says so) and bytes per parameter. ``--seeds`` without
 ``--confirm`` is refused. A SIGTERM
 or Ctrl-C stops the whole command: one line says what it stopped, nothing is
-claimed, exit code 0; the same command run again continues in that
-directory (the seeds' finished runs read back, the stopped one resumed).
+claimed, exit code 0, and how to continue: rerun the same command with
+``hydra.run.dir=<its advise directory>`` (the line gives the directory; a
+command that named one already has it) to continue there, the seeds' finished
+runs read back, the stopped one resumed. Without it, a rerun starts a new
+advise in a new directory.
 ``--lab``: named recipes of the format lab (docs/formats.md: mxfp8, nvfp4,
 nvfp4_4over6, mxfp6_e2m3, ...) the probe measures as what-ifs
 beside the float8 candidates; the answer ranks them by the noise their casts
@@ -54,6 +57,10 @@ advised configuration's bytes per step per mesh dimension, on paper.
 The rules and their thresholds: docs/advise.md.
 """
 from __future__ import annotations
+
+from mptrain.core.usage import answer_help
+
+answer_help(__name__, __doc__)  # --help before the imports below load torch (seconds; 20 s on a busy machine)
 
 import os
 import sys

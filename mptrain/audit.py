@@ -13,6 +13,10 @@ a checkpoint. The same as ``python train.py ... train.audit=true train.audit_onl
 """
 from __future__ import annotations
 
+from mptrain.core.usage import answer_help
+
+answer_help(__name__, __doc__)  # --help before the imports below load torch (seconds; 20 s on a busy machine)
+
 import sys
 from typing import Optional
 

@@ -20,6 +20,10 @@ arguments; ``--help`` prints this.
 """
 from __future__ import annotations
 
+from mptrain.core.usage import answer_help
+
+answer_help(__name__, __doc__)  # --help before the imports below load torch (seconds; 20 s on a busy machine)
+
 import sys
 
 import torch

@@ -55,19 +55,22 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterator, Optional
 
-from omegaconf import OmegaConf
-
-from mptrain.checkpoint.trained import load, step_words
-from mptrain.config.schema import DataConfig, ParallelMode
-from mptrain.core import files
 from mptrain.core.errors import UserError
 from mptrain.core.process_exit import run_then_leave
-from mptrain.data.batches import ValSet, Windows
-from mptrain.data.store import prepare
-from mptrain.distributed.parallel import DistContext
-from mptrain.run.step import evaluate
-from mptrain.run.validation import ValFigures, text_bytes
+from mptrain.core.usage import usage_only
 from mptrain.sample import OneLineParser, add_model_args, one_line_errors, pick_device
+
+if not usage_only():  # --help needs only the parser: answered without torch's import (20 s when busy)
+    from omegaconf import OmegaConf
+
+    from mptrain.checkpoint.trained import load, step_words
+    from mptrain.config.schema import DataConfig, ParallelMode
+    from mptrain.core import files
+    from mptrain.data.batches import ValSet, Windows
+    from mptrain.data.store import prepare
+    from mptrain.distributed.parallel import DistContext
+    from mptrain.run.step import evaluate
+    from mptrain.run.validation import ValFigures, text_bytes
 
 PROGRESS_EVERY_S = 10.0
 """Seconds between two progress lines on stderr (none for an evaluation shorter than that)."""

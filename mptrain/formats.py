@@ -26,6 +26,10 @@ gradient). The flags combine.
 """
 from __future__ import annotations
 
+from mptrain.core.usage import answer_help
+
+answer_help(__name__, __doc__)  # --help before the imports below load torch (seconds; 20 s on a busy machine)
+
 import sys
 
 import torch

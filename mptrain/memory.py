@@ -28,6 +28,10 @@ in one line. Nothing is built or allocated.
 """
 from __future__ import annotations
 
+from mptrain.core.usage import answer_help
+
+answer_help(__name__, __doc__)  # --help before the imports below load torch (seconds; 20 s on a busy machine)
+
 import sys
 
 from mptrain.config.checks import compose_checked

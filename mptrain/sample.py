@@ -49,12 +49,15 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-import torch
-
-from mptrain.checkpoint.trained import load, step_words
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.process_exit import run_then_leave
-from mptrain.model.generate import sample_ids
+from mptrain.core.usage import usage_only
+
+if not usage_only():  # --help needs only the parser below: answered without torch's import (20 s when busy)
+    import torch
+
+    from mptrain.checkpoint.trained import load, step_words
+    from mptrain.model.generate import sample_ids
 
 
 class SampleError(UserError):

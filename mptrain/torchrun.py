@@ -56,9 +56,25 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from torch.distributed.elastic.agent.server import api as _agent
-from torch.distributed.elastic.multiprocessing import api as _elastic
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from mptrain.core.usage import answer_help
+
+
+def launcher_args(argv: list[str]) -> list[str]:
+    """The launcher's own arguments: those before the training script (``train.py``,
+    ``-m module``), whose own ``--help`` is the script's."""
+    end = next((i for i, a in enumerate(argv) if a.endswith(".py") or a in ("-m", "--module", "--no-python",
+                                                                                "--no_python")), len(argv))
+    return argv[:end]
+
+
+# --help before torch's import (seconds; 20 s on a busy machine). torchrun's own options are
+# torch's: its parser needs torch, so the usage names them by reference.
+answer_help(__name__, f"{__doc__}\nEvery option of torchrun is taken as torchrun takes it: `torchrun --help` "
+            "lists them.", launcher_args(sys.argv[1:]))
+
+from torch.distributed.elastic.agent.server import api as _agent  # noqa: E402
+from torch.distributed.elastic.multiprocessing import api as _elastic  # noqa: E402
+from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main as _torch_main
 

@@ -15,8 +15,15 @@ import sys
 from typing import NoReturn, Optional
 
 from mptrain.core.process_exit import leave
-from mptrain.run.launch import launch
 from mptrain.run.startup import Startup
+
+if __name__ == "__main__":
+    from mptrain.run.help import asks_hydra_help, hydra_help
+
+    if asks_hydra_help(sys.argv[1:]):  # Hydra's usage needs the configs, not torch (20 s to import when busy)
+        sys.exit(hydra_help(sys.argv[1:], Startup()))
+
+from mptrain.run.launch import launch  # noqa: E402  (loads torch)
 
 
 def exit_process(code: int) -> NoReturn:

@@ -1,6 +1,6 @@
 """Does the harness cost anything? The same training, with and without it.
 
-    python scripts/bench.py [overrides...] [--steps N] [--repeats R]
+    python scripts/bench.py [overrides...] [--steps N] [--repeats R] [--full]
     torchrun --standalone --nproc_per_node=2 scripts/bench.py parallel=ddp model=gpt-nano
 
 Runs, for the given config (default: model=gpt-mini precision=fp32):
@@ -11,6 +11,14 @@ Runs, for the given config (default: model=gpt-mini precision=fp32):
   AdamW, clipping, and nothing else. Both use the same fast-path switches
   (per-block compile and TF32 on CUDA by default, activation checkpointing as
   configured); the header says which.
+
+By default each run is 50 steps, twice per setting: about a minute and a half
+on an idle 2-core CPU, long enough for the harness/bare ratio to settle to a
+few percent. ``--full`` is the long form the documented figures were measured
+with (200 steps per run). Ctrl-C (or SIGTERM) stops it at once: the run in
+progress ends after its current step, and the table shows what was measured,
+that run marked ``partial`` with the steps it ran; exit code 130 (143 for
+SIGTERM), as a shell reports a command stopped by the signal.
 
 The first ``--warmup`` steps (10) of every run are left out of its timing:
 the first step compiles (on CUDA by default), picks kernels and grows the
@@ -35,6 +43,7 @@ import io
 import json
 import os
 import platform
+import signal
 import sys
 import tempfile
 import threading
@@ -42,12 +51,41 @@ import time
 from pathlib import Path
 from typing import Optional, TextIO
 
-import torch
-from mptrain.core.errors import UserError
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+QUICK_STEPS = 50
+"""Steps per run by default: six runs of gpt-mini in about a minute and a half on an idle 2-core CPU."""
+FULL_STEPS = 200
+"""Steps per run with ``--full``: the long form the figures in docs/performance.md were measured with."""
 
+
+def arguments() -> argparse.ArgumentParser:
+    """The command line's flags (Hydra overrides are the rest). Defined before any heavy
+    import, so that ``--help`` answers without loading torch."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"steps per run (default {QUICK_STEPS}; {FULL_STEPS} with --full)")
+    ap.add_argument("--full", action="store_true",
+                    help=f"the long form: {FULL_STEPS} steps per run (the documented figures' setting)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs of each setting, interleaved; the fastest counts (default 2, 4 on a busy machine)")
+    ap.add_argument("--warmup", type=int, default=10,
+                    help="steps left out of every timing: the harness's logged laps up to this step, the bare "
+                         "loop's first steps (compilation, allocator); 0 times every step")
+    ap.add_argument("--progress-every", type=float, default=None, metavar="S",
+                    help="seconds between two plain progress lines when the output is not a terminal (default 30)")
+    ap.add_argument("--verbose", action="store_true", help="show the harness's own banner and messages for every run")
+    return ap
+
+
+if __name__ == "__main__":
+    # --help and a malformed flag are answered here, before torch's import (which alone took
+    # 20 s on a busy machine); a good command line goes on to main() below.
+    arguments().parse_known_args()
+
+import torch  # noqa: E402
+from mptrain.core.errors import UserError  # noqa: E402
+from mptrain.core.signals import SignalHandler  # noqa: E402
 from mptrain.data.batches import Batches, Windows  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402
 from mptrain.config.checks import compose_checked  # noqa: E402
@@ -58,7 +96,7 @@ from mptrain.distributed.parallel import setup, wrap  # noqa: E402
 from mptrain.plan.build import build_plan  # noqa: E402
 from mptrain.observe.perf import flops_per_token, matmul_kind, mfu, peak_flops  # noqa: E402
 from mptrain.precision.policy import PrecisionPolicy  # noqa: E402
-from mptrain.precision.formats import dtype_name
+from mptrain.precision.formats import dtype_name  # noqa: E402
 from mptrain.run.record import peak_memory, reset_peak_memory  # noqa: E402
 from mptrain.precision import optimizers  # noqa: E402
 from mptrain.run.step import build_optimizer, decay_names, lr_at  # noqa: E402
@@ -70,6 +108,39 @@ from mptrain.config.checks import CONFIG_DIR as CONFIGS  # noqa: E402  (mptrain/
 DEFAULTS = ["model=gpt-mini", "precision=fp32", "train.eval_every=0", "log.progress=false", "checkpoint.at_end=false"]
 REDRAW_S = 0.5  # a terminal's progress line is redrawn at most this often (and the harness's log polled)
 PLAIN_EVERY_S = 30.0  # elsewhere (a file, a pipe, CI), one plain progress line at most this often
+STOP_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+"""The exit code of a benchmark stopped by the user, as a shell reports a command the signal ended (128 + its number)."""
+
+
+class Stopped(BaseException):
+    """Ctrl-C or SIGTERM outside a training loop (a run's start-up, the bare loop, between
+    runs): ends the measurement where it stands. A BaseException, as KeyboardInterrupt
+    is, so that no ``except Exception`` on the way takes it for a failure."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stoppable():
+    """Within the block, the first SIGINT or SIGTERM raises :class:`Stopped`, except while a
+    harness run trains: the trainer's own handler takes the signal then, finishes the step
+    and returns its summary with ``stopped_early`` (and gives this handler back). Either
+    way the benchmark stops at once, with what it measured, instead of taking the signal
+    for the end of one run and starting the next."""
+    with SignalHandler(_raise_stopped):
+        yield
+
+
+def stop_signal(e: BaseException) -> int:
+    """The signal behind a stop: :class:`Stopped`'s, or SIGINT for a KeyboardInterrupt
+    (a second Ctrl-C inside a harness step, after the trainer's handler gave Python's back)."""
+    return e.signum if isinstance(e, Stopped) else signal.SIGINT
 
 
 class Progress:
@@ -100,11 +171,14 @@ class Progress:
             if now - self.shown_at >= (REDRAW_S if self.tty else PLAIN_EVERY_S):
                 self._show(self._text(now), final=False)
 
-    def finish(self, tail: str) -> None:
-        """The run's last line: every step done, and what it measured."""
+    def finish(self, tail: str, done: Optional[int] = None, head: Optional[str] = None) -> None:
+        """The run's last line: the steps it ran (``done``; every step by default: a
+        stopped or capped run gives its own count) and what it measured. ``head``
+        replaces the line's head, for a count of runs that changed meanwhile."""
         with self.lock:
-            self.done = self.total
-            self._show(f"{self.head} {self.total:>{len(str(self.total))}}/{self.total} steps | {tail}", final=True)
+            self.done = self.total if done is None else done
+            self.head = head or self.head
+            self._show(f"{self.head} {self.done:>{len(str(self.total))}}/{self.total} steps | {tail}", final=True)
 
     def abandon(self) -> None:
         """The run failed: end a terminal's half-drawn line, so the error starts on its own."""
@@ -181,6 +255,8 @@ def quiet_harness(show: bool):
     try:
         with contextlib.redirect_stdout(buf):
             yield warnings
+    except (Stopped, KeyboardInterrupt):
+        raise  # the user's stop, not a failure: the harness's start-up lines would only bury the table
     except BaseException:
         sys.stderr.write(buf.getvalue())
         raise
@@ -221,14 +297,19 @@ def harness(overrides: list[str], steps: int, progress: Progress, show: bool = F
     data = None  # the input time per step: the wait for the prefetch thread, plus (CUDA) issuing the copies
     if "perf/data_wait_s" in out:
         data = out["perf/data_wait_s"] + out.get("perf/data_copy_s", 0.0)
+    # The steps it ran: all of them, or, when a signal stopped it (the trainer's stop: the
+    # step finished, the summary written), the count at the stop: its figures are over those.
+    done = int(out.get("steps", steps))
+    stopped = {"stopped": out["stopped_early"], "steps": done} if out.get("stopped_early") else {}
+    mem = out.get("mem/peak_gib", out.get("mem/peak_rss_gib"))
     timed, seconds = steady_laps(rows, warmup) if warmup else (0, 0.0)
     if timed:  # the steady laps (every rank logs the same global tokens/s; rank 0's rows are read)
-        tps = timed * out["tokens"] / steps / seconds
-        return {"tokens_per_s": tps, "step_time_s": seconds / timed,
-                "mem": out.get("mem/peak_gib", out.get("mem/peak_rss_gib")), "data_s": data, "warnings": warnings}
-    return {"tokens_per_s": out["perf/tokens_per_s"], "step_time_s": out["tokens"] / out["perf/tokens_per_s"] / steps
-            if out["perf/tokens_per_s"] else None, "mem": out.get("mem/peak_gib", out.get("mem/peak_rss_gib")),
-            "data_s": data, "warnings": warnings}
+        tps = timed * out["tokens"] / done / seconds
+        return {"tokens_per_s": tps, "step_time_s": seconds / timed, "mem": mem, "data_s": data,
+                "warnings": warnings, **stopped}
+    tps = out.get("perf/tokens_per_s")
+    return {"tokens_per_s": tps, "step_time_s": out["tokens"] / tps / done if tps and done else None, "mem": mem,
+            "data_s": data, "warnings": warnings, **stopped}
 
 
 def compiled(tc, device: torch.device) -> bool:
@@ -273,40 +354,64 @@ def bare(overrides: list[str], steps: int, progress: Progress, tokens=None, warm
         params = [p for p in model.parameters()]
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
-        data_s = 0.0  # building the batches and copying them to the device (CUDA)
-        t = time.perf_counter()
-        for step in range(steps):
-            if step == warmup and warmup:
-                if ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                data_s, t = 0.0, time.perf_counter()
-            optimizers.set_lr(opt, lr_at(step, plan.optim, steps))
-            opt.zero_grad(set_to_none=True)
-            t_data = time.perf_counter()
-            micro = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches.batch(step)]
-            data_s += time.perf_counter() - t_data
-            for x, y in micro:
-                with policy.autocast():
-                    _, loss = model(x, y)
-                scaler.scale(loss / len(micro)).backward()
-            policy.end_backward(ctx.all_reduce_max)  # delayed float8 scaling's histories (else nothing)
-            scaler.unscale_(opt)
-            if tc.grad_clip > 0:
-                ctx.clip_grad_norm(model, tc.grad_clip)
-            scaler.step(opt)
-            scaler.update()
-            progress.update(step + 1)  # on CUDA: steps queued, a few ahead of the device at most
+        clock = BareClock()
+        stopped = {}
+        try:
+            _bare_steps(model, opt, scaler, policy, batches, plan, ctx, steps, warmup, progress, clock)
+        except Stopped as e:  # Ctrl-C mid-step: the steps finished before it are what was measured
+            stopped = {"stopped": signal.Signals(e.signum).name, "steps": clock.done}
+        data_s, t, done = clock.data_s, clock.t, clock.done
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t
         del params
-        timed = steps - (warmup if warmup < steps else 0)
+        timed = done - (warmup if warmup < done else 0)
+        if not timed:  # stopped before a timed step: nothing measured
+            return {"tokens_per_s": None, "step_time_s": None, "mem": peak_memory(ctx.device).popitem()[1],
+                    "data_s": None, **stopped}
         tps = timed * tc.global_batch_size * m.block_size / dt
         return {"tokens_per_s": tps, "step_time_s": dt / timed, "mem": peak_memory(ctx.device).popitem()[1],
                 "data_s": data_s / timed,
-                "flops_per_token": flops_per_token(model_params, m.n_layer, m.d_model, m.block_size)}
+                "flops_per_token": flops_per_token(model_params, m.n_layer, m.d_model, m.block_size), **stopped}
     finally:
         ctx.shutdown()
+
+
+class BareClock:
+    """The bare loop's clock, input time and finished steps, kept outside its loop so
+    that a stop mid-step (:class:`Stopped`, raised from the signal handler) leaves
+    them readable: the steps finished before it are what was measured."""
+
+    def __init__(self):
+        self.t, self.data_s, self.done = time.perf_counter(), 0.0, 0
+
+
+def _bare_steps(model, opt, scaler, policy, batches, plan, ctx, steps: int, warmup: int, progress: Progress,
+                clock: BareClock) -> None:
+    """The bare loop's steps, counted in ``clock``."""
+    tc = plan.train
+    for step in range(steps):
+        if step == warmup and warmup:
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            clock.data_s, clock.t = 0.0, time.perf_counter()
+        optimizers.set_lr(opt, lr_at(step, plan.optim, steps))
+        opt.zero_grad(set_to_none=True)
+        t_data = time.perf_counter()
+        micro = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches.batch(step)]
+        clock.data_s += time.perf_counter() - t_data
+        for x, y in micro:
+            with policy.autocast():
+                _, loss = model(x, y)
+            scaler.scale(loss / len(micro)).backward()
+        policy.end_backward(ctx.all_reduce_max)  # delayed float8 scaling's histories (else nothing)
+        scaler.unscale_(opt)
+        if tc.grad_clip > 0:
+            ctx.clip_grad_norm(model, tc.grad_clip)
+        scaler.step(opt)
+        scaler.update()
+        clock.done = step + 1
+        progress.update(clock.done)  # on CUDA: steps queued, a few ahead of the device at most
 
 
 SETTINGS = ("harness, monitor off", "harness, monitor default", "bare PyTorch loop")
@@ -319,13 +424,20 @@ def machine(device: str) -> str:
     return f"cpu: {cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
 
 
+def shape_params(cfg, tokens) -> int:
+    """The parameter count of the config's model, without memory or initialisation."""
+    m = cfg.model
+    vocab = build_plan(cfg).vocab.rows(tokens.vocab_size)
+    with torch.device("meta"):
+        return GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias)).num_params()
+
+
 def banner(cfg, overrides: list[str], a, device: str, world: int, tokens) -> str:
     """One header for every run (the harness's own per-run banner is hidden): the
     command, machine, torch, model, batch and dtypes."""
     m, tc, plan = cfg.model, cfg.train, build_plan(cfg)
     vocab = plan.vocab.rows(tokens.vocab_size)
-    with torch.device("meta"):  # the shape's parameter count, without memory or initialisation
-        params = GPT(GPTShape(vocab, m.n_layer, m.n_head, m.d_model, m.block_size, m.dropout, m.bias)).num_params()
+    params = shape_params(cfg, tokens)
     dtypes = PrecisionPolicy(plan.precision, torch.device(device)).describe()
     mode = "per-block torch.compile" if compiled(cfg.train, torch.device(device)) else "eager"
     return "\n".join([
@@ -349,55 +461,77 @@ def run_setting(name: str, overrides: list[str], a, progress: Progress, tokens=N
     return harness([*overrides, *monitor], a.steps, progress, a.verbose, warmup=a.warmup)
 
 
-def measure(overrides: list[str], a, stream: Optional[TextIO], tokens=None) -> dict[str, dict]:
+def measure(overrides: list[str], a, stream: Optional[TextIO], tokens=None) -> tuple[dict[str, dict], Optional[int]]:
     """Every setting ``a.repeats`` times, interleaved, one progress line each (on
-    ``stream``; None on ranks other than 0); the fastest run of each setting."""
+    ``stream``; None on ranks other than 0): the fastest run of each setting, and
+    the signal that stopped the measurement (None when every run finished). A
+    stopped run's figures are kept, marked ``partial``, with the steps it ran."""
     order = [name for _ in range(a.repeats) for name in SETTINGS]
     best: dict[str, dict] = {}
     walls: dict[str, float] = {}  # the last wall time of each setting, start-up included: the bench's ETA
     seen: set[str] = set()
-    for k, name in enumerate(order, 1):
-        left = order[k - 1:]
-        note = f" (bench done in ~{duration(sum(walls[n] for n in left))})" if set(left) <= set(walls) else ""
-        progress = Progress(stream, f"  [{k}/{len(order)}] {name:<{max(map(len, SETTINGS))}}", a.steps, note)
-        t = time.perf_counter()
-        try:
-            r = run_setting(name, overrides, a, progress, tokens)
-        except BaseException:
-            progress.abandon()
-            raise
-        walls[name] = time.perf_counter() - t
-        tps = f"{r['tokens_per_s']:,.0f} tokens/s" if r["tokens_per_s"] else "no tokens/s"
-        progress.finish(f"{tps}, {walls[name]:.1f} s with start-up")
-        for w in r.get("warnings", []):
-            if w not in seen and stream is not None:
-                seen.add(w)
-                print(f"    harness {w}", file=stream)
-        if name not in best or r["tokens_per_s"] > best[name]["tokens_per_s"]:
-            best[name] = r
-    return best
+    with stoppable():
+        for k, name in enumerate(order, 1):
+            left = order[k - 1:]
+            note = f" (bench done in ~{duration(sum(walls[n] for n in left))})" if set(left) <= set(walls) else ""
+            progress = Progress(stream, f"  [{k}/{len(order)}] {name:<{max(map(len, SETTINGS))}}", a.steps, note)
+            t = time.perf_counter()
+            try:
+                r = run_setting(name, overrides, a, progress, tokens)
+            except (Stopped, KeyboardInterrupt) as e:  # before the run's first step: nothing of it measured
+                sig = signal.Signals(stop_signal(e)).name
+                progress.finish(f"stopped by {sig}: nothing of this run measured", done=progress.done)
+                return best, stop_signal(e)
+            except BaseException:
+                progress.abandon()
+                raise
+            walls[name] = time.perf_counter() - t
+            tps = f"{r['tokens_per_s']:,.0f} tokens/s" if r["tokens_per_s"] else "no tokens/s"
+            if r.get("stopped"):
+                progress.finish(f"{tps}, stopped by {r['stopped']}: partial", done=r["steps"])
+            else:
+                progress.finish(f"{tps}, {walls[name]:.1f} s with start-up")
+            for w in r.get("warnings", []):
+                if w not in seen and stream is not None:
+                    seen.add(w)
+                    print(f"    harness {w}", file=stream)
+            if r.get("stopped"):
+                # a partial figure only stands in for a setting that has no whole run
+                if name not in best and r["tokens_per_s"]:
+                    best[name] = r
+                return best, signal.Signals[r["stopped"]].value
+            if name not in best or best[name].get("stopped") or r["tokens_per_s"] > best[name]["tokens_per_s"]:
+                best[name] = r
+    return best, None
 
 
-def results(best: dict[str, dict], cfg, device: str, world: int, repeats: int) -> str:
+def results(best: dict[str, dict], cfg, device: str, world: int, repeats: int, fpt: float, steps: int) -> str:
     """The table: tokens/s, step time, input time per step and its share, MFU,
-    memory and the ratio to the bare loop."""
+    memory and the ratio to the bare loop (``fpt``: the model's FLOPs per token);
+    a setting measured only by a stopped run is marked partial, with its steps."""
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     kind = matmul_kind(dtype_name(cfg.precision.compute_dtype.torch), cfg.precision.fp8.enabled,
                        device == "cuda" and torch.backends.cuda.matmul.allow_tf32)
     peak = peak_flops(name, kind, cfg.train.peak_tflops)
-    fpt = best["bare PyTorch loop"]["flops_per_token"]
-    base = best["bare PyTorch loop"]["tokens_per_s"]
+    base = best.get("bare PyTorch loop", {}).get("tokens_per_s")
     mem_note = "peak GiB" if device == "cuda" else "RSS GiB*"
     lines = [f"\nresults (the fastest of {repeats} run(s) of each setting):",
              f"  {'setting':<26} {'tokens/s':>10} {'step ms':>9} {'data ms':>8} {'data %':>7} {'MFU':>7} "
              f"{mem_note:>9} {'vs bare':>8}"]
-    for k, r in best.items():
+    for k in [n for n in SETTINGS if n in best]:
+        r = best[k]
         u = f"{100 * mfu(r['tokens_per_s'], fpt, peak, world):.1f}%" if peak else "n/a"
         data, share = "n/a", "n/a"
         if r.get("data_s") is not None:
             data, share = f"{1e3 * r['data_s']:.2f}", f"{100 * r['data_s'] / r['step_time_s']:.1f}%"
+        mem = f"{r['mem']:>9.2f}" if r.get("mem") is not None else f"{'n/a':>9}"
+        ratio = f"{r['tokens_per_s'] / base:>8.3f}" if base else f"{'n/a':>8}"
+        partial = f"   partial: {r['steps']}/{steps} steps (stopped by {r['stopped']})" if r.get("stopped") else ""
         lines.append(f"  {k:<26} {r['tokens_per_s']:>10,.0f} {1e3 * r['step_time_s']:>9.1f} {data:>8} {share:>7} "
-                     f"{u:>7} {r['mem']:>9.2f} {r['tokens_per_s'] / base:>8.3f}")
+                     f"{u:>7} {mem} {ratio}{partial}")
+    missing = [n for n in SETTINGS if n not in best]
+    if missing:
+        lines.append(f"  not measured (stopped first): {', '.join(missing)}")
     lines.append("  data ms: input time per step (harness: waiting for the prefetch thread, perf/data_wait_s, "
                  "+ issuing the copies on CUDA; bare: building each batch inline)")
     if device == "cpu":
@@ -416,17 +550,20 @@ def configured(compose, overrides: list[str], prog: str):
     return cfg, "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
 
 
-def main() -> None:
-    """Banner, the runs with their progress, then the table (rank 0 prints; every rank trains)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="runs of each setting, interleaved; the fastest counts (default 2, 4 on a busy machine)")
-    ap.add_argument("--warmup", type=int, default=10,
-                    help="steps left out of every timing: the harness's logged laps up to this step, the bare "
-                         "loop's first steps (compilation, allocator); 0 times every step")
-    ap.add_argument("--verbose", action="store_true", help="show the harness's own banner and messages for every run")
-    a, overrides = ap.parse_known_args()
+def options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The flags (with the steps per run resolved: the quick form, ``--full`` or ``--steps``) and the overrides."""
+    a, overrides = arguments().parse_known_args(argv)
+    a.steps = a.steps or (FULL_STEPS if a.full else QUICK_STEPS)
+    return a, overrides
+
+
+def main() -> int:
+    """Banner, the runs with their progress, then the table (rank 0 prints; every rank
+    trains); the exit code: 0, or :data:`STOP_EXIT`'s for a stop by the user."""
+    global PLAIN_EVERY_S
+    a, overrides = options(sys.argv[1:])
+    if a.progress_every is not None:
+        PLAIN_EVERY_S = a.progress_every
     cfg, device = configured(compose_cfg, overrides, "bench")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -439,11 +576,18 @@ def main() -> None:
         # its cache here, where its messages show (the harness's are hidden).
         tokens = prepare(cfg.data, log=lambda msg: print(f"  data: {msg}", flush=True))
         print(banner(cfg, overrides, a, device, world, tokens), flush=True)
-    best = measure(overrides, a, sys.stdout if rank0 else None, tokens)
+    best, stopped = measure(overrides, a, sys.stdout if rank0 else None, tokens)
     if rank0:
-        print(results(best, cfg, device, world, a.repeats))
+        if best:
+            m = cfg.model
+            fpt = flops_per_token(shape_params(cfg, tokens), m.n_layer, m.d_model, m.block_size)
+            print(results(best, cfg, device, world, a.repeats, fpt, a.steps))
+        if stopped is not None:
+            print(f"\nbench: stopped by {signal.Signals(stopped).name}: "
+                  + ("the table holds what was measured before it." if best else "nothing was measured yet."))
         print(meter.read().report(f"the fastest of {a.repeats} runs of each setting counts", head="  "))
+    return 0 if stopped is None else STOP_EXIT.get(stopped, 128 + stopped)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -30,11 +30,25 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
+if __name__ == "__main__" and any(a in ("-h", "--help") for a in sys.argv[1:]):
+    print(__doc__)  # answered before torch's import, which alone can take 20 s on a busy machine
+    sys.exit(0)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py's progress line and quiet runs
 
 import torch  # noqa: E402
-from bench import Progress, configured, following, machine, quiet_harness  # noqa: E402
+from bench import (  # noqa: E402
+    STOP_EXIT,
+    Progress,
+    Stopped,
+    configured,
+    following,
+    machine,
+    quiet_harness,
+    stop_signal,
+    stoppable,
+)
 from mptrain.config.checks import compose_checked  # noqa: E402
 from mptrain.core.machine import LoadMeter  # noqa: E402
 from mptrain.run.trainer import run  # noqa: E402
@@ -96,15 +110,19 @@ class Capper:
 
 
 class Timed(NamedTuple):
-    """A run's tokens/s; for a capped run, the steps and seconds it ran."""
+    """A run's tokens/s; for a capped run, the steps and seconds it ran; for a run the
+    user stopped (Ctrl-C, SIGTERM), the signal's name and the steps it ran (``partial``)."""
     tokens_per_s: float
     capped: str = ""
+    partial: str = ""
+    stopped_by: str = ""
 
 
-def tokens_per_s(overrides: list[str], steps: int, head: str, budget_s: Optional[float] = None
-                 ) -> tuple[Timed, list[str]]:
+def tokens_per_s(overrides: list[str], steps: int, head: str, budget_s: Optional[float] = None,
+                 head_if_capped: str = "") -> tuple[Timed, list[str]]:
     """One quiet harness run with its progress line: (its timing, its warning lines);
-    capped once it runs ``budget_s`` past its first step (or its pace says it will)."""
+    capped once it runs ``budget_s`` past its first step (or its pace says it will).
+    ``head_if_capped``: the line's head once capped (the runs it drops taken off the count)."""
     progress = Progress(sys.stdout, head, steps)
     capper = Capper(progress, steps, budget_s)
     t = time.monotonic()
@@ -115,48 +133,73 @@ def tokens_per_s(overrides: list[str], steps: int, head: str, budget_s: Optional
         with tempfile.TemporaryDirectory() as d, following(Path(d) / "metrics.jsonl", capper), \
                 quiet_harness(False) as warnings:
             summary = run(compose_cfg(overrides), run_dir=d)
+    except (Stopped, KeyboardInterrupt) as e:  # the user's stop before the run trained: nothing of it measured
+        progress.finish(f"stopped by {signal.Signals(stop_signal(e)).name}: nothing of this run measured",
+                        done=progress.done)
+        raise
     except BaseException:
         progress.abandon()
         raise
     finally:
         if outer is not None:
             signal.signal(signal.SIGTERM, outer)
-    tps = summary["perf/tokens_per_s"]
+    tps, done = summary["perf/tokens_per_s"], int(summary["steps"])
+    if summary.get("stopped_early") and not capper.stopped:  # the user's signal, taken by the trainer's stop
+        note = f"partial: {done} of {steps} steps, stopped by {summary['stopped_early']}"
+        progress.finish(f"{tps:,.0f} tokens/s, {note}", done=done)
+        return Timed(tps, partial=note, stopped_by=summary["stopped_early"]), warnings
     if not capper.stopped:
         progress.finish(f"{tps:,.0f} tokens/s")
         return Timed(tps), warnings
-    note = f"capped after {summary['steps']} of {steps} steps, {time.monotonic() - t:.0f} s"
-    progress.finish(f"{tps:,.0f} tokens/s, {note}")
+    note = f"capped after {done} of {steps} steps, {time.monotonic() - t:.0f} s"
+    progress.finish(f"{tps:,.0f} tokens/s, {note}", done=done, head=head_if_capped or None)
     return Timed(tps, note), warnings
 
 
 def fastest(names: list[str], repeats: int, steps: int, width: int, overrides: Callable[[str], list[str]],
-            budget_s: Optional[float] = None) -> dict[str, Timed]:
+            budget_s: Optional[float] = None) -> tuple[dict[str, Timed], Optional[int]]:
     """Each setting of ``names`` run ``repeats`` times, interleaved, with its
     ``overrides(name)``: one progress line per run, each new harness warning shown
-    once, and the fastest run of each setting returned. With ``budget_s``, a run
-    is capped past it (:class:`Capper`) and its setting not run again."""
+    once; returns the fastest run of each setting, and the signal that stopped the
+    measurement (None when it ran to the end). With ``budget_s``, a run is capped
+    past it (:class:`Capper`) and its setting's later runs are dropped. ``[k/N]``
+    counts the runs that will run: N shrinks when a cap drops some.
+
+    Ctrl-C (or SIGTERM) stops it at once: a run that was training ends after its
+    step and counts as its setting's figure if that setting has no other (marked
+    ``partial``); nothing more is run."""
     best: dict[str, Timed] = {}
-    order = [name for _ in range(repeats) for name in names]
+    planned = [name for _ in range(repeats) for name in names]  # the runs still to go, in order
     seen: set[str] = set()
-    for k, name in enumerate(order, 1):
-        if best.get(name) and best[name].capped:
-            continue
-        r, warnings = tokens_per_s(overrides(name), steps, f"  [{k}/{len(order)}] {name:<{width}}", budget_s)
-        for w in [w for w in warnings if w not in seen]:
-            seen.add(w)
-            print(f"    harness {w}")
-        if name not in best or r.tokens_per_s > best[name].tokens_per_s:
-            best[name] = r
-    return best
+    k = 0
+    with stoppable():
+        while planned:
+            name = planned.pop(0)
+            k += 1
+            later = planned.count(name)  # what a cap of this run drops
+            label = f"{name:<{width}}"
+            try:
+                r, warnings = tokens_per_s(overrides(name), steps, f"  [{k}/{k + len(planned)}] {label}", budget_s,
+                                           f"  [{k}/{k + len(planned) - later}] {label}")
+            except (Stopped, KeyboardInterrupt) as e:
+                return best, stop_signal(e)
+            for w in [w for w in warnings if w not in seen]:
+                seen.add(w)
+                print(f"    harness {w}")
+            if r.partial:
+                best.setdefault(name, r)  # a whole run of the setting, if there is one, stands
+                return best, signal.Signals[r.stopped_by].value
+            if r.capped:
+                planned = [n for n in planned if n != name]
+            if name not in best or r.tokens_per_s > best[name].tokens_per_s:
+                best[name] = r
+    return best, None
 
 
-def main() -> None:
-    """Banner, each run with its progress line, then one line per setting."""
+def main() -> int:
+    """Banner, each run with its progress line, then one line per setting; the exit code
+    (0, or bench.py's :data:`STOP_EXIT` code for a stop by the user)."""
     user = sys.argv[1:]
-    if any(a in ("-h", "--help") for a in user):
-        print(__doc__)
-        return
     fp8 = "--fp8-casts" in user
     user = [a for a in user if a != "--fp8-casts"]
     cfg, device = configured(compose_cfg, user, "bench_monitor")
@@ -168,14 +211,20 @@ def main() -> None:
     repeats = meter.repeats(2)
     print(f"bench_monitor: {' '.join(DEFAULTS + user)} | {len(settings)} settings x {repeats}, interleaved\n"
           f"  machine  {machine(device)} | torch {torch.__version__}", flush=True)
-    best = {name: t.tokens_per_s for name, t in
-            fastest(list(settings), repeats, cfg.train.max_steps, 28, lambda name: [*settings[name], *user]).items()}
-    base = best["monitor off"]
+    timed, stopped = fastest(list(settings), repeats, cfg.train.max_steps, 28, lambda name: [*settings[name], *user])
+    base = timed["monitor off"].tokens_per_s if "monitor off" in timed else None
     print(f"\nbench_monitor: {' '.join(DEFAULTS + user)}")
-    for name, tps in best.items():
-        print(f"  {name:<28} {tps:10,.0f} tokens/s   overhead {100 * (base / tps - 1):+5.1f}%")
+    for name in [n for n in settings if n in timed]:
+        t = timed[name]
+        overhead = f"overhead {100 * (base / t.tokens_per_s - 1):+5.1f}%" if base else "overhead n/a"
+        print(f"  {name:<28} {t.tokens_per_s:10,.0f} tokens/s   {overhead}" + (f"   {t.partial}" if t.partial else ""))
+    if stopped is not None:
+        missing = [n for n in settings if n not in timed]
+        print(f"bench_monitor: stopped by {signal.Signals(stopped).name}"
+              + (f"; not measured: {', '.join(missing)}" if missing else ""))
     print(meter.read().report(f"the fastest of {repeats} runs of each setting counts", head="  "))
+    return 0 if stopped is None else STOP_EXIT.get(stopped, 128 + stopped)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

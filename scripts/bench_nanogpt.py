@@ -96,7 +96,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import bench  # scripts/bench.py: the harness's config, the bare loop, the quiet wrapper
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py beside it, however this is run
+import bench  # noqa: E402  scripts/bench.py: the harness's config, the bare loop, the quiet wrapper
 
 from mptrain.data.batches import Batches, Windows  # noqa: E402
 from mptrain.data.store import prepare  # noqa: E402

@@ -52,14 +52,43 @@ import argparse
 import datetime
 import os
 import platform
+import signal
 import sys
 import time
+
+ROW_BUDGET_S = 20.0
+"""Seconds a run may take past its first step before its row is capped (``--row-budget``):
+every row of the default runs in a few seconds on a 2-core CPU, so only a pathological
+one (a matmul path 100x slower than fp32) comes near it."""
+
+
+def arguments(settings: str) -> argparse.ArgumentParser:
+    """The flags (Hydra overrides are the rest); ``settings``: the names ``--only`` takes.
+    Defined before any heavy import, so that ``--help`` answers without loading torch."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs of each setting, interleaved; the fastest counts (default 2, 4 on a busy machine)")
+    ap.add_argument("--only", default=settings, help=f"comma-separated settings ({settings.replace(',', ', ')})")
+    ap.add_argument("--row-budget", type=float, default=ROW_BUDGET_S,
+                    help=f"seconds a run may take past its first step before its row is capped (default {ROW_BUDGET_S:g})")
+    ap.add_argument("--casts", action="store_true",
+                    help="time one operand cast of each kind of lab spec instead of training (see above)")
+    ap.add_argument("--cast-shape", default="4096x1024", help="rows x K of the tensor --casts casts (default 4096x1024)")
+    return ap
+
+
+SETTING_NAMES = ("fp32,bf16,fp16,fp8-scaled_mm,fp8-emulated,mxfp8,nvfp4,mxfp4,nvfp4-fp32,lab-nvfp4,lab-mxfp4,lab-hybrid,"
+                 "lab-nvfp4-fp32")
+"""SETTINGS' names, for ``--help`` before SETTINGS exists (a test checks they agree)."""
+
+if __name__ == "__main__":
+    arguments(SETTING_NAMES).parse_known_args()  # --help answered here, before torch's import (20 s when busy)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py's progress line and quiet runs
 
 import torch  # noqa: E402
-from bench import configured, machine  # noqa: E402
+from bench import STOP_EXIT, configured, machine  # noqa: E402
 from bench_monitor import fastest, over_budget  # noqa: E402,F401 (over_budget: the cap's rule, tested here)
 
 from mptrain.config.checks import compose_checked  # noqa: E402
@@ -98,10 +127,6 @@ CASTS = {  # one of each kind of lab operand spec (mptrain/precision/lab.py)
     "NVFP4 4over6": "e2m1/1x16/e4m3-4over6/nearest",
 }
 LAB_PAIRS = (("lab-nvfp4", "nvfp4"), ("lab-mxfp4", "mxfp4"), ("lab-nvfp4-fp32", "nvfp4-fp32"), ("lab-hybrid", "nvfp4"))
-ROW_BUDGET_S = 20.0
-"""Seconds a run may take past its first step before its row is capped (``--row-budget``):
-every row of the default runs in a few seconds on a 2-core CPU, so only a pathological
-one (a matmul path 100x slower than fp32) comes near it."""
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile")
 
 
@@ -149,23 +174,16 @@ def print_casts(shape: tuple[int, int], repeats: int) -> None:
         print(f"{kind:<17} {spec:<32} {1e3 * sec:>8.2f} {1e9 * sec / n:>8.2f} {sec / rows[0][2]:>7.1f}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="runs of each setting, interleaved; the fastest counts (default 2, 4 on a busy machine)")
-    ap.add_argument("--only", default=",".join(SETTINGS), help=f"comma-separated settings ({', '.join(SETTINGS)})")
-    ap.add_argument("--row-budget", type=float, default=ROW_BUDGET_S,
-                    help=f"seconds a run may take past its first step before its row is capped (default {ROW_BUDGET_S:g})")
-    ap.add_argument("--casts", action="store_true",
-                    help="time one operand cast of each kind of lab spec instead of training (see above)")
-    ap.add_argument("--cast-shape", default="4096x1024", help="rows x K of the tensor --casts casts (default 4096x1024)")
-    a, user = ap.parse_known_args()
+def main() -> int:
+    """The banner, each run's progress, the table; the exit code (0, or bench.py's
+    :data:`STOP_EXIT` code for a stop by the user)."""
+    a, user = arguments(",".join(SETTINGS)).parse_known_args()
     if a.casts:
         meter = LoadMeter()
         print(header("cpu", ["--casts", *user], a.repeats or 5, list(CASTS), "casts"), flush=True)
         print_casts(tuple(int(v) for v in a.cast_shape.split("x")), a.repeats or 5)
         print(meter.read().report(f"the fastest of {a.repeats or 5} casts of each kind counts"))
-        return
+        return 0
     names = [n.strip() for n in a.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SETTINGS]
     if unknown or "fp32" not in names:
@@ -177,13 +195,18 @@ def main() -> None:
     a.repeats = meter.repeats(2, a.repeats)
     print(header(device, overrides, a.repeats, names), flush=True)
     # the setting last: a user's precision=... would otherwise replace it
-    timed = fastest(names, a.repeats, cfg.train.max_steps, 15, lambda name: [*overrides, *SETTINGS[name]],
-                           a.row_budget)
+    timed, stopped = fastest(names, a.repeats, cfg.train.max_steps, 15, lambda name: [*overrides, *SETTINGS[name]],
+                             a.row_budget)
     best = {name: t.tokens_per_s for name, t in timed.items()}
     print(f"\n{'setting':<15} {'tokens/s':>10} {'x fp32':>8}")
-    for name in names:
-        print(f"{name:<15} {best[name]:>10,.0f} {best[name] / best['fp32']:>8.3f}"
-              + (f"   {timed[name].capped}" if timed[name].capped else ""))
+    for name in [n for n in names if n in timed]:
+        ratio = f"{best[name] / best['fp32']:>8.3f}" if "fp32" in best else f"{'n/a':>8}"
+        print(f"{name:<15} {best[name]:>10,.0f} {ratio}" + "".join(f"   {note}" for note in
+                                                                   (timed[name].capped, timed[name].partial) if note))
+    if stopped is not None:
+        missing = [n for n in names if n not in timed]
+        print(f"bench_precision: stopped by {signal.Signals(stopped).name}"
+              + (f"; not measured: {', '.join(missing)}" if missing else ""))
     for name in ("nvfp4", "mxfp4"):
         if name in best and "bf16" in best:
             print(f"{name} step time / bf16's: {best['bf16'] / best[name]:.2f}x (the target: at most ~3x)")
@@ -196,7 +219,8 @@ def main() -> None:
         path, why = choose_fp8_matmul("auto", torch.device("cpu"))
         print(f"precision.fp8.matmul=auto here: {path} ({why})")
     print(meter.read().report(f"the fastest of {a.repeats} runs of each setting counts"))
+    return 0 if stopped is None else STOP_EXIT.get(stopped, 128 + stopped)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

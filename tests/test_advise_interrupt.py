@@ -135,3 +135,40 @@ def test_a_directory_that_cannot_be_written_is_one_line(tmp_path, capsys):
     assert advise_main([*TINY, "--steps", "10", f"hydra.run.dir={tmp_path / 'file' / 'advise'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mptrain.advise: disk error: ") and "command.json" in err[0], err
+
+
+def test_help_and_the_stop_line_give_the_same_way_to_continue(tmp_path):
+    """Without hydra.run.dir an advise starts a new directory each time, so a plain rerun
+    does not continue: the stop line and --help both say to rerun with hydra.run.dir."""
+    from mptrain import advise
+    from mptrain.advice.advisor import Interrupted, interrupted_line
+
+    class Stopped:  # the advisor's state a stop line reads: its stage, directory and overrides
+        stage, run_dir, overrides = "during the probe", tmp_path, [*TINY]
+
+    line = interrupted_line(Interrupted("SIGINT", " at step 3 of 30"), Stopped())
+    assert line.endswith(f"rerun the same command with hydra.run.dir={tmp_path} to continue there."), line
+    doc = " ".join(advise.__doc__.split())
+    assert "rerun the same command with ``hydra.run.dir=<its advise directory>``" in doc, doc
+    assert "the same command run again continues" not in doc
+
+
+def test_the_probe_estimate_comes_from_a_step_measured_here(capsys):
+    """advise times a step of the model's own shape before it estimates, and the estimate
+    is that step's time x the probe's steps (a prediction from one matmul's speed said
+    ~2m30s for a probe whose 15th step of 30 came at 552 s on a busy machine)."""
+    from mptrain.advice.advisor import Advisor
+    from mptrain.run.startup import Startup
+
+    with Startup() as startup:
+        advisor = Advisor(parse_args([*TINY, "--steps", "12"]), startup)
+        advisor.announce()
+    out = capsys.readouterr().out
+    line = [ln for ln in out.splitlines() if "estimated time" in ln]
+    assert len(line) == 1 and line[0].startswith("advise: a training step of this model took "), out
+    step_s = float(line[0].split(" took ")[1].split(" s ")[0])
+    said = line[0].split("the probe ~")[1].split(";")[0]  # 42s or 3m05s
+    minutes, _, seconds = said.rstrip("s").rpartition("m")
+    estimate = 60 * int(minutes or 0) + int(seconds)
+    # the step is printed to 3 digits and the estimate to the second
+    assert step_s > 0 and abs(estimate - 12 * step_s) <= 1 + 0.01 * 12 * step_s, line

@@ -1,17 +1,21 @@
-"""scripts/bench.py runs and prints every column, one banner and each run's progress
-(no timing assertions: speed is a benchmark's job)."""
+"""scripts/bench.py runs and prints every column, one banner and each run's progress;
+Ctrl-C stops it and bench_precision.py at once with what they measured, and their
+progress counts what they run (no timing assertions: speed is a benchmark's job)."""
 from __future__ import annotations
 
 import contextlib
 import io
 import os
 import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
 
-from .conftest import load_script, read_rows
+from .conftest import ROOT, TINY, load_script, read_rows
 
 
 def test_bench_prints_the_table(monkeypatch, capsys):
@@ -131,13 +135,119 @@ def test_a_slow_row_is_timed_on_its_first_steps_and_capped():
     assert bp.over_budget(21.0, 0, 59, 20.0)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        best = bp.fastest(["fp32"], 2, 60, 15, lambda _: ["model=gpt-nano", "train.max_steps=60",
-                                                           "data.max_chars=300000"], budget_s=0.0)
-    r = best["fp32"]
-    assert r.capped.startswith("capped after ") and " of 60 steps" in r.capped and r.tokens_per_s > 0
-    steps = int(r.capped.split()[2])
-    assert 1 <= steps < 60  # stopped by the trainer's own stop, not killed: the summary was written
+        # two settings of the same run, each planned twice: [k/N] must count what will run
+        best, stopped = bp.fastest(["a", "b"], 2, 60, 1, lambda _: ["model=gpt-nano", "train.max_steps=60",
+                                                                   "data.max_chars=300000"], budget_s=0.0)
+    assert stopped is None
     progress = [line for line in out.getvalue().splitlines() if line.startswith("  [")]
-    assert all(line.startswith("  [1/2] fp32") for line in progress), progress  # not run again
-    assert progress[-1].endswith(r.capped)
+    for k, name in enumerate("ab"):
+        r = best[name]
+        assert r.capped.startswith("capped after ") and " of 60 steps" in r.capped and r.tokens_per_s > 0
+        steps = int(r.capped.split()[2])
+        assert 1 <= steps < 60  # stopped by the trainer's own stop, not killed: the summary was written
+        mine = [line for line in progress if line.split()[1] == name]
+        # planned: 4 runs; a's cap drops its second one (3 left), b's drops its own (2 in all)
+        start, end = [("[1/4]", "[1/3]"), ("[2/3]", "[2/2]")][k]
+        assert mine[0].split()[0] == start and mine[-1].split()[0] == end, mine  # not run again
+        assert mine[-1].endswith(r.capped)
+        assert mine[-1].split()[2] == f"{steps}/60", mine  # the steps it ran, never 60/60
+    assert len([line for line in progress if "steps |" in line]) == 2
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers put back
+
+
+def _wait_for(predicate, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_stops_bench_at_once_with_a_table_of_what_it_measured():
+    """A real Ctrl-C (SIGINT) to a real bench.py once its first run has printed steps: the
+    run ends after its step, its line and the table give the steps it ran (never
+    N/N), no other run starts, no traceback, exit code 130."""
+    steps = 5000  # far more than the run reaches before the signal lands
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench.py"),
+                             *[o for o in TINY if not o.startswith("log.")], "train.log_every=1", "--steps", str(steps),
+                             "--repeats", "1", "--warmup", "0", "--progress-every", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        def training() -> bool:
+            assert proc.poll() is None, proc.stderr.read()
+            return any(line.startswith("  [1/3] harness, monitor off") and not line.split()[4].startswith("0/")
+                       for line in list(lines))
+        _wait_for(training)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    reader.join(10)
+    out = "".join(lines)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    ends = [line for line in lines if line.startswith("  [1/3]") and "steps |" in line]
+    assert len(ends) == 1 and ends[0].rstrip().endswith("stopped by SIGINT: partial"), ends
+    done = int(ends[0].split()[4].split("/")[0])
+    assert 1 <= done < steps and ends[0].split()[4] == f"{done}/{steps}"
+    assert "[2/3]" not in out  # no next run
+    row = [line for line in lines if line.startswith("  harness, monitor off ")]
+    assert len(row) == 1 and row[0].rstrip().endswith(f"partial: {done}/{steps} steps (stopped by SIGINT)"), row
+    assert "not measured (stopped first): harness, monitor default, bare PyTorch loop" in out
+    assert "bench: stopped by SIGINT: the table holds what was measured before it." in out
+
+
+def test_ctrl_c_in_the_bare_loop_keeps_the_steps_it_ran():
+    """The bare loop has no trainer to take the signal: a real SIGINT, sent at its third
+    step, ends it there with the three steps' figures, marked stopped."""
+    bench = load_script("bench")
+
+    class SignalAtThree(bench.Progress):
+        def update(self, done: int) -> None:
+            super().update(done)
+            if done == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    with bench.stoppable():
+        r = bench.bare([*[o for o in TINY if not o.startswith("log.")]], 50, SignalAtThree(None, "bare", 50))
+    assert signal.getsignal(signal.SIGINT) is before  # given back
+    assert r["stopped"] == "SIGINT" and r["steps"] == 3 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+
+
+def test_ctrl_c_stops_bench_precision_with_what_it_measured(monkeypatch):
+    """bench_precision's (and bench_monitor's) runs: a real SIGINT once the first run
+    has logged steps; it ends after its step, counts as a partial figure with the steps
+    it ran, and nothing more runs."""
+    bp = load_script("bench_precision")
+    monkeypatch.setattr(sys.modules["bench"], "PLAIN_EVERY_S", 0.0)  # a line per logged step
+    out = io.StringIO()
+
+    def sender() -> None:
+        _wait_for(lambda: any(line.startswith("  [1/2] a") and not line.split()[2].startswith("0/")
+                              for line in out.getvalue().splitlines()))
+        os.kill(os.getpid(), signal.SIGINT)
+
+    t = threading.Thread(target=sender, daemon=True)
+    t.start()
+    with contextlib.redirect_stdout(out):
+        best, stopped = bp.fastest(["a", "b"], 1, 3000, 1, lambda _: [*TINY, "train.max_steps=3000"])
+    t.join()
+    assert stopped == signal.SIGINT and list(best) == ["a"]
+    done = int(best["a"].partial.split()[1])
+    assert best["a"].partial == f"partial: {done} of 3000 steps, stopped by SIGINT" and 1 <= done < 3000
+    progress = [line for line in out.getvalue().splitlines() if line.startswith("  [")]
+    assert progress[-1].split()[2] == f"{done}/3000" and "[2/2]" not in out.getvalue(), progress[-3:]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_default_bench_is_the_quick_form_and_full_the_long_one():
+    """Defaults that finish in about a minute and a half idle; --full the long form the
+    documented figures were taken with; --steps wins over both."""
+    bench = load_script("bench")
+    assert bench.options([])[0].steps == bench.QUICK_STEPS < bench.options(["--full"])[0].steps == bench.FULL_STEPS
+    assert bench.options(["--full", "--steps", "7", "model=gpt-nano"]) [0].steps == 7
+    assert bench.options(["model=gpt-nano"])[1] == ["model=gpt-nano"]

@@ -92,3 +92,49 @@ def test_a_command_that_takes_no_arguments_refuses_one_in_one_line(capsys):
     err = capsys.readouterr().err
     assert err.strip() == ("mptrain.doctor: takes no arguments (got --fast); run python -m mptrain.doctor, or "
                            "--help for what it prints."), err
+
+
+# The commands and scripts whose --help is answered before torch's import. Not yet: the
+# scripts whose argparse parser is built inside main() after their imports (compare.py,
+# export_hf.py, gpu_check.py, lab_study.py, rope_error.py, fp4_grad_noise.py, bench_checkpoint.py,
+# bench_mesh.py, bench_nanogpt.py).
+LIGHT_MODULES = ("train", "torchrun", "advise", "evaluate", "sample", "audit", "formats", "doctor", "memory")
+LIGHT_SCRIPTS = ("train.py", "scripts/bench.py", "scripts/bench_precision.py", "scripts/bench_monitor.py",
+                 "scripts/prepare_data.py")
+_NO_TORCH = r'''
+import contextlib, io, os, runpy, sys
+def _exit(code):  # mptrain's commands end through os._exit (core/process_exit.py): here, the next one goes on
+    raise SystemExit(code)
+os._exit = _exit
+root, modules, scripts = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
+sys.path.insert(0, root)
+for kind, name in [("m", m) for m in modules] + [("s", s) for s in scripts]:
+    for flag in ("--help", "-h"):
+        sys.argv = [name, flag]
+        out = io.StringIO()
+        code = None
+        with contextlib.redirect_stdout(out):
+            try:
+                if kind == "m":
+                    runpy.run_module(f"mptrain.{name}", run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(f"{root}/{name}", run_name="__main__")
+            except SystemExit as e:
+                code = e.code
+        assert code in (0, None), (name, flag, code)
+        text = out.getvalue()
+        assert "usage" in text.lower() or os.path.basename(name).split(".")[0] in text, (name, text[:300])
+        assert "torch" not in sys.modules, (name, flag, "imported torch")
+print("ok", len(modules) + len(scripts))
+'''
+
+
+def test_help_answers_without_importing_torch():
+    """``--help`` / ``-h`` of every ``python -m mptrain.<command>``, train.py and the
+    benchmarks, run as ``__main__`` one after another in one fresh process: each prints
+    its usage and exits 0, and torch is never imported (its import alone took 20 s on a
+    busy machine). One process for all of them: a launch per command would add seconds each."""
+    p = subprocess.run([sys.executable, "-c", _NO_TORCH, str(ROOT), ",".join(LIGHT_MODULES), ",".join(LIGHT_SCRIPTS)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0 and p.stdout.strip().endswith(f"ok {len(LIGHT_MODULES) + len(LIGHT_SCRIPTS)}"), p.stderr[-3000:]

@@ -31,10 +31,10 @@ from mptrain.advice.probe import (
     every_for,
     finished_summary,
     layout_facts,
-    linear_shapes,
     probe_overrides,
     read_facts,
     state_options,
+    step_seconds,
     target_for,
     target_from_json,
     target_to_json,
@@ -47,7 +47,7 @@ from mptrain.config.checks import compose_checked
 from mptrain.core import files
 from mptrain.core.errors import ConfigError
 from mptrain.core.text import duration
-from mptrain.observe.perf import device_key, flops_per_token, predict_pace
+from mptrain.observe.perf import device_key
 from mptrain.plan.build import build_plan
 from mptrain.plan.plan import Launch
 from mptrain.precision.support import verdicts
@@ -143,13 +143,9 @@ class Advisor:
                               "(--world with parallel=fsdp), or shrink the model or micro-batch.")
 
     def announce(self) -> None:
-        """What the advise will do, and how long its probe's matmuls alone take here."""
+        """What the advise will do, then how long its probe takes here, from a step of
+        the model measured now (:func:`~mptrain.advice.probe.step_seconds`)."""
         plan, a, m = self.plan, self.args, self.plan.model
-        shapes = linear_shapes(plan, plan.vocab.expected or 4096)
-        n = sum(i * o for i, o in shapes.values())
-        flops = flops_per_token(n, m.n_layer, m.d_model, m.block_size)
-        pace = predict_pace(str(self.device), {"fp32": flops}, plan.batches.tokens_per_micro, m.d_model)
-        per_step = pace.fp32_seconds_per_token * plan.batches.tokens_per_step / a.world
         mesh = plan.parallel.mesh
         on = f"{a.world} rank(s)" + (f", mesh {mesh.text()} (the probe trains without it)"
                                      if plan.parallel.uses_mesh and mesh.world > 1 else "")
@@ -159,10 +155,13 @@ class Advisor:
                  + " as what-ifs" + (f"; then --confirm: {2 * len(self.seeds)} runs of {a.confirm} steps (the "
                                      f"recommendation and the baseline on {len(self.seeds)} paired seed(s), train.seed "
                                      f"{', '.join(map(str, self.seeds))})" if a.confirm else ""))
+        # every rank times its own part of a step: the probe trains on the launch's ranks
+        per_step = step_seconds(plan, plan.vocab.expected or 4096, self.device)
         confirm = (f"; --confirm's {2 * len(self.seeds)} runs ~{duration(per_step * a.confirm * 2 * len(self.seeds))} "
                    "more" if a.confirm else "")
-        self.say(f"advise: estimated time: the probe's matmuls alone ~{duration(per_step * a.steps)} here{confirm} "
-                 "(measured fp32 speed at this model's shape); monitored steps, data, casts and start-up come on top")
+        self.say(f"advise: a training step of this model took {per_step:.3g} s here now (fp32, timed before the "
+                 f"probe, at this machine's present load); estimated time: the probe ~{duration(per_step * a.steps)}"
+                 f"{confirm}; its float8 casts, monitored steps, data and start-up come on top")
 
     def _train(self, overrides: list[str], run_dir: Path) -> dict:
         """Train the config of ``overrides`` in ``run_dir`` (``resume.source=auto``: continuing

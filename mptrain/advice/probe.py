@@ -121,6 +121,41 @@ def probe_overrides(overrides: list[str], steps: int, device: str, lab: tuple[st
             "checkpoint.at_end=false", "checkpoint.every=0", "resume.source=auto", "train.sample_tokens=0"]
 
 
+# ------------------------------------------------------------------ pace
+
+
+def step_seconds(plan: Plan, vocab: int, device: torch.device, steps: int = 2) -> float:
+    """Seconds of one optimizer step of ``plan``'s model on this rank, measured now:
+    ``steps`` fp32 steps (forward, backward and AdamW on each of the rank's
+    micro-batches of random tokens), the last one timed (the first pays for the
+    allocations). Measured rather than predicted from a matmul's speed, so that a
+    busy machine's load is in it: a prediction said ~2m30s for a probe whose 15th
+    step of 30 came at 552 s. The probe's float8 casts and monitored steps are not in it."""
+    from mptrain.model.families import build as build_family
+
+    m, b = plan.model, plan.batches
+    gen = torch.Generator().manual_seed(0)
+    with torch.device(device):
+        model = build_family(m, vocab)
+    with torch.no_grad():  # values that train like the real model's: no garbage memory, no denormals
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(vocab, (b.micro_batch, m.block_size), generator=gen).to(device)
+    seconds = 0.0
+    for _ in range(steps):
+        t = time.perf_counter()
+        for _ in range(b.accum):
+            _, loss = model(x, x)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the host sync that makes the clock read the device's work
+        seconds = time.perf_counter() - t
+    return seconds
+
+
 # ------------------------------------------------------------------ target
 
 

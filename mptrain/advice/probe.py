@@ -35,6 +35,7 @@ from mptrain.advice.rules import (
 )
 from mptrain.config.checks import compose_checked
 from mptrain.core.errors import ConfigError
+from mptrain.model.families import build as build_family
 from mptrain.model.names import layer_name
 from mptrain.observe.memory import estimate, meta_model, tp_dims
 from mptrain.observe.traffic import by_dim, traffic
@@ -131,8 +132,6 @@ def step_seconds(plan: Plan, vocab: int, device: torch.device, steps: int = 2) -
     allocations). Measured rather than predicted from a matmul's speed, so that a
     busy machine's load is in it: a prediction said ~2m30s for a probe whose 15th
     step of 30 came at 552 s. The probe's float8 casts and monitored steps are not in it."""
-    from mptrain.model.families import build as build_family
-
     m, b = plan.model, plan.batches
     gen = torch.Generator().manual_seed(0)
     with torch.device(device):

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from mptrain.core.errors import ConfigError
+
 DEFAULT_CACHE = "~/.cache/mptrain"
 """The cache when neither ``MPTRAIN_CACHE`` nor ``data.cache_dir`` names another."""
 
@@ -218,8 +220,6 @@ def use_threads(count: int) -> Iterator[int]:
     import torch
 
     if count < 0:
-        from mptrain.core.errors import ConfigError
-
         raise ConfigError(f"train.threads={count}: give a count of threads (1, 2, ...) or 0 for torch's choice.")
     before = torch.get_num_threads()
     if count:

@@ -70,7 +70,7 @@ from mptrain.advice.advisor import Advisor, Interrupted, interrupted_line, stop_
 from mptrain.advice.command import Args
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.process_exit import run_then_leave
-from mptrain.core.signals import SignalHandler, ignore_stop_signals
+from mptrain.core.signals import SignalHandler, handlers_kept, ignore_stop_signals
 from mptrain.core.text import wants_help
 from mptrain.observe.memory import mesh_overrides
 from mptrain.precision.recipe import NAMED
@@ -131,7 +131,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     advisor: Optional[Advisor] = None
     # the launch agreement between torchrun ranks and the claimed run dirs; a signal: Interrupted
-    with Startup() as startup, SignalHandler(stop_advising):
+    # handlers_kept: the ignoring below ends with main(), in a test or a notebook too
+    with handlers_kept(), Startup() as startup, SignalHandler(stop_advising):
         try:
             advisor = Advisor(parse_args(argv), startup)
             advisor.main()

@@ -55,9 +55,13 @@ def test_a_signal_stops_advise_with_one_line_and_the_same_command_continues(tmp_
     # 1. SIGTERM during the probe, in this process (the probe's monitored steps take long enough here)
     sender = threading.Thread(target=lambda: (_first_row(run_dir / "probe" / "metrics.jsonl"),
                                               os.kill(os.getpid(), signal.SIGTERM)))
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     sender.start()
     code = advise_main(args)
     sender.join()
+    # the repeated signals it ignored while saying its line are this process's again (they were
+    # left ignored, and every later subprocess of the session inherited SIGTERM ignored)
+    assert {sig: signal.getsignal(sig) for sig in before} == before
     err = capfd.readouterr().err.strip().splitlines()
     assert code == 0, err
     probe = _summary(run_dir / "probe")

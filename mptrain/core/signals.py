@@ -90,6 +90,22 @@ def ignore_stop_signals() -> None:
             signal.signal(sig, signal.SIG_IGN)
 
 
+@contextlib.contextmanager
+def handlers_kept():
+    """Give the stop signals' handlers back as they were on entry, whatever the block left
+    (:func:`ignore_stop_signals` among it): for a command's ``main`` that ignores repeated
+    signals while it says its line, and may run inside another program (a test, a
+    notebook) that must get its own handlers back."""
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            if handler is not None:  # None: installed outside Python, which cannot put it back
+                with contextlib.suppress(ValueError):  # not the main thread: nothing was changed
+                    signal.signal(sig, handler)
+
+
 def stopped_line(prog: str, stop: KeyboardInterrupt, what: str) -> str:
     """The one line a command says when a signal ended it: ``<prog>: stopped by <SIGNAL>
     before it finished; <what>`` (``what``: what was or was not written)."""

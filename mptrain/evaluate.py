@@ -57,8 +57,8 @@ from typing import Callable, Iterator, Optional
 
 from mptrain.core.errors import UserError
 from mptrain.core.process_exit import run_then_leave
-from mptrain.core.usage import usage_only
-from mptrain.sample import OneLineParser, add_model_args, one_line_errors, pick_device
+from mptrain.core.usage import OneLineParser, one_line_errors, usage_only
+from mptrain.sample import add_model_args, pick_device
 
 if not usage_only():  # --help needs only the parser: answered without torch's import (20 s when busy)
     from omegaconf import OmegaConf

@@ -36,22 +36,22 @@ Finding the checkpoint, checking it against its run and building its model is
 :func:`mptrain.checkpoint.trained.load`, the loader ``python -m mptrain.evaluate``
 and the Python API (``mptrain.load``) use too; the decoding is
 ``mptrain/model/generate.py``'s, which the trainer's own samples use too. This
-module holds the command line, and the one-line errors and argument parser that
-``scripts/export_hf.py`` and ``python -m mptrain.evaluate`` use too, with the
-options of how the model runs (:func:`add_model_args`, :func:`pick_device`).
+module holds the command line, with the options of how the model runs
+(:func:`add_model_args`, :func:`pick_device`), which ``python -m mptrain.evaluate``
+uses too; its one-line errors and argument parser are ``mptrain/core/usage.py``'s,
+which ``evaluate`` and ``scripts/export_hf.py`` use too.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
-from mptrain.core.errors import ConfigError, UserError
+from mptrain.core.errors import UserError
 from mptrain.core.process_exit import run_then_leave
-from mptrain.core.usage import usage_only
+from mptrain.core.usage import OneLineParser, one_line_errors, usage_only
 
 if not usage_only():  # --help needs only the parser below: answered without torch's import (20 s when busy)
     import torch
@@ -67,28 +67,7 @@ class SampleError(UserError):
 
 
 
-# ------------------------------------------------------------------ user errors
-@contextlib.contextmanager
-def one_line_errors(prog: str) -> Iterator[None]:
-    """User errors (:class:`~mptrain.core.errors.UserError`: config, checkpoint, request) leave as one line
-    ``<prog>: <message>`` on stderr and exit status 2, as ``train.py``'s do; a
-    traceback would say the code failed when the request did."""
-    try:
-        yield
-    except UserError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
 # ----------------------------------------------------------------------- CLI
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are a :class:`ConfigError` (one line through
-    :func:`one_line_errors`, exit 2) rather than its usage text and message."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{message}; see {self.prog} --help")
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """The command line, checked: every bad value is a :class:`SampleError`."""
     ap = OneLineParser(prog="python -m mptrain.sample", description=__doc__,

@@ -11,13 +11,22 @@ before its heavy imports, whether its command line wants the usage:
   ``if not usage_only():``; the parser (which needs none of them) then answers
   ``--help`` as always.
 
-Nothing here imports more than the standard library and ``core/text.py``.
+A script (``python scripts/X.py``) builds its parser before its heavy imports
+and parses its command line there, so that ``--help`` is answered first. The
+one-line errors and their parser (:func:`one_line_errors`, :class:`OneLineParser`)
+are here, not with a command's work, so that a script can use them that early.
+
+Nothing here imports more than the standard library, ``core/text.py`` and
+``core/errors.py``.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
+from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.text import wants_help
 
 
@@ -39,3 +48,23 @@ def answer_help(module_name: str, doc: Optional[str], argv: Optional[list[str]] 
     if module_name == "__main__" and usage_only(argv):
         print((doc or "").strip())
         sys.exit(0)
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str) -> Iterator[None]:
+    """User errors (:class:`~mptrain.core.errors.UserError`: config, checkpoint, request) leave as one line
+    ``<prog>: <message>`` on stderr and exit status 2, as ``train.py``'s do; a
+    traceback would say the code failed when the request did."""
+    try:
+        yield
+    except UserError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are a :class:`ConfigError` (one line through
+    :func:`one_line_errors`, exit 2) rather than its usage text and message."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message}; see {self.prog} --help")

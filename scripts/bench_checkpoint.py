@@ -39,6 +39,20 @@ import warnings
 import zlib
 from pathlib import Path
 
+
+def arguments() -> argparse.ArgumentParser:
+    """The command line's parser. Defined before any heavy import, so that ``--help``
+    answers without loading torch."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["gpt-mini", "gpt-small"])
+    ap.add_argument("--repeats", type=int, default=None, help="runs of each figure (default 3, 6 on a busy machine)")
+    ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory)")
+    return ap
+
+
+if __name__ == "__main__":
+    arguments().parse_known_args()  # --help answered here, before torch's import (20 s when busy)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
@@ -172,11 +186,7 @@ def report(name: str, r: dict) -> str:
 
 def main() -> None:
     """Print the machine, then measure each model, then one line per model."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["gpt-mini", "gpt-small"])
-    ap.add_argument("--repeats", type=int, default=None, help="runs of each figure (default 3, 6 on a busy machine)")
-    ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory)")
-    args = ap.parse_args()
+    args = arguments().parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: DCP's plan
     say(f"machine: {machine()}")
     meter = LoadMeter()

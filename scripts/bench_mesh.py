@@ -29,14 +29,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from mptrain.core.machine import LoadMeter, cpu_flags, cpu_name  # noqa: E402
-from mptrain.core.text import fmt, text_table  # noqa: E402
-
 LAYOUTS = {
     "fsdp": ["parallel=fsdp"],
     "hsdp": ["parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=-1"],
@@ -45,6 +37,31 @@ LAYOUTS = {
 }
 # The mini presets have 2 key/value heads (llama): 4-way TP needs 4.
 FOR_TP4 = {"llama-mini": ["model.n_kv_head=4"]}
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The command line's parser. Defined before any heavy import, so that ``--help``
+    answers without loading torch."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="gpt-mini,llama-mini")
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the speed (default 5)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per setting, the fastest counts")
+    return p
+
+
+if __name__ == "__main__":
+    arguments().parse_known_args()  # --help answered here, before torch's import (20 s when busy)
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from mptrain.core.machine import LoadMeter, cpu_flags, cpu_name  # noqa: E402
+from mptrain.core.text import fmt, text_table  # noqa: E402
 
 
 def one_run(model: str, layout: str, a, extra: list[str], where: Path) -> dict:
@@ -78,13 +95,7 @@ def comm_text(comm: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="gpt-mini,llama-mini")
-    p.add_argument("--layouts", default=",".join(LAYOUTS))
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5, help="steps left out of the speed (default 5)")
-    p.add_argument("--repeats", type=int, default=None, help="runs per setting, the fastest counts")
+    p = arguments()
     a, extra = p.parse_known_args()
     layouts = [x for x in a.layouts.split(",") if x]
     unknown = [x for x in layouts if x not in LAYOUTS]

@@ -93,8 +93,33 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+
+def arguments() -> argparse.ArgumentParser:
+    """The command line's flags (Hydra overrides are the rest). Defined before any heavy
+    import, so that ``--help`` answers without loading torch."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nanogpt", help="a nanoGPT checkout (the directory with its train.py)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per run, warm-up included (default 100); with --profile, steps per round "
+                         "(default 6); with --cpu-time, steps of each side (default 60)")
+    ap.add_argument("--warmup", type=int, default=10, help="first steps left out of the timing (default 10)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs of each setting, interleaved (default 3, 6 on a busy machine)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for every setting (default: torch's; --cpu-time: 1, the only one it takes)")
+    ap.add_argument("--verbose", action="store_true", help="show nanoGPT's and the harness's own output")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile both models' steps in this process instead (--steps per round, --repeats rounds)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time both models' steps in this process by CPU time, in turns (--steps of each)")
+    return ap
+
+
+if __name__ == "__main__":
+    arguments().parse_known_args()  # --help answered here, before torch's import (20 s when busy)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py beside it, however this is run
 import bench  # noqa: E402  scripts/bench.py: the harness's config, the bare loop, the quiet wrapper
@@ -373,22 +398,7 @@ def cpu_time(root: Path, cfg, tokens, steps: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nanogpt", help="a nanoGPT checkout (the directory with its train.py)")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="steps per run, warm-up included (default 100); with --profile, steps per round "
-                         "(default 6); with --cpu-time, steps of each side (default 60)")
-    ap.add_argument("--warmup", type=int, default=10, help="first steps left out of the timing (default 10)")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="runs of each setting, interleaved (default 3, 6 on a busy machine)")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="torch threads for every setting (default: torch's; --cpu-time: 1, the only one it takes)")
-    ap.add_argument("--verbose", action="store_true", help="show nanoGPT's and the harness's own output")
-    ap.add_argument("--profile", action="store_true",
-                    help="profile both models' steps in this process instead (--steps per round, --repeats rounds)")
-    ap.add_argument("--cpu-time", action="store_true",
-                    help="time both models' steps in this process by CPU time, in turns (--steps of each)")
-    a, overrides = ap.parse_known_args()
+    a, overrides = arguments().parse_known_args()
     root = check_checkout(a.nanogpt)
     meter = LoadMeter()
     a.repeats = meter.repeats(3, a.repeats)

@@ -71,15 +71,6 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mptrain.compare.figure import figure, single_points_md  # noqa: E402
-from mptrain.compare.fp8 import build_fp8_figure, dpi_for, fp8_layer_table, fp8_runs  # noqa: E402
-from mptrain.compare.lr import lr_figure, lr_settings, lr_table  # noqa: E402
-from mptrain.compare.seedfig import build_seed_figure  # noqa: E402
-from mptrain.compare.runs import find_runs, label_runs, references, table  # noqa: E402
-from mptrain.compare.seeds import SpecError, matched_md, report, seeds_md  # noqa: E402
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line (``compare: error: ...``) and exit status 2."""
@@ -89,8 +80,9 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    """The command line, checked: a wrong flag or value is one error line and exit status 2."""
+def arguments() -> _Parser:
+    """The command line's parser. Defined before any heavy import (matplotlib, torch), so
+    that ``--help`` answers without loading them."""
     ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", type=Path, help="a sweep directory or run directories")
     ap.add_argument("--out", type=Path, help="where comparison.png/.md go (default: next to the runs)")
@@ -102,6 +94,25 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                          "(default: the reference's mean final val/loss)")
     ap.add_argument("--effect", type=float, metavar="NATS",
                     help="estimate the seeds needed to resolve a difference of this size (default: the observed one)")
+    return ap
+
+
+if __name__ == "__main__":
+    arguments().parse_known_args()  # --help answered here, before torch's import (20 s when busy)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mptrain.compare.figure import figure, single_points_md  # noqa: E402
+from mptrain.compare.fp8 import build_fp8_figure, dpi_for, fp8_layer_table, fp8_runs  # noqa: E402
+from mptrain.compare.lr import lr_figure, lr_settings, lr_table  # noqa: E402
+from mptrain.compare.seedfig import build_seed_figure  # noqa: E402
+from mptrain.compare.runs import find_runs, label_runs, references, table  # noqa: E402
+from mptrain.compare.seeds import SpecError, matched_md, report, seeds_md  # noqa: E402
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked: a wrong flag or value is one error line and exit status 2."""
+    ap = arguments()
     a = ap.parse_args(argv)
     if a.effect is not None and not a.effect > 0:
         ap.error(f"--effect must be a positive number of nats, got {a.effect}")

@@ -101,9 +101,36 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mptrain.core.usage import OneLineParser, one_line_errors  # noqa: E402
+
+MARKER = "mptrain_export.json"
+"""The file that makes a directory a previous export: what it was made from and of."""
+
+
+def arguments() -> OneLineParser:
+    """The command line's parser. Defined before any heavy import, so that ``--help``
+    answers without loading torch."""
+    ap = OneLineParser(prog="python scripts/export_hf.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", type=Path, help="run directory or checkpoints/step-N directory")
+    ap.add_argument("out", type=Path, help="output directory: new, empty, or a previous export with --overwrite")
+    ap.add_argument("--overwrite", action="store_true",
+                    help=f"replace a previous export in <out> (only the files its {MARKER} lists)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="allow a tokenizer that ships its own Python code to run it (off by default; "
+                         "never taken from the checkpoint)")
+    return ap
+
+
+if __name__ == "__main__":
+    # --help and a malformed command line are answered here, before torch's import (which
+    # alone took 20 s on a busy machine); a good one goes on to main() below.
+    with one_line_errors("export_hf"):
+        arguments().parse_known_args()
+
+import torch  # noqa: E402
 
 from mptrain.checkpoint.integrity import CheckpointError, file_crc32, hash_files, read_meta  # noqa: E402
 from mptrain.checkpoint.readers import (  # noqa: E402
@@ -119,11 +146,8 @@ from mptrain.core.files import write_json  # noqa: E402
 from mptrain.data.tokenizers import EOT  # noqa: E402
 from mptrain.model.families import family_spec  # noqa: E402
 from mptrain.model.spec import FamilySpec  # noqa: E402
-from mptrain.sample import OneLineParser, one_line_errors  # noqa: E402
 
 TOLERANCE = 1e-4
-MARKER = "mptrain_export.json"
-"""The file that makes a directory a previous export: what it was made from and of."""
 MARKER_FORMAT = "mptrain-export-2"
 """Its ``files`` map each name to the size and CRC-32 of what the export wrote;
 an interrupted overwrite's marker also lists the ``previous`` export's."""
@@ -599,15 +623,7 @@ def _check_finite(ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """``python scripts/export_hf.py <src> <out>``; a user error is one line, exit status 2."""
-    ap = OneLineParser(prog="python scripts/export_hf.py", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("src", type=Path, help="run directory or checkpoints/step-N directory")
-    ap.add_argument("out", type=Path, help="output directory: new, empty, or a previous export with --overwrite")
-    ap.add_argument("--overwrite", action="store_true",
-                    help=f"replace a previous export in <out> (only the files its {MARKER} lists)")
-    ap.add_argument("--trust-remote-code", action="store_true",
-                    help="allow a tokenizer that ships its own Python code to run it (off by default; "
-                         "never taken from the checkpoint)")
+    ap = arguments()
     with one_line_errors("export_hf"):
         a = ap.parse_args(argv)
         export(a.src, a.out, trust_remote_code=a.trust_remote_code, overwrite=a.overwrite)

@@ -28,6 +28,19 @@ import os
 import platform
 import sys
 
+
+def arguments() -> argparse.ArgumentParser:
+    """The command line's parser. Defined before any heavy import, so that ``--help``
+    answers without loading torch."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--every", type=int, default=25, help="measure every K steps (and at step 0)")
+    ap.add_argument("--draws", type=int, default=4, help="4-bit gradients per measurement (stochastic rounding)")
+    return ap
+
+
+if __name__ == "__main__":
+    arguments().parse_known_args()  # --help answered here, before torch's import (20 s when busy)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
@@ -57,10 +70,7 @@ def gradient(model: torch.nn.Module, policy: PrecisionPolicy, x, y, names: list[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--every", type=int, default=25, help="measure every K steps (and at step 0)")
-    ap.add_argument("--draws", type=int, default=4, help="4-bit gradients per measurement (stochastic rounding)")
-    a, user = ap.parse_known_args()
+    a, user = arguments().parse_known_args()
     cfg = compose_checked([*DEFAULTS, *user], CONFIGS)
     if not cfg.precision.fp4.enabled:
         sys.exit("fp4_grad_noise: the precision must be a 4-bit one (precision=nvfp4, mxfp4, nvfp4-no-sr, ...).")

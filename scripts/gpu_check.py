@@ -62,7 +62,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
+
+def arguments() -> argparse.ArgumentParser:
+    """The command line's parser. Defined before any heavy import, so that ``--help``
+    answers without loading torch."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny models, few eager steps, on CPU (the test suite)")
+    ap.add_argument("--out", help="where the table, figures and profiles go (default: a new temporary folder)")
+    ap.add_argument("--only", default="abcdefg", help="cases to run, e.g. a,g (default: all)")
+    ap.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
+                    help="auto: profile a case that misses its goal (CUDA); --cpu-smoke profiles to test the path")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds (CUDA: 450)")
+    ap.add_argument("--steps", type=int, default=None, help="harness steps of the speed runs (CUDA: 60)")
+    ap.add_argument("--batch", type=int, default=None, help="gpt-small sequences per step (CUDA: 32)")
+    ap.add_argument("--fp8-model", default=None, help="the fp8 case's preset instead of the largest that fits")
+    ap.add_argument("--compile", action="store_true", help="with --cpu-smoke: compile blocks on CPU too (slow)")
+    return ap
+
+
+if __name__ == "__main__":
+    arguments().parse_known_args()  # --help answered here, before torch's import (20 s when busy)
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -862,18 +883,7 @@ def versions() -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny models, few eager steps, on CPU (the test suite)")
-    ap.add_argument("--out", help="where the table, figures and profiles go (default: a new temporary folder)")
-    ap.add_argument("--only", default="abcdefg", help="cases to run, e.g. a,g (default: all)")
-    ap.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
-                    help="auto: profile a case that misses its goal (CUDA); --cpu-smoke profiles to test the path")
-    ap.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds (CUDA: 450)")
-    ap.add_argument("--steps", type=int, default=None, help="harness steps of the speed runs (CUDA: 60)")
-    ap.add_argument("--batch", type=int, default=None, help="gpt-small sequences per step (CUDA: 32)")
-    ap.add_argument("--fp8-model", default=None, help="the fp8 case's preset instead of the largest that fits")
-    ap.add_argument("--compile", action="store_true", help="with --cpu-smoke: compile blocks on CPU too (slow)")
-    a = ap.parse_args(argv)
+    a = arguments().parse_args(argv)
     if not a.cpu_smoke and not torch.cuda.is_available():
         print("gpu_check: no CUDA device: nothing measured (--cpu-smoke runs the same code on CPU)")
         return 0

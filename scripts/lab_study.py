@@ -67,6 +67,36 @@ import sys
 import time
 from typing import Optional
 
+STUDY_NAMES = ("roles", "fourover6", "expman")
+"""STUDIES' names, for ``--help`` before STUDIES exists (checked against it where it is defined)."""
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The command line's parser. Defined before any heavy import, so that ``--help``
+    answers without loading torch."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("study", choices=list(STUDY_NAMES), help="which study to run (or report)")
+    ap.add_argument("--steps", type=int, default=150, help="optimizer steps per run (train.max_steps)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="train.seed of each run of a cell")
+    ap.add_argument("--out", default="lab_study", help="folder for the cells, tables and figure")
+    ap.add_argument("--batch", type=int, default=8, help="sequences of 64 tokens per step (train.global_batch_size)")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="do not run the baselines (another process runs them into the same --out)")
+    ap.add_argument("--every", type=int, default=25, help="measure every K steps (roles, fourover6)")
+    ap.add_argument("--draws", type=int, default=2, help="quantized gradients per measurement, random transform")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                    help="autocast dtype outside the lab's fp32 products, and the baseline's")
+    ap.add_argument("--only", nargs="+", default=[],
+                    help="run only the cells whose names match these patterns (e.g. 'roles_*_none_s1')")
+    ap.add_argument("--note", default="", help="a line added under the figure (e.g. 'machine shared')")
+    ap.add_argument("--report-only", action="store_true", help="tables and figure from the cells already run")
+    return ap
+
+
+if __name__ == "__main__":
+    arguments().parse_known_args()  # --help answered here, before torch's import (20 s when busy)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
@@ -600,6 +630,7 @@ REPORTS = {"roles": roles_report, "fourover6": fourover6_report, "expman": expma
 # ------------------------------------------------------------------ command line
 
 STUDIES = {"roles": roles_cells, "fourover6": fourover6_cells, "expman": expman_cells}
+assert tuple(STUDIES) == STUDY_NAMES, "STUDY_NAMES (the --help and choices of the command line) must list STUDIES"
 
 
 def where() -> str:
@@ -612,24 +643,7 @@ def where() -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("study", choices=list(STUDIES), help="which study to run (or report)")
-    ap.add_argument("--steps", type=int, default=150, help="optimizer steps per run (train.max_steps)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="train.seed of each run of a cell")
-    ap.add_argument("--out", default="lab_study", help="folder for the cells, tables and figure")
-    ap.add_argument("--batch", type=int, default=8, help="sequences of 64 tokens per step (train.global_batch_size)")
-    ap.add_argument("--no-baseline", action="store_true",
-                    help="do not run the baselines (another process runs them into the same --out)")
-    ap.add_argument("--every", type=int, default=25, help="measure every K steps (roles, fourover6)")
-    ap.add_argument("--draws", type=int, default=2, help="quantized gradients per measurement, random transform")
-    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                    help="autocast dtype outside the lab's fp32 products, and the baseline's")
-    ap.add_argument("--only", nargs="+", default=[],
-                    help="run only the cells whose names match these patterns (e.g. 'roles_*_none_s1')")
-    ap.add_argument("--note", default="", help="a line added under the figure (e.g. 'machine shared')")
-    ap.add_argument("--report-only", action="store_true", help="tables and figure from the cells already run")
-    a = ap.parse_args(argv)
+    a = arguments().parse_args(argv)
     a.out = os.path.abspath(a.out)
     os.makedirs(a.out, exist_ok=True)
     print(f"lab_study {a.study}: {a.steps} steps, seeds {a.seeds}, {a.dtype}, into {a.out}\n  {where()}",

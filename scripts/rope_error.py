@@ -14,6 +14,21 @@ import argparse
 import os
 import sys
 
+
+def arguments() -> argparse.ArgumentParser:
+    """The command line's parser. Defined before any heavy import, so that ``--help``
+    answers without loading torch."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--out", default=None, help="where to save the figure (PNG); none: print only")
+    ap.add_argument("--theta", type=float, default=500000.0, help="the rotary base (model.rope_theta)")
+    ap.add_argument("--head-dim", type=int, default=128, help="the head size (d_model / n_head)")
+    return ap
+
+
+if __name__ == "__main__":
+    arguments().parse_known_args()  # --help answered here, before torch's import (20 s when busy)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mptrain.model.llama import rope_error_by_position  # noqa: E402
@@ -35,12 +50,7 @@ def measure(theta: float, head_dim: int) -> list[tuple[int, int, float, float]]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--out", default=None, help="where to save the figure (PNG); none: print only")
-    ap.add_argument("--theta", type=float, default=500000.0, help="the rotary base (model.rope_theta)")
-    ap.add_argument("--head-dim", type=int, default=128, help="the head size (d_model / n_head)")
-    a = ap.parse_args(argv)
+    a = arguments().parse_args(argv)
     rows = measure(a.theta, a.head_dim)
     print(f"rotary error, mean |rotated - exact| / |x| (theta {a.theta:g}, head size {a.head_dim})")
     print(f"{'positions':>15} | {'bf16 tables':>11} | {'fp32 tables':>11}")

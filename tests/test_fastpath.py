@@ -40,9 +40,14 @@ def test_activation_checkpointing_recomputes_the_same_numbers(tmp_path, plain):
     assert s2["resumed_from"].endswith("step-5") and s2["steps"] == 6
 
 
-def test_compiled_blocks_train_like_eager(tmp_path, plain):
+def test_compiled_blocks_train_like_eager(tmp_path, plain, monkeypatch):
     from torch._dynamo.utils import counters
 
+    from mptrain.core import machine
+
+    # as on a busy machine, every time (the busy-machine check timed an eval-mode forward of the
+    # compiled blocks: more graphs, which only a loaded host showed)
+    monkeypatch.setattr(machine, "busy_reason", lambda *a: "the load a test stands in for")
     graphs = counters["stats"]["unique_graphs"]
     # Monitored every other step: the monitor's per-block hooks come and go, and the
     # monitored steps run eagerly, so the blocks compile once, and the loss once (traced,

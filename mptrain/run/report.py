@@ -246,7 +246,9 @@ class Reporter:
         bits = ", for a new run: a resume refuses another count in bf16/fp16 on a CPU" if guard else ""
         check = ThreadCheck(ctx.device, ctx.world, bits)
         first = next(iter(self.val_set.batches(micro_batch, 0, 1)), None)
-        if first is not None:
+        # Not on compiled blocks: an eval-mode forward without gradients is another graph, and
+        # its compilation (at each thread count) would cost far more than the notice is worth.
+        if first is not None and not plan.train.compile:
             self._probe_batch = first[:2]
             check.forward = forward_pass(model, policy, *self._probe_batch, ctx)
         return check

@@ -99,6 +99,10 @@ class Forwarder:
         self.torch_stops = False  # a signal went to torch's handler: its shutdown is the user's doing
         self.stopped_by = 0  # that signal's number
         self.repeat_said = False  # whether a repeated SIGTERM was said (once is enough)
+        self.repeat_name = ""  # the repeated signal's name
+        # whether the first signal's line is out: a repeat that interrupts its handler before
+        # then is said after it, so the two lines come in the order the signals came
+        self.first_said = False
         self._torch_handler = _elastic._terminate_process_handler
         self._torch_start = _elastic.PContext.start
 
@@ -128,8 +132,9 @@ class Forwarder:
             # may signal again): shutting the workers down now would cut their save short for nothing.
             if not self.repeat_said:
                 self.repeat_said = True
-                os.write(2, f"mptrain.torchrun: {signal.Signals(signum).name} again: the workers are already "
-                            f"stopping and saving; waiting for them (a SIGINT stops them at once)\n".encode())
+                self.repeat_name = signal.Signals(signum).name
+                if self.first_said:  # else the first signal's handler, interrupted by this one, says it after its own
+                    self._say_repeat()
             return
         if self.forwarded or self.context is None or signum not in FORWARD:
             self.torch_stops = True
@@ -149,6 +154,13 @@ class Forwarder:
         # os.write, not print: a handler may interrupt a print on this thread.
         os.write(2, f"mptrain.torchrun: {name} forwarded to workers {pids}; training ones finish the step, "
                     f"save and exit, starting ones exit at once (a second SIGINT stops them at once)\n".encode())
+        self.first_said = True
+        if self.repeat_said:  # a repeat that came while the workers were being signalled: said in order
+            self._say_repeat()
+
+    def _say_repeat(self) -> None:
+        os.write(2, f"mptrain.torchrun: {self.repeat_name} again: the workers are already stopping and saving; "
+                    f"waiting for them (a SIGINT stops them at once)\n".encode())
 
     def stopped_line(self, report: LauncherReport) -> str:
         """The one line for a job torch's agent shut down on a signal (after :meth:`handle` let it through)."""

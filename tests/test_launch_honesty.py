@@ -176,3 +176,24 @@ def test_resume_latest_with_a_damaged_newest_run_names_the_newest_intact_one(tmp
     # the override it names works
     assert launch([*TINY, "train.max_steps=4", f"resume={older}", "hydra.run.dir=taken"]) == 0
     assert "resumed_from" in (tmp_path / "taken" / "summary.json").read_text()
+
+
+def test_a_sigterm_that_interrupts_the_first_ones_handler_is_said_after_it(capfd):
+    """The second SIGTERM's handler can run inside the first one's, while the first is still
+    signalling the workers (a loaded host showed it): its line came first, saying the
+    workers were "already stopping" before the line that says they were told. The nesting
+    is made here by the workers' pid lookup, the one step the first handler takes before
+    its line; the launcher's own handler, not a copy."""
+    from mptrain.torchrun import Forwarder
+
+    forwarder = Forwarder()
+
+    class Workers:  # the running PContext's one method the handler calls
+        def pids(self):
+            forwarder.handle(signal.SIGTERM, None)  # the repeat, arriving mid-way
+            return {}
+
+    forwarder.context = Workers()
+    forwarder.handle(signal.SIGTERM, None)
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("mptrain.torchrun:")]
+    assert len(said) == 2 and "SIGTERM forwarded to workers" in said[0] and "SIGTERM again" in said[1], said

@@ -56,18 +56,34 @@ def test_emulated_matmul_matches_scaled_mm_without_calling_it(recipe, monkeypatc
         assert torch.equal(native[2], emulated[2])
 
 
-def test_auto_follows_the_measurement(monkeypatch):
+def test_auto_follows_the_measurement_and_keeps_it_per_machine(monkeypatch, tmp_path):
     cpu = torch.device("cpu")
     # the measurement itself: three positive timings on this machine
     m = support.measure_fp8_matmul("cpu", n=64, reps=1)
     assert min(m.scaled_mm, m.emulated, m.fp32) > 0 and m.slowdown > 0
     slow = support.Fp8MatmulSpeed(256, scaled_mm=0.2, emulated=0.002, fp32=0.001)
     fast = support.Fp8MatmulSpeed(256, scaled_mm=0.003, emulated=0.004, fp32=0.001)
-    monkeypatch.setattr(support, "measure_fp8_matmul", lambda *a, **k: slow)
-    path, why = support.choose_fp8_matmul("auto", cpu)
-    assert path == "emulated" and "measured 100x the fp32 emulation's time at 256x256" in why
-    monkeypatch.setattr(support, "measure_fp8_matmul", lambda *a, **k: fast)
-    assert support.choose_fp8_matmul("auto", cpu)[0] == "scaled_mm"
+    monkeypatch.setenv("MPTRAIN_CACHE", str(tmp_path))  # a machine that has measured nothing yet
+    support.kept_fp8_path.cache_clear()
+    try:
+        monkeypatch.setattr(support, "measure_fp8_matmul", lambda *a, **k: slow)
+        path, why = support.choose_fp8_matmul("auto", cpu)
+        assert path == "emulated" and "measured 100x the fp32 emulation's time at 256x256" in why
+        kept = tmp_path / "kernels"
+        assert [p.name.endswith("-256x256x256.json") for p in kept.iterdir()] == [True] and "kept in" in why
+        # a later process whose timing says the other path (a busy host, the paths close) keeps the machine's
+        # choice: the two accumulate in another order, and a resume or another rank must compute in the same bits
+        monkeypatch.setattr(support, "measure_fp8_matmul", lambda *a, **k: fast)
+        support.kept_fp8_path.cache_clear()
+        assert support.choose_fp8_matmul("auto", cpu)[0] == "emulated"
+        # each size is its own choice; deleting the files measures again
+        assert support.choose_fp8_matmul("auto", cpu, (64, 32, 128))[0] == "scaled_mm"
+        for p in kept.iterdir():
+            p.unlink()
+        support.kept_fp8_path.cache_clear()
+        assert support.choose_fp8_matmul("auto", cpu)[0] == "scaled_mm"
+    finally:
+        support.kept_fp8_path.cache_clear()  # the session's runs take their own machine's choice again
     assert support.choose_fp8_matmul("emulated", cpu) == ("emulated", "precision.fp8.matmul=emulated")
     # on a GPU auto is the float8 tensor cores, never a CPU timing
     assert support.choose_fp8_matmul("auto", torch.device("cuda"))[0] == "scaled_mm"

@@ -19,6 +19,7 @@ import pytest
 from mptrain.checkpoint.integrity import complete_checkpoints, verify
 from mptrain.distributed.store import TorchrunStore
 from mptrain.run.startup import Agreement, Startup
+from mptrain.run.trainer import Trainer
 
 from .conftest import ROOT, TINY, train
 from .test_preempt import _start, _wait_for_step
@@ -197,3 +198,25 @@ def test_a_sigterm_that_interrupts_the_first_ones_handler_is_said_after_it(capfd
     forwarder.handle(signal.SIGTERM, None)
     said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("mptrain.torchrun:")]
     assert len(said) == 2 and "SIGTERM forwarded to workers" in said[0] and "SIGTERM again" in said[1], said
+
+
+def test_a_sigterm_while_the_run_writes_its_final_records_is_taken_by_the_run(tmp_path, monkeypatch, capsys):
+    """A SIGTERM after the last step (a scheduler's second one, a preemption during the final
+    evaluation) used to meet the handler the loop had already given back: the default action
+    ended a run silently, exit 143, before its summary. The run takes it and finishes."""
+    got: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))  # what a run gives back to
+    summarize = Trainer.summarize
+
+    def signalled_summarize(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return summarize(self)
+
+    monkeypatch.setattr(Trainer, "summarize", signalled_summarize)
+    try:
+        s, _ = train(tmp_path / "run", "train.max_steps=2")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert got == []  # the run's handler took it, not the one beneath
+    assert s["steps"] == 2 and "stopped_early" not in s and (tmp_path / "run" / "summary.json").exists()
+    assert "SIGTERM came while the run wrote its final records; they were finished first" in capsys.readouterr().out

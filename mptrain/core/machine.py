@@ -7,9 +7,11 @@ thread count a run computes with, with the line that says when other processes
 compete for its cores and what one thread measured instead."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from mptrain.core.errors import ConfigError
+from mptrain.core.files import write_bytes, write_first
 
 DEFAULT_CACHE = "~/.cache/mptrain"
 """The cache when neither ``MPTRAIN_CACHE`` nor ``data.cache_dir`` names another."""
@@ -48,6 +51,54 @@ def cpu_flags() -> set[str]:
 def cache_root(configured: str = DEFAULT_CACHE) -> Path:
     """``$MPTRAIN_CACHE`` when set, else ``configured`` (``data.cache_dir``), with ``~`` expanded."""
     return Path(os.path.expanduser(os.environ.get("MPTRAIN_CACHE") or configured))
+
+
+def kept_choice_file(kind: str, detail: str = "") -> Path:
+    """Where this machine keeps a measured choice of ``kind`` (``gelu``, ``fp8-matmul``):
+    ``$MPTRAIN_CACHE/kernels/<kind>-<CPU model>_<cores>_torch_<version>[-<detail>].json``,
+    one file per what the timing depends on (``detail``: the product's size, say)."""
+    import torch  # the version is part of the key; every caller has imported torch already
+
+    key = re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{cpu_name()} {os.cpu_count()} torch {torch.__version__}")[:120]
+    return cache_root() / "kernels" / f"{kind}-{key}{'-' + detail if detail else ''}.json"
+
+
+def kept_choice(path: Path, valid: Callable[[dict], bool],
+                measure: Callable[[], dict]) -> tuple[dict, Optional[Path]]:
+    """``(choice, path it is kept in)`` for a choice a timing makes between two kernels that
+    compute the same function in other bits (the GELU's two forms, float8's two matmuls).
+
+    The choice kept in ``path`` is taken as it stands, so that every later process on this
+    machine (a resumed run, the other ranks, a test's second launch) computes in the same
+    bits instead of timing again, which a busy host could tip the other way. Where none is
+    kept, ``measure()`` decides and its choice is written first-writer-wins
+    (:func:`~mptrain.core.files.write_first`): processes that measured at the same moment all
+    take the one written first. A damaged file is measured again and replaced; a cache that
+    cannot be written costs a timing per process (the path returned is then None)."""
+    kept = _read_choice(path, valid)
+    if kept is not None:
+        return kept, path
+    damaged = path.exists()  # there, yet not a choice
+    choice = {**measure(), "measured": time.strftime("%Y-%m-%d %H:%M")}
+    data = (json.dumps(choice, indent=2) + "\n").encode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if damaged:
+            write_bytes(path, data)
+        elif not write_first(path, data):
+            first = _read_choice(path, valid)  # another process wrote first: its choice is the machine's
+            return (first, path) if first is not None else (choice, None)
+    except OSError:
+        return choice, None
+    return choice, path
+
+
+def _read_choice(path: Path, valid: Callable[[dict], bool]) -> Optional[dict]:
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # not measured yet on this machine, or unreadable
+    return kept if isinstance(kept, dict) and valid(kept) else None
 
 
 STEAL_BUSY = 0.05
@@ -289,7 +340,7 @@ def threads_notice(load: Load, threads: int, timing: Optional[dict[int, float]],
     faster = now >= FEWER_THREADS_AT * one
     if short:
         return head + (f", 1 thread measured {now / one:.1f}x faster (train.threads=1)" if faster
-                       else f", 1 thread no faster")
+                       else ", 1 thread no faster")
     said = f"; {what} measured {now * 1e3:.1f} ms at {threads} threads, {one * 1e3:.1f} ms at 1"
     if faster:
         return head + said + f": 1 thread is {now / one:.1f}x faster now (train.threads=1{bits})"

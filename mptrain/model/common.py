@@ -15,10 +15,7 @@ that an initial weight can land in a parameter that is already a shard.
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
-import re
 import time
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -28,8 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
-from mptrain.core.files import write_bytes, write_first
-from mptrain.core.machine import cache_root, cpu_name
+from mptrain.core.machine import kept_choice, kept_choice_file
 from mptrain.core.sums import fixed_sum
 from mptrain.model.names import canonical_name
 
@@ -169,8 +165,7 @@ def gelu_choice_file() -> Path:
     """Where this machine's GELU choice is kept: ``$MPTRAIN_CACHE/kernels`` (the
     default cache, ``~/.cache/mptrain``, when unset), one file per CPU model, core
     count and torch version: what the timing depends on."""
-    key = re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{cpu_name()} {os.cpu_count()} torch {torch.__version__}")[:120]
-    return cache_root() / "kernels" / f"gelu-{key}.json"
+    return kept_choice_file("gelu")
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,39 +176,16 @@ def cpu_gelu_kernel() -> GeluChoice:
     process on this machine (a resumed run, a test's second launch) takes the kept
     choice instead of a new timing that a busy host could tip the other way.
     Processes that measure at the same moment (a launch's ranks on a fresh machine)
-    all take the choice written first (:func:`~mptrain.core.files.write_first`).
+    all take the choice written first (:func:`~mptrain.core.machine.kept_choice`).
     Deleting the file measures again; a damaged one is measured again and replaced."""
+
+    def measure() -> dict:
+        choice = choose_gelu(_gelu_seconds())
+        return {"kernel": choice.kernel, "why": choice.why}
+
     path = gelu_choice_file()
-    kept = _kept_gelu(path)
-    if kept:
-        return kept
-    damaged = path.exists()  # there, yet not a choice: measured again and replaced
-    choice = choose_gelu(_gelu_seconds())
-    record = {"kernel": choice.kernel, "why": choice.why, "measured": time.strftime("%Y-%m-%d %H:%M")}
-    data = (json.dumps(record, indent=2) + "\n").encode()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if damaged:
-            write_bytes(path, data)
-        elif not write_first(path, data):
-            # Another process (the other ranks of a launch, a test's second run) measured
-            # at the same moment and wrote first: its choice is the machine's, since every
-            # later process will read it, and a timing on a busy host may differ from it.
-            return _kept_gelu(path) or GeluChoice(choice.kernel, choice.why)
-    except OSError:
-        return choice  # a cache it cannot write costs a timing per process, never the run
-    return GeluChoice(choice.kernel, f"{choice.why}; kept in {path}")
-
-
-def _kept_gelu(path: Path) -> Optional[GeluChoice]:
-    """The choice kept in ``path``, None where there is none (or it cannot be read)."""
-    try:
-        kept = json.loads(path.read_text())
-        if kept.get("kernel") in ("sigmoid", "torch"):
-            return GeluChoice(kept["kernel"], f"{kept['why']}; kept in {path}")
-    except (OSError, ValueError, KeyError, AttributeError):
-        pass  # not measured yet on this machine (or unreadable): measure
-    return None
+    kept, where = kept_choice(path, lambda c: c.get("kernel") in ("sigmoid", "torch"), measure)
+    return GeluChoice(kept["kernel"], f"{kept.get('why', 'measured')}; kept in {where}" if where else kept["why"])
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from mptrain.core.errors import ConfigError
-from mptrain.core.machine import cpu_flags, cpu_name  # noqa: F401 (the doctor and the advisor take cpu_name from here)
+from mptrain.core.machine import cpu_flags, cpu_name, kept_choice, kept_choice_file  # noqa: F401 (the doctor and the advisor take cpu_name from here)
 
 MIN_TORCHAO = (0, 10)
 
@@ -292,7 +292,27 @@ def choose_fp8_matmul(setting: str, device: torch.device,
         return setting, f"precision.fp8.matmul={setting}"
     if device.type != "cpu":
         return "scaled_mm", "precision.fp8.matmul=auto on a GPU"
-    return fp8_auto_path(measure_fp8_matmul(str(device), shape=shape))
+    return kept_fp8_path(shape)
+
+
+@functools.lru_cache(maxsize=None)
+def kept_fp8_path(shape: Optional[tuple[int, int, int]] = None) -> tuple[str, str]:
+    """``(path, why)`` auto takes on this CPU for the product ``shape``: measured once per
+    machine and size and kept (:func:`~mptrain.core.machine.kept_choice`), because the two
+    paths accumulate in another order, so a choice a second timing flipped (a resume, another
+    rank, on a busy host where the two are close) would change the run's bits without a word.
+    ``python -m mptrain.doctor`` measures afresh and says what it would choose now."""
+    size = "x".join(str(d) for d in shape) if shape else "256x256x256"
+
+    def measure() -> dict:
+        path, why = fp8_auto_path(measure_fp8_matmul("cpu", shape=shape))
+        return {"path": path, "why": why}
+
+    kept, where = kept_choice(kept_choice_file("fp8-matmul", size),
+                              lambda c: c.get("path") in ("scaled_mm", "emulated") and "why" in c, measure)
+    if where is None:
+        return kept["path"], kept["why"]
+    return kept["path"], f"{kept['why']} (kept in {where}, measured {kept.get('measured', '?')})"
 
 
 def cpu_rowwise_fp8_problem() -> Optional[str]:

@@ -182,11 +182,19 @@ class Trainer:
                     if self.run_step(step, micro, stop):
                         break
         except BaseException:
+            stop.restore()  # never leave our handler installed
             self.metrics.close()  # flush what was logged up to the failure (JSONL, TensorBoard, W&B)
             raise
+        # The handler stays through the final checkpoint, evaluation and summary: a SIGTERM there
+        # (a scheduler's second one, a preemption) asks for what the run is already doing, and
+        # the default action would end it silently, exit 143, without its summary.
+        try:
+            summary = self.summarize()
         finally:
-            stop.restore()  # also when a step raises: never leave our handler installed
-        return self.summarize()
+            stop.restore()
+        if stop.flag and not self.stopped_by:
+            self.runlog.say(f"{stop.name} came while the run wrote its final records; they were finished first")
+        return summary
 
     def run_step(self, step: int, micro: list, stop: StopSignal) -> bool:
         """One step and everything scheduled after it; True when the run stops here."""

@@ -113,3 +113,15 @@ VOLATILE = ("perf/", "mem/")
 def without_wall_clock(rows: list[dict]) -> list[dict]:
     """``rows`` without the :data:`VOLATILE` keys, for bit-for-bit comparisons of runs."""
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def first_difference(a: list[dict], b: list[dict]) -> str:
+    """Where two runs' rows first differ, key by key (pytest's own message shows one side
+    of a long row and hides the keys): "" when they are equal."""
+    if len(a) != len(b):
+        return f"{len(a)} rows vs {len(b)}"
+    for i, (ra, rb) in enumerate(zip(a, b)):
+        diff = {k: (ra.get(k), rb.get(k)) for k in sorted(set(ra) | set(rb)) if ra.get(k) != rb.get(k)}
+        if diff:
+            return f"row {i} (step {ra.get('step')}): {len(diff)} keys differ, first ones {list(diff.items())[:8]}"
+    return ""

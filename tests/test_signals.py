@@ -73,3 +73,47 @@ def test_a_handler_installed_on_top_stays_and_a_second_sigint_interrupts(handler
     stop.restore()  # the loop gives the outer one's back, the interrupting SIGINT included
     assert signal.getsignal(signal.SIGTERM) is outer.on_signal
     assert signal.getsignal(signal.SIGINT) is outer.on_signal
+
+
+def test_two_sigints_python_handles_as_one_still_interrupt(handlers):
+    """Two Ctrl-C that land while the main thread is in one C call run Python's handler
+    once; the loop's handler counts the deliveries (the wakeup fd) and the second one
+    interrupts, as it does when they come apart. Two SIGTERMs so merged only ask to stop."""
+    before_fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(before_fd)
+    for sig, interrupts in ((signal.SIGINT, True), (signal.SIGTERM, False)):
+        stop = StopSignal(enabled=True)
+        # Another thread sends the signal to itself twice within one bytecode (``map`` calls
+        # the C function twice), holding the GIL: both deliveries come before the main thread
+        # runs another bytecode, as two do while a run's main thread waits in an fsync.
+        sender = threading.Thread(target=lambda: list(map(signal.pthread_kill, [threading.get_ident()] * 2,
+                                                          [sig] * 2)))
+        raised = False
+        try:
+            sender.start()
+            sender.join()
+            for _ in range(1000):  # a few bytecodes: the pending handler runs
+                pass
+        except KeyboardInterrupt:
+            raised = True
+        assert stop.flag and raised is interrupts, (sig, raised)
+        stop.restore()
+        assert signal.set_wakeup_fd(before_fd) == before_fd  # the wakeup fd is given back
+
+
+def test_a_checkpoint_fsyncs_with_the_stop_signals_left_to_other_threads(tmp_path, monkeypatch):
+    """While a save waits in fsync the kernel would hold a Ctrl-C back and drop a second
+    one; every fsync of a real save (DCP's files and mptrain's own) runs with SIGTERM and
+    SIGINT blocked in the saving thread, so another thread takes them at once."""
+    from .conftest import train
+
+    real_fsync, blocked = os.fsync, []
+
+    def fsync(fd):
+        blocked.append(set(STOP_SIGNALS) <= signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    train(tmp_path / "run", "train.max_steps=2", "checkpoint.every=2")
+    assert len(blocked) >= 2 and all(blocked), blocked
+    assert not set(STOP_SIGNALS) & signal.pthread_sigmask(signal.SIG_BLOCK, [])  # and given back after

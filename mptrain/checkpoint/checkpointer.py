@@ -94,6 +94,7 @@ from mptrain.checkpoint.safeload import (
 )
 from mptrain.core.errors import NO_ROOM_FIXES
 from mptrain.core.frozen import plain
+from mptrain.core.signals import stop_signals_to_other_threads
 from mptrain.plan.plan import Plan
 
 # Shape fields a checkpoint must agree on with the run that loads it.
@@ -442,9 +443,11 @@ class _KeepOSError(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
-        """DCP's file stream, whose open, writes, fsync and close keep their OS errors."""
+        """DCP's file stream, whose open, writes, fsync and close keep their OS errors.
+        A stop signal meanwhile is taken by another thread (the fsync would hold it
+        back, and drop a second one: ``core/signals.stop_signals_to_other_threads``)."""
         try:
-            with super().create_stream(path, mode) as stream:
+            with stop_signals_to_other_threads(), super().create_stream(path, mode) as stream:
                 yield _KeptStream(stream, self, path) if "w" in mode else stream
         except OSError as e:  # open, fsync, close
             raise self.keep(e, path)

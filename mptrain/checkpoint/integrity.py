@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 from mptrain.checkpoint.safeload import check_inside
 from mptrain.core.errors import UserError
+from mptrain.core.signals import stop_signals_to_other_threads
 
 FORMAT = "mptrain-dcp-1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -88,7 +89,7 @@ def write_file(path: Path, data: bytes) -> None:
     """Write and fsync ``path`` through Python's own file object, whose OSError
     names the reason (torch.save to a path reports only 'file write failed')."""
     try:
-        with open(path, "wb") as f:
+        with stop_signals_to_other_threads(), open(path, "wb") as f:  # (a Ctrl-C during the fsync is not lost)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -15,8 +15,11 @@ signal's number, never a traceback.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import os
 import signal
+import threading
 from types import FrameType
 from typing import Callable, Optional, Union
 
@@ -180,3 +183,114 @@ class SignalHandler:
     def __exit__(self, *exc) -> None:
         """Give the signals back, whatever ended the block."""
         self.restore()
+
+
+@contextlib.contextmanager
+def stop_signals_to_other_threads():
+    """Keep the kernel from handing SIGTERM and SIGINT to this thread for the block,
+    for a block that waits in an uninterruptible system call (a checkpoint's fsync).
+
+    Why: the kernel hands a process's signal to its main thread even while that
+    thread waits in such a call, and keeps it pending until the call returns; a
+    second SIGINT meanwhile finds one pending and is dropped, so Ctrl-C twice
+    during a save would ask only to stop. With the signals blocked here, another
+    thread (the prefetcher, the start-up's watchdog) takes each one at once, the
+    C-level handler counts it (:class:`Deliveries`), and Python runs the handler in
+    the main thread when the block's call returns, as it would have."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+class Deliveries:
+    """How many times each signal arrived, which Python's handlers cannot tell.
+
+    Python runs a signal's handler once for every delivery that came since the
+    main thread last ran a bytecode: two Ctrl-C 50 ms apart that both land in
+    one long C call (an fsync of a checkpoint, a matmul on a loaded host) run
+    the handler once, and a handler that stops at the second Ctrl-C never sees
+    it. The C-level handler also writes each delivery's signal number to the
+    process's wakeup fd (``signal.set_wakeup_fd``), one byte per delivery, before
+    the Python handler runs: :meth:`take` reads them.
+
+    While counting this holds the wakeup fd. Its SIGTERM and SIGINT bytes are
+    kept here: the stop signals are the counting handler's (the start-up's
+    watchdog, ``run/startup.py``, ignores them while the loop holds them, and
+    handing them on late could reach it after it holds them again). Any other
+    signal's byte goes on to whatever held the fd before (an event loop), a
+    little later (on :meth:`take` and :meth:`stop`). Main thread only (Python
+    allows the wakeup fd nowhere else); elsewhere nothing is counted and
+    :meth:`take` says 1."""
+
+    def __init__(self):
+        self._pipe: Optional[tuple[int, int]] = None
+        self._theirs = -1  # the wakeup fd before ours (-1: none)
+        self._pending: collections.Counter = collections.Counter()
+
+    def start(self) -> "Deliveries":
+        """Count from now on."""
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        os.set_blocking(write_end, False)  # the C-level handler must never block
+        self._theirs = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        self._pipe = (read_end, write_end)
+        _counting.append(self)
+        return self
+
+    def take(self, signum: int) -> int:
+        """How many times ``signum`` arrived since the last :meth:`take` of it; at
+        least 1, for the handler that calls this was called for one."""
+        self._drain()
+        return max(1, self._pending.pop(int(signum), 0))
+
+    def _drain(self) -> None:
+        if self._pipe is None:
+            return
+        while True:
+            try:
+                data = os.read(self._pipe[0], 512)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not data:
+                break
+            self._pending.update(data)
+            others = bytes(b for b in data if b not in STOP_SIGNALS)
+            if others and self._theirs != -1:
+                with contextlib.suppress(OSError):  # theirs full or closed: as the C-level handler does
+                    os.write(self._theirs, others)
+
+    def stop(self) -> None:
+        """Give the wakeup fd back (unless someone took it after us: theirs stays)."""
+        if self._pipe is None:
+            return
+        self._drain()
+        with contextlib.suppress(ValueError):
+            current = signal.set_wakeup_fd(-1)
+            signal.set_wakeup_fd(self._theirs if current == self._pipe[1] else current)
+        self._close()
+
+    def _close(self) -> None:
+        for fd in self._pipe or ():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._pipe = None
+        with contextlib.suppress(ValueError):
+            _counting.remove(self)
+
+
+_counting: list[Deliveries] = []
+"""The counts running in this process: a forked child gives their wakeup fd up (its
+signals are its own, and must not be counted as its parent's)."""
+
+
+def _forget_counts_in_child() -> None:
+    for count in list(_counting):
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)
+        count._close()
+
+
+os.register_at_fork(after_in_child=_forget_counts_in_child)

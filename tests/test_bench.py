@@ -172,21 +172,27 @@ def test_ctrl_c_stops_bench_at_once_with_a_table_of_what_it_measured():
                              "--repeats", "1", "--warmup", "0", "--progress-every", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # Each pipe has one reader of its own, to the end: communicate() would read stdout beside
+    # the line reader, and the lines it took (the run's closing line, in one busy suite) were lost.
     lines: list[str] = []
+    errs: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    err_reader = threading.Thread(target=lambda: errs.append(proc.stderr.read()), daemon=True)
     reader.start()
+    err_reader.start()
     try:
         def training() -> bool:
-            assert proc.poll() is None, proc.stderr.read()
+            assert proc.poll() is None, f"bench.py ended (exit {proc.returncode}) before its first run trained"
             return any(line.startswith("  [1/3] harness, monitor off") and not line.split()[4].startswith("0/")
                        for line in list(lines))
         _wait_for(training)
         proc.send_signal(signal.SIGINT)
-        err = proc.communicate(timeout=300)[1]
+        proc.wait(timeout=300)
     finally:
         proc.kill()
-    reader.join(10)
-    out = "".join(lines)
+    reader.join(30)
+    err_reader.join(30)
+    out, err = "".join(lines), "".join(errs)
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     ends = [line for line in lines if line.startswith("  [1/3]") and "steps |" in line]

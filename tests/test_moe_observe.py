@@ -167,6 +167,22 @@ def test_a_recomputed_forward_is_counted_once():
     assert (s["moe/load_min/block0"], s["moe/load_max/block0"]) == (0, 4)
 
 
+def test_an_audited_step_counts_the_loads_without_the_probe():
+    """The step a dtype audit records runs without probes (``pause_probes``: their ops are
+    not the step's): its loads are logged, its entropy and flip share left out."""
+    model = _planted()
+    mon = NumericsMonitor(mcfg(stability=False), model)
+    mon.start_step(0)
+    mon.pause_probes()
+    with torch.no_grad():
+        model.blocks[0].mlp(_tokens("AAABC"))
+    mon.after_backward(model, None)
+    s = mon.collect()[0]
+    assert (s["moe/load_min/block0"], s["moe/load_max/block0"]) == (0, 5)
+    assert not any(k.startswith(("moe/router_entropy", "moe/flip_share_bf16")) for k in s)
+    assert model.blocks[0].mlp.probe_input is None
+
+
 # ------------------------------------------------------------------ a monitored step of the run
 def _run_step(model: nn.Module, capsys) -> tuple[dict, str]:
     """One bf16 step of ``model`` through the run's step and parts, monitored (the
@@ -370,6 +386,7 @@ def test_each_expert_casts_to_float8_with_its_own_scale():
         return {k: v for k, v in s.items() if "mlp.experts" in k and "/weight/" in k}
 
     before, stats = [torchao_cast(experts[e].gate) for e in range(2)], weight_stats()
+    assert model.blocks[0].mlp.last_gemm == "looped"  # converted experts never share a grouped GEMM
     with torch.no_grad():
         experts[1].gate.weight[0, 0] = 1e4
     after, planted = [torchao_cast(experts[e].gate) for e in range(2)], weight_stats()

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mptrain.compare.figure import panels_with_data
+from mptrain.compare.figure import build_figure, panels_with_data
 from mptrain.compare.runs import Run
 from mptrain.config.schema import ParallelMode
 from mptrain.distributed.parallel import DistContext
@@ -322,10 +322,13 @@ def test_compare_draws_the_routing_panels_where_a_run_has_them(tmp_path):
     for name, run_rows in (("moe", rows), ("dense", [{"step": r["step"], "train/loss": 4.0} for r in rows])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run_rows))
-    panels, missing = panels_with_data([Run(tmp_path / "moe"), Run(tmp_path / "dense")])
+    runs = [Run(tmp_path / "moe"), Run(tmp_path / "dense")]
+    panels, missing = panels_with_data(runs)
     drawn = {p[1] for p in panels}
     assert {"moe/load_cv", "moe/flip_share_bf16", "moe/dropped_share/block*"} <= drawn
     assert "moe/bias_absmax/block*" not in drawn and not any(m.startswith("moe/") for m in missing)
+    titles = {ax.get_title().split("\n")[0] for ax in build_figure(runs).axes}
+    assert {p[0] for p in panels if p[1].startswith("moe/")} <= titles
 
 
 # ------------------------------------------------------------------ the dtype audit

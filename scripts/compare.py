@@ -47,7 +47,9 @@ every common step) are named in that panel's title and in a note after the
 table. Tick labels are plain numbers (no offset or shared multiplier), and a y
 axis spans at least MIN_REL_SPAN of its values, so rounding-level differences
 never fill a panel.
-Panels whose metric no run logged are left out (comparison.md says which).
+Panels whose metric no run logged are left out (comparison.md says which,
+but not of the metrics only some configurations have: float8 casts, the
+routing of a mixture of experts, ``moe/load_cv`` and ``moe/flip_share_bf16``).
 A metric ending in ``/block*`` is per block: its panel draws, at each step, the
 largest value over the run's blocks (``stability/massive_ratio/block*``).
 

@@ -34,6 +34,7 @@ def test_monitor_metrics_in_jsonl_and_tensorboard(tmp_path, capsys):
         assert f"numerics/weight_norm/{g}" in r
     assert {"numerics/update_underflow/bf16", "numerics/update_underflow/fp16",
             "numerics/act_absmax/block1", "numerics/act_absmax_over_e4m3_max"} <= r.keys()
+    assert not any(k.startswith("moe/") for row in rows for k in row)  # no routed layers: no routing figures
     hist = r["numerics/grad_log2_hist"]
     assert hist["log2_lo"] == -40 and sum(hist["counts"]) > 0
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"histograms": 0, "scalars": 0})

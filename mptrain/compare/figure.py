@@ -52,12 +52,21 @@ PANELS = [
      "% of converted weight elements"),
     ("what-if: mean shift of the norm weights, quantized", "numerics/quant/norm_bias", "step", "linear",
      "% of the norm weights' sum |gamma|"),
+    # a mixture-of-experts model's routing (observe/moe.py), each the worst routed layer
+    ("MoE load imbalance: CV of tokens per expert (worst layer)", "moe/load_cv", "step", "linear",
+     "coefficient of variation (x)"),
+    ("what-if: tokens whose top-k experts a bf16 router would change (worst layer)", "moe/flip_share_bf16", "step",
+     "linear", "% of tokens"),
+    ("MoE: token choices dropped over capacity (largest over blocks)", "moe/dropped_share/block*", "step", "linear",
+     "% of token choices"),
+    ("MoE balancing bias: largest |bias| (largest over blocks)", "moe/bias_absmax/block*", "step", "linear",
+     "bias (gate-score units)"),
 ]
 # Metrics only some configurations have (stochastic rounding, Kahan summation, float8 or 4-bit
-# linears): a sweep without those is not missing them, so their absence is not reported.
+# linears, a mixture of experts): a sweep without those is not missing them, so their absence is not reported.
 ONLY_WHERE_THEY_APPLY = {"numerics/update_lost_expected", "numerics/kahan_held_over_update",
                          "fp8/worst/flush", "fp8/worst/saturate", "fp8/worst/sqnr_db",
-                         *(p[1] for p in PANELS if p[1].startswith("numerics/quant/"))}
+                         *(p[1] for p in PANELS if p[1].startswith(("numerics/quant/", "moe/")))}
 # Horizontal lines drawn dashed on a metric's panel, at (value, label): a threshold the curves are read against.
 THRESHOLDS = {"numerics/quant/weight_gradient/noise_ratio":
               (SQRT3, "sqrt(3): below it, quantized training stops making progress")}

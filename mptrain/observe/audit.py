@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mptrain.core.observer import observer_at_work
 from mptrain.core.shards import local_shard
 from mptrain.core.text import text_table
+from mptrain.model.moe import MoEFeedForward, Router
 from mptrain.model.names import canonical_name
 from mptrain.observe.audit_ops import (
     Spans,
@@ -150,12 +151,21 @@ class DtypeAudit:
         # dequantized values in fp32 on purpose: their matmuls are reported in their formats,
         # and not flagged.
         self._fp4: dict[str, str] = {}
+        # A mixture-of-experts model's routers compute their logits in fp32 on purpose (a
+        # half-precision router flips top-k choices): reported as such, and not flagged. Its
+        # grouped expert GEMMs run in the routed layer itself, one for all its experts.
+        self._fp32_routers: set[str] = set()
+        self._grouped: dict[str, int] = {}
         for name, mod in self.model.named_modules():
             cname = canonical_name(name) or ROOT
             self._order.setdefault(cname, len(self._order))
             if getattr(mod, "lab_recipe", None):
                 fmts = sorted({o.element.name for o in mod.recipe.ops if o is not None})
                 self._fp4[cname] = f"{'/'.join(fmts)} ({mod.lab_recipe}, fp32 products)"
+            if isinstance(mod, Router) and mod.in_fp32:
+                self._fp32_routers.add(cname)
+            if isinstance(mod, MoEFeedForward):
+                self._grouped[cname] = mod.n_experts
             for p in mod.parameters(recurse=False):
                 ptr = storage_ptr(p)
                 if ptr is not None and cname not in self._owners[ptr]:
@@ -318,6 +328,8 @@ class DtypeAudit:
             fp8 = {dtype_name(t.dtype) for t in ins if is_fp8(t.dtype)}
             if category == "matmul" and module in self._fp4:
                 self._seen[module][category].add(self._fp4[module])
+            elif category == "matmul" and outs and (module in self._fp32_routers or module in self._grouped):
+                self._seen[module][category].add(self._moe_matmul(module, op, outs[0].dtype))
             elif emulated and outs:  # float8 values multiplied in a wider format: the format is what they are
                 self._seen[module][category].add(f"{emulated} (emulated in {dtype_name(outs[0].dtype)})")
             elif fp8:  # a float8 matmul: its operands' format says more than its bf16 output
@@ -333,13 +345,23 @@ class DtypeAudit:
         if not emulated:  # an emulated float8 product is widened on purpose: nothing autocast missed
             self._check(module, phase, op, category, ins, outs, autocast)
 
+    def _moe_matmul(self, module: str, op: str, dtype: torch.dtype) -> str:
+        """A routed layer's matmul as the table shows it: the router's fp32, said to be
+        on purpose; a grouped GEMM, with the experts it multiplies."""
+        if module in self._fp32_routers:
+            return f"{dtype_name(dtype)} (router, on purpose)"
+        if op.endswith("grouped_mm"):
+            return f"{dtype_name(dtype)} (grouped, {self._grouped[module]} experts)"
+        return dtype_name(dtype)
+
     # ---------------------------------------------------------------- flags
     def _check(self, module, phase, op, category, ins, outs, autocast) -> None:
         fin = [t.dtype for t in ins if t.is_floating_point()]
         fout = [t.dtype for t in outs if t.is_floating_point()]
         compute = self.policy.compute_dtype
         if (category == "matmul" and phase == "forward" and self.policy.autocast_enabled
-                and module not in self._fp4 and compute in _HALF and not any(is_fp8(d) for d in fin) and set(fin) & _WIDE):
+                and module not in self._fp4 and module not in self._fp32_routers
+                and compute in _HALF and not any(is_fp8(d) for d in fin) and set(fin) & _WIDE):
             cname = dtype_name(compute)
             dts = dtype_names(fin + fout)
             if autocast:
@@ -469,7 +491,7 @@ class DtypeAudit:
         }
 
     def table(self) -> str:
-        mods = self.modules()
+        mods = _collapse_experts(self.modules())
         rows = [[shown, *(mods[rep].get(c, "") for c in TABLE_COLUMNS)]
                 for shown, rep in _collapse_blocks(mods).items()]
         head = ["module", *TABLE_COLUMNS]
@@ -542,6 +564,36 @@ def _collapse_blocks(mods: dict[str, dict[str, str]]) -> dict[str, str]:
             continue
         a, b = group_of[(s[0], s[1])]
         out.setdefault(f"{s[0]}.{_span_text(a, b)}{s[2]}", name)
+    return out
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)(\..*)?$")
+
+
+def _collapse_experts(mods: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """``mods`` with consecutive experts of one routed layer whose rows are identical
+    shown once (``blocks.0.mlp.experts.0-7.gate``), where the first of them stood; the
+    router and everything else as they are."""
+    runs: dict[tuple[str, str], list[list]] = defaultdict(list)  # (layer, matrix) -> [[first, last, row]]
+    for name, cats in mods.items():
+        m = _EXPERT.match(name)
+        if m:
+            key, i = (m.group(1), m.group(3) or ""), int(m.group(2))
+            last = runs[key][-1] if runs[key] else None
+            if last is not None and last[1] == i - 1 and last[2] == cats:
+                last[1] = i
+            else:
+                runs[key].append([i, i, cats])
+    out: dict[str, dict[str, str]] = {}
+    for name, cats in mods.items():
+        m = _EXPERT.match(name)
+        if not m:
+            out[name] = cats
+            continue
+        key, i = (m.group(1), m.group(3) or ""), int(m.group(2))
+        for a, b, row in runs[key]:
+            if a == i:  # the first expert of its run stands for the run
+                out[f"{key[0]}.{_span_text(a, b)}{key[1]}"] = row
     return out
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, Optional
 
 import torch
@@ -12,6 +13,7 @@ from mptrain.core.shards import local_shard
 from mptrain.core.text import text_table
 from mptrain.model.names import canonical_name, layer_name
 from mptrain.core.observer import observing
+from mptrain.observe.moe import ALL_EXPERTS, expert_groups
 from mptrain.observe.quant import QuantSignals
 from mptrain.precision import lab
 from mptrain.precision.elements import element
@@ -129,6 +131,13 @@ class CastWatch:
         # The parameter object each layer holds between steps: under FSDP2 the fp32
         # shard (a DTensor), which the forward pass swaps for the gathered copy.
         self.master = {k: m.weight for k, m in self.layers.items()}
+        # A mixture-of-experts model's converted expert linears, by group (one per routed
+        # layer and matrix): each expert casts with its own scales; the group's figures
+        # pool its experts' casts, so the what-ifs read per group as well as per expert.
+        self.groups: dict[str, list[str]] = {}
+        for layer, group in expert_groups(model).items():
+            if layer in self.layers:
+                self.groups.setdefault(group, []).append(layer)
         self.recipe = own.name
         self.tags = [RUN, *whatif]
         self.error = own.error
@@ -238,7 +247,31 @@ class CastWatch:
         for tag, w in worst.items():
             prefix = "fp8/worst/" if tag == RUN else f"fp8/worst/{tag}/"
             out.update({prefix + k: v for k, v in w.items()})
+        out.update(self._group_scalars(vals))
         out.update(self.signals.scalars(vals))
+        return out
+
+    def _group_scalars(self, vals: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The same figures per expert group (``fp8.block0.mlp.experts.all.gate/...``): the
+        group's experts' sums added and maxima taken (shares over all their elements, the
+        scale range over all their scales), the experts that ran this step. Not in the worst,
+        which the experts' own figures already give."""
+        out: dict[str, float] = {}
+        for group, layers in self.groups.items():
+            for op in OPERANDS:
+                for tag in self.tags:
+                    seen = [k for k in layers if f"fp8s/{k}/{op}/{tag}" in vals]
+                    if not seen:
+                        continue
+                    s = torch.stack([vals[f"fp8s/{k}/{op}/{tag}"] for k in seen]).sum(dim=0)
+                    if s[0] <= 0:
+                        continue  # no expert of the group cast anything
+                    m = torch.stack([vals[f"fp8m/{k}/{op}/{tag}"] for k in seen]).amax(dim=0)
+                    fig = summarize(s, m)
+                    if tag == RUN:
+                        out.update({f"fp8.{group}/{op}/{k}": fig[k] for k in STATS})
+                    else:
+                        out.update({f"fp8.{group}/{op}/{tag}/{k}": fig[k] for k in WHATIF_STATS})
         return out
 
 
@@ -298,16 +331,34 @@ def _own_cells(f: dict) -> list[str]:
     return [_pct(f["flush"]), _pct(f["saturate"]), f"{f['sqnr_db']:.1f}", f"{f['amax']:.4g}", scale]
 
 
+_EXPERT = re.compile(r"^(.*\.experts)\.\d+(\..*)$")
+
+
+def _shown_layers(layers: dict) -> list[str]:
+    """The layers of a report as the table shows them: an expert's linear whose group
+    has figures of its own (``...experts.all.gate``) gives way to that group, shown where
+    the group's first expert stood; every other layer as it is."""
+    shown: dict[str, None] = {}
+    for layer in layers:
+        m = _EXPERT.match(layer)
+        group = f"{m.group(1)}.{ALL_EXPERTS}{m.group(2)}" if m else None
+        shown[group if group in layers else layer] = None
+    return list(shown)
+
+
 def table(rep: dict) -> str:
     """The console table of :func:`report`: one row per layer and operand, the
     run's casts and the what-if recipe of the run's width (float8, 4-bit, or a
-    lab recipe's widest element) with the best SQNR beside them."""
+    lab recipe's widest element) with the best SQNR beside them. A mixture of
+    experts' linears are shown by expert group (``experts.all``, the scale column
+    the range over the experts' scales); each expert's own figures are in the
+    metrics and summary.json."""
     head = ["layer", "operand", "flush", "saturate", "SQNR dB", "amax", "scale", "best what-if (SQNR dB, flush)"]
     rows = []
     recipe = rep["recipe"]
     width = _bits(recipe)
-    for layer, ops in rep["layers"].items():
-        for op, f in ops.items():
+    for layer in _shown_layers(rep["layers"]):
+        for op, f in rep["layers"][layer].items():
             # the best what-if of the run's own width: in a 4-bit run any float8 recipe wins by
             # its 4 more bits, which says nothing about the choice of 4-bit scales
             same = {k: v for k, v in (f.get("whatif") or {}).items() if width is None or _bits(k) == width}

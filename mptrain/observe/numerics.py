@@ -54,6 +54,7 @@ import torch.nn as nn
 from mptrain.core.shards import local_shard
 from mptrain.core.sums import fixed_sum
 from mptrain.model.names import canonical_name, group_of, layer_groups
+from mptrain.observe.moe import MoEMonitor
 from mptrain.observe.stability import StabilityMonitor, unless_skipped
 from mptrain.precision import formats, optimizers
 from mptrain.precision.formats import thresholds
@@ -265,11 +266,16 @@ class NumericsMonitor:
 
     With ``monitor.stability`` the same calls also drive the ``stability/*``
     figures of :class:`mptrain.observe.stability.StabilityMonitor`; Adam's need
-    :meth:`attach_optimizer`.
+    :meth:`attach_optimizer`. A model with routed (mixture-of-experts) layers
+    also gets the ``moe/*`` figures of :class:`mptrain.observe.moe.MoEMonitor`,
+    whose counts ``reduce_sum_dp`` sums over the data-parallel ranks (the ranks
+    that see different tokens); where it is ``reduce_sum_all`` they ride in that
+    one collective.
     """
 
     def __init__(self, mcfg, model: nn.Module, reduce_sum: Reducer = _identity, reduce_max: Reducer = _identity,
                  *, reduce_max_all: Reducer = _identity, reduce_sum_all: Reducer = _identity,
+                 reduce_sum_dp: Reducer = _identity,
                  hist_lo: int = -40, hist_hi: int = 16, fp8_watch=None, owned: Reducer = local_shard):
         self.cfg = mcfg
         self.enabled = bool(mcfg.enabled)
@@ -277,7 +283,7 @@ class NumericsMonitor:
         self.histogram = bool(mcfg.histogram)
         self.activations = bool(mcfg.activations)
         self.reduce_sum, self.reduce_max, self.reduce_max_all = reduce_sum, reduce_max, reduce_max_all
-        self.reduce_sum_all = reduce_sum_all
+        self.reduce_sum_all, self.reduce_sum_dp = reduce_sum_all, reduce_sum_dp
         self.owned = owned
         self.hist_lo, self.hist_hi = hist_lo, hist_hi
         # Outermost module per block name: with wrappers (FSDP1, checkpoint
@@ -297,6 +303,8 @@ class NumericsMonitor:
         # The float8 casts' statistics and the quantization signals (fp8watch.CastWatch), when the
         # run has float8 or 4-bit linears.
         self.fp8 = fp8_watch if self.enabled else None
+        # The routing figures of a mixture-of-experts model (None for any other model).
+        self.moe = MoEMonitor.of(model) if self.enabled else None
         self._on = False
         self._hooks: list = []
         self._reset()
@@ -315,6 +323,8 @@ class NumericsMonitor:
         ops; the probe's fp32 logits are monitoring). Its figures are left out."""
         if self.stability is not None:
             self.stability.disarm()
+        if self.moe is not None:
+            self.moe.pause()
 
     # -- schedule
     def active(self, step: int) -> bool:
@@ -335,12 +345,16 @@ class NumericsMonitor:
             self.stability.clear()
         if self.fp8 is not None:
             self.fp8.clear()
+        if self.moe is not None:
+            self.moe.clear()
 
     def start_step(self, step: int) -> None:
         """Begin ``step``: if monitored, drop stale results and hook the blocks' outputs."""
         self._remove_hooks()  # left over only if a step died between forward and backward
         if self.stability is not None:
             self.stability.disarm()  # likewise
+        if self.moe is not None:
+            self.moe.disarm()  # likewise
         self._on = self.active(step)
         if not self._on:
             return
@@ -358,6 +372,8 @@ class NumericsMonitor:
             self._hooks += self.stability.start(dev, list(self._blocks))
         if self.fp8 is not None:
             self._hooks += self.fp8.start(self._device(next(iter(self.fp8.layers.values()), nn.Identity())))
+        if self.moe is not None:
+            self._hooks += self.moe.start(self._device(next(iter(self.moe.layers.values()))))
 
     def _make_hook(self, group: str):
         def hook(module, args, output):
@@ -390,6 +406,8 @@ class NumericsMonitor:
         self._remove_hooks()
         if self.stability is not None:
             self.stability.read_probes()
+        if self.moe is not None:
+            self.moe.disarm()
         dev = self._device(model)
         # Norms of the held gradient times 1/scale: the true gradient's, without
         # an unscaled copy of each gradient. The norm is scaled before it is
@@ -534,6 +552,25 @@ class NumericsMonitor:
         return applied_update_stats(before_flat, after_flat, _flat(intendeds), stochastic, comp)
 
     # -- results
+    def _stores(self) -> list[tuple[dict[str, torch.Tensor], Reducer]]:
+        """Each store of this step's figures with the reduction it takes: the
+        monitor's own, with the stability monitor's, the float8 casts' and the
+        routing figures' merged into the store of their kind (one collective per kind)."""
+        stab, fp8, moe = self.stability, self.fp8, self.moe
+        sums, maxes_all, sums_all, sums_dp = self._sum, self._max_all, {}, {}
+        if stab is not None:  # the same collectives carry the stability figures (and one more kind)
+            sums, maxes_all, sums_all = {**sums, **stab.sum}, {**maxes_all, **stab.max_all}, stab.sum_all
+        if fp8 is not None:  # and the float8 casts' (over every rank: each casts its own data), and the
+            q = fp8.signals  # quantization signals' (their weight codes' counts over the shards, like the weights')
+            maxes_all, sums_all = {**maxes_all, **fp8.max_all, **q.max_all}, {**sums_all, **fp8.sum_all, **q.sum_all}
+            sums = {**sums, **q.sum}
+        if moe is not None:  # and the routing figures': counts over the data-parallel ranks
+            maxes_all, sums_dp = {**maxes_all, **moe.max_all}, moe.sum_dp
+            if self.reduce_sum_dp == self.reduce_sum_all:  # the same ranks (no tensor parallelism): one collective
+                sums_all, sums_dp = {**sums_all, **sums_dp}, {}
+        return [(sums, self.reduce_sum), (self._max, self.reduce_max), (maxes_all, self.reduce_max_all),
+                (sums_all, self.reduce_sum_all), (sums_dp, self.reduce_sum_dp)]
+
     def collect(self) -> tuple[dict[str, float], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """Reduce over ranks and return ``(scalars, histograms)`` of the last
         monitored step; ``({}, {})`` when nothing is waiting. Every rank must
@@ -543,16 +580,7 @@ class NumericsMonitor:
         self._remove_hooks()
         self._pending = False
         vecs, layout = [], []
-        stab, fp8 = self.stability, self.fp8
-        sums, maxes_all, sums_all = self._sum, self._max_all, {}
-        if stab is not None:  # the same collectives carry the stability figures (and one more kind)
-            sums, maxes_all, sums_all = {**sums, **stab.sum}, {**maxes_all, **stab.max_all}, stab.sum_all
-        if fp8 is not None:  # and the float8 casts' (over every rank: each casts its own data), and the
-            q = fp8.signals  # quantization signals' (their weight codes' counts over the shards, like the weights')
-            maxes_all, sums_all = {**maxes_all, **fp8.max_all, **q.max_all}, {**sums_all, **fp8.sum_all, **q.sum_all}
-            sums = {**sums, **q.sum}
-        for store, reduce in ((sums, self.reduce_sum), (self._max, self.reduce_max),
-                              (maxes_all, self.reduce_max_all), (sums_all, self.reduce_sum_all)):
+        for store, reduce in self._stores():
             if not store:
                 continue
             names = list(store)
@@ -571,10 +599,9 @@ class NumericsMonitor:
             vals[n] = host[i:i + size]
             i += size
         scalars = self._scalars(vals)
-        if stab is not None:
-            scalars.update(stab.scalars(vals))
-        if fp8 is not None:
-            scalars.update(fp8.scalars(vals))
+        for part in (self.stability, self.fp8, self.moe):
+            if part is not None:
+                scalars.update(part.scalars(vals))
         hists = {}
         if "hist" in vals:
             hists["numerics/grad_log2_hist"] = (vals["hist"].round().to(torch.int64),

@@ -10,7 +10,9 @@ Progress: on a terminal a tqdm bar (it redraws one line with carriage
 returns); when the output goes to a file or a pipe, one plain line every
 ``log.plain_every`` steps instead, since a redrawn bar turns into a wall of
 partial lines there. The plain lines also go to ``train.log`` in both cases,
-so the log of an interactive run still shows how it progressed.
+so the log of an interactive run still shows how it progressed. A
+mixture-of-experts model's monitored steps add their worst load CV and bf16
+flip share to the line (``observe/moe.py``), and get a plain line of their own.
 
 ``train.log`` is appended to line by line, each line whole or not at all, and
 never through a symbolic link (``core/files.py``); a full disk or a planted
@@ -35,6 +37,7 @@ from mptrain.core import files
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.noise import OWN_HANDLER
 from mptrain.core.text import duration, fmt
+from mptrain.observe.moe import console_figures
 from mptrain.run.rundir import link_refused, writing
 
 LOG_NAME = "train.log"
@@ -196,7 +199,8 @@ class Console:
             self.bar.update(n)
 
     def update(self, step: int, metrics: dict) -> None:
-        """The logged values of step ``step``: the bar's postfix, or a plain line at the cadence."""
+        """The logged values of step ``step``: the bar's postfix, or a plain line at the cadence
+        and on a mixture-of-experts model's monitored steps (their routing figures are on it)."""
         if not self.enabled:
             return
         post = {"loss": fmt(metrics["train/loss"]), "lr": f"{metrics['train/lr']:.2e}"}
@@ -207,9 +211,11 @@ class Console:
             post["skipped"] = int(metrics["amp/skipped_steps"])
         if "train/nonfinite_skipped" in metrics:
             post["skipped"] = int(metrics["train/nonfinite_skipped"])
+        routing = console_figures(metrics)  # worst load CV and bf16 flip share, on monitored steps
+        post.update(routing)
         if self.bar is not None:
             self.bar.set_postfix(post, refresh=False)
-        if step % self.every == 0 or step == self.total or not self._shown:
+        if step % self.every == 0 or step == self.total or not self._shown or routing:
             self._shown = True  # the first logged step too: the run is under way, at this loss
             line = f"step {step:>6}/{self.total} | " + " | ".join(f"{k} {v}" for k, v in post.items())
             line += f" | {self._eta(step)}" + (f" | {self.note}" if self.note else "")

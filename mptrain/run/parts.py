@@ -142,9 +142,12 @@ def numerics_monitor(parts: Parts, model: nn.Module, optimizer: torch.optim.Opti
     # parallelism, different positions. These sums feed means (a sum over its count), which
     # the ranks that hold copies change in neither; one shard_sum is then over the world.
     sum_seen = ctx.shard_sum if ctx.shape.tp > 1 else ctx.all_reduce_sum
+    # A mixture-of-experts model's token counts are not means: they are summed over the
+    # data-parallel ranks only (the TP ranks of a group route the same tokens), one
+    # collective with the others' where that is the same reduction (no TP).
     monitor = NumericsMonitor(parts.monitor, model, reduce_sum=ctx.shard_sum, reduce_max=ctx.shard_max,
                               reduce_max_all=ctx.all_reduce_max, reduce_sum_all=sum_seen,
-                              fp8_watch=fp8_watch, owned=ctx.owned_shard)
+                              reduce_sum_dp=ctx.all_reduce_sum, fp8_watch=fp8_watch, owned=ctx.owned_shard)
     monitor.attach_optimizer(optimizer, choice)  # Adam's health on monitored steps (stability.py)
     return monitor
 

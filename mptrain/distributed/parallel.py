@@ -525,9 +525,12 @@ def _sharded_dtypes(wrapper: str, storage: str, policy) -> dict:
 def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
     # DDP and FSDP2 have no buffer dtype of their own; floating buffers are
     # cast here so `precision.buffer_dtype` means the same under every wrapper.
+    # A module's `fp32_buffers` keep fp32 storage whatever the dtype (the mixture's
+    # balancing bias: its small steps would round away in bf16).
     for mod in model.modules():
+        kept = getattr(mod, "fp32_buffers", ())
         for name, buf in list(mod.named_buffers(recurse=False)):
-            if buf.is_floating_point():
+            if buf.is_floating_point() and name not in kept:
                 setattr(mod, name, buf.to(dtype))
 
 
@@ -545,9 +548,11 @@ def _gloo_bf16_compress_hook(process_group, bucket):
 
 def _no_buffer_sync(model: nn.Module) -> dict:
     """DDP's arguments that stop it from copying rank 0's buffers to the others before
-    every forward. The model's only buffers are delayed float8 scaling's, whose
-    running amaxes each rank records for ``update_histories`` to all-reduce: a copy
-    would erase the other ranks' records. Nothing to pass without buffers; newer
+    every forward. The model's buffers are delayed float8 scaling's, whose
+    running amaxes each rank records for ``update_histories`` to all-reduce (a copy
+    would erase the other ranks' records), and the mixture's balancing bias, which
+    every rank moves alike from the all-reduced counts (``run/mixture.py``; a copy
+    would hide a rank that did not). Nothing to pass without buffers; newer
     torch names the switch ``forward_sync_buffers`` (still syncing once at start,
     when every rank's buffers are equal anyway)."""
     import inspect

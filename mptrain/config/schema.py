@@ -850,7 +850,8 @@ class TrainConfig:
     compile: Optional[bool] = recorded(None)
     """``torch.compile`` each transformer block (regional compilation: one
     compile serves every block, and it composes with FSDP). ``null``: on for
-    CUDA, off on CPU (where the first step pays ~20 s of compilation)."""
+    CUDA, off on CPU (where the first step pays ~20 s of compilation); off for
+    the mixture of experts, whose blocks are not compiled (``true`` is refused)."""
     activation_checkpointing: ActCheckpoint = harmless(
         ActCheckpoint.none, why="recomputes the same activations instead of keeping them: memory, not math")
     """``block``: recompute each block's activations in the backward pass

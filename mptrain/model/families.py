@@ -291,7 +291,9 @@ LLAMA_SPEC = FamilySpec(name="llama", model_class=Llama, norm=RMSNorm, shape=lla
 MOE_SPEC = FamilySpec(name="moe", model_class=MoE, norm=RMSNorm, shape=moe_shape, check=check_moe,
                       banner=moe_banner, hf_config=moe_not_yet, model_fields=moe_not_yet, hf_state_dict=moe_not_yet,
                       init_fields=moe_not_yet, hf_field={}, init_weights=moe_not_yet, split=MOE_SPLIT,
-                      fp32_modules=(Router,), warnings=moe_warnings)
+                      fp32_modules=(Router,), warnings=moe_warnings,
+                      no_compile="the mixture's blocks are not built for torch.compile (each expert's token count "
+                                 "changes with every forward, and tracing torch._grouped_mm takes bf16 operands only)")
 SPECS = {s.name: s for s in (GPT_SPEC, LLAMA_SPEC, MOE_SPEC)}
 """Every family by its ``model.family`` value."""
 FAMILIES = tuple(SPECS)

@@ -126,6 +126,9 @@ class FamilySpec:
     """Modules beyond the norm that compute in fp32 whatever the autocast dtype (the
     mixture's router): a sharding wrapper gathers them in the storage dtype, as it
     does the norms, so that they compute on the same weights under every wrapper."""
+    no_compile: Optional[str] = None
+    """Why ``torch.compile`` cannot compile the family's blocks (``train.compile=true`` is
+    refused with it; ``null`` leaves them eager), or None: it can."""
     warnings: Callable[[Any], list[str]] = lambda m: []
     """``m`` -> start-up warnings about the family's own settings (a study switch that is
     on), each printed as a ``WARNING:`` line under the banner; none by default."""

@@ -183,7 +183,9 @@ class DistContext:
 
     def replica_fingerprint(self, model: nn.Module) -> torch.Tensor:
         """(sum, sum of squares, non-finite count) of the full, gathered
-        parameters in fp64. A collective under FSDP (gathers shards)."""
+        parameters in fp64, and of the buffers every rank must hold alike (a
+        module's ``fp32_buffers``: the mixture's balancing bias, which each rank
+        moves itself). A collective under FSDP (gathers shards)."""
         acc = torch.zeros(3, dtype=torch.float64, device=self.device)
 
         def add(p: torch.Tensor) -> None:
@@ -201,6 +203,9 @@ class DistContext:
         else:
             for p in model.parameters():
                 add(p.full_tensor() if hasattr(p, "full_tensor") else p)
+        for mod in model.modules():
+            for name in getattr(mod, "fp32_buffers", ()):
+                add(getattr(mod, name))
         return acc
 
     def all_gather_object(self, obj) -> list:
@@ -660,11 +665,11 @@ def _wrap_fsdp1(model, policy, ctx):
     from torch.distributed.fsdp.wrap import CustomPolicy
 
 
-    def mp(param_dtype: torch.dtype) -> MixedPrecision:
+    def mp(param_dtype: torch.dtype, buffer_dtype: torch.dtype = policy.buffer_dtype) -> MixedPrecision:
         # No input casting under autocast (root included): it would make the
         # residual stream bf16/fp16 (see PrecisionPolicy.gather_dtype).
         return MixedPrecision(param_dtype=param_dtype, reduce_dtype=policy.reduce_dtype,
-                              buffer_dtype=policy.buffer_dtype, cast_forward_inputs=policy.wrapper_casts_inputs,
+                              buffer_dtype=buffer_dtype, cast_forward_inputs=policy.wrapper_casts_inputs,
                               cast_root_forward_inputs=policy.wrapper_casts_inputs,
                               _module_classes_to_ignore=())  # norms are handled below, not by FSDP1's fp32 override
 
@@ -672,15 +677,19 @@ def _wrap_fsdp1(model, policy, ctx):
     # its own unit in the storage dtype (FSDP1 flattens a unit into one flat
     # parameter of one dtype, so a block's two norms cannot share a unit the way
     # FSDP2's module list lets them). The root keeps the rest, in the storage
-    # dtype: embeddings, the tied head and the final norm.
+    # dtype: embeddings, the tied head and the final norm. A module whose buffers
+    # must stay fp32 (``fp32_buffers``: the mixture's router) is a unit of its own
+    # whose buffer dtype is fp32: FSDP1 casts each unit's buffers to its buffer dtype.
     kept = {m for blk in model.blocks for m in blk.modules() if policy.keeps_storage_dtype(m)} \
         if policy.splits_gather else set()
+    fp32_buffers = {m for m in model.modules() if getattr(m, "fp32_buffers", ())}
 
     def unit(module: nn.Module):
         if isinstance(module, Block):
             return {"mixed_precision": mp(policy.wrapper_param_dtype)}
-        if module in kept:
-            return {"mixed_precision": mp(policy.gather_dtype(module))}
+        if module in kept or module in fp32_buffers:
+            return {"mixed_precision": mp(policy.gather_dtype(module),
+                                          torch.float32 if module in fp32_buffers else policy.buffer_dtype)}
         return False
 
     wrapped = FSDP(

@@ -150,9 +150,14 @@ class DtypeAudit:
         # dequantized values in fp32 on purpose: their matmuls are reported in their formats,
         # and not flagged.
         self._fp4: dict[str, str] = {}
+        # Modules that compute in fp32 on purpose inside autocast (a mixture's router, in_fp32):
+        # their fp32 matmuls are what they are built to do, not a cast autocast missed.
+        self._fp32_by_design: set[str] = set()
         for name, mod in self.model.named_modules():
             cname = canonical_name(name) or ROOT
             self._order.setdefault(cname, len(self._order))
+            if getattr(mod, "in_fp32", False) is True:
+                self._fp32_by_design.add(cname)
             if getattr(mod, "lab_recipe", None):
                 fmts = sorted({o.element.name for o in mod.recipe.ops if o is not None})
                 self._fp4[cname] = f"{'/'.join(fmts)} ({mod.lab_recipe}, fp32 products)"
@@ -339,7 +344,7 @@ class DtypeAudit:
         fout = [t.dtype for t in outs if t.is_floating_point()]
         compute = self.policy.compute_dtype
         if (category == "matmul" and phase == "forward" and self.policy.autocast_enabled
-                and module not in self._fp4 and compute in _HALF and not any(is_fp8(d) for d in fin) and set(fin) & _WIDE):
+                and module not in self._fp4 and module not in self._fp32_by_design and compute in _HALF and not any(is_fp8(d) for d in fin) and set(fin) & _WIDE):
             cname = dtype_name(compute)
             dts = dtype_names(fin + fout)
             if autocast:

@@ -412,7 +412,7 @@ def mixture_lines(plan: Plan, vocab: int) -> list[str]:
             f"experts of {len(layers)} layers are {_count(experts)} ({experts / total:.0%} of the weights)",
             f"  routers: {_count(routers)} weights, logits, gates and top-k computed in "
             + ("fp32 from the stored weight" if in_fp32 else "the compute dtype (model.moe.router_dtype=compute)")
-            + f", gathered in the storage dtype under FSDP; the balancing bias: {len(layers)} x "
+            + f", gathered in the storage dtype under FSDP; the balancing bias (balance=bias): {len(layers)} x "
             f"{layers[0].n_experts} fp32 values, kept fp32 under every precision"]
 
 

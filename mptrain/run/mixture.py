@@ -65,7 +65,7 @@ class Mixture:
         self.across_ranks = self.balance == "bias" or self.capacity
 
     @classmethod
-    def of(cls, model: nn.Module, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> "Mixture | _NoMixture":
+    def of(cls, model: nn.Module, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> "Mixture | NoMixture":
         """The mixture of ``model``'s routed layers, or :data:`NO_MIXTURE` for a dense model."""
         layers = routed_layers(model)
         return cls(layers, reduce_sum) if layers else NO_MIXTURE
@@ -117,14 +117,16 @@ class _Tally:
                 "dropped": dropped if mix.capacity else None}
 
 
-class _NoMixture:
+class NoMixture:
     """A dense model's step: nothing added, nothing counted."""
 
-    def begin(self, device: torch.device) -> "_NoTally":
-        return _NoTally()
+    def begin(self, device: torch.device) -> "NoTally":
+        return NoTally()
 
 
-class _NoTally:
+class NoTally:
+    """A dense model's step tally: the loss as it is, no figure."""
+
     def add(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
@@ -132,7 +134,7 @@ class _NoTally:
         return {"aux_loss": None, "dropped": None}
 
 
-NO_MIXTURE = _NoMixture()
+NO_MIXTURE = NoMixture()
 """The step of a model without routed layers."""
 
 

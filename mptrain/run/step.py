@@ -30,7 +30,7 @@ from mptrain.precision.optimizers import Choice, bias_correction
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
 from mptrain.run.components import NO_PARTS, Component
 from mptrain.run.faults import NO_FAULTS
-from mptrain.run.mixture import NO_MIXTURE, Mixture, _NoMixture
+from mptrain.run.mixture import NO_MIXTURE, Mixture, NoMixture
 from mptrain.run.nonfinite import NO_GUARD, NonFiniteGuard, Unguarded
 
 Guard = Union[NonFiniteGuard, Unguarded]
@@ -195,7 +195,7 @@ class StepState:
     backward_loss: Callable[[torch.Tensor], torch.Tensor] = NO_FAULTS.backward_loss
     """The loss each backward pass sees: the loss itself, unless the ``debug.*`` injector
     multiplies it (``debug.loss_multiplier``, ``FaultInjector.backward_loss``)."""
-    mixture: Union[Mixture, _NoMixture] = NO_MIXTURE
+    mixture: Union[Mixture, NoMixture] = NO_MIXTURE
     """A mixture of experts' balancing term, counts and bias update (``mixture.py``);
     :data:`NO_MIXTURE` for a dense model."""
 

@@ -426,7 +426,8 @@ def test_the_banner_and_the_records_state_the_mixture(runs):
 
     log = (runs["root"] / "straight" / "train.log").read_text()
     assert ("moe: 4 experts (SwiGLU 32), top-2, 0 shared, no dense layer, softmax gates renormalised over the "
-            "top-k, balance bias (loss-free, rate 0.001 per step), capacity factor 1 (drops counted), router fp32") in log
+            "top-k, balance bias (loss-free, rate 0.001 per step), capacity factor 1 (drops counted), "
+            "router fp32") in log
     assert ("expert GEMMs grouped (torch._grouped_mm, one per matrix over all experts, in fp32)") in log
     total = runs["straight"][0]["moe/dropped_tokens"]
     assert f"moe: {total:,} of {STEPS * 2048:,} token choices dropped over capacity in this run" in log
@@ -536,5 +537,6 @@ def test_the_advice_knows_a_mixture():
     assert a.mixture.choice == "routers in fp32 (as configured)" and a.mixture.overrides == []
     assert "600.00M of 2.00B parameters active per token (30%" in a.mixture.evidence
     study = advise(dataclasses.replace(facts(), mixture=dataclasses.replace(mix, router_dtype="compute")), H100)
-    assert study.mixture.overrides == ["model.moe.router_dtype=fp32"] and "model.moe.router_dtype=fp32" in study.overrides
+    assert study.mixture.overrides == ["model.moe.router_dtype=fp32"]
+    assert "model.moe.router_dtype=fp32" in study.overrides
     assert advise(facts(), H100).mixture is None

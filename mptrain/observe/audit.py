@@ -344,7 +344,8 @@ class DtypeAudit:
         fout = [t.dtype for t in outs if t.is_floating_point()]
         compute = self.policy.compute_dtype
         if (category == "matmul" and phase == "forward" and self.policy.autocast_enabled
-                and module not in self._fp4 and module not in self._fp32_by_design and compute in _HALF and not any(is_fp8(d) for d in fin) and set(fin) & _WIDE):
+                and module not in self._fp4 and module not in self._fp32_by_design
+                and compute in _HALF and not any(is_fp8(d) for d in fin) and set(fin) & _WIDE):
             cname = dtype_name(compute)
             dts = dtype_names(fin + fout)
             if autocast:

@@ -117,7 +117,8 @@ def build_model(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, vocab: in
         torch.backends.cuda.matmul.allow_tf32 = tc.tf32
         torch.backends.cudnn.allow_tf32 = tc.tf32
     # null: on for CUDA, unless the family's blocks cannot be compiled (plan.family.no_compile)
-    compile_blocks = tc.compile if tc.compile is not None else (ctx.device.type == "cuda" and not plan.family.no_compile)
+    compile_blocks = (tc.compile if tc.compile is not None
+                      else ctx.device.type == "cuda" and not plan.family.no_compile)
     # model.init_from's weights: read whole on every rank, each rank's part written by wrap();
     # passed, not kept in a local, so the copy (32 GB for an 8B model) is freed once wrap returns
     model = wrap(model, policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",

@@ -259,8 +259,9 @@ def banner(plan: Plan, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: i
 
 def mixture_line(mix: dict) -> str:
     """The banner's line on a mixture's size and expert GEMMs (run_info's ``moe``)."""
+    layers = mix["routed_layers"]
     return (f"  moe: routed experts {mix['expert_params'] / 1e6:.2f}M of {mix['params'] / 1e6:.2f}M parameters "
-            f"({mix['expert_share']:.0%}) in {mix['routed_layers']} routed layer{'s' if mix['routed_layers'] != 1 else ''}, "
+            f"({mix['expert_share']:.0%}) in {layers} routed layer{'s' if layers != 1 else ''}, "
             f"{mix['params_active'] / 1e6:.2f}M active per token; expert GEMMs {mix['expert_gemm']} "
             f"({mix['expert_gemm_why']})")
 

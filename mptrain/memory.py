@@ -11,7 +11,9 @@ gradients, Adam moments, Kahan buffers, gathered copies and activations of a
 training step under that config: the same estimate the trainer checks before
 it allocates (``train.memory_check``). With ``precision.phases`` the table is
 the largest phase's, named in the header; under it each phase's total and each
-switch's (both phases' weights and optimizer state at once), and which decides. Under the table: what the estimate
+switch's (both phases' weights and optimizer state at once), and which decides. A mixture of
+experts (``model.family=moe``) adds its parameters against those one token uses, the
+routed experts' share of the weights and what its routers keep in fp32. Under the table: what the estimate
 leaves out (the framework's own memory, measured in this process; allocator
 slack; transient buffers; the data), and where a run reports its measured
 peak. ``--world``: the number of ranks (default 1); ``--tp``, ``--replicate``:
@@ -39,7 +41,7 @@ from mptrain.config.mesh import MESH_MODES
 from mptrain.core.errors import ConfigError, UserError
 from mptrain.core.process_exit import run_then_leave
 from mptrain.core.text import wants_help
-from mptrain.observe.memory import format_table, left_out, mesh_overrides
+from mptrain.observe.memory import format_table, left_out, mesh_overrides, mixture_lines
 from mptrain.observe.memory_phases import phase_estimates
 from mptrain.plan.build import build_plan
 from mptrain.plan.plan import Launch
@@ -103,7 +105,8 @@ def main(argv: list[str]) -> None:
           f"optim.state_dtype={getattr(state, 'value', state) or 'null'} "
           f"parallel={mode} world={world}{on} vocab={vocab} "
           f"micro_batch={micro}x{m.block_size} tokens")
-    print("\n".join(format_table(e) + phased.lines() + left_out(e, micro, m.block_size, vocab)))
+    print("\n".join(format_table(e) + mixture_lines(plan, vocab) + phased.lines()
+                    + left_out(e, micro, m.block_size, vocab)))
     if comm:
         print("\n".join(format_traffic(flows, mesh)))
 

@@ -160,6 +160,12 @@ LLAMA_CASE = [*TINY, "model=llama-nano", "monitor.every=100", "monitor.fp8_whati
               "train.max_steps=3", "train.audit=true"]
 for _wrapper in WRAPPERS:
     EXTRA_CASES.setdefault(_wrapper, {})["llama"] = LLAMA_CASE
+# test_moe.py::test_two_ranks_move_the_bias_as_one_process: the mixture's balancing bias and capacity under ddp
+# (against one process with the ranks' micro-batches), and the bias's fp32 storage under fsdp1's bf16 buffers
+MOE_CASE = [*TINY, "model=moe-nano", "monitor.enabled=false", "train.threads=1", "train.max_steps=4",
+            "model.moe.balance=bias", "model.moe.capacity_factor=1.0", "checkpoint.at_end=true"]
+EXTRA_CASES["ddp"]["moe"] = MOE_CASE
+EXTRA_CASES["fsdp1"]["moe-pure"] = [*MOE_CASE, "precision=bf16-pure"]
 
 
 def launch_every_wrapper(cwd: Path) -> dict[str, dict[str, Path]]:

@@ -174,6 +174,23 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class MixtureFacts:
+    """A mixture of experts as the advice weighs it (``model.family=moe``)."""
+
+    params: int
+    """Every parameter: what the weights, gradients and moments hold."""
+    params_active: int
+    """The parameters one token's forward uses: what the matmul time follows."""
+    expert_share: float
+    """The routed experts' share of the weights."""
+    routed_layers: int
+    n_experts: int
+    top_k: int
+    router_dtype: str
+    """``fp32`` (the default) or ``compute`` (the study switch)."""
+
+
+@dataclass(frozen=True)
 class Facts:
     """Everything the probe measured (``probe.py`` reads it from its run directory)."""
 
@@ -215,6 +232,13 @@ class Facts:
     """Per matmul (``forward``, ``input_gradient``, ``weight_gradient``), its
     ``numerics/quant/<matmul>/noise_ratio`` at each monitored step that logged it,
     as (step, value); empty where the probe's run does not measure it."""
+    mixture: Optional[MixtureFacts] = None
+    """The mixture of experts the model is; None for a dense model."""
+
+    @property
+    def matmul_params(self) -> int:
+        """The parameters a token's matmuls use: all of a dense model's, a mixture's active ones."""
+        return self.mixture.params_active if self.mixture else self.params
 
 
 @dataclass
@@ -250,10 +274,12 @@ class Advice:
     schedule: Optional[Decision] = None
     """float8 until a phase switch where the probe shows it failing only late (``rules.schedule_plan``);
     None when nothing does. Part of :attr:`overrides` when float8 is the advice."""
+    mixture: Optional[Decision] = None
+    """A mixture of experts' own rule (``rules.mixture_plan``: the router in fp32); None for a dense model."""
 
     def decisions(self) -> list[Decision]:
         return [self.precision, self.fp16, self.float8, *([self.schedule] if self.schedule else []), self.state,
-                *([self.layout] if self.layout else []),
+                *([self.mixture] if self.mixture else []), *([self.layout] if self.layout else []),
                 *([self.lab] if self.lab else []), *self.risks]
 
     def to_json(self) -> dict:

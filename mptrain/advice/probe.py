@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
+from mptrain.advice.facts import MixtureFacts
 from mptrain.advice.rules import (
     FP8_CANDIDATES,
     Cast,
@@ -36,6 +37,7 @@ from mptrain.advice.rules import (
 from mptrain.config.checks import compose_checked
 from mptrain.core.errors import ConfigError
 from mptrain.model.families import build as build_family
+from mptrain.model.moe import MoEFeedForward
 from mptrain.model.names import layer_name
 from mptrain.observe.memory import estimate, meta_model, tp_dims
 from mptrain.observe.traffic import by_dim, traffic
@@ -280,6 +282,31 @@ def linear_shapes(plan: Plan, vocab: int) -> dict[str, tuple[int, int]]:
     return {n: (mod.in_features, mod.out_features) for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
 
 
+def token_shares(plan: Plan, vocab: int) -> dict[str, float]:
+    """The share of tokens each linear of the plan's model computes: 1, except a mixture's
+    routed experts, each of which takes top_k / n_experts of them on average."""
+    model = meta_model(plan.model, vocab)
+    out = {n: 1.0 for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    for name, lay in model.named_modules():
+        if isinstance(lay, MoEFeedForward):
+            out.update({f"{name}.experts.{n}": lay.top_k / lay.n_experts for n, mod in lay.experts.named_modules()
+                        if isinstance(mod, nn.Linear)})
+    return out
+
+
+def mixture_facts(plan: Plan, vocab: int) -> Optional[MixtureFacts]:
+    """The plan's mixture of experts as the advice weighs it, or None for a dense model."""
+    model = meta_model(plan.model, vocab)
+    layers = [lay for lay in model.modules() if isinstance(lay, MoEFeedForward)]
+    if not layers:
+        return None
+    total = model.num_params(non_embedding=False)
+    experts = sum(lin.weight.numel() for lay in layers for ex in lay.experts for lin in (ex.gate, ex.up, ex.down))
+    first = layers[0]
+    return MixtureFacts(total, model.active_params(non_embedding=False), experts / total, len(layers),
+                        first.n_experts, first.top_k, "fp32" if first.router.in_fp32 else "compute")
+
+
 def read_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -368,6 +395,7 @@ def read_facts(run_dir: Path, plan: Plan, options: dict[str, tuple[StateOption, 
     excluded = fp8.get("excluded", {})
     flops_tok = summary["flops_per_token"]
     linears = []
+    share = token_shares(plan, vocab)  # a mixture's experts each see top_k / n_experts of the tokens
     for name, (fin, fout) in linear_shapes(plan, vocab).items():
         by_step = {r: step_casts(rows, layer_name(name), None if r == "tensorwise" else r)
                    for r in FP8_CANDIDATES} if name in fp8.get("converted", []) else {}
@@ -375,7 +403,7 @@ def read_facts(run_dir: Path, plan: Plan, options: dict[str, tuple[StateOption, 
         casts = {r: _worst(series) for r, series in by_step.items()}
         kept = excluded.get(name) if name not in fp8.get("converted", []) else None
         labs = {r: c for r in lab if (c := _worst(step_casts(rows, layer_name(name), r))) is not None}
-        linears.append(LinearFacts(name, fin, fout, 6.0 * fin * fout / flops_tok, casts,
+        linears.append(LinearFacts(name, fin, fout, 6.0 * fin * fout * share[name] / flops_tok, casts,
                                    kept or (None if casts else "not converted by the probe"), labs, by_step))
     blocks = {g: max(v) for g, v in _by_group(rows, "stability/act_max_over_rms/").items() if g.startswith("block")}
     # Adam's second moment is young in a probe's first steps (g^2 > 10 v-hat is common
@@ -393,7 +421,7 @@ def read_facts(run_dir: Path, plan: Plan, options: dict[str, tuple[StateOption, 
                  g2_over_v=adam,
                  act_max_over_rms=blocks, state_options=options,
                  loss_scale_init_log2=int(round(math.log2(ls.init_scale))), growth_interval=int(ls.growth_interval),
-                 lab_candidates=tuple(lab), signals=signals(rows))
+                 lab_candidates=tuple(lab), signals=signals(rows), mixture=mixture_facts(plan, vocab))
 
 
 def finished_summary(run_dir: Path, max_steps: int) -> Optional[dict]:

@@ -44,6 +44,18 @@ FP8_CANDIDATES = ("tensorwise", "rowwise", "mxfp8")
 PRESET_OF = {"tensorwise": "fp8", "rowwise": "fp8-rowwise", "mxfp8": "mxfp8"}
 
 
+TOKEN_BLOCKED = ("mxfp8",)
+"""Of :data:`FP8_CANDIDATES`, the recipes whose blocks run along the tokens: a mixture's
+experts, which take whatever number of tokens the router sends them, cannot run them
+(the run refuses them, ``precision/rules.py``), so the advice does not pick them there."""
+
+
+def fp8_candidates(facts: Facts) -> tuple[str, ...]:
+    """The float8 recipes the advice can pick for this model (:data:`FP8_CANDIDATES`, less
+    :data:`TOKEN_BLOCKED` for a mixture of experts)."""
+    return tuple(r for r in FP8_CANDIDATES if facts.mixture is None or r not in TOKEN_BLOCKED)
+
+
 BLOCK_OF = {"MX (mxfp8, mxfp4)": 32, "NVFP4": 16}
 """Elements per scaling block along a matmul's dimensions: MX formats' 1x32, NVFP4's 16 (and 16x16 weight tiles)."""
 
@@ -97,9 +109,9 @@ def float8_plan(facts: Facts, target: Target, th: Thresholds) -> tuple[Decision,
                             "passes": [r for r in FP8_CANDIDATES if r in lin.casts and passes(lin.casts[r], th)],
                             "casts": {r: asdict(c) for r, c in lin.casts.items()}}
     candidates = [lin for lin in facts.linears if lin.kept_out is None and lin.casts]
-    coverage = {r: sum(lin.flops_share for lin in candidates if r in layers[lin.name]["passes"])
-                for r in FP8_CANDIDATES}
-    recipe = max(FP8_CANDIDATES, key=lambda r: (coverage[r], -FP8_CANDIDATES.index(r)))
+    pick = fp8_candidates(facts)
+    coverage = {r: sum(lin.flops_share for lin in candidates if r in layers[lin.name]["passes"]) for r in pick}
+    recipe = max(pick, key=lambda r: (coverage[r], -FP8_CANDIDATES.index(r)))
     share = coverage[recipe]
     failing = [lin for lin in candidates if recipe not in layers[lin.name]["passes"]]
     late = {x.what for x in late_failures(facts, recipe, th)}  # these stay in float8 until a phase switch
@@ -341,16 +353,18 @@ def precision_choice(facts: Facts, target: Target, th: Thresholds, fp16_safe: bo
         return Decision("precision", "fp32", f"{why} ({target.source}); float8's casts cost more than its matmuls "
                         "save on a CPU (docs/fp8.md: 0.27-0.29x fp32's tokens/s), and fp16 has no fast CPU path",
                         f"bf16 only when native and <= {th.cpu_bf16_max_time:g}x fp32", ["precision=fp32"])
-    if (s.get("fp8") == "native" and facts.params >= th.fp8_min_params and fp8_gain >= th.fp8_min_speedup):
+    # The size rule weighs the matmuls a token runs: a mixture's active parameters, not all its experts.
+    n, counted = facts.matmul_params, "active parameters per token" if facts.mixture else "parameters"
+    if (s.get("fp8") == "native" and n >= th.fp8_min_params and fp8_gain >= th.fp8_min_speedup):
         return Decision("precision", f"float8 ({recipe})", f"{target.name} has float8 matmuls; "
-                        f"{facts.params / 1e9:.2f}B parameters; expected speed-up {fp8_gain:.2f}x",
-                        f">= {th.fp8_min_params:.0e} parameters and >= {th.fp8_min_speedup:g}x",
+                        f"{n / 1e9:.2f}B {counted}; expected speed-up {fp8_gain:.2f}x",
+                        f">= {th.fp8_min_params:.0e} {counted} and >= {th.fp8_min_speedup:g}x",
                         [f"precision={PRESET_OF[recipe]}"])
     fp8_note = ""
     if s.get("fp8") == "native":
         short = []
-        if facts.params < th.fp8_min_params:
-            short.append(f"{facts.params / 1e6:.1f}M parameters (< {th.fp8_min_params:.0e})")
+        if n < th.fp8_min_params:
+            short.append(f"{n / 1e6:.1f}M {counted} (< {th.fp8_min_params:.0e})")
         if fp8_gain < th.fp8_min_speedup:
             short.append(f"expected {speed_words(fp8_gain) if fp8_gain else 'no speed-up'} "
                          f"(< {th.fp8_min_speedup:g}x)")
@@ -505,6 +519,38 @@ def layout_plan(facts: Facts, recipe: str, preset: str, chosen: bool) -> Optiona
                     "divisible by the block (MX 32, NVFP4 16) per TP rank")
 
 
+# --------------------------------------------------------------------- mixture
+
+
+def mixture_plan(facts: Facts) -> Optional[Decision]:
+    """A mixture of experts' own rule: the routers compute in fp32 (``model.moe.router_dtype=fp32``,
+    an override only where the probed configuration says ``compute``); the evidence says what
+    a token uses against what memory holds. None for a dense model."""
+    mx = facts.mixture
+    if mx is None:
+        return None
+    evidence = (f"{_count(mx.params_active)} of {_count(mx.params)} parameters active per token "
+                f"({mx.params_active / mx.params:.0%}; the matmul time follows them, the weights, gradients and "
+                f"moments hold all); the routed experts are {mx.expert_share:.0%} of the weights "
+                f"({mx.routed_layers} layers, top-{mx.top_k} of {mx.n_experts}), each expert's linears cast on their "
+                f"own in float8 (no scale spans two experts); recipes blocked along the tokens "
+                f"({', '.join(TOKEN_BLOCKED)}, NVFP4, MXFP4) are out: an expert's token count varies")
+    if mx.router_dtype == "fp32":
+        return Decision("mixture", "routers in fp32 (as configured)", evidence, _ROUTER_RULE)
+    return Decision("mixture", "routers in fp32: set model.moe.router_dtype=fp32",
+                    evidence + "; this configuration computes them in the compute dtype (the study switch)",
+                    _ROUTER_RULE, ["model.moe.router_dtype=fp32"])
+
+
+def _count(n: int) -> str:
+    """A parameter count in words: ``15.79B``, ``0.34M``."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+_ROUTER_RULE = ("always: a router is a d_model x n_experts matmul, negligible in fp32, and in bf16 or fp16 "
+                "near-equal experts trade places in the top-k")
+
+
 # ---------------------------------------------------------------------- advise
 
 
@@ -531,5 +577,7 @@ def advise(facts: Facts, target: Target, budget_gib: Optional[float] = None,
     if opt is not None:
         expected.update(gib_per_rank=opt.gib_per_rank, bytes_per_param=opt.bytes_per_param)
     lay = layout_plan(facts, recipe, preset, prec.choice.startswith("float8"))
+    mix = mixture_plan(facts)
+    overrides += mix.overrides if mix else []
     return Advice(prec, f16, f8, state, risks(facts, th), overrides, layers, expected, lab_plan(facts, th), lay,
-                  sched)
+                  sched, mix)

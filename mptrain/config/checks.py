@@ -75,6 +75,11 @@ def _outlier(cfg) -> bool:
     return cfg.debug.outlier_module is not None
 
 
+def _moe(cfg) -> bool:
+    """The mixture-of-experts family: ``model.moe`` is read (another family refuses its keys)."""
+    return getattr(cfg.model.family, "value", cfg.model.family) == "moe"
+
+
 # (key, valid(value), the valid values in words, when the rule applies). Bad values
 # here would otherwise fail deep inside torch/numpy/datasets with a traceback
 # (optim.lr=-1, optim.beta1=1, train.seed=-1, model.dropout=1.5,
@@ -95,6 +100,16 @@ _RANGES: tuple = (
     ("model.ffn_multiple_of", _positive, "a positive integer", None),
     ("model.ffn_dim_multiplier", _optional(_positive), "a factor > 0, or null", None),
     ("model.norm_eps", _optional(_positive), "a value > 0, or null for 1e-5", None),
+    ("model.moe.n_experts", _positive, "a positive number of experts", _moe),
+    ("model.moe.top_k", _positive, "a positive integer, at most model.moe.n_experts", _moe),
+    ("model.moe.expert_hidden", _optional(_positive), "a positive width, or null for the dense width "
+     "(model.ffn_hidden)", _moe),
+    ("model.moe.n_shared_experts", _non_negative, "an integer >= 0 (0: no shared expert)", _moe),
+    ("model.moe.first_dense_layers", _non_negative, "an integer >= 0, at most model.n_layer", _moe),
+    ("model.moe.aux_loss_coef", _non_negative, "a coefficient >= 0 (0.01 in Switch)", _moe),
+    ("model.moe.bias_rate", _positive, "a step > 0 per optimizer step (0.001 in DeepSeek-V3)", _moe),
+    ("model.moe.capacity_factor", _optional(_positive), "a factor > 0 (1.25 is usual), or null for no capacity "
+     "(no token dropped)", _moe),
     ("precision.loss_scale.init_scale", _positive, "a value > 0", _loss_scaling),
     ("precision.loss_scale.growth_factor", lambda v: v > 1, "a value > 1", _loss_scaling),
     ("precision.loss_scale.backoff_factor", lambda v: 0 < v < 1, "a value in (0, 1)", _loss_scaling),
@@ -227,6 +242,8 @@ _OVERFLOWS: tuple = (
      _loss_scaling),
     ("model.norm_eps", _one, "RMSNorm adds it to a float32 mean square", None),
     ("model.rope_theta", _one, "the rotary frequencies are float32 powers of it", None),
+    ("model.moe.aux_loss_coef", _one, "it multiplies the float32 balancing term", _moe),
+    ("model.moe.bias_rate", _one, "it is added to the float32 balancing bias", _moe),
     ("debug.loss_multiplier", _one, "it multiplies the float32 loss", None),
     ("debug.outlier_scale", _one, "it multiplies a float32 input feature", _outlier),
 )
@@ -235,6 +252,7 @@ _OVERFLOWS: tuple = (
 _HOST_FLOATS = {
     "model.dropout": "a probability in [0, 1)",
     "model.ffn_dim_multiplier": "it sizes a layer (an integer width), on the host",
+    "model.moe.capacity_factor": "it sizes each expert's capacity (an integer count), on the host",
     "precision.loss_scale.backoff_factor": "a factor in (0, 1)",
     "precision.loss_scale.min_loss_scale": "compared on the host with the scale read back",
     "precision.loss_scale.warn_skip_rate": "a share in [0, 1]",

@@ -100,6 +100,7 @@ class ModelFamily(Enum):
 
     gpt = "gpt"
     llama = "llama"
+    moe = "moe"
 
 
 class Ffn(Enum):
@@ -108,6 +109,36 @@ class Ffn(Enum):
     gelu = "gelu"
     swiglu = "swiglu"
     smooth_swiglu = "smooth_swiglu"
+
+
+class MoEGate(Enum):
+    """How a router turns its logits into gate scores (``model.moe.gate``)."""
+
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
+class MoEBalance(Enum):
+    """How the experts' load is balanced (``model.moe.balance``)."""
+
+    aux_loss = "aux_loss"
+    bias = "bias"
+    none = "none"
+
+
+class RouterDtype(Enum):
+    """What a router computes its logits, gates and top-k in (``model.moe.router_dtype``)."""
+
+    fp32 = "fp32"
+    compute = "compute"
+
+
+class ExpertGemm(Enum):
+    """How the experts' matmuls run (``model.moe.expert_gemm``)."""
+
+    auto = "auto"
+    grouped = "grouped"
+    looped = "looped"
 
 
 class RopeDtype(Enum):
@@ -190,16 +221,80 @@ _OBSERVES = "the monitor reads the model and optimizer and changes nothing"
 
 # --------------------------------------------------------------------------- model
 @dataclass
+class MoEConfig:
+    """The mixture of experts (``model.family=moe``, ``mptrain/model/moe.py``):
+    Llama's blocks whose feed-forward network, from ``first_dense_layers`` on, is a
+    router choosing ``top_k`` of ``n_experts`` SwiGLU experts per token. Read by that
+    family only: another family refuses any key here that differs from its default."""
+
+    n_experts: int = guarded(8)
+    """Routed experts per routed layer."""
+    top_k: int = guarded(2)
+    """Experts each token is sent to (1 <= top_k <= n_experts); their outputs are
+    summed, weighted by the gates."""
+    expert_hidden: Optional[int] = guarded(None)
+    """Each expert's SwiGLU width. ``null``: the dense width (``model.ffn_hidden``,
+    or Llama's rule); fine-grained mixtures use a fraction of it."""
+    n_shared_experts: int = guarded(0)
+    """Always-on experts of width ``expert_hidden`` added to every token's output
+    (DeepSeek's shared experts; computed as one SwiGLU of ``n_shared_experts x
+    expert_hidden``). 0: none."""
+    first_dense_layers: int = guarded(0)
+    """The first this many blocks keep a dense SwiGLU (DeepSeek's first dense
+    layers, where routing is the least stable); at most ``model.n_layer``."""
+    gate: MoEGate = guarded(MoEGate.softmax)
+    """``softmax``: gate scores are a softmax over all experts (Mixtral, Qwen3-MoE,
+    OLMoE). ``sigmoid``: each expert's score is its own sigmoid (DeepSeek-V3)."""
+    norm_topk: bool = guarded(True)
+    """Renormalise each token's chosen gates to sum to one (Qwen3-MoE's
+    ``norm_topk_prob``, DeepSeek-V3's sigmoid gates); ``false`` weights the outputs
+    by the raw scores."""
+    balance: MoEBalance = guarded(MoEBalance.aux_loss)
+    """How the load is balanced: ``aux_loss`` (the Switch/GShard auxiliary loss,
+    ``aux_loss_coef`` times it added to every micro-batch's loss before backward;
+    ``train/loss`` stays the cross-entropy, the term is logged as ``moe/aux_loss``),
+    ``bias`` (DeepSeek-V3's auxiliary-loss-free balancing: a per-expert fp32 offset
+    added to the scores for the choice only, moved by ``bias_rate`` after every
+    applied optimizer step towards the experts that took fewer tokens, counted over
+    the step's micro-batches and every data-parallel rank) or ``none``."""
+    aux_loss_coef: float = guarded(0.01)
+    """``balance=aux_loss``: the auxiliary loss's weight (0.01 in Switch; the term is
+    this value at perfect balance)."""
+    bias_rate: float = guarded(0.001)
+    """``balance=bias``: how far each expert's offset moves per optimizer step (the
+    update speed gamma of DeepSeek-V3, 0.001)."""
+    capacity_factor: Optional[float] = guarded(None)
+    """Each expert takes at most ``ceil(capacity_factor x tokens x top_k / n_experts)``
+    of a forward's token choices (in token order); the rest are dropped (the token
+    keeps its residual and its other choices), counted per step as
+    ``moe/dropped_tokens`` and in the closing summary. ``null``: no capacity, no
+    token is ever dropped."""
+    router_dtype: RouterDtype = guarded(RouterDtype.fp32)
+    """What the router's logits, gates and top-k are computed in: ``fp32`` whatever
+    the precision (a half-precision router flips the choice between near-equal
+    experts), or ``compute``, the autocast dtype: a study switch, warned about at
+    start-up."""
+    expert_gemm: ExpertGemm = recorded(ExpertGemm.auto)
+    """How the experts' matmuls run: ``grouped`` (one ``torch._grouped_mm`` per
+    matrix over all experts; refused where it cannot run), ``looped`` (each expert's
+    linears on its own tokens) or ``auto`` (grouped where it runs and the experts are
+    plain linears, looped elsewhere: under float8, MX or lab linears, each expert casts
+    for itself). The same function; in fp32 the same bits. The banner says which ran and why."""
+
+
+@dataclass
 class ModelConfig:
-    """Shape of the decoder: the GPT-2 family (``mptrain/model/gpt.py``) or the
-    Llama family (``mptrain/model/llama.py``), chosen by ``family``."""
+    """Shape of the decoder: the GPT-2 family (``mptrain/model/gpt.py``), the
+    Llama family (``mptrain/model/llama.py``) or the mixture of experts
+    (``mptrain/model/moe.py``), chosen by ``family``."""
 
     name: str = guarded("gpt-mini")
     """Preset name, for run names and tags. Set by the ``model=`` group option."""
     family: ModelFamily = guarded(ModelFamily.gpt)
     """``gpt``: LayerNorm, learned positions, GELU MLP, biases, tied head.
     ``llama``: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no
-    biases. The ``llama-*`` presets set it."""
+    biases. The ``llama-*`` presets set it. ``moe``: Llama's blocks with routed
+    SwiGLU experts (``model.moe``); the ``moe-*`` presets set it."""
     n_layer: int = guarded(4)
     """Number of transformer blocks."""
     n_head: int = guarded(4)
@@ -223,7 +318,7 @@ class ModelConfig:
     destabilises training at high learning rates. A model with it cannot be
     exported as GPT-2 or Llama."""
     n_kv_head: Optional[int] = guarded(None)
-    """Llama family: key/value heads (grouped-query attention; each serves
+    """Llama and moe families: key/value heads (grouped-query attention; each serves
     ``n_head / n_kv_head`` query heads). ``null``: ``n_head`` (plain multi-head)."""
     ffn: Optional[Ffn] = guarded(None)
     """The feed-forward network: ``gelu`` (the GPT family's, its only one),
@@ -233,22 +328,24 @@ class ModelConfig:
     unchanged and the outliers SwiGLU grows do not saturate float8).
     ``null``: the family's own."""
     ffn_hidden: Optional[int] = guarded(None)
-    """Llama family: the SwiGLU hidden width. ``null``: Llama's rule, 8/3 of
-    ``d_model`` (times ``ffn_dim_multiplier``) rounded up to ``ffn_multiple_of``."""
+    """Llama and moe families: the SwiGLU hidden width (in the moe family the dense
+    layers', and each expert's unless ``model.moe.expert_hidden`` is set). ``null``:
+    Llama's rule, 8/3 of ``d_model`` (times ``ffn_dim_multiplier``) rounded up to
+    ``ffn_multiple_of``."""
     ffn_multiple_of: int = guarded(256)
-    """Llama family: the hidden width is rounded up to a multiple of this."""
+    """Llama and moe families: the hidden width is rounded up to a multiple of this."""
     ffn_dim_multiplier: Optional[float] = guarded(None)
-    """Llama family: a factor on 8/3 ``d_model`` before rounding (1.3 in Llama 3 8B)."""
+    """Llama and moe families: a factor on 8/3 ``d_model`` before rounding (1.3 in Llama 3 8B)."""
     rope_theta: Optional[float] = guarded(None)
-    """Llama family: the rotary base (10000 in Llama 2, 500000 in Llama 3).
+    """Llama and moe families: the rotary base (10000 in Llama 2, 500000 in Llama 3).
     ``null``: 10000."""
     rope_dtype: Optional[RopeDtype] = guarded(None)
-    """Llama family: what the rotary angle tables are built in. ``null``/``fp32``:
+    """Llama and moe families: what the rotary angle tables are built in. ``null``/``fp32``:
     fp32, applied in fp32 then cast (the right choice); ``bf16``: a study knob
     that shows the damage, since bf16's 8-bit mantissa cannot hold a large
     position times a frequency (docs/llama.md has the error by position)."""
     norm_eps: Optional[float] = guarded(None)
-    """Llama family: RMSNorm's epsilon. ``null``: 1e-5."""
+    """Llama and moe families: RMSNorm's epsilon. ``null``: 1e-5."""
     tie_embeddings: Optional[bool] = guarded(None)
     """Share the token embedding with the output head. ``null``: the family's
     own (tied in GPT-2, untied in Llama). The GPT family is always tied."""
@@ -259,6 +356,8 @@ class ModelConfig:
     ones, each checked (names, shapes, finite values), and its config.json's
     architecture replaces the preset's (the banner says which values); a
     ``model`` key this run sets itself that the checkpoint contradicts is refused."""
+    moe: MoEConfig = field(default_factory=lambda: MoEConfig())
+    """The mixture of experts (``model.family=moe``); see :class:`MoEConfig`."""
 
 
 # ----------------------------------------------------------------------- precision
@@ -751,7 +850,8 @@ class TrainConfig:
     compile: Optional[bool] = recorded(None)
     """``torch.compile`` each transformer block (regional compilation: one
     compile serves every block, and it composes with FSDP). ``null``: on for
-    CUDA, off on CPU (where the first step pays ~20 s of compilation)."""
+    CUDA, off on CPU (where the first step pays ~20 s of compilation); off for
+    the mixture of experts, whose blocks are not compiled (``true`` is refused)."""
     activation_checkpointing: ActCheckpoint = harmless(
         ActCheckpoint.none, why="recomputes the same activations instead of keeping them: memory, not math")
     """``block``: recompute each block's activations in the backward pass

@@ -183,7 +183,9 @@ class DistContext:
 
     def replica_fingerprint(self, model: nn.Module) -> torch.Tensor:
         """(sum, sum of squares, non-finite count) of the full, gathered
-        parameters in fp64. A collective under FSDP (gathers shards)."""
+        parameters in fp64, and of the buffers every rank must hold alike (a
+        module's ``fp32_buffers``: the mixture's balancing bias, which each rank
+        moves itself). A collective under FSDP (gathers shards)."""
         acc = torch.zeros(3, dtype=torch.float64, device=self.device)
 
         def add(p: torch.Tensor) -> None:
@@ -201,6 +203,9 @@ class DistContext:
         else:
             for p in model.parameters():
                 add(p.full_tensor() if hasattr(p, "full_tensor") else p)
+        for mod in model.modules():
+            for name in getattr(mod, "fp32_buffers", ()):
+                add(getattr(mod, name))
         return acc
 
     def all_gather_object(self, obj) -> list:
@@ -525,9 +530,12 @@ def _sharded_dtypes(wrapper: str, storage: str, policy) -> dict:
 def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
     # DDP and FSDP2 have no buffer dtype of their own; floating buffers are
     # cast here so `precision.buffer_dtype` means the same under every wrapper.
+    # A module's `fp32_buffers` keep fp32 storage whatever the dtype (the mixture's
+    # balancing bias: its small steps would round away in bf16).
     for mod in model.modules():
+        kept = getattr(mod, "fp32_buffers", ())
         for name, buf in list(mod.named_buffers(recurse=False)):
-            if buf.is_floating_point():
+            if buf.is_floating_point() and name not in kept:
                 setattr(mod, name, buf.to(dtype))
 
 
@@ -545,9 +553,11 @@ def _gloo_bf16_compress_hook(process_group, bucket):
 
 def _no_buffer_sync(model: nn.Module) -> dict:
     """DDP's arguments that stop it from copying rank 0's buffers to the others before
-    every forward. The model's only buffers are delayed float8 scaling's, whose
-    running amaxes each rank records for ``update_histories`` to all-reduce: a copy
-    would erase the other ranks' records. Nothing to pass without buffers; newer
+    every forward. The model's buffers are delayed float8 scaling's, whose
+    running amaxes each rank records for ``update_histories`` to all-reduce (a copy
+    would erase the other ranks' records), and the mixture's balancing bias, which
+    every rank moves alike from the all-reduced counts (``run/mixture.py``; a copy
+    would hide a rank that did not). Nothing to pass without buffers; newer
     torch names the switch ``forward_sync_buffers`` (still syncing once at start,
     when every rank's buffers are equal anyway)."""
     import inspect
@@ -655,11 +665,11 @@ def _wrap_fsdp1(model, policy, ctx):
     from torch.distributed.fsdp.wrap import CustomPolicy
 
 
-    def mp(param_dtype: torch.dtype) -> MixedPrecision:
+    def mp(param_dtype: torch.dtype, buffer_dtype: torch.dtype = policy.buffer_dtype) -> MixedPrecision:
         # No input casting under autocast (root included): it would make the
         # residual stream bf16/fp16 (see PrecisionPolicy.gather_dtype).
         return MixedPrecision(param_dtype=param_dtype, reduce_dtype=policy.reduce_dtype,
-                              buffer_dtype=policy.buffer_dtype, cast_forward_inputs=policy.wrapper_casts_inputs,
+                              buffer_dtype=buffer_dtype, cast_forward_inputs=policy.wrapper_casts_inputs,
                               cast_root_forward_inputs=policy.wrapper_casts_inputs,
                               _module_classes_to_ignore=())  # norms are handled below, not by FSDP1's fp32 override
 
@@ -667,15 +677,19 @@ def _wrap_fsdp1(model, policy, ctx):
     # its own unit in the storage dtype (FSDP1 flattens a unit into one flat
     # parameter of one dtype, so a block's two norms cannot share a unit the way
     # FSDP2's module list lets them). The root keeps the rest, in the storage
-    # dtype: embeddings, the tied head and the final norm.
+    # dtype: embeddings, the tied head and the final norm. A module whose buffers
+    # must stay fp32 (``fp32_buffers``: the mixture's router) is a unit of its own
+    # whose buffer dtype is fp32: FSDP1 casts each unit's buffers to its buffer dtype.
     kept = {m for blk in model.blocks for m in blk.modules() if policy.keeps_storage_dtype(m)} \
         if policy.splits_gather else set()
+    fp32_buffers = {m for m in model.modules() if getattr(m, "fp32_buffers", ())}
 
     def unit(module: nn.Module):
         if isinstance(module, Block):
             return {"mixed_precision": mp(policy.wrapper_param_dtype)}
-        if module in kept:
-            return {"mixed_precision": mp(policy.gather_dtype(module))}
+        if module in kept or module in fp32_buffers:
+            return {"mixed_precision": mp(policy.gather_dtype(module),
+                                          torch.float32 if module in fp32_buffers else policy.buffer_dtype)}
         return False
 
     wrapped = FSDP(

@@ -6,22 +6,27 @@ branches on the family's name. A built model's spec is found from its class
 (:func:`model_spec`), so tensor parallelism and the estimators need no config
 and no guessing to know how to split it.
 
-Also here: ``model.init_from`` for both families (a ``transformers``
+Also here: ``model.init_from`` for the GPT and Llama families (a ``transformers``
 ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` to start from): its architecture
-taken into the run's model (:func:`adopt_init_from`), its checks and weights."""
+taken into the run's model (:func:`adopt_init_from`), its checks and weights.
+The mixture of experts (``moe``) has no Hugging Face mapping yet: each of its
+spec's Hugging Face entries is one ConfigError saying so (:data:`MOE_NOT_YET`)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Collection, Optional
 
 import torch.nn as nn
 
 from mptrain.config.checks import given_model_keys
+from mptrain.config.schema import MoEConfig
 from mptrain.core.errors import ConfigError
 from mptrain.model import hf_gpt2, hf_llama, hf_read
 from mptrain.model.hf_read import same, show
 from mptrain.model.gpt import GPT, GPTShape, LayerNorm
 from mptrain.model.llama import Llama, LlamaShape, RMSNorm, swiglu_hidden
+from mptrain.model.moe import MoE, MoEShape, Router
 from mptrain.model.spec import FamilySpec, Share, SplitLinear, TensorSplit
 
 
@@ -31,7 +36,7 @@ def _value(x: Any) -> Any:
 
 
 def family_of(m: Any) -> str:
-    """``gpt`` or ``llama``: the family a ``model`` section names."""
+    """``gpt``, ``llama`` or ``moe``: the family a ``model`` section names."""
     return str(_value(m.family))
 
 
@@ -61,14 +66,44 @@ def llama_shape(m: Any, vocab: int) -> LlamaShape:
         qk_norm=bool(m.qk_norm), dropout=float(m.dropout), smooth_swiglu=_value(m.ffn) == "smooth_swiglu")
 
 
+def moe_shape(m: Any, vocab: int) -> MoEShape:
+    """The :class:`MoEShape` of a mixture-of-experts ``model`` section: its Llama
+    shape (:func:`llama_shape`) and ``model.moe`` (a null ``expert_hidden``: the
+    dense width)."""
+    e = m.moe
+    return MoEShape(**dataclasses.asdict(llama_shape(m, vocab)), n_experts=int(e.n_experts), top_k=int(e.top_k),
+                    expert_hidden=int(e.expert_hidden or 0), n_shared_experts=int(e.n_shared_experts),
+                    first_dense_layers=int(e.first_dense_layers), gate=str(_value(e.gate)),
+                    norm_topk=bool(e.norm_topk), balance=str(_value(e.balance)),
+                    aux_loss_coef=float(e.aux_loss_coef), bias_rate=float(e.bias_rate),
+                    capacity_factor=None if e.capacity_factor is None else float(e.capacity_factor),
+                    router_dtype=str(_value(e.router_dtype)), expert_gemm=str(_value(e.expert_gemm)))
+
+
 # ------------------------------------------------------------------ what each family refuses
 
 # The keys only the Llama family reads, with the value that means "not set".
 _LLAMA_ONLY = ("n_kv_head", "ffn_hidden", "ffn_dim_multiplier", "rope_theta", "rope_dtype", "norm_eps")
 
 
+def moe_keys_given(m: Any) -> list[str]:
+    """The ``model.moe`` keys ``m`` sets to other than their defaults, in schema order."""
+    default = MoEConfig()
+    return [f.name for f in dataclasses.fields(MoEConfig) if getattr(m.moe, f.name) != getattr(default, f.name)]
+
+
+def _no_moe_keys(m: Any, family: str) -> None:
+    """A ``model.moe`` key on a family that would ignore it is one ConfigError."""
+    given = moe_keys_given(m)
+    if given:
+        raise ConfigError(f"model.moe.{given[0]} applies to the mixture-of-experts family; this is a {family} model "
+                          f"(model.family={family_of(m)}), which ignores it: pick a moe preset (model=moe-nano, ...) "
+                          f"or drop model.moe.{given[0]}.")
+
+
 def check_gpt(m: Any) -> None:
     """A key the GPT family would ignore is an error, not silently dropped."""
+    _no_moe_keys(m, "GPT-family")
     given = [k for k in _LLAMA_ONLY if getattr(m, k) is not None]
     if _value(m.ffn) not in (None, "gelu"):
         given.insert(0, "ffn")
@@ -84,11 +119,17 @@ def check_gpt(m: Any) -> None:
 def check_llama(m: Any) -> None:
     """What the Llama family cannot take, one line each; then ``model.init_from``'s
     checkpoint against the run's model (:func:`check_init_from`)."""
+    _no_moe_keys(m, "Llama-family")
+    _llama_rules(m, "the Llama family", "the llama-* presets")
+    check_init_from(m)
+
+
+def _llama_rules(m: Any, family: str, presets: str) -> None:
+    """The rules of Llama's blocks (the Llama and moe families'), one ConfigError each."""
     if m.bias:
-        raise ConfigError("model.bias=true: the Llama family has no biases; set model.bias=false (the llama-* "
-                          "presets do).")
+        raise ConfigError(f"model.bias=true: {family} has no biases; set model.bias=false ({presets} do).")
     if _value(m.ffn) == "gelu":
-        raise ConfigError("model.ffn=gelu is the GPT family's MLP; the Llama family takes swiglu or "
+        raise ConfigError(f"model.ffn=gelu is the GPT family's MLP; {family} takes swiglu or "
                           "smooth_swiglu (or null for swiglu).")
     kv = m.n_kv_head or m.n_head
     if m.n_head % kv:
@@ -97,6 +138,31 @@ def check_llama(m: Any) -> None:
     if (m.d_model // m.n_head) % 2:
         raise ConfigError(f"model.d_model / model.n_head = {m.d_model // m.n_head} is odd; rotary embeddings "
                           "rotate pairs of a head's dimensions: pick an even head size.")
+
+
+def check_moe(m: Any) -> None:
+    """What the mixture-of-experts family cannot take: Llama's rules for its blocks, then
+    ``model.moe``'s own (the sizes against each other, a knob of another balance), one
+    line each; then ``model.init_from``'s checkpoint (:func:`check_init_from`)."""
+    _llama_rules(m, "the moe family", "the moe-* presets")
+    e = m.moe
+    if _value(m.ffn) == "smooth_swiglu":
+        raise ConfigError("model.ffn=smooth_swiglu is not built into the moe family's experts (only a dense "
+                          "SwiGLU would smooth); set model.ffn=swiglu (or null).")
+    if e.top_k > e.n_experts:
+        raise ConfigError(f"model.moe.top_k={e.top_k} is more than model.moe.n_experts={e.n_experts}: each token "
+                          f"chooses top_k different experts; set model.moe.top_k to at most {e.n_experts}, or "
+                          "add experts.")
+    if e.first_dense_layers >= m.n_layer:
+        raise ConfigError(f"model.moe.first_dense_layers={e.first_dense_layers} leaves no routed layer among "
+                          f"model.n_layer={m.n_layer} blocks; set it below {m.n_layer} (or use a llama-* preset "
+                          "for a dense model).")
+    balance, default = _value(e.balance), MoEConfig()
+    for key, owner in (("aux_loss_coef", "aux_loss"), ("bias_rate", "bias")):
+        if balance != owner and getattr(e, key) != getattr(default, key):
+            raise ConfigError(f"model.moe.{key} applies to model.moe.balance={owner}, not {balance}, which "
+                              f"ignores it; set model.moe.balance={owner}, or leave model.moe.{key} at its "
+                              "default.")
     check_init_from(m)
 
 
@@ -109,6 +175,34 @@ def llama_banner(m: Any) -> str:
             f"{'smooth ' if _value(m.ffn) == 'smooth_swiglu' else ''}SwiGLU {ffn_hidden(m)}, "
             f"RMSNorm, rotary base {m.rope_theta or 10000.0:g} ({_value(m.rope_dtype) or 'fp32'} "
             f"tables), {'tied' if m.tie_embeddings else 'untied'} head")
+
+
+def moe_banner(m: Any) -> str:
+    """The start-up banner's lines on the mixture: Llama's line for its blocks, then
+    experts, top-k, shared experts, first dense layers, gates, balance, capacity and
+    the router's dtype (the expert GEMM path is the run's: ``run/record.py`` adds it)."""
+    e, s = m.moe, moe_shape(m, 0)
+    balance = {"aux_loss": f"aux_loss (coef {e.aux_loss_coef:g})",
+               "bias": f"bias (loss-free, rate {e.bias_rate:g} per step)", "none": "none"}[_value(e.balance)]
+    capacity = ("no capacity (no token dropped)" if e.capacity_factor is None
+                else f"capacity factor {e.capacity_factor:g} (drops counted)")
+    router = "fp32" if _value(e.router_dtype) == "fp32" else "the compute dtype (model.moe.router_dtype=compute)"
+    dense = (f"first {s.first_dense_layers} dense (SwiGLU {s.ffn_hidden})" if s.first_dense_layers
+             else "no dense layer")
+    return (f"\n  llama blocks: {s.n_kv_head} key/value heads, RMSNorm, rotary base {s.rope_theta:g} "
+            f"({s.rope_dtype} tables), {'tied' if s.tie_embeddings else 'untied'} head"
+            f"\n  moe: {s.n_experts} experts (SwiGLU {s.expert_hidden}), top-{s.top_k}, {s.n_shared_experts} shared, "
+            f"{dense}, {s.gate} gates{' renormalised over the top-k' if s.norm_topk else ''}, balance {balance}, "
+            f"{capacity}, router {router}")
+
+
+def moe_warnings(m: Any) -> list[str]:
+    """The study switch ``model.moe.router_dtype=compute``, said at start-up."""
+    if _value(m.moe.router_dtype) != "compute":
+        return []
+    return ["model.moe.router_dtype=compute: the routers' logits, gates and top-k are computed in the compute "
+            "dtype, not fp32 (a study switch: in bf16 or fp16 near-equal experts trade places); "
+            "model.moe.router_dtype=fp32 is the default."]
 
 
 def no_banner(m: Any) -> str:
@@ -124,6 +218,15 @@ def llama_hf_state_dict(sd: dict, shape: LlamaShape) -> dict:
 def llama_init_weights(path: Any, block_size: int) -> dict:
     """:func:`mptrain.model.hf_llama.read_weights` (rotary positions: no table to cut to ``block_size``)."""
     return hf_llama.read_weights(path)
+
+
+MOE_NOT_YET = ("the mixture-of-experts family has no Hugging Face mapping yet (Qwen3-MoE's import and export "
+               "are not wired in): model.init_from and scripts/export_hf.py take gpt and llama models only")
+
+
+def moe_not_yet(*args: Any) -> Any:
+    """Each Hugging Face entry of the moe spec, until the Qwen3-MoE mapping plugs in: one ConfigError."""
+    raise ConfigError(MOE_NOT_YET)
 
 
 # ------------------------------------------------------------------ how tensor parallelism splits each family
@@ -168,6 +271,13 @@ LLAMA_SPLIT = TensorSplit(
     shares=llama_shares)
 
 
+# The attention is Llama's; the routed layers are not split (their experts would be dealt
+# out whole, expert parallelism, or cut one by one, neither of which is built): refused.
+MOE_SPLIT = TensorSplit(linears=LLAMA_SPLIT.linears[:4], shares=lambda s: [],
+                        refused="the mixture-of-experts family has no tensor-parallel layout (neither its experts "
+                                "nor their matmuls are split across ranks); use parallel.tp=1 with parallel=ddp, "
+                                "fsdp or hsdp")
+
 # ------------------------------------------------------------------ the specs
 
 GPT_SPEC = FamilySpec(name="gpt", model_class=GPT, norm=LayerNorm, shape=gpt_shape, check=check_gpt,
@@ -178,11 +288,19 @@ LLAMA_SPEC = FamilySpec(name="llama", model_class=Llama, norm=RMSNorm, shape=lla
                         banner=llama_banner, hf_config=hf_llama.hf_config, model_fields=hf_llama.model_fields,
                         hf_state_dict=llama_hf_state_dict, init_fields=hf_llama.init_fields,
                         hf_field=hf_llama.HF_FIELD, init_weights=llama_init_weights, split=LLAMA_SPLIT)
-SPECS = {s.name: s for s in (GPT_SPEC, LLAMA_SPEC)}
+MOE_SPEC = FamilySpec(name="moe", model_class=MoE, norm=RMSNorm, shape=moe_shape, check=check_moe,
+                      banner=moe_banner, hf_config=moe_not_yet, model_fields=moe_not_yet, hf_state_dict=moe_not_yet,
+                      init_fields=moe_not_yet, hf_field={}, init_weights=moe_not_yet, split=MOE_SPLIT,
+                      fp32_modules=(Router,), warnings=moe_warnings,
+                      no_compile="the mixture's blocks are not built for torch.compile (each expert's token count "
+                                 "changes with every forward, and tracing torch._grouped_mm takes bf16 operands only)")
+SPECS = {s.name: s for s in (GPT_SPEC, LLAMA_SPEC, MOE_SPEC)}
 """Every family by its ``model.family`` value."""
 FAMILIES = tuple(SPECS)
-NORMS = tuple(s.norm for s in SPECS.values())
+NORMS = tuple(dict.fromkeys(s.norm for s in SPECS.values()))
 """Each family's norm, computed in fp32 whatever the autocast dtype."""
+FP32_MODULES = tuple(dict.fromkeys(m for s in SPECS.values() for m in s.fp32_modules))
+"""Every family's other modules computed in fp32 (:attr:`FamilySpec.fp32_modules`)."""
 
 
 def family_spec(m: Any) -> FamilySpec:

@@ -176,6 +176,11 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel() if non_embedding else n
 
+    def active_params(self, non_embedding: bool = True) -> int:
+        """The parameters one token's forward uses: every one (:meth:`num_params`), a dense
+        model's; the mixture of experts answers the same question with fewer."""
+        return self.num_params(non_embedding)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits for ``idx`` (B, T); with ``targets``, also the mean
         cross-entropy, computed from fp32 logits."""

@@ -394,6 +394,11 @@ class Llama(nn.Module):
             n -= self.wte.weight.numel()
         return n
 
+    def active_params(self, non_embedding: bool = True) -> int:
+        """The parameters one token's forward uses: every one (:meth:`num_params`), a dense
+        model's; the mixture of experts answers the same question with fewer."""
+        return self.num_params(non_embedding)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits for ``idx`` (B, T); with ``targets``, also the mean
         cross-entropy, computed from fp32 logits."""

@@ -136,6 +136,11 @@ def route(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, gate: 
     return Routing(experts, gates, scores)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``bf16``, ``fp16``, ``fp32`` (the config's names) for the three, else torch's."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype autocast computes a matmul of ``x`` in here (``x``'s own without autocast)."""
     device = x.device.type
@@ -150,6 +155,12 @@ class Router(nn.Module):
     auxiliary-loss-free balancing offset, an fp32 buffer saved with the model
     (zero and unused unless ``balance="bias"``)."""
 
+    fp32_buffers = ("expert_bias",)
+    """Buffers whose storage stays fp32 whatever a cast asks: a whole-model ``.to(bfloat16)``
+    (a pure-bf16 precision, :meth:`_apply`) or a wrapper's buffer dtype (which reads this
+    name). The bias moves by ``bias_rate`` (0.001) per step: in bf16, whose spacing is
+    2^-8 between 1 and 2, such a step is rounded away once an offset grows past 0.25."""
+
     def __init__(self, s: MoEShape):
         super().__init__()
         self.top_k, self.gate, self.norm_topk = s.top_k, s.gate, s.norm_topk
@@ -157,6 +168,15 @@ class Router(nn.Module):
         self.use_bias = s.balance == "bias"
         self.weight = nn.Parameter(torch.empty(s.n_experts, s.d_model))
         self.register_buffer("expert_bias", torch.zeros(s.n_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # A device move applies to the bias; a dtype cast does not (fp32_buffers says why).
+        # Put back from the tensor before the cast, not widened from the cast one: its bits stay.
+        before = self.expert_bias
+        out = super()._apply(fn, recurse)
+        if self.expert_bias.dtype != torch.float32:
+            self.expert_bias = before.to(device=self.expert_bias.device)
+        return out
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits of tokens ``x`` (N, d_model): fp32 (or the compute dtype, ``router_dtype="compute"``)."""
@@ -247,21 +267,27 @@ class MoEFeedForward(nn.Module):
         self.last_gemm = ""  # "grouped" or "looped": how the last forward ran the expert GEMMs
 
     # -- the expert GEMMs
-    def gemm_path(self, x: torch.Tensor) -> str:
-        """``grouped`` where ``expert_gemm`` allows it, every expert linear is a plain
-        ``nn.Linear`` (a converted one, float8 or a lab recipe, computes its own casts) and
-        ``torch._grouped_mm`` runs here; else ``looped``."""
+    def gemm_choice(self, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+        """(``grouped`` or ``looped``, why) for a forward on ``device`` computing in ``dtype``:
+        grouped where ``expert_gemm`` allows it, every expert linear is a plain ``nn.Linear``
+        (a converted one, float8, MX or a lab recipe, computes its own casts) and
+        ``torch._grouped_mm`` runs here; else looped. ``expert_gemm=grouped`` where it cannot
+        run is a RuntimeError naming why and the fix."""
         if self.expert_gemm == "looped":
-            return "looped"
+            return "looped", "model.moe.expert_gemm=looped"
         plain = all(type(m) is nn.Linear for e in self.experts for m in (e.gate, e.up, e.down))
-        if plain and grouped_mm_works(x.device, compute_dtype(x)):
-            return "grouped"
+        if plain and grouped_mm_works(device, dtype):
+            return "grouped", f"torch._grouped_mm, one per matrix over all experts, in {_dtype_name(dtype)}"
+        why = ("the experts' linears are converted by the precision recipe, each casting for itself"
+               if not plain else f"torch._grouped_mm does not run on {device.type} in {_dtype_name(dtype)} here")
         if self.expert_gemm == "grouped":
-            why = ("an expert's linear is converted by the precision recipe" if not plain
-                   else f"torch._grouped_mm does not run on {x.device.type} in {compute_dtype(x)} here")
-            raise RuntimeError(f"model.moe.expert_gemm=grouped: {why}; use expert_gemm=auto (grouped where it "
-                               "runs, looped elsewhere) or looped.")
-        return "looped"
+            raise RuntimeError(f"model.moe.expert_gemm=grouped cannot run: {why}; use model.moe.expert_gemm=auto "
+                               "(grouped where it runs, looped elsewhere) or looped.")
+        return "looped", why
+
+    def gemm_path(self, x: torch.Tensor) -> str:
+        """:meth:`gemm_choice`'s path for a forward of ``x``."""
+        return self.gemm_choice(x.device, compute_dtype(x))[0]
 
     def _experts(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
         """Each expert's SwiGLU on its group of rows of ``x`` (grouped by expert, ``sizes`` rows each)."""
@@ -381,6 +407,8 @@ class MoE(nn.Module):
         is a buffer: it starts at zero."""
         draw_init(self, generator, RMSNorm, ("attn.o.weight", ".down.weight"),
                   self.shape.n_layer)
+        for m in self.moe_layers():  # a meta-built model's buffers hold whatever to_empty left there
+            m.router.expert_bias.zero_()
 
     def moe_layers(self) -> list[MoEFeedForward]:
         """The routed feed-forward layers, in block order."""

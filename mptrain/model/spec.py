@@ -74,6 +74,9 @@ class TensorSplit:
     """The token embedding, split over its vocabulary rows."""
     head: str = "lm_head"
     """The output head, split over its vocabulary rows (a tied one shares the embedding's matrix)."""
+    refused: Optional[str] = None
+    """Why the family's model cannot be split at all, as the second half of a refusal
+    (``tp_rules.tp_problem`` puts the tp in front); None: it can, as the table says."""
 
     def side(self, colwise: bool) -> tuple[SplitLinear, ...]:
         """The fan-out linears (``colwise``) or the fan-in ones, in table order."""
@@ -119,6 +122,16 @@ class FamilySpec:
     (CPU, each checked: names, shapes, finite values)."""
     split: TensorSplit
     """How tensor parallelism splits the family's model."""
+    fp32_modules: tuple[type[nn.Module], ...] = ()
+    """Modules beyond the norm that compute in fp32 whatever the autocast dtype (the
+    mixture's router): a sharding wrapper gathers them in the storage dtype, as it
+    does the norms, so that they compute on the same weights under every wrapper."""
+    no_compile: Optional[str] = None
+    """Why ``torch.compile`` cannot compile the family's blocks (``train.compile=true`` is
+    refused with it; ``null`` leaves them eager), or None: it can."""
+    warnings: Callable[[Any], list[str]] = lambda m: []
+    """``m`` -> start-up warnings about the family's own settings (a study switch that is
+    on), each printed as a ``WARNING:`` line under the banner; none by default."""
 
     def build(self, m: Any, vocab: int) -> nn.Module:
         """The model ``m`` describes with ``vocab`` embedding rows, on the

@@ -25,6 +25,8 @@ def tp_problem(m: Any, tp: int, sequence_parallel: bool, said: str = "") -> Opti
     or, with ``sequence_parallel``, its training windows; None if they can.
     ``said``: how the refusal names the tp (``config.mesh.tp_said``)."""
     spec, said = family_spec(m), said or f"parallel.tp={tp}"
+    if spec.split.refused:
+        return f"{said}: {spec.split.refused}."
     shape = spec.shape(m, 0)
     shares = [Share(int(m.n_head), f"model.n_head={m.n_head}", "each rank computes whole attention heads",
                     "set model.n_head to a multiple of {tp}"), *spec.split.shares(shape)]

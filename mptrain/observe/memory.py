@@ -123,15 +123,16 @@ def meta_model(m, vocab: int):
 
 
 def shapes(m, vocab: int) -> tuple[list[tuple[int, ...]], int]:
-    """(shape of every parameter, elements of one transformer block) of the
+    """(shape of every parameter, elements of the largest transformer block) of the
     model section ``m`` with ``vocab`` rows (:func:`meta_model`); the tied
-    head appears once, as in ``model.parameters()``."""
+    head appears once, as in ``model.parameters()``. (A dense model's blocks are
+    all alike; a mixture's routed blocks outweigh its dense ones.)"""
     return _shapes(meta_model(m, vocab))
 
 
 def _shapes(model) -> tuple[list[tuple[int, ...]], int]:
     """:func:`shapes` of a model already built (the estimate builds it once for all its rows)."""
-    block = sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0
+    block = max((sum(p.numel() for p in blk.parameters()) for blk in model.blocks), default=0)
     return [tuple(p.shape) for p in model.parameters()], block
 
 
@@ -195,10 +196,10 @@ def mesh_numels(model, mesh: MeshShape) -> list[int]:
 
 
 def block_tp_numel(model, tp: int) -> int:
-    """Elements of one transformer block on one TP rank (what FSDP gathers per block)."""
+    """Elements of the largest transformer block on one TP rank (what FSDP gathers per block)."""
     dims = tp_dims(model)
-    return sum(math.prod(tp_shape(tuple(p.shape), dims[f"blocks.0.{n}"], tp))
-               for n, p in model.blocks[0].named_parameters()) if len(model.blocks) else 0
+    return max((sum(math.prod(tp_shape(tuple(p.shape), dims[f"blocks.{i}.{n}"], tp))
+                    for n, p in blk.named_parameters()) for i, blk in enumerate(model.blocks)), default=0)
 
 
 ATTENTION_KERNEL = "flash/mem-efficient SDPA, no T x T"
@@ -286,38 +287,141 @@ def llama_activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight
     micro-batch: the final norm, the head's input and the logits with their
     fp32 log-probabilities, and the token ids. ``tp``/``sp``: as in
     :func:`activation_bytes`."""
-    b, t, d, h = micro_batch, m.block_size, m.d_model, m.n_head
-    kv, c = m.n_kv_head or h, BYTES[compute]
-    hid = ffn_hidden(m)
-    half = compute != "fp32"
+    b, d = micro_batch, m.d_model
+    return _layers(m.n_layer, b * m.block_size, _llama_block(m, compute), _llama_head(m, vocab, compute),
+                   weight_copies, 4 * d if checkpointed else 0, tp, sp)
+
+
+def _llama_block(m, compute: str, mlp: bool = True) -> tuple[int, int, int]:
+    """Bytes per token of one Llama block (:func:`llama_activation_bytes`), as (whole on
+    every TP rank, split, on the residual stream); ``mlp=False``: its attention and
+    norms only (a mixture's routed block adds its own MLP's)."""
+    d, h, c, half = m.d_model, m.n_head, BYTES[compute], compute != "fp32"
+    kv = m.n_kv_head or h
     # whole on every TP rank: the projections' gathered inputs; split: attention and the MLP's
     # hidden width; the residual stream: the norms' inputs, outputs and statistics
-    whole = (3 * c * d if half else 4 * d) + (2 * c * d if half else 4 * d)
-    split, stream = 4 * c * d + 4 * h + 4 * c * hid, 2 * (8 * d + 4)
+    whole = (3 * c * d if half else 4 * d) + ((2 * c * d if half else 4 * d) if mlp else 0)
+    split, stream = 4 * c * d + 4 * h + (4 * c * ffn_hidden(m) if mlp else 0), 2 * (8 * d + 4)
     if m.dropout:
         stream += 2 * d
     if m.qk_norm:
         hd = d // h
         split += 8 * d + 4 * h + 8 * kv * hd + 4 * kv
-    head = 8 * d + 4 + (c * d if half else 4 * d) + vocab * (c + 4) + 8
-    return _layers(m.n_layer, b * t, (whole, split, stream), head, weight_copies, 4 * d if checkpointed else 0,
-                   tp, sp)
+    return whole, split, stream
 
 
-def linear_weights(model) -> tuple[int, int]:
-    """(weight elements of one block's linears, the head's): what autocast
-    copies, read off the (meta) model, whatever its family."""
+def _llama_head(m, vocab: int, compute: str) -> int:
+    """Bytes per token the Llama (and moe) family keeps once per micro-batch: the final
+    norm, the head's input, the logits with their fp32 log-probabilities, the token ids."""
+    c, d, half = BYTES[compute], m.d_model, compute != "fp32"
+    return 8 * d + 4 + (c * d if half else 4 * d) + vocab * (c + 4) + 8
+
+
+def moe_activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_copies: int = 0,
+                         checkpointed: bool = False, tp: int = 1, sp: bool = False) -> int:
+    """:func:`activation_bytes` for the mixture of experts, as counted on real steps
+    (``tests/test_moe.py``): the first ``model.moe.first_dense_layers`` blocks are Llama
+    blocks (:func:`llama_activation_bytes`); each routed block keeps Llama's attention
+    and norms and (:func:`_routed_mlp`) its routed MLP's. The experts' weight copies
+    (autocast's, or the grouped GEMM's stacked ones) are ``weight_copies``'
+    (:func:`expert_stacks`). ``tp``/``sp``: as in :func:`activation_bytes` (the family
+    refuses tensor parallelism, so they stay 1 and False)."""
+    tokens, d = micro_batch * m.block_size, m.d_model
+    attn = _llama_block(m, compute, mlp=False)
+    routed = per_rank(tokens, (attn[0] + _routed_mlp(m, compute), attn[1], attn[2]), tp, sp)
+    dense_layers = int(m.moe.first_dense_layers)
+    dense = per_rank(tokens, _llama_block(m, compute), tp, sp) if dense_layers else 0
+    head = tokens * _llama_head(m, vocab, compute) + weight_copies
+    if checkpointed:  # every block's fp32 input, and one block's activations at a time
+        return int(m.n_layer) * per_rank(tokens, (0, 0, 4 * d), tp, sp) + max(routed, dense) + head
+    return dense_layers * dense + (int(m.n_layer) - dense_layers) * routed + head
+
+
+def _routed_mlp(m, compute: str) -> int:
+    """Bytes per token a routed MLP keeps, with k = top_k, E experts of width h and c the
+    compute dtype's bytes: the router's fp32 input (4d) and scores (4E); the chosen experts
+    and each choice's row and slot (int64: 8k, 16k); the renormalised gates (4k + 4); the
+    chosen rows as the expert matmuls take them (fp32, or a compute-dtype copy for each of
+    gate and up: 2ckd); SwiGLU's four tensors of width h per choice (4ckh); each choice's
+    output in fp32, weighted by its gate (8kd, 4k); shared experts as one SwiGLU of their
+    summed width. Every choice counts: a capacity drops some, so this is the bound."""
+    e, d, c, half = m.moe, m.d_model, BYTES[compute], compute != "fp32"
+    k, width = int(e.top_k), int(e.expert_hidden or ffn_hidden(m))
+    out = (4 * d + 4 * int(e.n_experts) + 8 * k + 16 * k + (4 * k + 4 if e.norm_topk else 0)
+           + (2 * c * k * d if half else 4 * k * d) + 4 * c * k * width + 8 * k * d + 4 * k)
+    shared = int(e.n_shared_experts) * width
+    if shared:  # its input cast for gate and up under autocast, and SwiGLU's four tensors
+        out += (2 * c * d if half else 0) + 4 * c * shared
+    return out
+
+
+def linear_weights(model) -> tuple[list[int], int]:
+    """(weight elements of each block's linears, the head's): what autocast
+    copies, read off the (meta) model, whatever its family (a mixture's blocks
+    differ: a dense one, a routed one with every expert's linears)."""
     import torch.nn as nn
 
-    block = sum(mod.weight.numel() for mod in model.blocks[0].modules() if isinstance(mod, nn.Linear)) \
-        if len(model.blocks) else 0
-    return block, model.lm_head.weight.numel()
+    blocks = [sum(mod.weight.numel() for mod in blk.modules() if isinstance(mod, nn.Linear))
+              for blk in model.blocks]
+    return blocks, model.lm_head.weight.numel()
 
 
-ACTIVATIONS = {"gpt": activation_bytes, "llama": llama_activation_bytes}
+def expert_stacks(model, compute: str, looped: bool) -> list[int]:
+    """Per block, the bytes of the routed experts' weights the grouped expert GEMMs stack
+    (in the compute dtype) for each forward and keep for the backward pass; 0 for a dense
+    block, and for every block where the GEMMs run ``looped`` (``model.moe.expert_gemm=looped``,
+    or experts converted by a precision recipe, which cast for themselves). Where ``auto``
+    would fall back to looped (``torch._grouped_mm`` missing on the device), this is the bound."""
+    from mptrain.model.moe import MoEFeedForward
+
+    if looped:
+        return [0] * len(model.blocks)
+    return [BYTES[compute] * sum(lin.weight.numel() for lay in blk.modules() if isinstance(lay, MoEFeedForward)
+                                 for ex in lay.experts for lin in (ex.gate, ex.up, ex.down))
+            for blk in model.blocks]
+
+
+ACTIVATIONS = {"gpt": activation_bytes, "llama": llama_activation_bytes, "moe": moe_activation_bytes}
 """Each family's activation count by ``model.family``. A table of the estimator's
 own, not a field of the family's spec: what autograd keeps is counted on real
 steps here (``tests/test_memory.py``), and the model layer knows nothing of it."""
+
+
+def _count(n: int) -> str:
+    """A parameter count in words: ``15.79B``, ``0.34M``."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def mixture_lines(plan: Plan, vocab: int) -> list[str]:
+    """What ``python -m mptrain.memory`` says of a mixture of experts under its table (none
+    for a dense model): all parameters against those one token uses, the routed experts'
+    share of the weights (every rank holds, or shards, every expert: the rows count them
+    all), and what the routers keep in fp32."""
+    from mptrain.model.moe import MoEFeedForward
+
+    model = meta_model(plan.model, vocab)
+    layers = [lay for lay in model.modules() if isinstance(lay, MoEFeedForward)]
+    if not layers:
+        return []
+    total, active = model.num_params(non_embedding=False), model.active_params(non_embedding=False)
+    experts = sum(lin.weight.numel() for lay in layers for ex in lay.experts for lin in (ex.gate, ex.up, ex.down))
+    routers = sum(lay.router.weight.numel() for lay in layers)
+    in_fp32 = layers[0].router.in_fp32
+    return [f"mixture of experts: {_count(total)} parameters, {_count(active)} of them active per token "
+            f"({active / total:.0%}: the weights, gradients and moments above hold all {_count(total)}); the routed "
+            f"experts of {len(layers)} layers are {_count(experts)} ({experts / total:.0%} of the weights)",
+            f"  routers: {_count(routers)} weights, logits, gates and top-k computed in "
+            + ("fp32 from the stored weight" if in_fp32 else "the compute dtype (model.moe.router_dtype=compute)")
+            + f", gathered in the storage dtype under FSDP; the balancing bias (balance=bias): {len(layers)} x "
+            f"{layers[0].n_experts} fp32 values, kept fp32 under every precision"]
+
+
+def _experts_looped(m, p) -> bool:
+    """Whether a mixture's expert GEMMs run looped under precision plan ``p``: asked for,
+    or its recipe converts the experts' linears (they then cast for themselves); a dense
+    model's answer does not matter."""
+    e = getattr(m, "moe", None)
+    return e is None or getattr(e.expert_gemm, "value", e.expert_gemm) == "looped" or p.recipe is not None
 
 
 def mesh_overrides(tp: Optional[int], replicate: Optional[int]) -> list[str]:
@@ -355,19 +459,26 @@ def estimate(plan: Plan, vocab: int, micro_batch: Optional[int] = None) -> Estim
             * BYTES[dtype_name(p.wrapper_param_dtype)]
     b = micro_batch or plan.batches.micro_batch
     checkpointed = plan.train.activation_checkpointing.value == "block"
-    copies = 0
+    copies, copied = 0, ""
+    per_block, head = linear_weights(model)
     if not (mode == "fsdp1" or on_mesh) and BYTES[compute] < pb and not p.float8:
         # Autocast casts each linear's weight once per forward and the backward keeps
         # the copy (FSDP gathers weights already in the compute dtype: nothing to cast);
         # a checkpointed block keeps none of its own, only the one being recomputed.
-        per_block, head = linear_weights(model)
-        copies = BYTES[compute] * ((1 if checkpointed else m.n_layer) * per_block + head)
+        copies = BYTES[compute] * ((max(per_block, default=0) if checkpointed else sum(per_block)) + head)
+        copied = ", + autocast weight copies"
+    else:
+        # A mixture's grouped expert GEMMs stack their weights in the compute dtype even
+        # where autocast copies nothing (fp32, pure bf16, FSDP's gathered weights).
+        stacks = expert_stacks(model, compute, looped=_experts_looped(m, p))
+        copies = max(stacks, default=0) if checkpointed else sum(stacks)
+        copied = ", + the grouped expert GEMMs' stacked weights" if copies else ""
     sp = on_mesh and plan.parallel.sequence_parallel
     activations = ACTIVATIONS[plan.family.name](m, b, vocab, compute, copies, checkpointed, mesh.tp, sp)
 
     act = (", block checkpointing" if checkpointed else "") + (
         f", 1/{mesh.tp} of the split parts" + (" and the residual stream" if sp else "")
-        if on_mesh and mesh.tp > 1 else "") + (", + autocast weight copies" if copies else "")
+        if on_mesh and mesh.tp > 1 else "") + copied
     labels = _labels(store, compute, choice, local, mode, act)
     return Estimate(weights, grads, exp_avg, exp_avg_sq, kahan, gathered, activations, n, labels)
 

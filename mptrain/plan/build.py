@@ -62,6 +62,9 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
     checks.validate(cfg, batches)
     spec = family_spec(m)
     spec.check(m)
+    if t.compile and spec.no_compile:
+        raise ConfigError(f"train.compile=true: {spec.no_compile}; set train.compile=false (or leave it null: "
+                          f"off for model.family={spec.name}).")
     precision = precision_plan(cfg.precision)  # the dtypes and the recipe (its specs checked)
     rules.validate(m, cfg.precision, precision.recipe, cfg.monitor.fp8_whatif, batches)
     said, sp = tp_said(int(cfg.parallel.tp), mesh.tp), bool(cfg.parallel.sequence_parallel)

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from mptrain.config.schema import LossScaleConfig, ScaleMode
 from mptrain.core.errors import ConfigError
-from mptrain.model.families import NORMS
+from mptrain.model.families import FP32_MODULES, NORMS
 from mptrain.precision import fp8mx
 from mptrain.precision.formats import FORMATS, dtype_name
 from mptrain.precision.labtrain import LabLinears
@@ -346,8 +346,9 @@ class _NoHook:
 
 
 # Modules autocast never computes in half precision and whose parameters FSDP
-# must therefore not gather in it (the families' own norms and torch's LayerNorm).
-_STORAGE_DTYPE_MODULES = (nn.Embedding, nn.LayerNorm, *NORMS)
+# must therefore not gather in it (the families' own norms and torch's LayerNorm,
+# and the mixture's router, which computes its logits in fp32 from its stored weight).
+_STORAGE_DTYPE_MODULES = (nn.Embedding, nn.LayerNorm, *NORMS, *FP32_MODULES)
 
 
 def _cast_input_to_autocast(mod, args):

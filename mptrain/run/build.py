@@ -73,7 +73,10 @@ class RunModel:
 
     model: nn.Module
     n_params: int
-    """Parameters without position embeddings (the N of 6N), counted before wrapping."""
+    """Parameters without position embeddings, counted before wrapping."""
+    n_active: int
+    """Of those, the ones one token's forward uses (the N of 6N): all of them in a dense
+    model, the chosen experts' only in a mixture."""
     compile_blocks: bool
     opt_choice: Choice
     optimizer: torch.optim.Optimizer
@@ -108,12 +111,14 @@ def build_model(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, vocab: in
     # values whatever the world size or device (GPT.reset_parameters says how).
     with torch.device("meta"):
         model = plan.family.build(m, vocab)
-    n_params = model.num_params()
+    n_params, n_active = model.num_params(), model.active_params()
     decay = decay_names(model)  # before wrapping: FSDP1 flattens shapes
     if ctx.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = tc.tf32
         torch.backends.cudnn.allow_tf32 = tc.tf32
-    compile_blocks = tc.compile if tc.compile is not None else ctx.device.type == "cuda"
+    # null: on for CUDA, unless the family's blocks cannot be compiled (plan.family.no_compile)
+    compile_blocks = (tc.compile if tc.compile is not None
+                      else ctx.device.type == "cuda" and not plan.family.no_compile)
     # model.init_from's weights: read whole on every rank, each rank's part written by wrap();
     # passed, not kept in a local, so the copy (32 GB for an 8B model) is freed once wrap returns
     model = wrap(model, policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
@@ -122,7 +127,7 @@ def build_model(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, vocab: in
     optimizer = build_optimizer(model, decay, plan.optim, ctx.device, plan.optimizer)
     policy.attach_optimizer(optimizer, model)  # float8 scales follow every optimizer step
     scaler = policy.make_scaler(distributed=ctx.has_group and ctx.world > 1)
-    return RunModel(model, n_params, compile_blocks, plan.optimizer, optimizer, scaler)
+    return RunModel(model, n_params, n_active, compile_blocks, plan.optimizer, optimizer, scaler)
 
 
 def build_policy(plan: Plan, ctx: DistContext) -> tuple[PrecisionPolicy, list[str]]:

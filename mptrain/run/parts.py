@@ -12,7 +12,9 @@ loop; the small adapters here give each the component hooks it needs:
 - :class:`AuditPart` (``train.audit``, ``train.audit_only``): the dtype audit
   of the first step of a launch, and the end of the run after it;
 - :class:`SkipRatePart`, :class:`SpikePart`, :class:`StabilityPart`: the
-  alerts, always on (their thresholds decide), each resumable under its name.
+  alerts, always on (their thresholds decide), each resumable under its name;
+- :class:`~mptrain.run.mixture.MixturePart` (a model with routed layers): the
+  mixture of experts' balancing term and capacity drops in the rows and the summary.
 
 :func:`build_parts` puts them in order with the non-finite handler
 (``nonfinite.py``, always on) and, only when a ``debug.*`` key is set, the fault
@@ -39,6 +41,7 @@ from mptrain.precision.policy import PrecisionPolicy
 from mptrain.run.build import RunModel
 from mptrain.run.components import Component, Components, Write
 from mptrain.run.faults import NO_FAULTS, FaultInjector
+from mptrain.run.mixture import MixturePart, routed_layers
 from mptrain.run.nonfinite import NonFiniteHandler
 from mptrain.run.step import Guard
 
@@ -315,13 +318,18 @@ def build_parts(plan: Plan, ctx: DistContext, built: RunModel, policy: Precision
     handler next (its context is the outermost: a bad step is replayed once the
     others have closed), the alerts of the logged row, then what a monitored step
     measures, in the order of its lines: monitor, collectives, audit, and the
-    stability warnings on the monitor's figures."""
+    stability warnings on the monitor's figures. A mixture of experts' part stands
+    with the alerts, on the logged row."""
     on, model = plan.parts, built.model
     injector = [FaultInjector(plan.debug, model, ctx.rank)] if on.faults else []  # a test aid: debug.* only
     faults = injector[0] if injector else NO_FAULTS
     handler = NonFiniteHandler(on.on_nonfinite, built.optimizer, built.scaler, model, policy, ctx, batches,
                                faults, on.loss_scale.min_loss_scale)
     members: list[Component] = [*injector, handler, SkipRatePart(on.loss_scale), SpikePart(on.monitor)]
+    routed = routed_layers(model)
+    if routed:  # a mixture of experts: its figures in the rows, its drops in the summary
+        members.append(MixturePart(routed[0].capacity_factor,
+                                   plan.batches.tokens_per_step * routed[0].top_k * len(routed)))
     comm: Optional[CommPart] = None
     groups = mesh_groups(ctx)
     if on.numerics:

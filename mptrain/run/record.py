@@ -234,6 +234,8 @@ def banner(plan: Plan, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: i
     lines += [f"    {k:<16} {v}" for k, v in dtypes.items()]
     if "gelu" in info:
         lines.append(f"  {info['gelu']}")
+    if "moe" in info:
+        lines.append(mixture_line(info["moe"]))
     for key in ("fp4", "lab"):
         if key not in info:
             continue
@@ -253,6 +255,15 @@ def banner(plan: Plan, ctx, info: dict, dtypes: dict, tokens, tokens_per_step: i
     lines += phase_lines(plan)
     lines.append(f"  run directory {run_dir}")
     return "\n".join(lines)
+
+
+def mixture_line(mix: dict) -> str:
+    """The banner's line on a mixture's size and expert GEMMs (run_info's ``moe``)."""
+    layers = mix["routed_layers"]
+    return (f"  moe: routed experts {mix['expert_params'] / 1e6:.2f}M of {mix['params'] / 1e6:.2f}M parameters "
+            f"({mix['expert_share']:.0%}) in {layers} routed layer{'s' if layers != 1 else ''}, "
+            f"{mix['params_active'] / 1e6:.2f}M active per token; expert GEMMs {mix['expert_gemm']} "
+            f"({mix['expert_gemm_why']})")
 
 
 def phase_lines(plan: Plan) -> list[str]:

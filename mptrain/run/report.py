@@ -48,6 +48,7 @@ from mptrain.precision.policy import LossScaler, PrecisionPolicy
 from mptrain.run.build import RunData, RunModel
 from mptrain.run.console import RunLog, plain_cadence
 from mptrain.run.metrics import Metrics
+from mptrain.run.mixture import mixture_info
 from mptrain.run.record import (ComputeDtypeProbe, RunRecord, banner, mesh_info, observed_dtypes, peak_memory,
                                reset_peak_memory, start_memory)
 from mptrain.run.resume import threads_guard
@@ -175,8 +176,12 @@ def describe(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, data: RunDat
     gelu = gelu_kernel_text(model, ctx.device)  # chosen per CPU kind: two kinds' runs told apart
     if gelu:
         info["gelu"] = gelu
+    mixture = mixture_info(model, ctx.device, policy.compute_dtype, built.n_params, built.n_active)
+    if mixture is not None:  # a mixture of experts: its experts' share, what a token uses, the GEMM path
+        info["moe"] = mixture
     m = plan.model
-    flops_tok = flops_per_token(built.n_params, m.n_layer, m.d_model, m.block_size)
+    # 6N with N the parameters one token uses: a mixture's chosen experts, not all of them
+    flops_tok = flops_per_token(built.n_active, m.n_layer, m.d_model, m.block_size)
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     kind = matmul_kind(dtype_name(policy.compute_dtype), policy.fp8_enabled,
                        ctx.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)

@@ -30,6 +30,7 @@ from mptrain.precision.optimizers import Choice, bias_correction
 from mptrain.precision.policy import LossScaler, PrecisionPolicy
 from mptrain.run.components import NO_PARTS, Component
 from mptrain.run.faults import NO_FAULTS
+from mptrain.run.mixture import NO_MIXTURE, Mixture, NoMixture
 from mptrain.run.nonfinite import NO_GUARD, NonFiniteGuard, Unguarded
 
 Guard = Union[NonFiniteGuard, Unguarded]
@@ -194,14 +195,19 @@ class StepState:
     backward_loss: Callable[[torch.Tensor], torch.Tensor] = NO_FAULTS.backward_loss
     """The loss each backward pass sees: the loss itself, unless the ``debug.*`` injector
     multiplies it (``debug.loss_multiplier``, ``FaultInjector.backward_loss``)."""
+    mixture: Union[Mixture, NoMixture] = NO_MIXTURE
+    """A mixture of experts' balancing term, counts and bias update (``mixture.py``);
+    :data:`NO_MIXTURE` for a dense model."""
 
 
 def step_state(plan: Plan, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: LossScaler,
                policy: PrecisionPolicy, ctx: DistContext, guard: Guard = NO_GUARD, faults=NO_FAULTS) -> StepState:
     """The :class:`StepState` the run of ``plan`` steps with (``train.grad_clip``,
-    ``train.z_loss``, ``optim.update_clip``; ``faults``: the ``debug.*`` injector)."""
+    ``train.z_loss``, ``optim.update_clip``; ``faults``: the ``debug.*`` injector; a
+    mixture of experts' routed layers, found in ``model``)."""
     return StepState(model, optimizer, scaler, policy, ctx, plan.train.grad_clip, ZLoss(plan.train.z_loss),
-                     UpdateClip(float(plan.optim.update_clip or 0.0)), guard, faults.backward_loss)
+                     UpdateClip(float(plan.optim.update_clip or 0.0)), guard, faults.backward_loss,
+                     Mixture.of(model, ctx.all_reduce_sum))
 
 
 @dataclass
@@ -220,6 +226,12 @@ class StepResult:
     update_clip_max: Optional[torch.Tensor] = None
     """With update clipping (:class:`UpdateClip`): the largest ``RMS / update_clip``
     over tensors (above 1, that tensor's step was shrunk; 0 on a skipped step); else None."""
+    aux_loss: Optional[torch.Tensor] = None
+    """A mixture with ``balance=aux_loss``: the balancing term added to the loss (summed
+    over the routed layers), mean over micro-batches, this rank; else None."""
+    dropped: Optional[torch.Tensor] = None
+    """A mixture with a capacity: token choices dropped over capacity in this step, over
+    every routed layer, micro-batch and data-parallel rank (int64); else None."""
 
 
 def train_step(state: StepState, micro_batches: list, parts: Component = NO_PARTS, step: int = 0) -> StepResult:
@@ -238,7 +250,7 @@ def train_step(state: StepState, micro_batches: list, parts: Component = NO_PART
     """
     model, optimizer, scaler, ctx = state.model, state.optimizer, state.scaler, state.ctx
     optimizer.zero_grad(set_to_none=True)
-    loss, z = _forward_backward(state, micro_batches)
+    loss, z, mix = _forward_backward(state, micro_batches)
     state.policy.end_backward(ctx.all_reduce_max)  # delayed float8 scaling: the step's amaxes into the histories
     parts.after_backward(model, scaler.scale_tensor(), step)  # gradients as held: still scaled
     scaler.unscale_(optimizer)  # clipping and the norm must see true gradients
@@ -246,35 +258,39 @@ def train_step(state: StepState, micro_batches: list, parts: Component = NO_PART
     found_inf, skip_now = state.guard.gate(grad_norm, step)
     if skip_now:  # read back on the host (non-fused optimizer)
         optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, grad_norm, torch.ones((), device=ctx.device), z,
-                          state.update_clip.unapplied(ctx.device))
+        skipped = torch.ones((), device=ctx.device)
+        return StepResult(loss, grad_norm, skipped, z, state.update_clip.unapplied(ctx.device), **mix.close(skipped))
     parts.before_optimizer(model)
     with state.update_clip.around(optimizer, ctx) as clip_max:
         skipped = _apply(optimizer, scaler, found_inf)
-    return StepResult(loss, grad_norm, skipped, z, clip_max)
+    # after the optimizer: a mixture's balancing bias moves for an applied step only
+    return StepResult(loss, grad_norm, skipped, z, clip_max, **mix.close(skipped))
 
 
-def _forward_backward(state: StepState, micro_batches: list) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _forward_backward(state: StepState, micro_batches: list):
     """Forward and backward over the micro-batches, gradients accumulated in
-    ``.grad``; returns (loss, z_loss): the cross-entropy and, with a z-loss,
-    its term (else None), each the mean over micro-batches, on the device
-    (as computed: ``debug.loss_multiplier`` acts on what the backward sees only)."""
+    ``.grad``; returns (loss, z_loss, the mixture's tally): the cross-entropy and,
+    with a z-loss, its term (else None), each the mean over micro-batches, on the
+    device (as computed: ``debug.loss_multiplier`` acts on what the backward sees
+    only), and what a mixture of experts counted (``mixture.py``; its balancing term
+    is in what the backward sees, not in the loss returned)."""
     model, ctx, policy = state.model, state.ctx, state.policy
     n = len(micro_batches)
     loss_sum = torch.zeros((), device=ctx.device)
     z = state.z_loss.begin(ctx.device)
+    mix = state.mixture.begin(ctx.device)
     for i, (x, y) in enumerate(micro_batches):
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)  # no-op when prefetched
         # Gradients cross ranks only on the last micro-batch.
         with ctx.grad_sync(model, enabled=(i == n - 1)):
             with policy.autocast():
                 logits, loss = model(x, y)
-            total = z.add(logits, loss)
+            total = mix.add(z.add(logits, loss))
             # Dividing by n makes K micro-batches sum to the mean over the whole batch.
             # state.backward_loss: total itself unless debug.loss_multiplier is set.
             state.scaler.scale(state.backward_loss(total) / n).backward()
         loss_sum += loss.detach()
-    return loss_sum / n, z.mean(n)
+    return loss_sum / n, z.mean(n), mix
 
 
 @torch.no_grad()

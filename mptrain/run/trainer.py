@@ -90,7 +90,7 @@ class Trainer:
         policy, hw_warnings = build_policy(plan, ctx)  # refuses the impossible before any work
         for k in range(plan.phase + 1, len(plan.phases)):  # a later phase too, rather than hours into the run
             hw_warnings += [f"precision phase {k}: {w}" for w in build_policy(plan.in_phase(k), ctx)[1]]
-        hw_warnings += phase_warnings(plan)
+        hw_warnings += phase_warnings(plan) + plan.family.warnings(plan.model)  # a family's study switch that is on
         self.data = build_data(plan, ctx, self.runlog.say)  # tokens, windows, this rank's batches
         self.built = build_model(plan, ctx, policy, self.data.vocab, self.data.tokens.vocab_size)
         # run_info and the dtype table: what the banner prints and config.yaml records

@@ -15,6 +15,7 @@ import dataclasses
 import importlib.resources
 import math
 import os
+import typing
 from typing import Any, Optional
 
 from omegaconf import ListConfig, OmegaConf
@@ -454,7 +455,21 @@ def given_model_keys(m: Any) -> set[str]:
     path = os.path.join(CONFIG_DIR, "model", f"{m.name}.yaml")
     if "/" not in str(m.name) and os.path.isfile(path):
         preset = OmegaConf.merge(preset, OmegaConf.load(path))
-    return given | {f.name for f in dataclasses.fields(ModelConfig) if m[f.name] != preset[f.name]}
+    return given | _differing(ModelConfig, m, preset)
+
+
+def _differing(schema: type, ours: Any, theirs: Any, prefix: str = "") -> set[str]:
+    """The keys of dataclass ``schema`` whose values differ between two configs of it; a
+    nested section's by their dotted names (``moe.n_experts``), as a command line types them,
+    so that one changed expert count is that key, not the whole ``moe`` section."""
+    types = typing.get_type_hints(schema)  # the schema's annotations are strings (postponed evaluation)
+    out = set()
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(types[f.name]):
+            out |= _differing(types[f.name], ours[f.name], theirs[f.name], f"{prefix}{f.name}.")
+        elif ours[f.name] != theirs[f.name]:
+            out.add(prefix + f.name)
+    return out
 
 
 def expand_shorthands(overrides: list[str]) -> list[str]:

@@ -1,7 +1,7 @@
 """mptrain/model/common.py and the family specs (mptrain/model/spec.py, families.py):
 every family builds its blocks from the one shared class, keeps its parameter
 names, each spec's Hugging Face config mapping goes there and back (the mixture
-of experts says it has none yet), and each spec's tensor-parallel table is the
+of experts' as Qwen3-MoE's), and each spec's tensor-parallel table is the
 model's own linears (the mixture's refuses tensor parallelism)."""
 from __future__ import annotations
 
@@ -31,8 +31,11 @@ BLOCK0 = {
     "moe": ["ln_1.weight", "attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight", "ln_2.weight",
             "mlp.router.weight", *(f"mlp.experts.{e}.{w}.weight" for e in range(4) for w in ("gate", "up", "down"))],
 }
-HF_FAMILIES = ("gpt", "llama")
-"""The families with a Hugging Face mapping (the mixture's, Qwen3-MoE, is not wired in yet)."""
+HF_FAMILIES = ("gpt", "llama", "moe")
+"""The families with a Hugging Face mapping: every one (the mixture's is Qwen3-MoE's)."""
+HF_CLASS = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "moe": "Qwen3MoeForCausalLM"}
+HF_EXTRA = {"moe": {"qk_norm": True}}
+"""What a family's tiny preset needs to be exportable (Qwen3-MoE always has QK-norm)."""
 
 
 def section(preset: str, **extra):
@@ -97,12 +100,12 @@ def test_each_spec_round_trips_its_hf_config(family):
     on the family's tiny preset; the transformers class is the one the spec names."""
     from transformers import AutoConfig
 
-    m = section(PRESETS[family])
+    m = section(PRESETS[family], **HF_EXTRA.get(family, {}))
     spec = family_spec(m)
     shape = spec.shape(m, VOCAB)
     config = spec.hf_config(shape)
     hf = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
-    assert hf.architectures == [{"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[family]]
+    assert hf.architectures == [HF_CLASS[family]]
     fields = spec.model_fields(hf.to_dict())
     assert fields == spec.model_fields(config)
     assert fields["family"] == family and fields["vocab_size"] == VOCAB
@@ -114,6 +117,9 @@ def test_each_spec_round_trips_its_hf_config(family):
     ("gpt", {"qk_norm": True}, "model.qk_norm=true has no place in GPT2LMHeadModel"),
     ("llama", {"qk_norm": True}, "model.qk_norm=true has no place in LlamaForCausalLM"),
     ("llama", {"rope_dtype": "bf16"}, "model.rope_dtype=bf16, and LlamaForCausalLM builds its rotary tables in fp32"),
+    ("moe", {}, "model.qk_norm=false has no place in Qwen3MoeForCausalLM"),  # moe-nano's own default
+    ("moe", {"qk_norm": True, "moe": {"n_shared_experts": 1}},
+     "model.moe.n_shared_experts=1 has no place in Qwen3MoeForCausalLM"),
 ])
 def test_a_spec_refuses_a_model_its_hf_class_cannot_compute(family, extra, said):
     """What the transformers class has no place for is one ConfigError from the spec's hf_config."""
@@ -122,25 +128,6 @@ def test_a_spec_refuses_a_model_its_hf_class_cannot_compute(family, extra, said)
     with pytest.raises(ConfigError) as e:
         spec.hf_config(spec.shape(m, VOCAB))
     assert said in str(e.value) and "\n" not in str(e.value)
-
-
-def test_the_moe_spec_says_its_hf_mapping_is_not_there_yet():
-    """Until the Qwen3-MoE mapping plugs in, each of the moe spec's Hugging Face entries
-    (the export's config and tensors, model.init_from's fields and weights) is the same
-    one-sentence ConfigError, and a run asking for model.init_from stops with it."""
-    from .conftest import make_plan
-
-    spec, m = SPECS["moe"], section("moe-nano")
-    shape = spec.shape(m, VOCAB)
-    for call in (lambda: spec.hf_config(shape), lambda: spec.hf_state_dict({}, shape),
-                 lambda: spec.model_fields({}), lambda: spec.init_fields("x"), lambda: spec.init_weights("x", 64)):
-        with pytest.raises(ConfigError) as e:
-            call()
-        assert str(e.value) == ("the mixture-of-experts family has no Hugging Face mapping yet (Qwen3-MoE's import "
-                                "and export are not wired in): model.init_from and scripts/export_hf.py take gpt and "
-                                "llama models only")
-    with pytest.raises(ConfigError, match="no Hugging Face mapping yet"):
-        make_plan("model=moe-nano", "model.init_from=/nowhere")
 
 
 def test_the_moe_family_refuses_tensor_parallelism_in_one_sentence():

@@ -371,9 +371,15 @@ def write_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Initial weights given instead of drawn (``model.init_from``): each parameter
     gets ``weights``' tensor of its name (wrapper parts of the name ignored, so a
     wrapped or sharded model reads the same keys), written as :func:`draw_init`
-    writes: whole in fp32, a shard taking only its part. Every name must be there."""
+    writes: whole in fp32, a shard taking only its part. Every name must be there.
+    A buffer gets ``weights``' tensor of its name when there is one (a mixture's
+    balancing bias, which a family's reader gives as zeros): ``to_empty`` left
+    whatever memory held in it, and no draw follows to fill it."""
     for name, p in model.named_parameters():
         write_whole(p, weights[canonical_name(name)].to(torch.float32))
+    for name, b in model.named_buffers():
+        if canonical_name(name) in weights:
+            write_whole(b, weights[canonical_name(name)].to(b.dtype))
 
 
 class LossFn:

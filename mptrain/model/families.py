@@ -6,23 +6,24 @@ branches on the family's name. A built model's spec is found from its class
 (:func:`model_spec`), so tensor parallelism and the estimators need no config
 and no guessing to know how to split it.
 
-Also here: ``model.init_from`` for the GPT and Llama families (a ``transformers``
-``LlamaForCausalLM`` or ``GPT2LMHeadModel`` to start from): its architecture
-taken into the run's model (:func:`adopt_init_from`), its checks and weights.
-The mixture of experts (``moe``) has no Hugging Face mapping yet: each of its
-spec's Hugging Face entries is one ConfigError saying so (:data:`MOE_NOT_YET`)."""
+Also here: ``model.init_from`` for every family (a ``transformers``
+``GPT2LMHeadModel``, ``LlamaForCausalLM`` or, for the mixture of experts,
+``Qwen3MoeForCausalLM`` to start from): its architecture taken into the run's
+model (:func:`adopt_init_from`; the mixture's own keys are the nested
+``model.moe.*``, addressed by their dotted names), its checks and weights."""
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 from typing import Any, Collection, Optional
 
+import torch
 import torch.nn as nn
 
 from mptrain.config.checks import given_model_keys
 from mptrain.config.schema import MoEConfig
 from mptrain.core.errors import ConfigError
-from mptrain.model import hf_gpt2, hf_llama, hf_read
+from mptrain.model import hf_gpt2, hf_llama, hf_qwen3_moe, hf_read
 from mptrain.model.hf_read import same, show
 from mptrain.model.gpt import GPT, GPTShape, LayerNorm
 from mptrain.model.llama import Llama, LlamaShape, RMSNorm, swiglu_hidden
@@ -220,13 +221,16 @@ def llama_init_weights(path: Any, block_size: int) -> dict:
     return hf_llama.read_weights(path)
 
 
-MOE_NOT_YET = ("the mixture-of-experts family has no Hugging Face mapping yet (Qwen3-MoE's import and export "
-               "are not wired in): model.init_from and scripts/export_hf.py take gpt and llama models only")
-
-
-def moe_not_yet(*args: Any) -> Any:
-    """Each Hugging Face entry of the moe spec, until the Qwen3-MoE mapping plugs in: one ConfigError."""
-    raise ConfigError(MOE_NOT_YET)
+def moe_init_weights(path: Any, block_size: int) -> dict:
+    """:func:`mptrain.model.hf_qwen3_moe.init_weights`, plus each routed layer's balancing
+    bias as zeros: Qwen3-MoE's router has no such offset (zero is its meaning), and the
+    buffer of a model materialized from ``meta`` holds whatever memory it was given, which
+    ``model.moe.balance=bias`` would route by (and every checkpoint would save)."""
+    weights = hf_qwen3_moe.init_weights(path, block_size)
+    for name, router in list(weights.items()):
+        if name.endswith(".mlp.router.weight"):
+            weights[name.removesuffix("weight") + "expert_bias"] = torch.zeros(router.shape[0], dtype=torch.float32)
+    return weights
 
 
 # ------------------------------------------------------------------ how tensor parallelism splits each family
@@ -289,8 +293,9 @@ LLAMA_SPEC = FamilySpec(name="llama", model_class=Llama, norm=RMSNorm, shape=lla
                         hf_state_dict=llama_hf_state_dict, init_fields=hf_llama.init_fields,
                         hf_field=hf_llama.HF_FIELD, init_weights=llama_init_weights, split=LLAMA_SPLIT)
 MOE_SPEC = FamilySpec(name="moe", model_class=MoE, norm=RMSNorm, shape=moe_shape, check=check_moe,
-                      banner=moe_banner, hf_config=moe_not_yet, model_fields=moe_not_yet, hf_state_dict=moe_not_yet,
-                      init_fields=moe_not_yet, hf_field={}, init_weights=moe_not_yet, split=MOE_SPLIT,
+                      banner=moe_banner, hf_config=hf_qwen3_moe.hf_config, model_fields=hf_qwen3_moe.model_fields,
+                      hf_state_dict=hf_qwen3_moe.hf_state_dict, init_fields=hf_qwen3_moe.init_fields,
+                      hf_field=hf_qwen3_moe.HF_FIELD, init_weights=moe_init_weights, split=MOE_SPLIT,
                       fp32_modules=(Router,), warnings=moe_warnings,
                       no_compile="the mixture's blocks are not built for torch.compile (each expert's token count "
                                  "changes with every forward, and tracing torch._grouped_mm takes bf16 operands only)")
@@ -330,9 +335,18 @@ _RULE_INPUTS = {"ffn_hidden": ("ffn_multiple_of", "ffn_dim_multiplier")}
 
 
 def _resolved(m: Any, key: str) -> Any:
-    """``m``'s value of an architecture field, nulls resolved as its family resolves
-    them (the shape's); None for a vocabulary left to the tokenizer."""
-    return m.vocab_size if key == "vocab_size" else getattr(family_spec(m).shape(m, 0), key)
+    """``m``'s value of an architecture field (``n_head``, or a nested one by its dotted
+    key, ``moe.n_experts``: the shape holds it flat, as ``n_experts``), nulls resolved
+    as its family resolves them (the shape's); None for a vocabulary left to the tokenizer."""
+    return m.vocab_size if key == "vocab_size" else getattr(family_spec(m).shape(m, 0), key.rsplit(".", 1)[-1])
+
+
+def _set(m: Any, key: str, value: Any) -> None:
+    """Set ``m``'s field ``key``, a dotted key through its sections (``moe.n_experts``)."""
+    *path, last = key.split(".")
+    for part in path:
+        m = getattr(m, part)
+    setattr(m, last, value)
 
 
 def adopt_init_from(m: Any, given: Optional[Collection[str]] = None) -> dict:
@@ -363,7 +377,7 @@ def adopt_init_from(m: Any, given: Optional[Collection[str]] = None) -> dict:
                 f"command line to take the checkpoint's architecture (or set model.{key}={show(theirs)})")
         if ours is None or not same(ours, theirs):
             replaced[key] = [ours, theirs]
-        setattr(m, key, theirs)  # every one, the equal too: a null's rule would read the others' new values
+        _set(m, key, theirs)  # every one, the equal too: a null's rule would read the others' new values
     if m.block_size > most:
         if "block_size" in given:
             raise ConfigError(

@@ -1,4 +1,4 @@
-"""Export an mptrain checkpoint as a Hugging Face ``transformers`` GPT-2 or Llama model.
+"""Export an mptrain checkpoint as a Hugging Face ``transformers`` GPT-2, Llama or Qwen3-MoE model.
 
     python scripts/export_hf.py <run dir | checkpoint dir> <out dir> [--overwrite] [--trust-remote-code]
 
@@ -29,6 +29,20 @@ the export would compute another function than the one trained.
 ``model.ffn=smooth_swiglu`` is exported as plain SwiGLU: its smoothing scales
 by powers of two and undoes them, so the function is the same.
 
+A mixture-of-experts checkpoint (``model.family=moe``, the ``moe-*`` presets) is
+exported as transformers' ``Qwen3MoeForCausalLM`` (``mptrain/model/hf_qwen3_moe.py``):
+Llama's attention with QK-norm, each routed layer's router and experts (stacked
+into the two 3-D tensors transformers 5.x holds), the first
+``model.moe.first_dense_layers`` layers dense (``mlp_only_layers``).
+transformers 5.x writes the expert count as ``num_local_experts`` only;
+``num_experts`` is written beside it, so a reader that knows only Qwen3-MoE's own
+key gets the right count. What Qwen3-MoE cannot compute is refused in one line
+naming the key and the fix, before anything is written: ``model.qk_norm=false``
+(Qwen3 always normalises queries and keys: train with ``model.qk_norm=true``),
+shared experts, sigmoid gates, a capacity (``model.moe.capacity_factor``), bf16
+rotary tables, and a balancing bias (``model.moe.balance=bias``) that is not zero,
+which would route tokens otherwise there.
+
 The tokenizer is the one the checkpoint's ``meta.json`` names. A tokenizer that
 ships its own Python code (an ``auto_map`` in its ``tokenizer_config.json``) is
 refused unless ``--trust-remote-code`` is given: a checkpoint may come from
@@ -44,7 +58,7 @@ before anything is written.
 It prints its own two lines and nothing else: transformers' progress bars
 (writing the shards, loading the weights back) are off while it works. The
 export needs no torchao: ``config.json`` names transformers' own
-``GPT2LMHeadModel`` (or ``LlamaForCausalLM``) and no quantization, so it loads
+``GPT2LMHeadModel`` (or ``LlamaForCausalLM``, ``Qwen3MoeForCausalLM``) and no quantization, so it loads
 where torchao is not installed. (transformers imports torchao whenever it is installed, and torchao
 then logs at import; mptrain's commands drop those lines, a script of your own
 that loads the export sees them unless it imports ``mptrain`` first.)
@@ -218,7 +232,7 @@ def umask() -> int:
 
 def export(src: Path, out: Path, trust_remote_code: bool = False, overwrite: bool = False) -> float:
     """Write checkpoint ``src`` (a run directory or a checkpoint) as a transformers
-    GPT-2 or Llama (its ``model.family``) with its tokenizer into ``out`` (new,
+    GPT-2, Llama or Qwen3-MoE (its ``model.family``) with its tokenizer into ``out`` (new,
     empty, or with ``overwrite`` a previous export), check it, and return the
     largest logit difference from mptrain's model."""
     out = Path(os.path.expanduser(str(out)))
@@ -241,10 +255,13 @@ def export(src: Path, out: Path, trust_remote_code: bool = False, overwrite: boo
     family = "" if name == "gpt" else f"{name} "  # a GPT's line is as it always was
     print(f"export_hf: {ckpt} ({step_words(ckpt, meta)}, {family}{m['n_layer']}x{m['d_model']}, "
           f"vocab {meta['vocab_size']})")
+    # The transformers model first, before the staging directory exists: weights it cannot
+    # hold (a mixture's balancing bias that routes) are refused with nothing made on disk.
+    hf = hf_model(meta, sd, tokenizer.eos_token_id, src)
     staging = _staging_dir(out)
     try:
         with no_progress_bars():
-            write(hf_model(meta, sd, tokenizer.eos_token_id, src), tokenizer, staging, out)
+            write(hf, tokenizer, staging, out)
             diff = self_check(staging, build_model(meta, sd), meta)
         publish(staging, out, ckpt, meta)
     finally:
@@ -285,6 +302,20 @@ def keep_rope_theta(path: Path) -> None:
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def keep_num_experts(path: Path) -> None:
+    """Put the expert count back under its own name in a Qwen3-MoE's ``config.json``.
+
+    transformers 5.x saves it as ``num_local_experts`` only; a reader that knows the
+    model's own key (``num_experts``: 4.x, and tools that read config.json directly)
+    finds none there and takes its default (128 in 4.x), so it would build another
+    model than the one exported. Written under both names, which 5.x reads as one
+    (they agree). A config with no expert count (GPT-2, Llama) is left as it is."""
+    config = json.loads(path.read_text())
+    if config.get("num_experts") is None and config.get("num_local_experts") is not None:
+        config["num_experts"] = config["num_local_experts"]
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def write(hf, tokenizer, staging: Path, out: Path) -> None:
     """Save the model and the tokenizer into ``staging`` (the export to be, a new
     directory); an OS error (no permission, a full disk) is one line naming ``out``,
@@ -294,6 +325,7 @@ def write(hf, tokenizer, staging: Path, out: Path) -> None:
     try:
         hf.save_pretrained(staging)
         keep_rope_theta(staging / "config.json")
+        keep_num_experts(staging / "config.json")
         tokenizer.save_pretrained(staging)
         # safetensors writes model.safetensors through a private temporary file and
         # renames it, so it lands 0600 while its neighbours follow the umask (0644
@@ -555,8 +587,8 @@ def hf_config(meta: dict, src: Path) -> tuple[FamilySpec, object, dict]:
 
 
 def hf_model(meta: dict, sd: dict[str, torch.Tensor], eos: int, src: Path):
-    """The transformers model of the checkpoint's family (``GPT2LMHeadModel`` or
-    ``LlamaForCausalLM``, as its spec's config names it) holding its weights
+    """The transformers model of the checkpoint's family (``GPT2LMHeadModel``,
+    ``LlamaForCausalLM`` or ``Qwen3MoeForCausalLM``, as its spec's config names it) holding its weights
     ``sd`` under the spec's names and layouts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -586,7 +618,7 @@ def self_check(out: Path, ours, meta: dict) -> float:
     from transformers import AutoModelForCausalLM
 
     vocab, block = meta["vocab_size"], meta["config"]["model"]["block_size"]
-    back = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False).eval()  # our own GPT-2/Llama config
+    back = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False).eval()  # transformers' own class
     x = torch.randint(0, vocab, (2, min(32, block)), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return check_logits(back(x).logits, ours(x))

@@ -553,13 +553,10 @@ def _gloo_bf16_compress_hook(process_group, bucket):
 
 def _no_buffer_sync(model: nn.Module) -> dict:
     """DDP's arguments that stop it from copying rank 0's buffers to the others before
-    every forward. The model's buffers are delayed float8 scaling's, whose
-    running amaxes each rank records for ``update_histories`` to all-reduce (a copy
-    would erase the other ranks' records), and the mixture's balancing bias, which
-    every rank moves alike from the all-reduced counts (``run/mixture.py``; a copy
-    would hide a rank that did not). Nothing to pass without buffers; newer
-    torch names the switch ``forward_sync_buffers`` (still syncing once at start,
-    when every rank's buffers are equal anyway)."""
+    every forward. The buffers are delayed float8 scaling's running amaxes (each rank's
+    own, all-reduced by ``update_histories``: a copy erases them) and the mixture's bias
+    (moved alike on every rank, ``run/mixture.py``: a copy hides one that was not). None: nothing
+    to pass; newer torch calls it ``forward_sync_buffers`` (it still syncs once, when all agree)."""
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel as DDP

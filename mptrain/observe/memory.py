@@ -41,6 +41,7 @@ from typing import Optional, Sequence
 from mptrain.config.mesh import MESH_MODES, MeshShape
 from mptrain.model.families import build as build_family
 from mptrain.model.families import ffn_hidden, model_spec
+from mptrain.model.moe import MoEFeedForward
 from mptrain.plan.plan import Plan
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.optimizers import (
@@ -324,8 +325,7 @@ def moe_activation_bytes(m, micro_batch: int, vocab: int, compute: str, weight_c
     blocks (:func:`llama_activation_bytes`); each routed block keeps Llama's attention
     and norms and (:func:`_routed_mlp`) its routed MLP's. The experts' weight copies
     (autocast's, or the grouped GEMM's stacked ones) are ``weight_copies``'
-    (:func:`expert_stacks`). ``tp``/``sp``: as in :func:`activation_bytes` (the family
-    refuses tensor parallelism, so they stay 1 and False)."""
+    (:func:`expert_stacks`). ``tp``/``sp``: as in :func:`activation_bytes` (1, False: no TP here)."""
     tokens, d = micro_batch * m.block_size, m.d_model
     attn = _llama_block(m, compute, mlp=False)
     routed = per_rank(tokens, (attn[0] + _routed_mlp(m, compute), attn[1], attn[2]), tp, sp)
@@ -367,13 +367,9 @@ def linear_weights(model) -> tuple[list[int], int]:
 
 
 def expert_stacks(model, compute: str, looped: bool) -> list[int]:
-    """Per block, the bytes of the routed experts' weights the grouped expert GEMMs stack
-    (in the compute dtype) for each forward and keep for the backward pass; 0 for a dense
-    block, and for every block where the GEMMs run ``looped`` (``model.moe.expert_gemm=looped``,
-    or experts converted by a precision recipe, which cast for themselves). Where ``auto``
-    would fall back to looped (``torch._grouped_mm`` missing on the device), this is the bound."""
-    from mptrain.model.moe import MoEFeedForward
-
+    """Per block, the bytes of routed expert weights the grouped GEMMs stack (compute dtype) per
+    forward and keep for the backward; 0 for dense blocks and when the GEMMs run ``looped`` (set,
+    or converted experts). Where ``auto`` falls back to looped at run time, this is the bound."""
     if looped:
         return [0] * len(model.blocks)
     return [BYTES[compute] * sum(lin.weight.numel() for lay in blk.modules() if isinstance(lay, MoEFeedForward)
@@ -397,8 +393,6 @@ def mixture_lines(plan: Plan, vocab: int) -> list[str]:
     for a dense model): all parameters against those one token uses, the routed experts'
     share of the weights (every rank holds, or shards, every expert: the rows count them
     all), and what the routers keep in fp32."""
-    from mptrain.model.moe import MoEFeedForward
-
     model = meta_model(plan.model, vocab)
     layers = [lay for lay in model.modules() if isinstance(lay, MoEFeedForward)]
     if not layers:

@@ -333,8 +333,14 @@ def attention_logit_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tenso
         s = s.masked_fill(~allowed, float("-inf"))
         top = torch.maximum(top, s.amax())
         logp = torch.log_softmax(s, dim=-1)
+        # p from the softmax kernel, not logp.exp(): on the 2-core Xeon the elementwise exp of a
+        # process's first large call came out different in the first thread's half of the tensor
+        # in about one process in 30 under load (the same call's log_softmax equal), which made
+        # this figure of step 1 differ between two runs of the same model. The softmax kernel
+        # takes its exponentials inside, where that was never seen.
+        p = torch.softmax(s, dim=-1)
         # masked positions have p = 0 and log p = -inf: their 0 * -inf is dropped, not summed as NaN
-        ent = ent - fixed_sum(torch.where(allowed, logp.exp() * logp, 0.0))
+        ent = ent - fixed_sum(torch.where(allowed, p * logp, 0.0))
     return top, (ent / (B * H * T)).float()
 
 

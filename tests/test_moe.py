@@ -277,11 +277,6 @@ REFUSALS = [
      "train.compile=true: the mixture's blocks are not built for torch.compile (each expert's token count changes "
      "with every forward, and tracing torch._grouped_mm takes bf16 operands only); set train.compile=false (or leave "
      "it null: off for model.family=moe)."),
-    (["model=moe-nano", "precision=nvfp4"],
-     "precision.fp4: nvfp4's wgrad_grad_output=e2m1/1x16/e4m3/stochastic/hadamard needs the tokens in multiples of "
-     "16, and each expert of model.family=moe takes whatever number of tokens the router sends it; use a recipe with "
-     "one scale per tensor or row (precision=fp8, fp8-rowwise, fp8-delayed) or bf16, or a dense model "
-     "(model=llama-*)."),
 ]
 
 

@@ -184,3 +184,29 @@ def test_an_outlier_in_one_expert_leaves_every_other_experts_casts_unchanged(kin
         same = (torch.equal(before[0][r], after[0][r]) and torch.equal(before[1][r], after[1][r])
                 and all(torch.equal(a, b) for a, b in zip(before[2][e], after[2][e])))
         assert same == (e != 1), f"expert {e}"
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8-delayed"])
+def test_float8_on_scaled_mm_pads_the_experts_tokens_to_16(precision):
+    """CUDA's ``torch._scaled_mm`` takes inner dimensions in multiples of 16, and the weight
+    gradient's is the tokens: converted for scaled_mm, each float8 linear says 16 and the
+    experts pad to it (one step runs here, on the CPU's scaled_mm); emulated, nothing."""
+    from mptrain.model.families import build as build_family
+    from mptrain.precision.policy import PrecisionPolicy
+    from mptrain.precision.recipe import precision_plan
+
+    from .conftest import make_cfg
+
+    for matmul, want in (("emulated", 1), ("scaled_mm", 16)):
+        cfg = make_cfg(*NANO, f"precision={precision}", f"precision.fp8.matmul={matmul}", "model.vocab_size=320")
+        torch.manual_seed(0)
+        model = PrecisionPolicy(precision_plan(cfg.precision), torch.device("cpu")).convert_model(
+            build_family(cfg.model, 320))
+        layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+        assert {token_multiple(e) for lay in layers for e in lay.experts} == {want}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(torch.randint(0, 320, (2, 9)), torch.randint(0, 320, (2, 9)))
+    loss.backward()
+    assert math.isfinite(loss.item())
+    used = [e for lay in layers for e, n in zip(lay.experts, lay.counts.tolist()) if n]  # 18 tokens, 4 experts
+    assert used and all(e.gate.weight.grad is not None for e in used)

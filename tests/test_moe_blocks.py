@@ -210,3 +210,17 @@ def test_float8_on_scaled_mm_pads_the_experts_tokens_to_16(precision):
     assert math.isfinite(loss.item())
     used = [e for lay in layers for e, n in zip(lay.experts, lay.counts.tolist()) if n]  # 18 tokens, 4 experts
     assert used and all(e.gate.weight.grad is not None for e in used)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "mxfp4", "tensorwise", "rowwise"])
+def test_the_cast_statistics_do_not_see_the_padded_rows(name):
+    """The monitor's hooks on an expert's linears see its padded input and output gradient;
+    zeros count in no sum (shares are of non-zero values) and set no scale (all-zero
+    blocks are left out of the range), so the figures are those of the real rows, bit for bit."""
+    from mptrain.precision.fp8casts import cast_counts, measured
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 64)
+    for op in (o for o in measured(name).values() if o is not None):
+        (s, m), (s_pad, m_pad) = cast_counts(x, op), cast_counts(F.pad(x, (0, 0, 0, 27)), op)
+        assert torch.equal(s, s_pad) and torch.equal(m, m_pad)

@@ -277,11 +277,6 @@ REFUSALS = [
      "train.compile=true: the mixture's blocks are not built for torch.compile (each expert's token count changes "
      "with every forward, and tracing torch._grouped_mm takes bf16 operands only); set train.compile=false (or leave "
      "it null: off for model.family=moe)."),
-    (["model=moe-nano", "precision=nvfp4"],
-     "precision.fp4: nvfp4's wgrad_grad_output=e2m1/1x16/e4m3/stochastic/hadamard needs the tokens in multiples of "
-     "16, and each expert of model.family=moe takes whatever number of tokens the router sends it; use a recipe with "
-     "one scale per tensor or row (precision=fp8, fp8-rowwise, fp8-delayed) or bf16, or a dense model "
-     "(model=llama-*)."),
 ]
 
 
@@ -519,8 +514,9 @@ def test_the_16b_preset_gets_its_estimate_and_its_mixture_lines():
 
 def test_the_advice_knows_a_mixture():
     """For a mixture the float8 size rule reads the active parameters, mxfp8 (blocked along
-    the tokens) is never picked, and the routers' rule is a decision of its own, with an
-    override only where the configuration computes them in the compute dtype."""
+    the tokens, its experts padding theirs) is picked as for a dense model, and the routers'
+    rule is a decision of its own, with an override only where the configuration computes
+    them in the compute dtype."""
     import dataclasses
 
     from mptrain.advice.facts import MixtureFacts
@@ -532,10 +528,11 @@ def test_the_advice_knows_a_mixture():
     dense = dataclasses.replace(with_casts(QKV, tensorwise=BAD, rowwise=BAD), params=2_000_000_000)
     assert advise(dense, H100).float8.choice == "mxfp8" and advise(dense, H100).precision.choice == "float8 (mxfp8)"
     a = advise(dataclasses.replace(dense, mixture=mix), H100)
-    assert a.float8.choice.startswith("tensorwise") and a.precision.choice == "bf16"
+    assert a.float8.choice == "mxfp8" and a.precision.choice == "bf16"
     assert "600.0M active parameters per token (< 1e+09)" in a.precision.evidence
     assert a.mixture.choice == "routers in fp32 (as configured)" and a.mixture.overrides == []
     assert "600.00M of 2.00B parameters active per token (30%" in a.mixture.evidence
+    assert "each expert pads its tokens with zero rows to whole blocks" in a.mixture.evidence
     study = advise(dataclasses.replace(facts(), mixture=dataclasses.replace(mix, router_dtype="compute")), H100)
     assert study.mixture.overrides == ["model.moe.router_dtype=fp32"]
     assert "model.moe.router_dtype=fp32" in study.overrides

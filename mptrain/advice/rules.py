@@ -44,18 +44,6 @@ FP8_CANDIDATES = ("tensorwise", "rowwise", "mxfp8")
 PRESET_OF = {"tensorwise": "fp8", "rowwise": "fp8-rowwise", "mxfp8": "mxfp8"}
 
 
-TOKEN_BLOCKED = ("mxfp8",)
-"""Of :data:`FP8_CANDIDATES`, the recipes whose blocks run along the tokens: a mixture's
-experts, which take whatever number of tokens the router sends them, cannot run them
-(the run refuses them, ``precision/rules.py``), so the advice does not pick them there."""
-
-
-def fp8_candidates(facts: Facts) -> tuple[str, ...]:
-    """The float8 recipes the advice can pick for this model (:data:`FP8_CANDIDATES`, less
-    :data:`TOKEN_BLOCKED` for a mixture of experts)."""
-    return tuple(r for r in FP8_CANDIDATES if facts.mixture is None or r not in TOKEN_BLOCKED)
-
-
 BLOCK_OF = {"MX (mxfp8, mxfp4)": 32, "NVFP4": 16}
 """Elements per scaling block along a matmul's dimensions: MX formats' 1x32, NVFP4's 16 (and 16x16 weight tiles)."""
 
@@ -109,7 +97,7 @@ def float8_plan(facts: Facts, target: Target, th: Thresholds) -> tuple[Decision,
                             "passes": [r for r in FP8_CANDIDATES if r in lin.casts and passes(lin.casts[r], th)],
                             "casts": {r: asdict(c) for r, c in lin.casts.items()}}
     candidates = [lin for lin in facts.linears if lin.kept_out is None and lin.casts]
-    pick = fp8_candidates(facts)
+    pick = FP8_CANDIDATES  # a mixture too: its experts pad their tokens to a block recipe's blocks
     coverage = {r: sum(lin.flops_share for lin in candidates if r in layers[lin.name]["passes"]) for r in pick}
     recipe = max(pick, key=lambda r: (coverage[r], -FP8_CANDIDATES.index(r)))
     share = coverage[recipe]
@@ -533,8 +521,8 @@ def mixture_plan(facts: Facts) -> Optional[Decision]:
                 f"({mx.params_active / mx.params:.0%}; the matmul time follows them, the weights, gradients and "
                 f"moments hold all); the routed experts are {mx.expert_share:.0%} of the weights "
                 f"({mx.routed_layers} layers, top-{mx.top_k} of {mx.n_experts}), each expert's linears cast on their "
-                f"own in float8 (no scale spans two experts); recipes blocked along the tokens "
-                f"({', '.join(TOKEN_BLOCKED)}, NVFP4, MXFP4) are out: an expert's token count varies")
+                f"own (no scale spans two experts), and under a recipe blocked along the tokens (mxfp8, "
+                f"NVFP4, MXFP4) each expert pads its tokens with zero rows to whole blocks")
     if mx.router_dtype == "fp32":
         return Decision("mixture", "routers in fp32 (as configured)", evidence, _ROUTER_RULE)
     return Decision("mixture", "routers in fp32: set model.moe.router_dtype=fp32",

@@ -38,6 +38,10 @@ The expert GEMMs run grouped (one ``torch._grouped_mm`` per matrix over all
 experts, the weights stacked) where that kernel runs and the experts are
 plain linears, else looped (each expert's linears on its own slice of the
 tokens): the same function, and on fp32 the same bits (``expert_gemm``).
+Looped, an expert whose converted linears cast in blocks along the tokens
+(their ``token_multiple``: 32 for MXFP8, 16 for NVFP4's lab recipe) takes its
+slice padded with zero rows to that multiple, the padded outputs dropped
+(:func:`_padded` says why that changes no product).
 
 No token is dropped unless ``capacity_factor`` is set: then each expert takes
 at most ``ceil(capacity_factor * tokens * top_k / n_experts)`` of a forward's
@@ -240,6 +244,28 @@ def _grouped(x: torch.Tensor, linears: list[nn.Linear], offs: torch.Tensor, dtyp
     return torch._grouped_mm(x.to(dtype), w, offs=offs).contiguous()
 
 
+def token_multiple(expert: nn.Module) -> int:
+    """What ``expert``'s token count must be a multiple of: the least common multiple of
+    its linears' ``token_multiple`` (set by the precision layer on a linear it converts
+    to a recipe blocked along the tokens; 1, the default, for a plain ``nn.Linear``)."""
+    return math.lcm(*(getattr(m, "token_multiple", 1) for m in expert.modules() if isinstance(m, nn.Linear)))
+
+
+def _padded(expert: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """``expert`` on ``rows``, padded with zero rows to its :func:`token_multiple` and the
+    padded outputs dropped. The router sends an expert any number of tokens, and a recipe
+    blocked along the tokens (the weight gradient contracts over them) needs whole blocks.
+    Zero rows change no product: an expert's linears have no bias, so a zero row stays
+    zero through the SwiGLU (silu(0) * 0), its output is dropped, so its gradient is zero,
+    and a block's scale is set by its largest magnitude, which zeros never are. What the
+    padding does change is inherent: the expert's last block of tokens holds fewer real ones."""
+    n = rows.shape[0]
+    extra = -n % token_multiple(expert)
+    if not extra:
+        return expert(rows)
+    return expert(F.pad(rows, (0, 0, 0, extra)))[:n]
+
+
 class MoEFeedForward(nn.Module):
     """The routed feed-forward network of one block (see the module docstring).
 
@@ -300,7 +326,7 @@ class MoEFeedForward(nn.Module):
             up = _grouped(x, [e.up for e in self.experts], offs, dtype)
             return _grouped(F.silu(gate) * up, [e.down for e in self.experts], offs, dtype)
         # One host read of the group sizes: the slices are cut on the host.
-        parts = [expert(rows) for expert, rows in zip(self.experts, torch.split(x, sizes.tolist()))
+        parts = [_padded(expert, rows) for expert, rows in zip(self.experts, torch.split(x, sizes.tolist()))
                  if rows.shape[0] > 0]
         return torch.cat(parts) if parts else x.new_zeros((0, x.shape[-1]))
 

@@ -200,6 +200,10 @@ class MXLinear(nn.Linear):
     ``KernelPreference`` and ``ScaleCalculationMode``; :func:`convert` builds
     these layers, sharing the parameters of the linears they replace."""
 
+    token_multiple = MX_BLOCK
+    """The weight gradient's blocks run along the tokens: a caller whose token count
+    varies (a mixture's experts) pads its rows with zeros to a multiple of this."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, kernel_preference,
                  scale_calculation_mode, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -317,6 +321,8 @@ def _convert(model: nn.Module, kind: str, device: torch.device, module_filter_fn
         sign = torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(0)) * 2 - 1
         quantize_(model, NVFP4TrainingConfig(rht_sign_vector=tuple(sign.tolist())),
                   filter_fn=lambda m, fqn: id(m) in chosen)
+        for fqn, _ in targets:  # torchao's layers need the tokens in multiples of 128 (as MXLinear's 32)
+            model.get_submodule(fqn).token_multiple = NVFP4_MULTIPLE
         info = {"block_size": 16, "elem_dtype": "e2m1", "scale_dtype": "e4m3 per block, fp32 per tensor",
                 "scale_rounding": "nearest; gradients stochastically rounded after a random Hadamard transform"}
     return {"recipe": kind, "kernel": pref, "torchao": torchao.__version__, **info,

@@ -236,6 +236,9 @@ class LabLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = recipe
         self.lab_recipe = recipe.name  # what the dtype audit reports for this layer's matmuls
+        # The multiple a caller pads a variable token count to (a mixture's experts read it):
+        # blocks or a transform along the tokens need whole blocks there.
+        self.token_multiple = recipe.token_multiple()
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: Recipe) -> "LabLinear":

@@ -180,6 +180,11 @@ class _MeshGradScaler(ShardedGradScaler):
         return {found_inf.device: found_inf}
 
 
+SCALED_MM_MULTIPLE = 16
+"""What ``torch._scaled_mm`` on CUDA needs its inner dimension (and the second operand's
+columns) to be a multiple of."""
+
+
 class Fp8Linears:
     """Converts ``nn.Linear`` layers to float8 linears, whichever backend the
     recipe names: torchao's ``Float8Linear`` (tensorwise, rowwise,
@@ -261,6 +266,7 @@ class Fp8Linears:
             return self._convert_delayed(model)
         convert_to_float8_training(model, config=self.float8_config, module_filter_fn=self._keep)
         self.report["converted"] = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+        self._mark_token_multiple(model)
         if self.recipe == "rowwise_with_gw_hp":
             # This recipe's high-precision weight-gradient matmul reuses the layer's
             # input as it arrived; autocast never sees it, so an fp32 residual stream
@@ -282,6 +288,16 @@ class Fp8Linears:
         })
         return model
 
+    def _mark_token_multiple(self, model: nn.Module) -> None:
+        """On CUDA ``torch._scaled_mm`` takes an inner dimension that is a multiple of 16, and
+        the weight gradient's is the tokens: a caller whose token count varies (a mixture's
+        experts) reads ``token_multiple`` and pads with zero rows, which move no per-tensor or
+        per-row amax and add exactly 0. Emulated matmuls take any count: nothing to mark."""
+        if self.matmul != "scaled_mm":
+            return
+        for fqn in self.report["converted"]:
+            model.get_submodule(fqn).token_multiple = SCALED_MM_MULTIPLE
+
     def _convert_delayed(self, model: nn.Module) -> nn.Module:
         """Delayed-scaling float8 linears (``fp8delayed.py``), sharing the weights
         of the linears they replace (on the meta device too)."""
@@ -295,6 +311,7 @@ class Fp8Linears:
                 setattr(model.get_submodule(parent), name, new)
                 self.delayed.append(new)
                 self.report["converted"].append(fqn)
+        self._mark_token_multiple(model)
         self.report.update({
             "recipe": "delayed", "torchao": torchao_version(), "fsdp_float8_all_gather": False,
             "forward": f"input e4m3, weight e4m3 (one scale per tensor from the amax history: "

@@ -28,6 +28,7 @@ and ``monitor.fp8_whatif``; ``python -m mptrain.formats --recipes`` prints it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -48,6 +49,9 @@ GEMMS = {"forward": ("fwd_input", "fwd_weight"), "input gradient": ("dgrad_grad_
          "weight gradient": ("wgrad_grad_output", "wgrad_input")}
 NONE = "none"
 """An operand left unquantized."""
+TOKEN_ROWS, TOKEN_CONTRACTION = ("fwd_input", "dgrad_grad_output"), ("wgrad_grad_output", "wgrad_input")
+"""The operands whose tokens are a dimension blocks could run along: the rows of the forward's
+and the input gradient's activation operands, and the weight gradient's contraction."""
 STAT_ROLES = {"input": "fwd_input", "weight": "fwd_weight", "grad_output": "dgrad_grad_output"}
 """The operand whose spec the cast statistics measure each tensor with: each arrives
 with its contraction dimension last for that matmul (input and weight for the forward,
@@ -167,6 +171,21 @@ class Recipe:
     def op(self, role: str) -> Optional[lab.Operand]:
         """The cast of operand ``role``, or None."""
         return self.ops[ROLES.index(role)]
+
+    def token_multiple(self) -> int:
+        """What the tokens of one linear's call must be a multiple of for these casts:
+        the rows of the forward's and the input gradient's activation operands, and the
+        weight gradient's contraction (blocks or a Hadamard transform along the tokens).
+        1 for one scale per tensor or per row. A mixture's experts pad each expert's
+        tokens with zero rows up to it (``model/moe.py``)."""
+        n = 1
+        for role in TOKEN_ROWS:
+            o = self.op(role)
+            n = math.lcm(n, o.row_multiple() if o else 1)
+        for role in TOKEN_CONTRACTION:
+            o = self.op(role)
+            n = math.lcm(n, o.contraction_multiple() if o else 1)
+        return n
 
     @property
     def specs(self) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """The config rules that need the precision layer's knowledge, on top of the
 schema's own (:mod:`mptrain.config.checks`): which recipes the cast statistics
 know (float8, 4-bit, the lab's named ones), a Llama width the low-precision
-kernels can take, the lab's blocks against the model's matmuls, and a recipe
-blocked along the tokens against a mixture's experts. The plan's
+kernels can take, the lab's blocks against the model's matmuls. (A recipe blocked
+along the tokens needs nothing of a mixture's experts: each pads its tokens to the
+linears' ``token_multiple``, ``model/moe.py``.) The plan's
 builder (``mptrain/plan/build.py``) runs them at start-up, before anything is built."""
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ def validate(m: Any, p: Any, recipe: Optional[Recipe], whatif: Any, batches: Any
             raise ConfigError(f"monitor.fp8_whatif: the lab recipe {r} cannot be measured ({e}); leave it out.") from None
     _lowp_hidden(m, p)
     _lab_shapes(m, recipe, batches.tokens_per_micro)
-    _routed_tokens(m, recipe)
 
 
 def _lowp_hidden(m: Any, p: Any) -> None:
@@ -53,29 +53,6 @@ def _lowp_hidden(m: Any, p: Any) -> None:
                           f"model.ffn_multiple_of={m.ffn_multiple_of}) is not a multiple of {multiple} "
                           f"({what}): its gate, up and down projections could not run in low precision; set "
                           f"model.ffn_hidden to a multiple of {multiple} or model.ffn_multiple_of={multiple}.")
-
-
-# The operands whose tokens are a dimension blocks could run along: the rows of the
-# forward's and the input gradient's activation operands, the weight gradient's contraction.
-_TOKEN_ROWS, _TOKEN_CONTRACTION = ("fwd_input", "dgrad_grad_output"), ("wgrad_grad_output", "wgrad_input")
-
-
-def _routed_tokens(m: Any, recipe: Optional[Recipe]) -> None:
-    """A mixture's experts each take the tokens the router sends them, a number that
-    changes with every forward, so a recipe whose blocks (or Hadamard transform) run
-    along the tokens could not cast an expert's matmuls: refused in one line, naming
-    the operand. Recipes with one scale per tensor or per row (float8 tensorwise,
-    rowwise, delayed scaling) need nothing of the tokens."""
-    if recipe is None or family_of(m) != "moe":
-        return
-    for role in (*_TOKEN_ROWS, *_TOKEN_CONTRACTION):
-        o = recipe.op(role)
-        n = 1 if o is None else (o.row_multiple() if role in _TOKEN_ROWS else o.contraction_multiple())
-        if n > 1:
-            raise ConfigError(f"{recipe.key}: {recipe.name}'s {role}={o.spec} needs the tokens in multiples of {n}, "
-                              f"and each expert of model.family=moe takes whatever number of tokens the router sends "
-                              f"it; use a recipe with one scale per tensor or row (precision=fp8, fp8-rowwise, "
-                              f"fp8-delayed) or bf16, or a dense model (model=llama-*).")
 
 
 def _lab_shapes(m: Any, recipe: Optional[Recipe], tokens: int) -> None:

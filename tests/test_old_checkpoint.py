@@ -134,7 +134,9 @@ def test_old_checkpoint_continues_as_the_old_code_did(fixture, tmp_path):
         # the quantization signals (numerics/quant*) are newer than the fixture: only in the new rows
         new_row = {k: v for k, v in new_row.items() if not re.match(r"numerics/quant[/.]", k)}
         assert new_row.keys() == old_row.keys(), (new_row["step"], new_row.keys() ^ old_row.keys())
-        moved = {k: (old_row[k], new_row[k]) for k in old_row if not before_plan.same_value(old_row[k], new_row[k])}
+        # the attention probe's entropies: their last bits moved on purpose (make_fixture.CHANGES)
+        moved = {k: (old_row[k], new_row[k]) for k in old_row if not before_plan.same_value(old_row[k], new_row[k])
+                 and not (re.match(before_plan.ATTN_ENTROPY, k) and math.isclose(new_row[k], old_row[k], rel_tol=1e-6))}
         assert not moved, (new_row["step"], len(moved), dict(list(moved.items())[:5]))
 
 

@@ -222,15 +222,24 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     if key not in _GROUPED_WORKS:
         ok = hasattr(torch, "_grouped_mm")
         if ok:
+            # With gradients on whatever the caller's mode: a first forward under no_grad (an
+            # evaluation, a logits check) must not find the backward missing and rule it out.
             try:
-                x = torch.ones(3, 16, device=device, dtype=dtype, requires_grad=True)
-                w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                y = torch._grouped_mm(x, w, offs=torch.tensor([1, 3], dtype=torch.int32, device=device))
-                y.backward(torch.ones_like(y))
+                with torch.inference_mode(False), torch.enable_grad():
+                    ok = _try_grouped(device, dtype)
             except (RuntimeError, NotImplementedError, TypeError):
                 ok = False
         _GROUPED_WORKS[key] = ok
     return _GROUPED_WORKS[key]
+
+
+def _try_grouped(device: torch.device, dtype: torch.dtype) -> bool:
+    """One tiny grouped GEMM forward and backward (raises where it does not run)."""
+    x = torch.ones(3, 16, device=device, dtype=dtype, requires_grad=True)
+    w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+    y = torch._grouped_mm(x, w, offs=torch.tensor([1, 3], dtype=torch.int32, device=device))
+    y.backward(torch.ones_like(y))
+    return True
 
 
 _GROUPED_WORKS: dict[tuple[str, torch.dtype], bool] = {}

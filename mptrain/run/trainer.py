@@ -172,7 +172,7 @@ class Trainer:
     # ------------------------------------------------------------------- loop
     def train(self) -> dict:
         """Run the remaining steps, then :meth:`summarize`."""
-        stop = StopSignal(self.plan.checkpoint.on_signal)
+        stop = StopSignal(self.plan.checkpoint.on_signal, announce=self.ctx.is_main)
         self.model.train()
         self.metrics.console.start(initial=self.start)
         try:

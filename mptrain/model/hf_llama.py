@@ -24,7 +24,6 @@ spellings are read: the rotary base is ``rope_theta`` (4.x) or
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Optional, Union
 
@@ -33,7 +32,7 @@ import torch.nn as nn
 
 from mptrain.core.errors import ConfigError
 from mptrain.model.common import write_whole
-from mptrain.model.hf_read import check_tensors, read_config_json, read_tensors, show, where
+from mptrain.model.hf_read import NameMap, check_tensors, read_config_json, read_tensors, show, where
 from mptrain.model.llama import Llama, LlamaShape
 
 PathLike = Union[str, Path]
@@ -57,30 +56,17 @@ HF_TO_OURS: tuple[tuple[str, str], ...] = (
 Read either way by :func:`hf_to_ours_name` and :func:`ours_to_hf_name`."""
 
 
-def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(re.escape("{n}"), r"(\d+)"))
-
-
-_HF_PATTERNS = [(_pattern(hf), ours) for hf, ours in HF_TO_OURS]
-_OUR_PATTERNS = [(_pattern(ours), hf) for hf, ours in HF_TO_OURS]
-
-
-def _translate(name: str, patterns: list[tuple[re.Pattern, str]]) -> Optional[str]:
-    for pat, template in patterns:
-        m = pat.fullmatch(name)
-        if m:
-            return template.format(n=m.group(1)) if m.groups() else template
-    return None
+_NAMES = NameMap(HF_TO_OURS)
 
 
 def hf_to_ours_name(name: str) -> Optional[str]:
     """Our name for the Hugging Face tensor ``name``; None when it has no place here."""
-    return _translate(name, _HF_PATTERNS)
+    return _NAMES.to_ours(name)
 
 
 def ours_to_hf_name(name: str) -> Optional[str]:
     """The Hugging Face name of our tensor ``name``; None when Llama has no place for it."""
-    return _translate(name, _OUR_PATTERNS)
+    return _NAMES.to_theirs(name)
 
 
 def expected_hf_names(n_layer: int, tied: bool) -> list[str]:

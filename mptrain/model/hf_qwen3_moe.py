@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -65,7 +64,7 @@ import torch
 
 from mptrain.core.errors import ConfigError
 from mptrain.model.hf_llama import _rope_scaling, _rope_theta  # the rotary keys are Llama's, in both spellings
-from mptrain.model.hf_read import check_tensors, read_config_json, read_tensors, show, where
+from mptrain.model.hf_read import NameMap, check_tensors, read_config_json, read_tensors, show, where
 from mptrain.model.llama import LlamaShape
 from mptrain.model.moe import MoE, MoEShape
 
@@ -124,33 +123,17 @@ HF_TO_OURS: tuple[tuple[str, str], ...] = (
 the layer, ``{e}`` the expert. The fused layout's two tensors per layer are :func:`fused_names`."""
 
 
-def _pattern(template: str) -> re.Pattern:
-    escaped = re.escape(template)
-    for field in ("n", "e"):
-        escaped = escaped.replace(re.escape("{" + field + "}"), rf"(?P<{field}>\d+)")
-    return re.compile(escaped)
-
-
-_HF_PATTERNS = [(_pattern(hf), ours) for hf, ours in HF_TO_OURS]
-_OUR_PATTERNS = [(_pattern(ours), hf) for hf, ours in HF_TO_OURS]
-
-
-def _translate(name: str, patterns: list[tuple[re.Pattern, str]]) -> Optional[str]:
-    for pat, template in patterns:
-        m = pat.fullmatch(name)
-        if m:
-            return template.format(**m.groupdict())
-    return None
+_NAMES = NameMap(HF_TO_OURS)
 
 
 def hf_to_ours_name(name: str) -> Optional[str]:
     """Our name for the Hugging Face tensor ``name`` (per-expert layout); None when it has no place here."""
-    return _translate(name, _HF_PATTERNS)
+    return _NAMES.to_ours(name)
 
 
 def ours_to_hf_name(name: str) -> Optional[str]:
     """The Hugging Face name (per-expert layout) of our tensor ``name``; None when Qwen3-MoE has no place for it."""
-    return _translate(name, _OUR_PATTERNS)
+    return _NAMES.to_theirs(name)
 
 
 def fused_names(n: int) -> tuple[str, str]:

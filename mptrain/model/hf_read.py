@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -156,3 +157,36 @@ def check_finite(name: str, t: torch.Tensor, path: PathLike) -> None:
     raise ConfigError(f"{where(path)}: the checkpoint's tensor {name} holds {int(bad.sum())} non-finite value(s) "
                       f"({n_nan} nan; the first at index {first}, {t[first].item()}); a run would train from them "
                       "and save them again: load an intact checkpoint (or repair that tensor and save it again)")
+
+
+class NameMap:
+    """Tensor names both ways between a ``transformers`` class and ours, from
+    ``(their name, our name)`` templates where ``{n}`` (the layer) and ``{e}`` (the
+    expert) stand for numbers: one table, read in either direction."""
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...]):
+        self._to_ours = [(_name_pattern(theirs), ours) for theirs, ours in pairs]
+        self._to_theirs = [(_name_pattern(ours), theirs) for theirs, ours in pairs]
+
+    def to_ours(self, name: str) -> Optional[str]:
+        """Our name for their tensor ``name``; None when it has no place here."""
+        return _translate(name, self._to_ours)
+
+    def to_theirs(self, name: str) -> Optional[str]:
+        """Their name for our tensor ``name``; None when their class has no place for it."""
+        return _translate(name, self._to_theirs)
+
+
+def _name_pattern(template: str) -> re.Pattern:
+    escaped = re.escape(template)
+    for field in ("n", "e"):
+        escaped = escaped.replace(re.escape("{" + field + "}"), rf"(?P<{field}>\d+)")
+    return re.compile(escaped)
+
+
+def _translate(name: str, patterns: list[tuple[re.Pattern, str]]) -> Optional[str]:
+    for pat, template in patterns:
+        m = pat.fullmatch(name)
+        if m:
+            return template.format(**m.groupdict())
+    return None

@@ -293,8 +293,8 @@ def draw_init(model: nn.Module, generator: Optional[torch.Generator], norm: type
     adding QK-norm or biases leaves the other weights' values as they were."""
     std = 0.02
     norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, norm)}
-    for name, p in model.named_parameters():
-        full = torch.empty(p.shape, dtype=torch.float32, device=generator.device if generator is not None else "cpu")
+    for name, p, shape in draw_order(model):
+        full = torch.empty(shape, dtype=torch.float32, device=generator.device if generator is not None else "cpu")
         if name.endswith("bias"):
             full.zero_()
         elif name in norms:
@@ -303,7 +303,26 @@ def draw_init(model: nn.Module, generator: Optional[torch.Generator], norm: type
             full.normal_(0.0, std / math.sqrt(2 * n_layer), generator=generator)
         else:
             full.normal_(0.0, std, generator=generator)
-        write_whole(p, full)
+        if p is not None:
+            write_whole(p, full)
+
+
+def draw_order(model: nn.Module) -> list[tuple[str, Optional[nn.Parameter], tuple]]:
+    """(name, parameter, shape) in the order :func:`draw_init` draws: ``named_parameters``,
+    except that a module with a ``draw_layout`` (a rank's slice of a layer, such as
+    :class:`~mptrain.model.moe.ExpertSlice`) stands for the whole layer's parameters,
+    those this rank does not hold as ``None``: drawn and dropped, so that every held
+    tensor gets the value one process draws for it."""
+    params = [(n, p, tuple(p.shape)) for n, p in model.named_parameters()]
+    for prefix, mod in model.named_modules():
+        layout = getattr(mod, "draw_layout", None)
+        if layout is None:
+            continue
+        at = [i for i, (n, _, _) in enumerate(params) if n.startswith(prefix + ".")]
+        held = {n: p for n, p, _ in params}
+        whole = [(n, held.get(n), shape) for n, shape in layout(prefix)]
+        params = params[:at[0]] + whole + params[at[-1] + 1:]
+    return params
 
 
 # ------------------------------------------------------------------ the attention probe

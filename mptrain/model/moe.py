@@ -172,6 +172,10 @@ class Router(nn.Module):
         self.use_bias = s.balance == "bias"
         self.weight = nn.Parameter(torch.empty(s.n_experts, s.d_model))
         self.register_buffer("expert_bias", torch.zeros(s.n_experts, dtype=torch.float32))
+        # On a monitored forward (set by its layer), a copy of the weight the forward used: a
+        # wrapper (FSDP) may take the whole weight away once the router's forward returns.
+        self.probe = False
+        self.probe_weight: Optional[torch.Tensor] = None
 
     def _apply(self, fn, recurse=True):
         # A device move applies to the bias; a dtype cast does not (fp32_buffers says why).
@@ -189,6 +193,8 @@ class Router(nn.Module):
             return F.linear(x.to(dtype), self.weight.to(dtype))
 
     def forward(self, x: torch.Tensor) -> Routing:
+        if self.probe:
+            self.probe_weight = self.weight.detach().clone()
         logits = self.logits(x)
         bias = self.expert_bias.float() if self.use_bias else None
         with torch.autocast(x.device.type, enabled=False):
@@ -213,6 +219,41 @@ class Expert(SwiGLU):
     def __init__(self, s: MoEShape, width: int):
         super().__init__(LlamaShape(s.vocab_size, s.n_layer, s.n_head, s.d_model, s.block_size, s.n_kv_head,
                                     width, dropout=0.0))
+
+
+class ExpertSlice(nn.Module):
+    """Some of a routed layer's experts, each under its index in the whole layer: the
+    experts one rank holds under expert parallelism. Its parameters keep the whole
+    layer's names (``experts.2.gate.weight`` on the rank that holds experts 2 and 3),
+    so checkpoints, optimizer state and the dtype audit name an expert alike on any
+    layout. :meth:`draw_layout` lists the whole layer's parameters, so that the initial
+    draws (:func:`~mptrain.model.common.draw_init`) are the ones one process makes."""
+
+    def __init__(self, experts: nn.ModuleList, first: int, count: int):
+        super().__init__()
+        self.first, self.total = first, len(experts)
+        for i in range(first, first + count):
+            self.add_module(str(i), experts[i])
+        # Every expert's parameter shapes, in the whole layer's order (the ones not held included).
+        self._layout = [(f"{i}.{n}", tuple(p.shape)) for i, e in enumerate(experts) for n, p in e.named_parameters()]
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def forward(self, x: torch.Tensor, sizes: torch.Tensor, compute) -> torch.Tensor:
+        """``compute(x, sizes)`` (the layer's expert GEMMs over these experts), called
+        through this module so that a wrapper of it (FSDP) gathers their weights first."""
+        return compute(x, sizes)
+
+    def draw_layout(self, prefix: str) -> list[tuple[str, tuple]]:
+        """(name, shape) of every parameter of the whole layer's experts, in its order."""
+        return [(f"{prefix}.{n}", shape) for n, shape in self._layout]
+
+    def extra_repr(self) -> str:
+        return f"experts {self.first}..{self.first + len(self) - 1} of {self.total}"
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
@@ -300,6 +341,9 @@ class MoEFeedForward(nn.Module):
         self.probe_input: Optional[torch.Tensor] = None
         self.probe_scores: Optional[torch.Tensor] = None
         self.last_gemm = ""  # "grouped" or "looped": how the last forward ran the expert GEMMs
+        # How the chosen tokens reach the experts and come back (expert parallelism's all-to-all,
+        # or a dispatch dtype's rounding): set by the distributed layer; None: here, as they are.
+        self.exchange = None
 
     # -- the expert GEMMs
     def gemm_choice(self, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
@@ -325,7 +369,8 @@ class MoEFeedForward(nn.Module):
         return self.gemm_choice(x.device, compute_dtype(x))[0]
 
     def _experts(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-        """Each expert's SwiGLU on its group of rows of ``x`` (grouped by expert, ``sizes`` rows each)."""
+        """Each expert's SwiGLU on its group of rows of ``x`` (grouped by expert, ``sizes`` rows
+        each): every expert of the layer, or under expert parallelism this rank's."""
         path = self.gemm_path(x)
         self.last_gemm = path
         if path == "grouped":
@@ -344,6 +389,7 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         n, k, e = flat.shape[0], self.top_k, self.n_experts
+        self.router.probe = self.probe
         r = self.router(flat)
         choice = r.experts.reshape(-1)  # (n * k,): token t's j-th choice at t * k + j
         order = torch.argsort(choice, stable=True)  # choices grouped by expert, in token order within one
@@ -351,7 +397,8 @@ class MoEFeedForward(nn.Module):
         keep = self._within_capacity(choice, order, counts, n)
         sizes = counts if keep is None else torch.bincount(choice[order][keep], minlength=e)
         picked = order if keep is None else order[keep]
-        y = self._experts(flat[picked // k], sizes)
+        rows = flat[picked // k]
+        y = self._experts(rows, sizes) if self.exchange is None else self.exchange(rows, sizes, self)
         # Combined in fp32: each kept choice's output times its gate, into its (token, j) slot,
         # then the k slots of each token summed in a fixed order.
         weighted = y.float() * r.gates.reshape(-1)[picked].unsqueeze(-1)

@@ -121,14 +121,16 @@ def gate_entropy_sum(scores: torch.Tensor, gate: str) -> torch.Tensor:
     return fixed_sum(-torch.xlogy(p, p).sum(dim=-1))
 
 
-def chosen_sets(router: Router, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def chosen_sets(router: Router, x: torch.Tensor, dtype: torch.dtype,
+                weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each token's ``top_k`` experts, sorted (a set), with the router's logits,
     gates and top-k computed in ``dtype`` from its input ``x`` (tokens, d_model):
     the rule of :meth:`~mptrain.model.moe.Router.forward` (:func:`~mptrain.model.moe.route`),
-    the bias in ``dtype`` as the router adds it to scores of that dtype."""
-    # local_shard: the router's weight is whole inside the forward; under tensor
-    # parallelism a replicated DTensor, whose local tensor is the whole weight.
-    w = local_shard(router.weight.detach())
+    the bias in ``dtype`` as the router adds it to scores of that dtype. ``weight``: the
+    router's weight as its forward read it (``Router.probe_weight``: after that forward
+    FSDP may hold only a shard of it); the module's own by default."""
+    # local_shard: under tensor parallelism a replicated DTensor, whose local tensor is the whole weight.
+    w = local_shard((router.weight if weight is None else weight).detach())
     with torch.autocast(x.device.type, enabled=False):  # the dtype is chosen here, not by autocast
         logits = F.linear(x.to(dtype), w.to(dtype))
         bias = router.expert_bias.float() if router.use_bias else None
@@ -136,11 +138,12 @@ def chosen_sets(router: Router, x: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return experts.sort(dim=-1).values
 
 
-def bf16_flips(router: Router, x: torch.Tensor) -> torch.Tensor:
+def bf16_flips(router: Router, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """How many tokens of ``x`` get another set of experts from a bf16 router
-    than from an fp32 one (int64, 0-d, no host sync)."""
+    than from an fp32 one (int64, 0-d, no host sync); ``weight`` as :func:`chosen_sets`."""
     x = x.detach()
-    return (chosen_sets(router, x, torch.float32) != chosen_sets(router, x, torch.bfloat16)).any(dim=-1).sum()
+    return (chosen_sets(router, x, torch.float32, weight)
+            != chosen_sets(router, x, torch.bfloat16, weight)).any(dim=-1).sum()
 
 
 # ----------------------------------------------------------------- monitor
@@ -198,6 +201,7 @@ class MoEMonitor:
         """Probes off and their tensors dropped: the layers cost nothing extra until the next monitored step."""
         for mod in self.layers.values():
             mod.probe, mod.probe_input, mod.probe_scores = False, None, None
+            mod.router.probe, mod.router.probe_weight = False, None
 
     def _hook(self, group: str):
         def hook(mod: MoEFeedForward, args, out) -> None:
@@ -216,7 +220,8 @@ class MoEMonitor:
         mod.probe_input, mod.probe_scores = None, None  # kept for this forward only
         zero = counts.new_zeros(())
         ent = gate_entropy_sum(scores, mod.router.gate) if scores is not None else zero
-        flips = bf16_flips(mod.router, x).to(torch.float64) if x is not None else zero
+        weight, mod.router.probe_weight = mod.router.probe_weight, None
+        flips = bf16_flips(mod.router, x, weight).to(torch.float64) if x is not None else zero
         # torch.full, not a tensor from the host: a host-to-device copy may wait for the device
         tokens = torch.full((), 0 if x is None else x.shape[0], dtype=torch.float64, device=counts.device)
         dropped = mod.dropped.to(device=counts.device, dtype=torch.float64).reshape(())

@@ -140,6 +140,8 @@ _RANGES: tuple = (
     ("train.global_batch_size", _positive, "a positive integer", None),
     *((f"parallel.{d}", lambda v: v >= -1, "a positive size, -1 (the rest of the world) or 0 (dp_replicate: the "
        "number of nodes; dp_shard, tp: the ranks of one node)", None) for d in ("dp_replicate", "dp_shard", "tp")),
+    ("parallel.ep", _positive, "a positive number of ranks to split the experts over (1: no expert parallelism)",
+     None),
     ("train.micro_batch_size", _optional(_positive), "a positive integer, or null for the whole per-rank batch",
      None),
     ("train.grad_clip", _non_negative, "a value >= 0 (0: no clipping)", None),

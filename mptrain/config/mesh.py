@@ -31,6 +31,16 @@ class MeshShape:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert parallelism: the routed experts split over this many of the ``dp_shard``
+    ranks (consecutive ones: ep varies fastest inside dp_shard). Not a dimension of the
+    product: it divides ``dp_shard``, whose ranks still see different data."""
+
+    @property
+    def edp(self) -> int:
+        """The ``dp_shard`` ranks that hold the same experts (``dp_shard / ep``): FSDP shards
+        the experts over them, as it shards the rest of the model over ``dp_shard``."""
+        return self.dp_shard // self.ep
 
     @property
     def world(self) -> int:
@@ -42,11 +52,15 @@ class MeshShape:
         return self.dp_replicate * self.dp_shard
 
     def text(self) -> str:
-        """``2 x 2 x 1 (dp_replicate x dp_shard x tp)``, for the banner and errors."""
-        return f"{self.dp_replicate} x {self.dp_shard} x {self.tp} (dp_replicate x dp_shard x tp)"
+        """``2 x 2 x 1 (dp_replicate x dp_shard x tp)``, for the banner and errors; with
+        expert parallelism ``..., experts over ep=2 of the dp_shard ranks``."""
+        experts = f", experts over ep={self.ep} of the dp_shard ranks" if self.ep > 1 else ""
+        return f"{self.dp_replicate} x {self.dp_shard} x {self.tp} (dp_replicate x dp_shard x tp){experts}"
 
     def as_dict(self) -> dict:
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        """The sizes by name; ``ep`` only where it splits (records of runs without it keep their keys)."""
+        out = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        return {**out, "ep": self.ep} if self.ep > 1 else out
 
 
 def _mode(pcfg: Any) -> str:
@@ -81,8 +95,14 @@ def mesh_shape(pcfg: Any, world: int, per_node: int | None = None) -> MeshShape:
     per_node = ranks_per_node(world) if per_node is None else per_node
     mode = _mode(pcfg)
     given = {d: int(getattr(pcfg, d)) for d in DIMS}
+    ep = int(getattr(pcfg, "ep", 1))
+    if ep < 1:
+        raise ConfigError(f"parallel.ep={ep} is not a size; use a positive number of ranks to split the experts "
+                          "over (1: every rank holds every expert).")
     if mode not in MESH_MODES:
         odd = {d: v for d, v in given.items() if v not in ((-1, 1) if d == "dp_shard" else (1,))}
+        if ep > 1:
+            odd["ep"] = ep
         if odd:
             raise ConfigError(_no_mesh(mode, odd))
         return MeshShape(1, world, 1)  # every rank its own batches (parallel=none on several ranks is refused at setup)
@@ -107,12 +127,27 @@ def mesh_shape(pcfg: Any, world: int, per_node: int | None = None) -> MeshShape:
                               f"parallel.{rest[0]}=-1 has no whole size to take; use sizes whose product divides "
                               f"{world}.")
         sizes[rest[0]] = world // known
-    shape = MeshShape(**sizes)
+    shape = MeshShape(**sizes, ep=ep)
     if shape.world != world:
         given = " x ".join(f"parallel.{d}={v}" for d, v in sizes.items())
         raise ConfigError(f"the mesh {given} = {shape.world} ranks, but the world size is {world}: make the "
                           f"product equal {world}, or set one size to -1 to take the rest.")
+    if ep > 1:
+        _check_ep(shape)
     return shape
+
+
+def _check_ep(shape: MeshShape) -> None:
+    """Expert parallelism's rules against the mesh, one ConfigError each."""
+    ep = shape.ep
+    if shape.tp > 1:
+        raise ConfigError(f"parallel.ep={ep} with parallel.tp={shape.tp}: expert parallelism is not built beside "
+                          "tensor parallelism (the mixture's blocks have no tensor-parallel layout); use "
+                          "parallel.tp=1.")
+    if shape.dp_shard % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide parallel.dp_shard={shape.dp_shard}: the experts are "
+                          f"split over ep of the dp_shard ranks, in groups of {ep}; use an ep that divides "
+                          f"{shape.dp_shard}.")
 
 
 def tp_said(given: int, tp: int) -> str:

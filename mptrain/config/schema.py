@@ -133,6 +133,15 @@ class RouterDtype(Enum):
     compute = "compute"
 
 
+class EPDispatch(Enum):
+    """The dtype a routed layer's tokens cross to their experts in (``parallel.ep_dispatch``)."""
+
+    compute = "compute"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp8 = "fp8"
+
+
 class ExpertGemm(Enum):
     """How the experts' matmuls run (``model.moe.expert_gemm``)."""
 
@@ -689,6 +698,24 @@ class ParallelConfig:
     reduce-scatter after) instead of holding it whole on every TP rank. Same
     results, less activation memory. Without TP there is nothing to split
     and it has no effect."""
+    ep: int = recorded(1)
+    """Expert parallelism (``model.family=moe`` on an FSDP2 mesh): each routed layer's
+    experts split over this many of the ``dp_shard`` ranks (consecutive ranks; it must
+    divide ``dp_shard`` and ``model.moe.n_experts``), each holding ``n_experts / ep``
+    whole experts. Tokens still see different data on every rank: each routed layer
+    sends every token choice to the rank of its expert and the outputs back, by
+    all-to-all (``ep_dispatch`` names the dtype), and FSDP shards the experts over
+    the ``dp_shard / ep`` ranks that hold the same ones. ``1``: every rank holds
+    every expert. Not beside ``tp`` (refused)."""
+    ep_dispatch: EPDispatch = guarded(EPDispatch.compute)
+    """The dtype tokens cross to their experts in (a routed layer's input): ``compute``
+    (the compute dtype: exactly what the experts' first matmuls would read), ``fp32``,
+    ``bf16``, or ``fp8`` (float8 e4m3 with one fp32 scale per token and 128 features,
+    as DeepSeek-V3 dispatches). The outputs come back in the experts' output dtype; the
+    backward's gradients cross in the dtype of what they are gradients of (the layer's
+    input: fp32 under autocast), so the default computes one process's values. A rounding this names
+    (``fp8``, or ``bf16`` in an fp32 run) is applied with ``ep=1`` too, in place, so one
+    process computes what the split does and the effect can be measured without ranks."""
 
 
 # ---------------------------------------------------------------------------- data

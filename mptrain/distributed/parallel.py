@@ -22,14 +22,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import Replicate
 
 from mptrain.config.mesh import DIMS, MESH_MODES, MeshShape
 from mptrain.config.schema import ParallelMode
 from mptrain.core.errors import ConfigError
 from mptrain.core.shards import local_shard
-from mptrain.distributed import tensor_parallel
+from mptrain.distributed import expert_parallel, tensor_parallel
 from mptrain.model.common import Block, write_weights
+from mptrain.model.moe import ExpertSlice
 from mptrain.plan.plan import Plan
 from mptrain.precision.formats import dtype_name
 from mptrain.precision.policy import PrecisionPolicy
@@ -66,6 +66,8 @@ class DistContext:
     mesh: object = None  # the DeviceMesh (dp_replicate, dp_shard, tp) of the FSDP2 wrappers; None otherwise
     dp_group: object = None  # the ranks with this rank's tp coordinate; None: the whole world
     sequence_parallel: bool = False  # parallel.sequence_parallel, where tp > 1
+    ep_group: object = None  # expert parallelism: the process group of this rank's EP group (ep > 1)
+    expert_mesh: object = None  # expert parallelism: the mesh dp_replicate x edp x ep (expert_parallel.expert_mesh)
 
     @property
     def is_main(self) -> bool:
@@ -97,6 +99,11 @@ class DistContext:
     def uses_mesh(self) -> bool:
         return self.mode.value in MESH_MODES
 
+    @property
+    def ep_index(self) -> int:
+        """This rank's place in its expert-parallel group (which share of the experts it holds)."""
+        return self.rank % self.shape.ep
+
     def owned_shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``t`` if this rank is the first of the ranks that
         hold the same part (its coordinate is 0 on every mesh dimension along
@@ -106,6 +113,12 @@ class DistContext:
         local = local_shard(t)
         if self.mesh is None or local is t:
             return local
+        if "edp" in t.device_mesh.mesh_dim_names:
+            # An expert (expert parallelism): its EP rank is its only holder along ep, its
+            # mesh says where it is copied (the replicas) and where sharded.
+            mine = dict(zip(t.device_mesh.mesh_dim_names, t.device_mesh.get_coordinate()))
+            copied = [n for n, pl in zip(t.device_mesh.mesh_dim_names, t.placements) if pl.is_replicate()]
+            return local if all(mine[d] == 0 for d in copied) else local.reshape(-1)[:0]
         mine = dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
         split = {n for n, pl in zip(t.device_mesh.mesh_dim_names, t.placements) if not pl.is_replicate()}
         if all(mine[d] == 0 for d in DIMS if d not in split):
@@ -201,8 +214,15 @@ class DistContext:
                 for p in model.parameters():
                     add(p)
         else:
-            for p in model.parameters():
+            experts = {id(p) for m in model.modules() if isinstance(m, ExpertSlice) for p in m.parameters()}
+            for p in (p for p in model.parameters() if id(p) not in experts):
                 add(p.full_tensor() if hasattr(p, "full_tensor") else p)
+            if experts:  # each EP rank holds its share of the experts: their sums added over the EP group
+                shared, acc[:] = acc.clone(), 0
+                for p in (p for p in model.parameters() if id(p) in experts):
+                    add(p.full_tensor())
+                dist.all_reduce(acc, group=self.ep_group)
+                acc += shared
         for mod in model.modules():
             for name in getattr(mod, "fp32_buffers", ()):
                 add(getattr(mod, name))
@@ -330,6 +350,10 @@ def setup(plan: Plan) -> DistContext:
     _join(ctx)
     if ctx.uses_mesh:
         _build_mesh(ctx)
+    if ctx.shape.ep > 1:
+        s = ctx.shape
+        ctx.expert_mesh = expert_parallel.expert_mesh(device.type, s.dp_replicate, s.dp_shard, s.ep)
+        ctx.ep_group = expert_parallel.ep_group(ctx.rank, ctx.world, s.ep)
     return ctx
 
 
@@ -408,7 +432,8 @@ def _checkpoint_and_compile(model: nn.Module, activation_checkpointing: bool, co
 
 def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation_checkpointing: bool = False,
          compile_blocks: bool = False, init_seed: Optional[int] = None,
-         initial_weights: Optional[dict[str, torch.Tensor]] = None, unguarded: frozenset = frozenset()) -> nn.Module:
+         initial_weights: Optional[dict[str, torch.Tensor]] = None, unguarded: frozenset = frozenset(),
+         ep_dispatch: str = "compute") -> nn.Module:
     """Wrap ``model`` for ``ctx.mode``; :func:`wrapper_dtypes` says which dtypes
     the wrapper was given.
 
@@ -425,6 +450,10 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
     ``initial_weights`` (whole CPU tensors by parameter name, ``model.init_from``)
     replace the drawn ones, written at the same point (:func:`materialize`).
     ``unguarded``: mesh guards switched off (``debug.unguarded``, a test aid).
+    ``ep_dispatch``: the dtype a mixture's tokens cross to their experts in
+    (``parallel.ep_dispatch``): with ``ctx.shape.ep > 1`` each rank keeps its share of
+    the experts (``expert_parallel.split_experts``), after the precision's conversion
+    (each expert converted on its own) and before FSDP (which shards the experts apart).
     """
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and init_seed is None:
@@ -438,6 +467,10 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
     if not on_meta:
         model = model.to(ctx.device)
     model = policy.convert_model(model)  # float8 linears first: FSDP must shard the converted weights
+    if ctx.shape.ep > 1:
+        expert_parallel.split_experts(model, ctx.ep_group, ctx.shape.ep, ctx.ep_index, ep_dispatch)
+    elif expert_parallel.rounds(ep_dispatch, policy.compute_dtype):
+        expert_parallel.round_locally(model, ep_dispatch)
     if ctx.shape.tp > 1:  # split before the block-level passes, which rename the blocks' insides
         tensor_parallel.apply(model, ctx.mesh["tp"], ctx.sequence_parallel)
     _checkpoint_and_compile(model, activation_checkpointing, compile_blocks)
@@ -449,7 +482,7 @@ def wrap(model: nn.Module, policy: PrecisionPolicy, ctx: DistContext, activation
     if ctx.uses_mesh:
         model = _wrap_fsdp2(model, policy, ctx)
         if ctx.sequence_parallel and "tp_reduce_dtype" not in unguarded:
-            reduce_tp_partials_in(model, policy.reduce_dtype)
+            tensor_parallel.reduce_tp_partials_in(model, policy.reduce_dtype)
         if on_meta:
             materialize(model, ctx.device, init_seed, initial_weights)
         return model
@@ -609,48 +642,14 @@ def _wrap_fsdp2(model, policy, ctx):
     #    it, and autocast casts the tied weight per op for the head's matmul.
     # When both dtypes are one (fp32, bf16-pure), step 1 is skipped: no split needed.
     for blk in model.blocks:  # (possibly checkpoint-wrapped or compiled: modules() sees inside)
+        for experts in (m for m in blk.modules() if isinstance(m, ExpertSlice)):
+            expert_parallel.shard_experts(experts, ctx.expert_mesh, ctx.shape, mp(policy.wrapper_param_dtype))
         kept = [m for m in blk.modules() if policy.keeps_storage_dtype(m)]
         if kept and policy.splits_gather:
             fully_shard(kept, mesh=mesh, mp_policy=mp(policy.gather_dtype(kept[0])))
         fully_shard(blk, mesh=mesh, mp_policy=mp(policy.wrapper_param_dtype))
     fully_shard(model, mesh=mesh, mp_policy=mp(policy.param_dtype))
     return model
-
-
-def reduce_tp_partials_in(model: nn.Module, dtype: torch.dtype) -> None:
-    """Make the tensor-parallel gradient all-reduce run in ``dtype`` (the
-    configured reduce dtype), as FSDP's own reduce-scatter does. Only sequence
-    parallelism makes such partial gradients (without it every TP rank sees the
-    whole input of what it holds whole), so only then are the hooks installed.
-
-    A weight held whole on every TP rank but fed a split input (the norms
-    under sequence parallelism) gets a partial-sum gradient on each rank.
-    FSDP2 sums it over the TP ranks itself, but in the gradient's dtype,
-    before it casts to its ``reduce_dtype`` (pytorch #190626): a bf16 reduce
-    config would still all-reduce these in fp32, or not, depending on the
-    path. A hook on each such parameter's gradient sums it over the TP ranks
-    in ``dtype`` first and hands FSDP a whole (replicated) gradient, so the
-    dtype is the configured one with and without gradient accumulation. The
-    hooks go on the unsharded parameters FSDP hands each module in forward
-    (registered once per parameter object, which FSDP2 reuses)."""
-    hooked: set[int] = set()
-
-    def reduce_partial(grad: torch.Tensor) -> torch.Tensor:
-        places = getattr(grad, "placements", ())
-        if not any(pl.is_partial() for pl in places):
-            return grad
-        whole = [Replicate() if pl.is_partial() else pl for pl in places]
-        return grad.to(dtype).redistribute(placements=whole).to(grad.dtype)
-
-    def hook_params(module: nn.Module, args) -> None:
-        for param in module.parameters(recurse=False):
-            if param.requires_grad and id(param) not in hooked:
-                hooked.add(id(param))
-                param.register_hook(reduce_partial)
-
-    for module in model.modules():
-        if any(True for _ in module.parameters(recurse=False)):
-            module.register_forward_pre_hook(hook_params)
 
 
 def _wrap_fsdp1(model, policy, ctx):

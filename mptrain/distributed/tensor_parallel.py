@@ -179,3 +179,39 @@ def apply(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, colwise=N
     parallelize_module(model, mesh, top)
     model.tie_weights()  # a tied head takes the embedding's (vocabulary-split) matrix again
     return model
+
+
+def reduce_tp_partials_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Make the tensor-parallel gradient all-reduce run in ``dtype`` (the
+    configured reduce dtype), as FSDP's own reduce-scatter does. Only sequence
+    parallelism makes such partial gradients (without it every TP rank sees the
+    whole input of what it holds whole), so only then are the hooks installed.
+
+    A weight held whole on every TP rank but fed a split input (the norms
+    under sequence parallelism) gets a partial-sum gradient on each rank.
+    FSDP2 sums it over the TP ranks itself, but in the gradient's dtype,
+    before it casts to its ``reduce_dtype`` (pytorch #190626): a bf16 reduce
+    config would still all-reduce these in fp32, or not, depending on the
+    path. A hook on each such parameter's gradient sums it over the TP ranks
+    in ``dtype`` first and hands FSDP a whole (replicated) gradient, so the
+    dtype is the configured one with and without gradient accumulation. The
+    hooks go on the unsharded parameters FSDP hands each module in forward
+    (registered once per parameter object, which FSDP2 reuses)."""
+    hooked: set[int] = set()
+
+    def reduce_partial(grad: torch.Tensor) -> torch.Tensor:
+        places = getattr(grad, "placements", ())
+        if not any(pl.is_partial() for pl in places):
+            return grad
+        whole = [Replicate() if pl.is_partial() else pl for pl in places]
+        return grad.to(dtype).redistribute(placements=whole).to(grad.dtype)
+
+    def hook_params(module: nn.Module, args) -> None:
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and id(param) not in hooked:
+                hooked.add(id(param))
+                param.register_hook(reduce_partial)
+
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(hook_params)

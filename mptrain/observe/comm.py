@@ -19,8 +19,11 @@ whose process group it ran on (:class:`MeshGroups`): ``dp_shard`` (FSDP's
 all-gathers and reduce-scatters), ``dp_replicate`` (HSDP's all-reduce of the
 reduced shards), ``tp`` (tensor and sequence parallelism), ``dp`` (every
 data-parallel rank, when both dp dimensions are split or beside TP: loss
-means) and ``world`` (every rank: the monitor's sums). A group the mesh does
-not know is ``other``.
+means), ``world`` (every rank: the monitor's sums) and, under expert
+parallelism, ``ep`` (the all-to-alls that carry tokens to their experts and
+back) and ``edp`` (FSDP's collectives of the experts, over the ranks that hold
+the same ones). A group the mesh does not know is ``other``. An all-to-all's
+payload is what this rank sends (its input, its own share included).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ KINDS = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
     "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_reduce_coalesced_": "all_reduce",
     "broadcast_": "broadcast", "broadcast": "broadcast",
+    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
 }
 _NAMESPACES = ("c10d", "_c10d_functional")
 try:
@@ -80,7 +84,14 @@ class MeshGroups:
     ``dp_shard`` when it is one rank (one process, or all of the ranks in TP);
     with tp = 1 and no replication ``dp_shard`` is every rank."""
 
-    def __init__(self, mesh, world: int, dp_ranks: Optional[list[int]] = None):
+    def __init__(self, mesh, world: int, dp_ranks: Optional[list[int]] = None, expert_mesh=None, ep_group=None):
+        # Expert parallelism's groups by name first: with ep = dp_shard the EP group has the
+        # ranks of dp_shard, and its all-to-alls are still expert parallelism's.
+        self.named: dict[str, str] = {}
+        if expert_mesh is not None and expert_mesh["edp"].size() > 1:
+            self.named[expert_mesh["edp"].get_group().group_name] = "edp"
+        if ep_group is not None:
+            self.named[ep_group.group_name] = "ep"
         self.names: dict[tuple[int, ...], str] = {}
         for name in sorted(mesh.mesh_dim_names, key=("dp_shard", "tp", "dp_replicate").index):
             self.names.setdefault(tuple(sorted(dist.get_process_group_ranks(mesh[name].get_group()))), name)
@@ -95,6 +106,8 @@ class MeshGroups:
             name = _group_name(a)
             if name is None:
                 continue
+            if name in self.named:
+                return self.named[name]
             if name not in self._cache:
                 try:
                     pg = dist.distributed_c10d._resolve_process_group(name)
@@ -154,7 +167,10 @@ class CommCounter(TorchDispatchMode):
     def _count(self, kind: str, args, times: int = 1) -> None:
         # The full-size side is the largest tensor argument (group) of the call; a functional
         # all-gather takes only its input (this rank's part): ``times`` the group's size.
-        size, dtypes = max((_arg_bytes(a) for a in args), key=lambda r: r[0], default=(0, set()))
+        if kind == "all_to_all":  # what this rank sends (its own share included): its input
+            size, dtypes = _arg_bytes(args[1])
+        else:
+            size, dtypes = max((_arg_bytes(a) for a in args), key=lambda r: r[0], default=(0, set()))
         size *= times
         dt = ",".join(sorted(dtype_name(d) for d in dtypes)) or "none"
         self.bytes[(kind, dt)] += size
@@ -191,7 +207,7 @@ class CommCounter(TorchDispatchMode):
         return "; ".join(f"{dim}: {_parts(*dims[dim])}" for dim in sorted(dims, key=_dim_order))
 
 
-_DIM_ORDER = ("dp_replicate", "dp_shard", "tp", "dp", "world", "other")
+_DIM_ORDER = ("dp_replicate", "dp_shard", "tp", "ep", "edp", "dp", "world", "other")
 
 
 def _dim_order(dim: str) -> int:

@@ -48,6 +48,7 @@ float8 configuration excludes (every block linear counts as converted).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -55,6 +56,7 @@ from typing import Optional
 import torch.nn as nn
 
 from mptrain.config.mesh import MESH_MODES, MeshShape
+from mptrain.distributed.expert_parallel import TILE
 from mptrain.observe.memory import BYTES, meta_model, shard_numel, tp_dims, tp_shape
 from mptrain.plan.plan import Plan
 from mptrain.precision.formats import dtype_name
@@ -131,7 +133,12 @@ def traffic(plan: Plan, vocab: int, micro_batch: Optional[int] = None) -> list[F
     if mode not in MESH_MODES:  # fsdp1: flat shards over the whole world, about FSDP2's volumes
         mesh = MeshShape(1, world, 1)
     parts = _parts(model, mesh.tp)
+    experts = sum(t.numel() for n, t in model.named_parameters() if ".mlp.experts." in n)
+    if mesh.ep > 1:  # the experts are FSDP units of their own, on edp: out of dp_shard's flows
+        parts = dataclasses.replace(parts, linears=parts.linears - experts)
     flows = _fsdp(plan, mesh, parts, store, accum, model)
+    if mesh.ep > 1:
+        flows += _experts(plan, mesh, experts // mesh.ep, store, mbs * plan.model.block_size, accum, model)
     if mesh.tp > 1:
         flows += _tensor_parallel(plan, mesh, parts, store, mbs * plan.model.block_size * accum, accum, vocab, model)
     return [f for f in flows if f.calls]
@@ -165,6 +172,52 @@ def _fsdp(plan: Plan, mesh: MeshShape, parts: _Parts, store: str, accum: int, mo
                     for n, t in model.named_parameters())
         out.append(Flow("dp_replicate", "all_reduce", reduce, "gradient shards across replicas, once per step",
                         units, shard * BYTES[reduce]))
+    return out
+
+
+def _experts(plan: Plan, mesh: MeshShape, held: int, store: str, tokens: int, accum: int, model) -> list[Flow]:
+    """Expert parallelism's flows, ``held`` expert weights on this rank, ``tokens`` per micro-batch:
+    on ``ep`` per routed layer and micro-batch the counts' all-to-all (int64, one per expert),
+    the rows to the experts in the dispatch dtype and the outputs back in the compute dtype
+    (again in the recompute of checkpointed blocks), the mirror image in the backward (the
+    outputs' gradients in the compute dtype, the rows' in the residual stream's); on ``edp``
+    FSDP's gathers and reduce-scatter of the held experts (as ``_fsdp``'s linears). Balanced
+    routing is assumed: a rank receives as many rows as it sends (its own included)."""
+    p, m = plan.precision, plan.model
+    layers = sum(1 for n, _ in model.named_modules() if n.endswith(".mlp.router"))
+    rows = tokens * int(m.moe.top_k)
+    d = int(m.d_model)
+    c = dtype_name(p.compute_dtype)
+    dispatch = plan.parallel.ep_dispatch
+    fwd = 2 if plan.train.activation_checkpointing.value == "block" else 1
+    again = " (again in the recompute of checkpointed blocks)" if fwd == 2 else ""
+    n = layers * accum
+    if dispatch == "fp8":
+        tiles = d // TILE if d % TILE == 0 else 1
+        sent = [Flow("ep", "all_to_all", "float8_e4m3", f"token rows to their experts (forward){again}", fwd * n,
+                     fwd * n * rows * d),
+                Flow("ep", "all_to_all", "fp32", f"their fp8 scales, one per 128 features{again}", fwd * n,
+                     fwd * n * rows * tiles * 4)]
+    else:
+        wire = c if dispatch == "compute" else dispatch
+        sent = [Flow("ep", "all_to_all", wire, f"token rows to their experts (forward){again}", fwd * n,
+                     fwd * n * rows * d * BYTES[wire])]
+    out = [Flow("ep", "all_to_all", "int64", f"rows per expert, before each dispatch{again}", fwd * n,
+                fwd * n * int(m.moe.n_experts) * 8), *sent,
+           Flow("ep", "all_to_all", c, f"expert outputs back (forward){again}, their gradients out (backward)",
+                (fwd + 1) * n, (fwd + 1) * n * rows * d * BYTES[c]),
+           Flow("ep", "all_to_all", store, "the rows' gradients back (backward)", n, n * rows * d * BYTES[store])]
+    if mesh.edp > 1 or mesh.dp_replicate > 1:
+        gather = dtype_name(p.wrapper_param_dtype)
+        reduce = dtype_name(p.reduce_dtype)
+        if mesh.edp > 1:
+            out += [Flow("edp", "all_gather", gather, "the held experts, forward + backward, per micro-batch",
+                         2 * n, 2 * accum * held * BYTES[gather]),
+                    Flow("edp", "reduce_scatter", reduce, "the held experts' gradients, once per step", layers,
+                         held * BYTES[reduce])]
+        if mesh.dp_replicate > 1:
+            out.append(Flow("dp_replicate", "all_reduce", reduce, "expert gradient shards across replicas",
+                            layers, shard_numel((held,), mesh.edp) * BYTES[reduce]))
     return out
 
 
@@ -212,9 +265,14 @@ def _tensor_parallel(plan: Plan, mesh: MeshShape, parts: _Parts, store: str, tok
     return [Flow("tp", kind, dt, what, calls, payload) for kind, dt, what, calls, payload in rows]
 
 
+def _sizes(mesh: MeshShape) -> dict[str, int]:
+    """Ranks per dimension a flow can run on."""
+    return {**mesh.as_dict(), "ep": mesh.ep, "edp": mesh.edp, "dp": mesh.world}
+
+
 def by_dim(flows: list[Flow], mesh: MeshShape) -> dict[str, tuple[int, float]]:
     """(payload, ring wire bytes) per mesh dimension, summed over its flows."""
-    sizes = {**mesh.as_dict(), "dp": mesh.world}
+    sizes = _sizes(mesh)
     out: dict[str, tuple[int, float]] = {}
     for f in flows:
         pay, wire = out.get(f.dim, (0, 0.0))
@@ -236,7 +294,7 @@ def format_traffic(flows: list[Flow], mesh: MeshShape) -> list[str]:
             "per rank)"]
     if not flows:
         return head + ["  none: one rank, or every mesh dimension of size 1"]
-    sizes = {**mesh.as_dict(), "dp": mesh.world}
+    sizes = _sizes(mesh)
     width = max(len(f.what) for f in flows)
     lines = head + [f"  {'dim':<12} {'collective':<14} {'dtype':<11} {'calls':>6} {'payload':>11} "
                     f"{'ring':>11}  {'what':<{width}}"]

@@ -62,6 +62,7 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
     checks.validate(cfg, batches)
     spec = family_spec(m)
     spec.check(m)
+    _check_experts(cfg, mesh.ep, spec.name)
     if t.compile and spec.no_compile:
         raise ConfigError(f"train.compile=true: {spec.no_compile}; set train.compile=false (or leave it null: "
                           f"off for model.family={spec.name}).")
@@ -74,7 +75,7 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
             raise ConfigError(problem)
     s = OmegaConf.to_object(cfg)  # the typed sections, of which the plan keeps frozen copies
     parallel = Parallel(s.parallel.name, str(s.parallel.backend), mesh, mesh.tp > 1 and sp, said,
-                        frozenset(s.debug.unguarded))
+                        frozenset(s.debug.unguarded), s.parallel.ep_dispatch.value)
     optimizer = choose(cfg.precision, cfg.optim, parallel.name)
     phases = _phases(cfg, precision, optimizer, batches, launch.world, mesh.tp, said, sp)
     return Plan(
@@ -87,6 +88,24 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
         resume_from=str(s.resume.source), allow_changes=tuple(s.resume.allow_changes),
         run_name=run_name, setting=setting,
         resolved=frozen(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
+
+
+def _check_experts(cfg: Any, ep: int, family: str) -> None:
+    """Expert parallelism's rules against the model (the mesh's are ``config/mesh.py``'s)."""
+    dispatch = getattr(cfg.parallel.ep_dispatch, "value", cfg.parallel.ep_dispatch)
+    if family != "moe":
+        if ep > 1 or dispatch != "compute":
+            key = f"parallel.ep={ep}" if ep > 1 else f"parallel.ep_dispatch={dispatch}"
+            raise ConfigError(f"{key} applies to a mixture's routed experts, and this is a {family} model "
+                              f"(model.family={family}), which has none; pick a moe preset (model=moe-nano, ...) "
+                              f"or leave {key.split('=')[0]} at its default.")
+        return
+    n = int(cfg.model.moe.n_experts)
+    if n % ep:
+        fits = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        raise ConfigError(f"model.moe.n_experts={n} is not divisible by parallel.ep={ep}: each of the ep ranks "
+                          f"holds n_experts / ep whole experts; use an ep that divides {n} ({fits}), or change "
+                          "model.moe.n_experts.")
 
 
 SEED_KEY = "train.seed"

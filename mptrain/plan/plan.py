@@ -111,6 +111,8 @@ class Parallel:
     """How the config gave ``parallel.tp`` (``parallel.tp=0 (the ranks of one node: 4)``), for refusals."""
     unguarded: frozenset
     """The mesh's guards ``debug.unguarded`` switches off."""
+    ep_dispatch: str = "compute"
+    """``parallel.ep_dispatch``: the dtype a routed layer's tokens cross to their experts in."""
 
     @property
     def name(self) -> str:

@@ -123,6 +123,7 @@ def build_model(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, vocab: in
     # passed, not kept in a local, so the copy (32 GB for an 8B model) is freed once wrap returns
     model = wrap(model, policy, ctx, activation_checkpointing=tc.activation_checkpointing.value == "block",
                  compile_blocks=compile_blocks, init_seed=tc.seed, unguarded=plan.parallel.unguarded,
+                 ep_dispatch=plan.parallel.ep_dispatch,
                  initial_weights=pretrained_weights(m, vocab, tokenizer_vocab) if m.init_from else None)
     optimizer = build_optimizer(model, decay, plan.optim, ctx.device, plan.optimizer)
     policy.attach_optimizer(optimizer, model)  # float8 scales follow every optimizer step

@@ -45,8 +45,10 @@ def mixture_info(model: nn.Module, device: torch.device, compute: torch.dtype, n
     layers = routed_layers(model)
     if not layers:
         return None
-    experts = sum(lin.in_features * lin.out_features for lay in layers for ex in lay.experts
-                  for lin in (ex.gate, ex.up, ex.down))
+    # Every expert of each layer, though under expert parallelism this rank holds only its share:
+    # one expert's size times the layer's count.
+    experts = sum(lay.n_experts * sum(lin.in_features * lin.out_features for lin in (ex.gate, ex.up, ex.down))
+                  for lay in layers for ex in [next(iter(lay.experts))])
     path, why = layers[0].gemm_choice(device, compute)
     return {"routed_layers": len(layers), "expert_params": experts, "expert_share": experts / max(n_params, 1),
             "params": n_params, "params_active": n_active, "expert_gemm": path, "expert_gemm_why": why}

@@ -296,7 +296,7 @@ def mesh_groups(ctx: DistContext) -> Optional[MeshGroups]:
     collectives' accounting and the audit); None otherwise."""
     if ctx.mesh is None:
         return None
-    return MeshGroups(ctx.mesh, ctx.world, ctx.dp_ranks)
+    return MeshGroups(ctx.mesh, ctx.world, ctx.dp_ranks, ctx.expert_mesh, ctx.ep_group)
 
 
 @dataclass

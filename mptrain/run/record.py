@@ -182,13 +182,21 @@ def _steps_text(tc) -> str:
     return f"{tc.max_steps} steps"
 
 
-def mesh_info(shape, sequence_parallel: bool, tp_float8: bool = False) -> dict:
+def mesh_info(shape, sequence_parallel: bool, tp_float8: bool = False, dispatch: Optional[str] = None) -> dict:
     """run_info's ``mesh``: the sizes of the device mesh, whether sequence
     parallelism is on, and which collectives run on each dimension of more
     than one rank (what ``comm/<dim>/*`` then measures). ``tp_float8``: the
     float8 linears' output gradients cross the TP ranks in float8
-    (``tensor_parallel.float8_gathers``)."""
+    (``tensor_parallel.float8_gathers``). ``dispatch``: under expert parallelism,
+    the dtype tokens cross to their experts in, in words."""
     runs = {}
+    if shape.ep > 1:
+        runs["ep"] = (f"all-to-all of each routed layer's token choices to the {shape.ep} ranks of the experts "
+                      f"and back: rows in {dispatch}, outputs in the experts' output dtype; in the backward the "
+                      "outputs' gradients in it, the rows' in the residual stream's dtype")
+        if shape.edp > 1:
+            runs["edp"] = (f"FSDP all-gather and reduce-scatter of the experts over the {shape.edp} ranks that "
+                           "hold the same ones")
     if shape.dp_shard > 1:
         runs["dp_shard"] = "FSDP all-gather (parameters) and reduce-scatter (gradients)"
     if shape.dp_replicate > 1:

@@ -36,6 +36,7 @@ from mptrain.core.text import fmt
 from mptrain.core.frozen import plain
 from mptrain.data.batches import ValSet
 from mptrain.distributed.parallel import DistContext, wrapper_dtypes
+from mptrain.distributed.expert_parallel import dispatch_said
 from mptrain.distributed.tensor_parallel import float8_gathers
 from mptrain.model.common import gelu_kernel_text
 from mptrain.model.generate import generate
@@ -165,7 +166,8 @@ def describe(plan: Plan, ctx: DistContext, policy: PrecisionPolicy, data: RunDat
         info["init_from"] = plain(plan.adopted)
     if ctx.uses_mesh:
         tp_float8 = ctx.shape.tp > 1 and float8_gathers(model, ctx.mesh["tp"], ctx.sequence_parallel)
-        info["mesh"] = mesh_info(ctx.shape, ctx.sequence_parallel, tp_float8)
+        info["mesh"] = mesh_info(ctx.shape, ctx.sequence_parallel, tp_float8, dispatch_said(plan.parallel.ep_dispatch,
+                                                                                           policy.compute_dtype))
     # fp4 for precision=nvfp4/mxfp4 (the key runs have always had), lab for precision=lab
     lowp_key = policy.lab.key.rpartition(".")[2] if policy.lab else "fp8"
     lowp = policy.lowp.report if policy.lowp else None

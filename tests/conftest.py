@@ -131,14 +131,15 @@ def two_rank_jobs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def four_rank_jobs(tmp_path_factory):
-    """{case: job directory} of every 4-rank case of ``test_mesh.CASES`` and
-    ``test_mesh_observe.CASES`` (the latter prefixed ``obs-``), as jobs of ONE
-    torchrun launch shared by both files: 4 processes importing torch and
+    """{case: job directory} of every 4-rank case of ``test_mesh.CASES``,
+    ``test_mesh_observe.CASES`` (prefixed ``obs-``) and ``test_expert_parallel.CASES``
+    (prefixed ``ep-``), as jobs of ONE torchrun launch shared by the three files: 4 processes importing torch and
     joining a group cost more than most of the tiny runs. A failed launch fails
     every test that reads it (pytest keeps a fixture's error), without relaunching."""
     from .test_distributed import sweep
+    from .test_expert_parallel import CASES as EXPERTS
     from .test_mesh import CASES as MESH
     from .test_mesh_observe import CASES as OBSERVE
 
-    cases = {**MESH, **{f"obs-{k}": v for k, v in OBSERVE.items()}}
+    cases = {**MESH, **{f"obs-{k}": v for k, v in OBSERVE.items()}, **{f"ep-{k}": v for k, v in EXPERTS.items()}}
     return sweep(tmp_path_factory.mktemp("four-ranks"), cases, nproc=4)

@@ -113,6 +113,23 @@ def test_expert_parallel_equals_one_process(jobs, references, case, ref):
     assert all(r["dist/rank_mismatch"] == 0 for r in got)  # the weights every rank holds alike, and the experts summed
 
 
+def test_each_experts_cast_statistics_come_from_the_rank_that_holds_it(jobs, references):
+    """Under ep=4 each rank holds one expert of each layer, yet every expert's float8 figures are
+    there, and they are that expert's: its weight's amax is one process's (to the bf16 rounding
+    of FSDP's gathered copy, which the attention's weights show alike), not another expert's
+    reduced into the same slot."""
+    got = next(r for r in read_rows(jobs["ep4-fp8"]) if r.get("step") == 1 and "train/loss" in r)
+    want = next(r for r in references["fp8"] if r.get("step") == 1 and "train/loss" in r)
+    keys = {k for k in want if k.startswith(("fp8.", "numerics/quant"))}
+    assert keys and {k for k in got if k.startswith(("fp8.", "numerics/quant"))} == keys
+    amax = [k for k in keys if k.endswith("/weight/amax") and ".experts." in k]
+    assert len(amax) == 2 * (4 + 1) * 3  # 2 layers x (4 experts + their group) x 3 matrices
+    for k in amax:
+        assert abs(got[k] - want[k]) <= 2.0 ** -8 * want[k], (k, got[k], want[k])
+    spread = sorted(want[k] for k in amax if ".experts.all." not in k)
+    assert spread[-1] - spread[0] > 2.0 ** -6 * spread[-1]  # the experts' weights differ more than that
+
+
 def test_expert_parallel_is_stated_and_traffic_matches_the_estimate(jobs):
     """The banner and run_info name the split and the dispatch dtype; the bytes the step's
     collectives moved on ``ep`` and ``edp`` are the estimator's (``memory --comm``): the

@@ -128,6 +128,14 @@ class CastWatch:
             c = canonical_name(name)
             if c in wanted:
                 self.layers.setdefault(layer_name(c), mod)
+        experts = expert_groups(model)
+        # Every figure's slot, the same on every rank: the layers this rank holds and, under
+        # expert parallelism, the experts other ranks hold (``converted`` names them all: the
+        # conversion ran before the split). A rank adds to its own experts' slots only, so the
+        # reduction over the ranks gives each expert its holders' figures, never another's.
+        self.order = [k for k in dict.fromkeys(layer_name(canonical_name(c)) for c in converted)
+                      if k in self.layers or k in experts]
+        self.order += [k for k in self.layers if k not in self.order]
         # The parameter object each layer holds between steps: under FSDP2 the fp32
         # shard (a DTensor), which the forward pass swaps for the gathered copy.
         self.master = {k: m.weight for k, m in self.layers.items()}
@@ -135,8 +143,8 @@ class CastWatch:
         # layer and matrix): each expert casts with its own scales; the group's figures
         # pool its experts' casts, so the what-ifs read per group as well as per expert.
         self.groups: dict[str, list[str]] = {}
-        for layer, group in expert_groups(model).items():
-            if layer in self.layers:
+        for layer, group in experts.items():
+            if layer in self.order:
                 self.groups.setdefault(group, []).append(layer)
         self.recipe = own.name
         self.tags = [RUN, *whatif]
@@ -146,7 +154,7 @@ class CastWatch:
         for name in whatif:
             self.casts.update({(name, k): v for k, v in measured(name, own.formats()).items()})
         # The signals that say when, measured from the operands these hooks see.
-        self.signals = QuantSignals(model, list(self.layers), own, self.casts[(RUN, "weight")], owned)
+        self.signals = QuantSignals(model, self.order, own, self.casts[(RUN, "weight")], owned)
         self.clear()
 
     def clear(self) -> None:
@@ -159,7 +167,7 @@ class CastWatch:
         """Zeros for every figure, in a fixed order (every rank packs the same
         layout for the collectives), and one forward hook per float8 linear."""
         self.clear()
-        for layer in self.layers:
+        for layer in self.order:
             for op in OPERANDS:
                 for tag in self.tags:
                     self.sum_all[f"fp8s/{layer}/{op}/{tag}"] = torch.zeros(len(SUMS), dtype=torch.float64,
@@ -230,7 +238,7 @@ class CastWatch:
         With them, the ``numerics/quant/*`` figures of ``signals``."""
         out: dict[str, float] = {}
         worst: dict[str, dict[str, float]] = {}
-        for layer in self.layers:
+        for layer in self.order:
             for op in OPERANDS:
                 for tag in self.tags:
                     s = vals.get(f"fp8s/{layer}/{op}/{tag}")

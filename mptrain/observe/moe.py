@@ -82,17 +82,19 @@ def expert_groups(model: nn.Module) -> dict[str, str]:
     (:func:`~mptrain.model.names.layer_name`): ``block0.mlp.experts.3.gate`` ->
     ``block0.mlp.experts.all.gate``, one group per routed layer and matrix, so
     that figures over all of a layer's experts stand beside each expert's own.
-    The router is no expert and no linear: it is in no group."""
+    The router is no expert and no linear: it is in no group. Every expert of the layer
+    is listed, under its index in the layer, also those another rank holds under expert
+    parallelism (an :class:`~mptrain.model.moe.ExpertSlice`: ``total`` experts)."""
     out: dict[str, str] = {}
     for name, mod in model.named_modules():
         if not isinstance(mod, MoEFeedForward):
             continue
         layer = layer_name(canonical_name(name))
-        for e, expert in enumerate(mod.experts):
-            for sub, lin in expert.named_modules():
-                if isinstance(lin, nn.Linear):
-                    matrix = canonical_name(sub)
-                    out[f"{layer}.experts.{e}.{matrix}"] = f"{layer}.experts.{ALL_EXPERTS}.{matrix}"
+        expert = next(iter(mod.experts))  # every expert has the same linears
+        matrices = [canonical_name(sub) for sub, lin in expert.named_modules() if isinstance(lin, nn.Linear)]
+        for e in range(getattr(mod.experts, "total", len(mod.experts))):
+            for matrix in matrices:
+                out[f"{layer}.experts.{e}.{matrix}"] = f"{layer}.experts.{ALL_EXPERTS}.{matrix}"
     return out
 
 

@@ -138,8 +138,11 @@ def four_rank_jobs(tmp_path_factory):
     every test that reads it (pytest keeps a fixture's error), without relaunching."""
     from .test_distributed import sweep
     from .test_expert_parallel import CASES as EXPERTS
+    from .test_expert_parallel import chain_first_leg
     from .test_mesh import CASES as MESH
     from .test_mesh_observe import CASES as OBSERVE
 
-    cases = {**MESH, **{f"obs-{k}": v for k, v in OBSERVE.items()}, **{f"ep-{k}": v for k, v in EXPERTS.items()}}
-    return sweep(tmp_path_factory.mktemp("four-ranks"), cases, nproc=4)
+    first = tmp_path_factory.mktemp("ep-chain-first")
+    experts = {**EXPERTS, **chain_first_leg(first)}  # a job resumes a one-process run made here
+    cases = {**MESH, **{f"obs-{k}": v for k, v in OBSERVE.items()}, **{f"ep-{k}": v for k, v in experts.items()}}
+    return {**sweep(tmp_path_factory.mktemp("four-ranks"), cases, nproc=4), "ep-chain-first": first}

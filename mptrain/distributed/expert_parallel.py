@@ -259,5 +259,10 @@ def shard_experts(experts: ExpertSlice, mesh, shape, mp) -> None:
     if not (hasattr(experts, "set_gradient_divide_factor") and hasattr(experts, "set_force_sum_reduction_for_comms")):
         raise ConfigError(f"parallel.ep={shape.ep} needs FSDP2's gradient divide factor, which torch "
                           f"{torch.__version__} lacks; use a newer torch, or parallel.ep=1.")
-    experts.set_force_sum_reduction_for_comms(True)
+    # Where edp > 1: reduce-scatter (and all-reduce) as plain sums, divided once afterwards
+    # (gloo has no pre-multiplied sum). Where each rank is alone on edp (ep = dp_shard),
+    # FSDP2 skips the reduce-scatter and divides its copy by the factor itself, and with a
+    # forced sum would divide again afterwards (torch 2.13: the factor squared): there the
+    # default path, whose only other collective (the replicas' all-reduce) is a plain sum.
+    experts.set_force_sum_reduction_for_comms(shape.edp > 1)
     experts.set_gradient_divide_factor(float(shape.dp))

@@ -36,6 +36,7 @@ from mptrain.model.families import adopt_init_from, family_spec
 from mptrain.model.tp_rules import tp_problem
 from mptrain.plan.plan import Batches, Launch, Parallel, Parts, Plan, Vocab
 from mptrain.precision import rules
+from mptrain.precision.formats import dtype_name
 from mptrain.precision.mesh_rules import blocks_refusal
 from mptrain.precision.optimizers import choose
 from mptrain.precision import phases as phasing
@@ -67,6 +68,10 @@ def build_plan(cfg: Any, launch: Optional[Launch] = None) -> Plan:
         raise ConfigError(f"train.compile=true: {spec.no_compile}; set train.compile=false (or leave it null: "
                           f"off for model.family={spec.name}).")
     precision = precision_plan(cfg.precision)  # the dtypes and the recipe (its specs checked)
+    if mesh.ep > 1 and mesh.edp == 1 and dtype_name(precision.reduce_dtype) == "fp16":
+        raise ConfigError(f"parallel.ep={mesh.ep} leaves each rank alone with its experts (ep = parallel.dp_shard), "
+                          "where FSDP2 divides an fp16-reduced expert gradient by the data-parallel size twice; "
+                          "use precision.reduce_dtype=fp32 (or bf16), or an ep below dp_shard.")
     rules.validate(m, cfg.precision, precision.recipe, cfg.monitor.fp8_whatif, batches)
     said, sp = tp_said(int(cfg.parallel.tp), mesh.tp), bool(cfg.parallel.sequence_parallel)
     if mesh.tp > 1:  # what tensor parallelism asks of the model, then of the recipe's blocks

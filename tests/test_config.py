@@ -132,7 +132,7 @@ def test_group_options_include_folders_added_to_the_search_path(tmp_path):
     assert str(e.value) == ("Unknown experiment option 'case2'. Did you mean 'experiment=case1'? Valid options "
                             f"(mptrain/configs/experiment/, {tmp_path}/experiment/): case1, fp4_recipes, fp8_recipes, "
                             "llama_precision, "
-                            "lr_sensitivity, optimizer_precision, "
+                            "lr_sensitivity, moe_study, optimizer_precision, "
                             "phase_study, precision_study.")
     # options in a package cannot be listed from here: Hydra's to check, while keys and values still are checked
     check_overrides(["hydra.searchpath=[pkg://elsewhere]", "experiment=case2", "train.max_steps=3"], str(CONFIGS))

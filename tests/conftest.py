@@ -5,6 +5,7 @@ import functools
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "mptrain" / "configs"  # package data (mptrain.config.checks.CONFIG_DIR)
 
 # Tiny and fast: byte tokenizer (no BPE training), gpt-nano, 8 sequences of 64 tokens.
+# A suite started as a shell's background job (``pytest &``, nohup, CI runners) starts with
+# SIGINT ignored, and every process it spawns inherits that: the tests that press Ctrl-C on a
+# run would see nothing happen. Start from a terminal's handler instead (Python's own
+# KeyboardInterrupt), which the children then start from too.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 TINY = [
     "model=gpt-nano",
     "data.tokenizer=byte",

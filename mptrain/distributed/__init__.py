@@ -1,1 +1,1 @@
-"""Layer 6, distributed: the process group's life cycle, wrap(model) for none|ddp|fsdp|fsdp1 and the FSDP2 device mesh (HSDP, tensor and sequence parallelism), and torchrun's key-value store for what the ranks share before any process group exists."""
+"""Layer 6, distributed: the process group's life cycle, wrap(model) for none|ddp|fsdp|fsdp1 and the FSDP2 device mesh (HSDP, tensor and sequence parallelism, a mixture's experts split over ranks), and torchrun's key-value store for what the ranks share before any process group exists."""

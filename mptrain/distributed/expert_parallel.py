@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from mptrain.core.errors import ConfigError
-from mptrain.model.moe import ExpertSlice, MoEFeedForward
+from mptrain.model.moe import ExpertSlice, MoEFeedForward, compute_dtype, routed_layers
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -159,10 +159,10 @@ class _Exchange(torch.autograd.Function):
 
 class ExpertExchange:
     """A routed layer's exchange under expert parallelism (the module docstring's steps 2-4):
-    ``group`` the EP group's process group, this rank ``index`` of ``ep`` in it."""
+    ``group`` the EP group's process group, of ``ep`` ranks."""
 
-    def __init__(self, group, ep: int, index: int, dispatch: str):
-        self.group, self.ep, self.index, self.dispatch = group, ep, index, dispatch
+    def __init__(self, group, ep: int, dispatch: str):
+        self.group, self.ep, self.dispatch = group, ep, dispatch
 
     def __call__(self, rows: torch.Tensor, sizes: torch.Tensor, layer: MoEFeedForward) -> torch.Tensor:
         ep, group = self.ep, self.group
@@ -171,7 +171,7 @@ class ExpertExchange:
         mine = counts.tolist()  # one host read: the split sizes are host lists
         send = sizes.view(ep, local).sum(dim=1).tolist()
         recv = [sum(r) for r in mine]
-        compute = _compute_dtype(rows)
+        compute = compute_dtype(rows)
         wire = wire_dtype(self.dispatch, compute)
         # Received in the rows' own dtype (values the wire's), so the experts' input gradient sums
         # in it as one process's would, and crosses back in it: one process's bits, not rounded.
@@ -180,11 +180,6 @@ class ExpertExchange:
         y = layer.experts(got[order], counts.sum(dim=0), layer._experts)
         back = y[torch.argsort(order)]
         return _Exchange.apply(back, recv, send, group, y.dtype, y.dtype, y.dtype)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def _expert_major(counts: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -202,20 +197,13 @@ def _expert_major(counts: list[list[int]], device: torch.device) -> torch.Tensor
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
 
 
-def routed_layers(model: nn.Module) -> list[MoEFeedForward]:
-    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
-
-
-def split_experts(model: nn.Module, group, ep: int, index: int, dispatch: str) -> list[ExpertSlice]:
+def split_experts(model: nn.Module, group, ep: int, index: int, dispatch: str) -> None:
     """Keep this rank's ``n_experts / ep`` experts of every routed layer (the ``index``-th
-    share) and give each layer the exchange; returns the slices (FSDP shards them)."""
-    slices = []
+    share) and give each layer the exchange."""
     for layer in routed_layers(model):
         local = layer.n_experts // ep
         layer.experts = ExpertSlice(layer.experts, index * local, local)
-        layer.exchange = ExpertExchange(group, ep, index, dispatch)
-        slices.append(layer.experts)
-    return slices
+        layer.exchange = ExpertExchange(group, ep, dispatch)
 
 
 def round_locally(model: nn.Module, dispatch: str) -> None:

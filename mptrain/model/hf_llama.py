@@ -38,7 +38,7 @@ from mptrain.model.llama import Llama, LlamaShape
 PathLike = Union[str, Path]
 
 # ------------------------------------------------------------------------ names
-HF_TO_OURS: tuple[tuple[str, str], ...] = (
+DECODER_NAMES: tuple[tuple[str, str], ...] = (
     ("model.embed_tokens.weight", "wte.weight"),
     ("model.layers.{n}.input_layernorm.weight", "blocks.{n}.ln_1.weight"),
     ("model.layers.{n}.self_attn.q_proj.weight", "blocks.{n}.attn.q.weight"),
@@ -52,8 +52,12 @@ HF_TO_OURS: tuple[tuple[str, str], ...] = (
     ("model.norm.weight", "ln_f.weight"),
     ("lm_head.weight", "lm_head.weight"),
 )
-"""(Hugging Face name, our name) of every tensor; ``{n}`` is the layer number.
-Read either way by :func:`hf_to_ours_name` and :func:`ours_to_hf_name`."""
+"""(Hugging Face name, our name) of the tensors every Llama-style decoder of ``transformers``
+has (embedding, attention, norms, a dense SwiGLU, head); ``{n}`` is the layer number.
+Qwen3-MoE's table adds its own to these (``hf_qwen3_moe.HF_TO_OURS``)."""
+HF_TO_OURS = DECODER_NAMES
+"""Llama's every tensor: the decoder's. Read either way by :func:`hf_to_ours_name` and
+:func:`ours_to_hf_name`."""
 
 
 _NAMES = NameMap(HF_TO_OURS)

@@ -63,7 +63,8 @@ from typing import Any, Optional, Union
 import torch
 
 from mptrain.core.errors import ConfigError
-from mptrain.model.hf_llama import _rope_scaling, _rope_theta  # the rotary keys are Llama's, in both spellings
+# Llama's decoder names, and its rotary keys (in both spellings)
+from mptrain.model.hf_llama import DECODER_NAMES, _rope_scaling, _rope_theta
 from mptrain.model.hf_read import NameMap, check_tensors, read_config_json, read_tensors, show, where
 from mptrain.model.llama import LlamaShape
 from mptrain.model.moe import MoE, MoEShape
@@ -99,25 +100,14 @@ def nest(fields: dict) -> dict:
 
 # ------------------------------------------------------------------------ names
 HF_TO_OURS: tuple[tuple[str, str], ...] = (
-    ("model.embed_tokens.weight", "wte.weight"),
-    ("model.layers.{n}.input_layernorm.weight", "blocks.{n}.ln_1.weight"),
-    ("model.layers.{n}.self_attn.q_proj.weight", "blocks.{n}.attn.q.weight"),
-    ("model.layers.{n}.self_attn.k_proj.weight", "blocks.{n}.attn.k.weight"),
-    ("model.layers.{n}.self_attn.v_proj.weight", "blocks.{n}.attn.v.weight"),
-    ("model.layers.{n}.self_attn.o_proj.weight", "blocks.{n}.attn.o.weight"),
+    *DECODER_NAMES,  # Llama's (a dense layer's SwiGLU among them)
     ("model.layers.{n}.self_attn.q_norm.weight", "blocks.{n}.attn.q_norm.weight"),
     ("model.layers.{n}.self_attn.k_norm.weight", "blocks.{n}.attn.k_norm.weight"),
-    ("model.layers.{n}.post_attention_layernorm.weight", "blocks.{n}.ln_2.weight"),
-    # a dense layer's SwiGLU; Qwen3-MoE's "mlp.gate" (no _proj) is the router
-    ("model.layers.{n}.mlp.gate_proj.weight", "blocks.{n}.mlp.gate.weight"),
-    ("model.layers.{n}.mlp.up_proj.weight", "blocks.{n}.mlp.up.weight"),
-    ("model.layers.{n}.mlp.down_proj.weight", "blocks.{n}.mlp.down.weight"),
+    # Qwen3-MoE's "mlp.gate" (no _proj) is the router
     ("model.layers.{n}.mlp.gate.weight", "blocks.{n}.mlp.router.weight"),
     ("model.layers.{n}.mlp.experts.{e}.gate_proj.weight", "blocks.{n}.mlp.experts.{e}.gate.weight"),
     ("model.layers.{n}.mlp.experts.{e}.up_proj.weight", "blocks.{n}.mlp.experts.{e}.up.weight"),
     ("model.layers.{n}.mlp.experts.{e}.down_proj.weight", "blocks.{n}.mlp.experts.{e}.down.weight"),
-    ("model.norm.weight", "ln_f.weight"),
-    ("lm_head.weight", "lm_head.weight"),
 )
 """(Hugging Face name, our name) of every tensor in the per-expert layout; ``{n}`` is
 the layer, ``{e}`` the expert. The fused layout's two tensors per layer are :func:`fused_names`."""

@@ -450,6 +450,11 @@ class MoEFeedForward(nn.Module):
         return f"balance={self.balance}, {cap}, expert_gemm={self.expert_gemm}"
 
 
+def routed_layers(model: nn.Module) -> list[MoEFeedForward]:
+    """The routed feed-forward layers of ``model`` (wrapped or not), in module order; none for a dense model."""
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
 def moe_block(s: MoEShape, i: int, rope: RotaryCache) -> Block:
     """Block ``i``: RMSNorms and Llama's attention, with a routed feed-forward network
     from ``first_dense_layers`` on and Llama's dense SwiGLU before."""

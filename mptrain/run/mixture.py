@@ -26,13 +26,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from mptrain.model.moe import MoEFeedForward
+from mptrain.model.moe import MoEFeedForward, routed_layers
 from mptrain.run.components import Component, Write
-
-
-def routed_layers(model: nn.Module) -> list[MoEFeedForward]:
-    """The routed feed-forward layers of ``model`` (wrapped or not), in module order; none for a dense model."""
-    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
 def mixture_info(model: nn.Module, device: torch.device, compute: torch.dtype, n_params: int,

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 from mptrain.observe.comm import CommCounter, MeshGroups
 from mptrain.distributed.parallel import DistContext
+from mptrain.model.moe import routed_layers
 from mptrain.observe import fp8watch
 from mptrain.observe.alerts import SkipRateWarning, SpikeDetector
 from mptrain.observe.audit import DtypeAudit
@@ -41,7 +42,7 @@ from mptrain.precision.policy import PrecisionPolicy
 from mptrain.run.build import RunModel
 from mptrain.run.components import Component, Components, Write
 from mptrain.run.faults import NO_FAULTS, FaultInjector
-from mptrain.run.mixture import MixturePart, routed_layers
+from mptrain.run.mixture import MixturePart
 from mptrain.run.nonfinite import NonFiniteHandler
 from mptrain.run.step import Guard
 
